@@ -1,0 +1,1 @@
+"""The algorithm maths: pure functions over masked tensors, selectable by name."""

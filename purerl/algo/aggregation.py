@@ -1,0 +1,137 @@
+"""Loss aggregation as ``(sum, count)`` pairs, so micro-batching and data parallelism reduce exactly.
+
+A per-token loss ``L[b, t]`` with mask ``m`` is reduced to a :class:`SumCount`. Adding the
+``SumCount`` of the parts of a batch (micro-batches, data-parallel ranks) gives the ``SumCount``
+of the whole batch, for every mode; the loss is ``total / count``. To accumulate gradients over
+micro-batches exactly, compute the whole mini-batch's ``count`` first (it depends only on the
+mask) and backpropagate ``part.total / count`` for each part.
+
+Modes (verl 0.9.1 ``agg_loss`` with no global arguments; ``S_i = Σ_t L[i,t]·m[i,t]``,
+``n_i = Σ_t m[i,t]``, ``e_i = [n_i > 0]``):
+
+=========================  ==============================  =================
+mode                       total                           count
+=========================  ==============================  =================
+token-mean                 ``Σ_i S_i``                     ``Σ_i n_i``
+seq-mean-token-sum         ``Σ_i S_i``                     ``Σ_i e_i``
+seq-mean-token-mean        ``Σ_i S_i / (n_i + 1e-8)``      ``Σ_i e_i``
+seq-mean-token-sum-norm    ``Σ_i S_i / norm``              ``Σ_i e_i``
+=========================  ==============================  =================
+
+Degenerate cases: empty rows never count in a seq-mean (verl's local default); a batch with
+``count == 0`` has loss 0 (verl gives NaN for token-mean). ``norm`` for
+``seq-mean-token-sum-norm`` defaults to the padded length ``T`` as in verl, which makes the
+loss depend on padding; pass a fixed norm (the maximum response length) to make it
+padding-invariant, as Dr.GRPO intends.
+"""
+
+from typing import Protocol
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from purerl.algo.masked import masked_sum
+from purerl.checks import check_bool, check_rank, check_same_shape
+from purerl.registry import Registry
+from purerl.tree import pytree
+
+__all__ = ["SumCount", "aggregate_loss", "LOSS_AGGREGATIONS", "token_mean"]
+
+
+@pytree
+class SumCount:
+    """An unreduced mean: ``value() = total / count`` (0 when ``count == 0``).
+
+    ``a + b`` is the ``SumCount`` of the union of the batches behind ``a`` and ``b``.
+    """
+
+    total: Float[Tensor, ""]
+    count: Float[Tensor, ""]
+
+    def value(self) -> Float[Tensor, ""]:
+        safe = torch.where(self.count > 0, self.count, torch.ones_like(self.count))
+        return torch.where(self.count > 0, self.total / safe, torch.zeros_like(self.total))
+
+    def __add__(self, other: "SumCount") -> "SumCount":
+        return SumCount(self.total + other.total, self.count + other.count)
+
+    def detach(self) -> "SumCount":
+        return SumCount(self.total.detach(), self.count.detach())
+
+    @staticmethod
+    def zero(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> "SumCount":
+        z = torch.zeros((), dtype=dtype, device=device)
+        return SumCount(z, z.clone())
+
+
+class Aggregation(Protocol):
+    def __call__(
+        self, loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None
+    ) -> SumCount: ...
+
+
+LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation mode")
+
+
+def _row_sums(loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row ``S_i``, ``n_i`` (in the loss dtype) and the non-empty-row count ``Σ e_i``."""
+    sums = masked_sum(loss, mask, dim=-1)
+    lengths = mask.sum(-1).to(loss.dtype)
+    return sums, lengths, (lengths > 0).sum().to(loss.dtype)
+
+
+@LOSS_AGGREGATIONS.register("token-mean")
+def token_mean(loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None) -> SumCount:
+    """Every valid token weighs the same: ``Σ L·m / Σ m``."""
+    del norm
+    return SumCount(masked_sum(loss, mask), mask.sum().to(loss.dtype))
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum")
+def seq_mean_token_sum(
+    loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None
+) -> SumCount:
+    """Mean over non-empty rows of each row's token sum."""
+    del norm
+    sums, _, rows = _row_sums(loss, mask)
+    return SumCount(sums.sum(), rows)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-mean")
+def seq_mean_token_mean(
+    loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None
+) -> SumCount:
+    """Mean over non-empty rows of each row's token mean (``+1e-8`` as verl)."""
+    del norm
+    sums, lengths, rows = _row_sums(loss, mask)
+    return SumCount((sums / (lengths + 1e-8)).sum(), rows)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(
+    loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None
+) -> SumCount:
+    """Dr.GRPO: mean over non-empty rows of each row's token sum divided by ``norm``.
+
+    ``norm`` defaults to the padded length ``T`` (verl); pass the maximum response length.
+    """
+    sums, _, rows = _row_sums(loss, mask)
+    scale = float(loss.shape[-1]) if norm is None else float(norm)
+    if scale <= 0:
+        raise ValueError(f"seq-mean-token-sum-norm: norm must be positive, got {scale}")
+    return SumCount(sums.sum() / scale, rows)
+
+
+def aggregate_loss(
+    loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], mode: str = "token-mean", norm: float | None = None
+) -> SumCount:
+    """Reduce a per-token loss to a :class:`SumCount` with the named mode (see module docstring).
+
+    Raises ``ValueError`` for an unknown mode or mismatched shapes, ``TypeError`` for a non-bool
+    mask.
+    """
+    check_rank("aggregate_loss", 2, loss=loss)
+    check_same_shape("aggregate_loss", loss=loss, mask=mask)
+    check_bool("aggregate_loss", mask=mask)
+    return LOSS_AGGREGATIONS[mode](loss, mask, norm)

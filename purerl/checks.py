@@ -1,0 +1,54 @@
+"""Explicit run-time checks for public entry points and effect boundaries.
+
+jaxtyping checks every annotated call under pytest only; these checks run always, are cheap
+(shape and dtype comparisons, no data reads unless asked) and name the offending argument.
+"""
+
+import torch
+
+__all__ = ["check_same_shape", "check_floating", "check_bool", "check_rank", "check_finite"]
+
+
+def _shape(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def check_same_shape(where: str, **tensors: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` unless every non-None tensor has the shape of the first one."""
+    named = [(k, v) for k, v in tensors.items() if v is not None]
+    if not named:
+        return
+    first_name, first = named[0]
+    for name, value in named[1:]:
+        if value.shape != first.shape:
+            raise ValueError(
+                f"{where}: {name} has shape {_shape(value)} but {first_name} has shape {_shape(first)}"
+            )
+
+
+def check_rank(where: str, rank: int, **tensors: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` unless every non-None tensor has ``rank`` dimensions."""
+    for name, value in tensors.items():
+        if value is not None and value.dim() != rank:
+            raise ValueError(f"{where}: {name} must have {rank} dimensions, got shape {_shape(value)}")
+
+
+def check_floating(where: str, **tensors: torch.Tensor | None) -> None:
+    """Raise ``TypeError`` unless every non-None tensor is floating point."""
+    for name, value in tensors.items():
+        if value is not None and not value.is_floating_point():
+            raise TypeError(f"{where}: {name} must be a floating tensor, got {value.dtype}")
+
+
+def check_bool(where: str, **tensors: torch.Tensor | None) -> None:
+    """Raise ``TypeError`` unless every non-None tensor is ``torch.bool`` (masks)."""
+    for name, value in tensors.items():
+        if value is not None and value.dtype != torch.bool:
+            raise TypeError(f"{where}: {name} must be a bool mask, got {value.dtype}")
+
+
+def check_finite(where: str, **tensors: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` naming the first tensor holding NaN or inf (reads the data)."""
+    for name, value in tensors.items():
+        if value is not None and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{where}: {name} holds NaN or inf")

@@ -1,0 +1,43 @@
+"""Named registries: config strings select pure functions (advantage estimators, losses, ...)."""
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+__all__ = ["Registry"]
+
+
+class Registry(Generic[F]):
+    """A mapping from names (and aliases) to functions of one kind.
+
+    ``REG.register("gae")`` decorates a function; ``REG["gae"]`` returns it and raises a
+    ``ValueError`` listing the known names for an unknown one.
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, F] = {}
+
+    def register(self, name: str, *aliases: str) -> Callable[[F], F]:
+        def add(fn: F) -> F:
+            for key in (name, *aliases):
+                if key in self._entries:
+                    raise ValueError(f"{self.kind} {key!r} is registered twice")
+                self._entries[key] = fn
+            return fn
+
+        return add
+
+    def __getitem__(self, name: str) -> F:
+        try:
+            return self._entries[name]
+        except KeyError:
+            known = ", ".join(sorted(self._entries))
+            raise ValueError(f"unknown {self.kind} {name!r}; known: {known}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
