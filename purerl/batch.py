@@ -1,0 +1,73 @@
+"""Token sequences as the trainer sees them: ``[left-padded prompt | right-padded response]``.
+
+Row ``i`` of a :class:`Sequences` is ``P`` prompt positions (padding first) followed by ``T``
+response positions (padding last), ``s = P + T``. The response tokens are the last ``T`` columns;
+``response_mask`` says which of them count in losses (it may also hide observation tokens in
+multi-turn rollouts, which still attend).
+"""
+
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+from purerl.checks import check_bool, check_rank
+from purerl.tree import pytree
+
+__all__ = ["Sequences"]
+
+
+@pytree
+class Sequences:
+    """Prompt + response token ids with their masks.
+
+    Invariants: ``input_ids`` and ``attention_mask`` are ``[b, s]``; ``response_mask`` is
+    ``[b, t]`` with ``t ≤ s``; response positions where ``response_mask`` is True attend.
+    """
+
+    input_ids: Int[Tensor, "b s"]
+    attention_mask: Bool[Tensor, "b s"]
+    response_mask: Bool[Tensor, "b t"]
+
+    def __attrs_post_init__(self) -> None:
+        check_rank("Sequences", 2, input_ids=self.input_ids, attention_mask=self.attention_mask,
+                   response_mask=self.response_mask)
+        check_bool("Sequences", attention_mask=self.attention_mask, response_mask=self.response_mask)
+        if self.attention_mask.shape != self.input_ids.shape:
+            raise ValueError(
+                f"Sequences: attention_mask has shape {tuple(self.attention_mask.shape)} "
+                f"but input_ids has shape {tuple(self.input_ids.shape)}"
+            )
+        b, t = self.response_mask.shape
+        if b != self.input_ids.shape[0] or t > self.input_ids.shape[1]:
+            raise ValueError(
+                f"Sequences: response_mask has shape {(b, t)}, which does not fit input_ids "
+                f"{tuple(self.input_ids.shape)}"
+            )
+
+    @property
+    def response_length(self) -> int:
+        return self.response_mask.shape[1]
+
+    def responses(self) -> Int[Tensor, "b t"]:
+        """The response token ids, ``input_ids[:, -t:]``."""
+        return self.input_ids[:, -self.response_length :]
+
+    def position_ids(self) -> Int[Tensor, "b s"]:
+        """Positions counted over attended tokens only, so left padding does not shift them."""
+        return (self.attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index: Tensor | slice) -> "Sequences":
+        """The sub-batch of the given rows (a view for slices)."""
+        return Sequences(self.input_ids[index], self.attention_mask[index], self.response_mask[index])
+
+    @staticmethod
+    def concat(parts: "list[Sequences]") -> "Sequences":
+        """Rows of ``parts`` stacked; all parts must share ``s`` and ``t``."""
+        return Sequences(
+            torch.cat([p.input_ids for p in parts]),
+            torch.cat([p.attention_mask for p in parts]),
+            torch.cat([p.response_mask for p in parts]),
+        )

@@ -1,0 +1,199 @@
+"""Checkpoints: a whole state pytree as safetensors + a JSON manifest, written atomically.
+
+Layout of one checkpoint directory ``<root>/step_<N>/``::
+
+    manifest.json       format, step, one entry per leaf (path, kind, dtype/shape or value),
+                        byte size and sha256 of the tensor file
+    tensors.safetensors every tensor leaf, keyed by its tree path
+
+A checkpoint is written into a temporary sibling directory and renamed into place, so a crash
+leaves either the previous checkpoint set or the new one, never half of one. Loading needs a
+*template* tree (a freshly initialised state of the same config): the manifest's paths, kinds,
+shapes and dtypes must match it leaf for leaf, and the tensor file must match its recorded size
+and hash; any mismatch raises :class:`CheckpointError` naming the path and key. Nothing is loaded
+half-way.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from purerl.tree import tree_flatten, tree_paths, tree_unflatten
+
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "export_hf",
+]
+
+FORMAT = "purerl-checkpoint/1"
+_MANIFEST = "manifest.json"
+_TENSORS = "tensors.safetensors"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, truncated, corrupted or does not match the template."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _leaf_entry(path: str, leaf: Any) -> dict[str, Any]:
+    if isinstance(leaf, torch.Tensor):
+        return {"path": path, "kind": "tensor", "dtype": str(leaf.dtype), "shape": list(leaf.shape)}
+    if isinstance(leaf, _SCALARS):
+        return {"path": path, "kind": type(leaf).__name__, "value": leaf}
+    raise TypeError(f"checkpoint: leaf {path} has type {type(leaf).__name__}; only tensors and "
+                    f"bool/int/float/str/None leaves can be saved")
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoint directories under ``root``, oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest checkpoint directory under ``root``, or None."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def save_checkpoint(root: str | Path, state: Any, *, step: int, keep: int | None = 3,
+                    metadata: dict[str, Any] | None = None) -> Path:
+    """Write ``state`` to ``<root>/step_<step>`` atomically; keep the newest ``keep`` checkpoints.
+
+    ``metadata`` (JSON-serialisable) is stored in the manifest for humans and tools.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    entries, tensors = [], {}
+    for path, leaf in tree_paths(state):
+        entries.append(_leaf_entry(path, leaf))
+        if isinstance(leaf, torch.Tensor):
+            tensors[path] = leaf.detach().to("cpu").contiguous()
+    save_file(tensors, str(tmp / _TENSORS))
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "leaves": entries,
+        "tensor_file": {"name": _TENSORS, "bytes": (tmp / _TENSORS).stat().st_size,
+                        "sha256": _sha256(tmp / _TENSORS)},
+        "metadata": metadata or {},
+    }
+    with (tmp / _MANIFEST).open("w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep is not None:
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    manifest_path = path / _MANIFEST
+    if not manifest_path.exists():
+        raise CheckpointError(f"{path}: no {_MANIFEST} (not a purerl checkpoint, or an interrupted write)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{manifest_path}: malformed JSON ({err})") from err
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def load_checkpoint(path: str | Path, template: Any, *, verify_hash: bool = True) -> Any:
+    """The state saved in ``path``, with the structure of ``template`` and its tensors' devices.
+
+    Every leaf of ``template`` must appear in the manifest with the same kind, dtype and shape
+    (and the manifest must have no other leaves); the tensor file must have the recorded size and,
+    with ``verify_hash``, the recorded sha256.
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    tensor_file = path / manifest["tensor_file"]["name"]
+    if not tensor_file.exists():
+        raise CheckpointError(f"{path}: tensor file {tensor_file.name} is missing")
+    size = tensor_file.stat().st_size
+    if size != manifest["tensor_file"]["bytes"]:
+        raise CheckpointError(f"{tensor_file}: {size} bytes, manifest records "
+                              f"{manifest['tensor_file']['bytes']} (truncated or overwritten)")
+    if verify_hash and _sha256(tensor_file) != manifest["tensor_file"]["sha256"]:
+        raise CheckpointError(f"{tensor_file}: sha256 does not match the manifest (corrupted)")
+
+    saved = {entry["path"]: entry for entry in manifest["leaves"]}
+    expected = tree_paths(template)
+    missing = [p for p, _ in expected if p not in saved]
+    extra = sorted(set(saved) - {p for p, _ in expected})
+    if missing or extra:
+        raise CheckpointError(f"{path}: checkpoint does not match the state layout; "
+                              f"missing keys {missing[:5]}, unexpected keys {extra[:5]}")
+    leaves = []
+    with safe_open(str(tensor_file), framework="pt") as f:
+        for key, like in expected:
+            entry = saved[key]
+            if isinstance(like, torch.Tensor):
+                if entry["kind"] != "tensor":
+                    raise CheckpointError(f"{path}: key {key} is a {entry['kind']} in the checkpoint, a tensor in the state")
+                if entry["shape"] != list(like.shape) or entry["dtype"] != str(like.dtype):
+                    raise CheckpointError(
+                        f"{path}: key {key} has shape {entry['shape']} {entry['dtype']} in the checkpoint "
+                        f"but {list(like.shape)} {like.dtype} in the state (different model or config?)"
+                    )
+                leaves.append(f.get_tensor(key).to(like.device))
+            else:
+                if entry["kind"] == "tensor":
+                    raise CheckpointError(f"{path}: key {key} is a tensor in the checkpoint, a {type(like).__name__} in the state")
+                leaves.append(entry["value"])
+    _, treedef = tree_flatten(template)
+    return tree_unflatten(leaves, treedef)
+
+
+def export_hf(model: Any, params: dict[str, torch.Tensor], out_dir: str | Path, tokenizer: Any = None) -> Path:
+    """Write the policy as a Hugging Face model directory that ``from_pretrained`` loads.
+
+    Tied weights are saved once under their canonical name (transformers re-ties on load).
+    """
+    from purerl.model import full_state_dict
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in full_state_dict(model, params).items()}
+    model.module.config.save_pretrained(out_dir)
+    generation_config = getattr(model.module, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(out_dir)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir

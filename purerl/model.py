@@ -1,0 +1,299 @@
+"""Hugging Face causal LMs and critics as pure functions of a params tree.
+
+A :class:`CausalLM` is a *resource*, not state: an HF module skeleton on the ``meta`` device (so
+it holds no weights of its own), its buffers, and the map from tied alias names to the one
+canonical name kept in the params tree. The params (``dict[str, Tensor]``, canonical names only)
+live in the train state and are swapped in for each call through ``torch.func.functional_call``.
+
+Pure entry points:
+- :func:`response_logprobs` / :func:`response_entropy` over :class:`~purerl.batch.Sequences`;
+- :func:`response_values` for a :class:`Critic` (HF backbone + scalar value head);
+- :func:`value_and_grad` turns ``loss_fn(params, ...) -> (SumCount, aux)`` into a function
+  returning ``(loss, aux, grads)`` through ``torch.autograd.grad`` (measured faster and lighter than
+  ``torch.func.grad`` on LLMs, and compatible with activation checkpointing).
+"""
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+from torch.nn.utils import stateless
+from torch.utils.checkpoint import checkpoint
+
+from purerl.algo.aggregation import SumCount
+from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from purerl.batch import Sequences
+from purerl.tree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = [
+    "Params",
+    "CausalLM",
+    "Critic",
+    "causal_lm_from_config",
+    "load_causal_lm",
+    "critic_from_causal_lm",
+    "response_logits",
+    "response_logprobs",
+    "response_entropy",
+    "response_values",
+    "value_and_grad",
+    "full_state_dict",
+]
+
+Params = dict[str, Tensor]
+
+
+@attrs.frozen(eq=False)
+class CausalLM:
+    """An HF causal LM skeleton (meta device), its buffers and its tie map.
+
+    ``aliases`` maps each tied name that is not in the params tree (``lm_head.weight``) to its
+    canonical name (``model.embed_tokens.weight``).
+    """
+
+    module: nn.Module
+    buffers: dict[str, Tensor]
+    aliases: dict[str, str]
+    config: Any
+
+    def bound(self, params: Params) -> dict[str, Tensor]:
+        """The name → tensor map functional_call needs: params, tied aliases, buffers."""
+        named = dict(params)
+        for alias, canonical in self.aliases.items():
+            named[alias] = params[canonical]
+        named.update(self.buffers)
+        return named
+
+    def __call__(self, params: Params, **kwargs: Any) -> Any:
+        return torch.func.functional_call(self.module, self.bound(params), (), kwargs, strict=True)
+
+    @contextlib.contextmanager
+    def bind(self, params: Params) -> Iterator[nn.Module]:
+        """Within the block, the skeleton computes with ``params`` (for loops of many calls,
+        such as KV-cache decoding, where one swap is cheaper than one per call)."""
+        with stateless._reparametrize_module(self.module, self.bound(params)):
+            yield self.module
+
+
+class _ValueModel(nn.Module):
+    """An HF backbone (no LM head) and a linear head giving one value per position."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: int) -> Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return self.value_head(hidden[:, -keep:]).squeeze(-1)
+
+
+@attrs.frozen(eq=False)
+class Critic:
+    """A value model: HF backbone + scalar head, as a skeleton like :class:`CausalLM`."""
+
+    module: nn.Module
+    buffers: dict[str, Tensor]
+
+    def __call__(self, params: Params, *args: Any) -> Tensor:
+        return torch.func.functional_call(self.module, ({**params, **self.buffers}), args, strict=True)
+
+
+def _tie_aliases(module: nn.Module) -> dict[str, str]:
+    canonical: dict[int, str] = {id(p): name for name, p in module.named_parameters()}
+    return {
+        name: canonical[id(p)]
+        for name, p in module.named_parameters(remove_duplicate=False)
+        if canonical[id(p)] != name
+    }
+
+
+def _rebinding_checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+    """Non-reentrant activation checkpointing that recomputes with the params of the forward.
+
+    functional_call swaps params in only for the duration of the forward; the backward's
+    recomputation runs later, when the skeleton holds meta tensors again. So capture the layer's
+    params at forward time and swap them back in for the recomputation.
+    """
+    layer = fn.args[0]  # transformers passes partial(forward, layer, **kwargs)
+    bound = dict(layer.named_parameters())
+    bound.update(layer.named_buffers())
+
+    def run(*inputs: Any) -> Any:
+        with stateless._reparametrize_module(layer, bound):
+            return fn(*inputs)
+
+    return checkpoint(run, *args, use_reentrant=False)
+
+
+def _adapt(module: nn.Module, activation_checkpointing: bool) -> tuple[CausalLM, Params]:
+    """Split an HF module into a meta skeleton + buffers + tie map, and its params tree."""
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    buffers = {name: b.detach() for name, b in module.named_buffers()}
+    aliases = _tie_aliases(module)
+    module.eval()
+    if activation_checkpointing:
+        # transformers checkpoints layers only in train mode; purerl configs keep dropout at 0
+        module._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=_rebinding_checkpoint)
+        module.train()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    module.to("meta")  # the params tree keeps the only copy of the weights
+    return CausalLM(module, buffers, aliases, module.config), params
+
+
+def causal_lm_from_config(
+    config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    activation_checkpointing: bool = False,
+) -> tuple[CausalLM, Params]:
+    """A randomly initialised causal LM from an HF config (deterministic in ``seed``)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return _adapt(module.to(device), activation_checkpointing)
+
+
+def load_causal_lm(
+    path: str | Path, *, gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", activation_checkpointing: bool = False,
+) -> tuple[CausalLM, Params]:
+    """A pretrained causal LM from a local HF directory, or a GGUF file transformers can read.
+
+    ``path`` may be the directory holding ``gguf_file`` or the ``.gguf`` file itself. Raises
+    ``FileNotFoundError`` naming a missing path and ``ValueError`` naming a directory that holds
+    no causal LM.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if path.suffix == ".gguf" and gguf_file is None:
+        path, gguf_file = path.parent, path.name
+    target = path / gguf_file if gguf_file else path
+    if not target.exists():
+        raise FileNotFoundError(f"model path {target} does not exist")
+    if gguf_file is None and not (path / "config.json").exists():
+        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+    try:
+        module = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"{target} does not hold a causal LM that transformers can load: {err}") from err
+    return _adapt(module.to(device), activation_checkpointing)
+
+
+def critic_from_causal_lm(model: CausalLM, params: Params, *, seed: int = 0) -> tuple[Critic, Params]:
+    """A critic whose backbone starts from the policy's weights and whose value head is zero.
+
+    The backbone is the causal LM's base model (``model.*`` names); a zero head makes every
+    initial value 0, so the first advantages are the rewards-to-go.
+    """
+    from transformers import AutoModel
+
+    config = model.config
+    with torch.device("meta"):
+        backbone = AutoModel.from_config(config)
+    value_model = _ValueModel(backbone, config.hidden_size)
+    prefix = f"{model.module.base_model_prefix}."
+    some = next(iter(params.values()))
+    critic_params = {
+        f"backbone.{name[len(prefix):]}": p.clone() for name, p in params.items() if name.startswith(prefix)
+    }
+    del seed  # the head is deterministic (zeros); kept for a future random init option
+    critic_params["value_head.weight"] = torch.zeros(1, config.hidden_size, dtype=some.dtype, device=some.device)
+    critic_params["value_head.bias"] = torch.zeros(1, dtype=some.dtype, device=some.device)
+    buffers = {
+        f"backbone.{name[len(prefix):]}": b for name, b in model.buffers.items() if name.startswith(prefix)
+    }
+    expected = {n for n, _ in value_model.named_parameters()}
+    if expected != set(critic_params):
+        missing, extra = sorted(expected - set(critic_params)), sorted(set(critic_params) - expected)
+        raise ValueError(f"critic backbone does not match the policy: missing {missing[:5]}, extra {extra[:5]}")
+    for p in value_model.parameters():
+        p.requires_grad_(False)
+    return Critic(value_model.eval(), buffers), critic_params
+
+
+def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[Tensor, "b t v"]:
+    """Logits predicting each response token: positions ``s-t-1 … s-2`` (only those are projected)."""
+    t = seqs.response_length
+    out = model(
+        params, input_ids=seqs.input_ids, attention_mask=seqs.attention_mask.long(),
+        position_ids=seqs.position_ids(), use_cache=False, logits_to_keep=t + 1,
+    )
+    return out.logits[:, :-1]
+
+
+def response_logprobs(
+    model: CausalLM, params: Params, seqs: Sequences, *, temperature: float = 1.0
+) -> Float[Tensor, "b t"]:
+    """``log π(y_t | prefix)`` for every response position, float32 (masked positions included)."""
+    logits = response_logits(model, params, seqs)
+    return logprobs_from_logits(logits, seqs.responses(), temperature=temperature)
+
+
+def response_entropy(
+    model: CausalLM, params: Params, seqs: Sequences, *, temperature: float = 1.0
+) -> Float[Tensor, "b t"]:
+    """Entropy of the sampling distribution at every response position, float32."""
+    return entropy_from_logits(response_logits(model, params, seqs), temperature=temperature)
+
+
+def response_values(critic: Critic, params: Params, seqs: Sequences) -> Float[Tensor, "b t"]:
+    """``V(prefix before y_t)`` for every response position (verl's critic convention)."""
+    t = seqs.response_length
+    values = critic(params, seqs.input_ids, seqs.attention_mask.long(), seqs.position_ids(), t + 1)
+    return values[:, :-1].float()
+
+
+def value_and_grad(
+    loss_fn: Callable[..., tuple[SumCount, Any]],
+) -> Callable[..., tuple[SumCount, Any, Any]]:
+    """Differentiate ``loss_fn(params, *args, **kwargs) -> (SumCount, aux)`` w.r.t. ``params``.
+
+    The returned function has the signature ``(params, *args, denominator=None, **kwargs) ->
+    (loss, aux, grads)``: ``grads`` (same tree as ``params``) are the gradients of
+    ``loss.total / denominator`` (``loss.count`` when None). Pass the whole mini-batch's count as
+    ``denominator`` when accumulating micro-batches, so the sum of micro-batch gradients is the
+    mini-batch gradient exactly. Leaves that do not influence the loss get zero gradients.
+    ``loss`` and ``aux`` come back detached. Nothing is mutated: the params are re-wrapped as
+    fresh leaves that share storage and require grad.
+    """
+
+    @functools.wraps(loss_fn)
+    def wrapped(params: Any, *args: Any, denominator: Tensor | float | None = None, **kwargs: Any):
+        leaves, treedef = tree_flatten(params)
+        diff = [x.detach().requires_grad_() for x in leaves]
+        with torch.enable_grad():
+            loss, aux = loss_fn(tree_unflatten(diff, treedef), *args, **kwargs)
+            scale = loss.count if denominator is None else denominator
+            grads = torch.autograd.grad(loss.total / scale, diff, allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+        detached = tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, aux)
+        return loss.detach(), detached, tree_unflatten(grads, treedef)
+
+    return wrapped
+
+
+def full_state_dict(model: CausalLM, params: Params) -> dict[str, Tensor]:
+    """Params with tied aliases dropped and persistent buffers added: what ``save_pretrained`` wants."""
+    persistent = {
+        name for name, _ in model.module.named_buffers()
+        if name.rsplit(".", 1)[-1] not in _non_persistent(model.module, name)
+    }
+    state = dict(params)
+    state.update({name: b for name, b in model.buffers.items() if name in persistent})
+    return state
+
+
+def _non_persistent(module: nn.Module, name: str) -> set[str]:
+    owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+    return set(owner._non_persistent_buffers_set)

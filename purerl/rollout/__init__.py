@@ -1,0 +1,1 @@
+"""Rollout: generating responses (an effect) behind one engine interface."""

@@ -1,0 +1,161 @@
+"""Rollout engines: turn prompts into sampled responses with their behaviour log-probs.
+
+An engine is an effect: it owns a model copy (or shares the trainer's, when colocated), is told
+about new weights through :meth:`RolloutEngine.sync` with a version number, and refuses to
+generate for a version it was not told about. :class:`TorchEngine` is the embedded engine:
+batched left-padded prefill and KV-cache decoding in the trainer's process, on CPU or one GPU.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from purerl.batch import Sequences
+from purerl.model import CausalLM, Params
+from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
+from purerl.state import RngState
+from purerl.tree import pytree
+
+__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout", "RolloutEngine", "TorchEngine"]
+
+FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2
+FINISH_NAMES = {FINISH_EOS: "eos", FINISH_LENGTH: "length", FINISH_STOP: "stop"}
+
+
+@pytree
+class Rollout:
+    """Sampled responses. Rows are prompt-major: the ``n`` samples of prompt ``i`` are rows
+    ``i*n … i*n+n-1`` and share ``group[row] = i``.
+
+    ``behaviour_logprobs`` are the log-probs of the sampled tokens under the sampling distribution
+    (0 at masked positions); ``finish_reasons`` holds FINISH_EOS / FINISH_LENGTH / FINISH_STOP.
+    """
+
+    sequences: Sequences
+    behaviour_logprobs: Float[Tensor, "b t"]
+    finish_reasons: Int[Tensor, " b"]
+    group: Int[Tensor, " b"]
+    version: int
+
+
+class RolloutEngine(Protocol):
+    def sync(self, params: Params, version: int) -> None:
+        """Make ``params`` the weights of version ``version``."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
+                 *, version: int | None = None) -> Rollout:
+        """Sample ``sampling.n`` responses per prompt (token ids), reproducibly from ``rng``."""
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """``[b, P]`` ids and bool attention mask with every prompt right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("left_pad: every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = True
+    return ids, mask
+
+
+class TorchEngine:
+    """The embedded engine: prefill + KV-cache decode with the policy's own skeleton.
+
+    Colocated with the trainer: :meth:`sync` keeps a reference to the params (no copy), so the
+    donated optimizer update and the engine share buffers; the version tag records which update
+    they hold. ``decode`` (token ids → text) is needed only for stop strings.
+    """
+
+    def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
+                 decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu") -> None:
+        if not eos_token_ids:
+            raise ValueError("TorchEngine: at least one EOS token id is needed")
+        self.model = model
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
+        self.pad_token_id = pad_token_id
+        self.decode = decode
+        self.device = torch.device(device)
+        self._params: Params | None = None
+        self.version: int | None = None
+
+    def sync(self, params: Params, version: int) -> None:
+        self._params = params
+        self.version = version
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
+                 *, version: int | None = None) -> Rollout:
+        if self._params is None:
+            raise RuntimeError("TorchEngine: generate called before any sync(params, version)")
+        if version is not None and version != self.version:
+            raise RuntimeError(f"TorchEngine: asked to generate with weights version {version}, "
+                               f"but holds version {self.version}")
+        if sampling.stop and self.decode is None:
+            raise ValueError("TorchEngine: stop strings need a decode function")
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
+        prompt_ids = prompt_ids.repeat_interleave(sampling.n, 0).to(self.device)
+        prompt_mask = prompt_mask.repeat_interleave(sampling.n, 0).to(self.device)
+        tokens, logprobs, alive, reasons = self._decode(prompt_ids, prompt_mask, sampling, rng)
+        sequences = Sequences(
+            torch.cat([prompt_ids, tokens], 1), torch.cat([prompt_mask, alive], 1), alive.clone()
+        )
+        group = torch.arange(len(prompts), device=self.device).repeat_interleave(sampling.n)
+        return Rollout(sequences, logprobs, reasons, group, self.version)
+
+    @torch.no_grad()
+    def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState):
+        from transformers import DynamicCache
+
+        rows = ids.shape[0]
+        generator = None if sampling.greedy else rng.generator(self.device)
+        cache = DynamicCache(config=self.model.config)
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        attention = mask.long()
+        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        reasons = torch.full((rows,), FINISH_LENGTH, dtype=torch.long, device=self.device)
+        tokens, logps, alive = [], [], []
+        with self.model.bind(self._params) as module:
+            out = module(input_ids=ids, attention_mask=attention, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+            next_position = positions[:, -1:] + 1
+            for step in range(sampling.max_new_tokens):
+                lp = sampling_logprobs(out.logits[:, -1], temperature=sampling.temperature,
+                                       top_k=sampling.top_k, top_p=sampling.top_p)
+                token = sample_tokens(lp, greedy=sampling.greedy, generator=generator)
+                token = torch.where(finished, self.pad_token_id, token)
+                token_lp = lp.gather(-1, token[:, None]).squeeze(-1)
+                alive.append(~finished)
+                tokens.append(token)
+                logps.append(torch.where(finished, 0.0, token_lp))
+                hit_eos = ~finished & torch.isin(token, self.eos)
+                reasons = torch.where(hit_eos, FINISH_EOS, reasons)
+                finished = finished | hit_eos
+                if sampling.stop:
+                    hit_stop = self._stop_hits(tokens, finished, sampling.stop)
+                    reasons = torch.where(hit_stop, FINISH_STOP, reasons)
+                    finished = finished | hit_stop
+                if bool(finished.all()) or step + 1 == sampling.max_new_tokens:
+                    break
+                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+                out = module(input_ids=token[:, None], attention_mask=attention, position_ids=next_position,
+                             past_key_values=cache, use_cache=True)
+                next_position = next_position + 1
+        return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(alive, 1), reasons
+
+    def _stop_hits(self, tokens: list[Tensor], finished: Tensor, stop: tuple[str, ...]) -> Tensor:
+        """Rows (not yet finished) whose response text now contains a stop string."""
+        window = torch.stack(tokens[-32:], 1).tolist()
+        longest = max(len(s) for s in stop)
+        hits = torch.zeros_like(finished)
+        for row in (~finished).nonzero().flatten().tolist():
+            last = self.decode(window[row][-1:])
+            text = self.decode(window[row])
+            # only a match that the newest token completed: the tail ending at this token
+            tail = text[-(longest + len(last)):]
+            if any(s in tail and not s in tail[: len(tail) - len(last)] for s in stop):
+                hits[row] = True
+        return hits

@@ -1,0 +1,77 @@
+"""The sampling distribution: temperature, top-k and top-p applied to next-token logits.
+
+Pure functions over ``[b, v]`` logits. :func:`sampling_logprobs` returns the log-probabilities of
+the distribution tokens are actually drawn from (truncated and renormalised), so the behaviour
+log-probs a rollout reports are exact; with ``top_k = 0`` and ``top_p = 1`` they equal the
+trainer's ``log_softmax(logits / temperature)``.
+"""
+
+import attrs
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+__all__ = ["SamplingParams", "sampling_logprobs", "sample_tokens"]
+
+
+@attrs.frozen
+class SamplingParams:
+    """How responses are sampled. ``temperature == 0`` means greedy decoding.
+
+    ``n`` samples are drawn per prompt; generation stops at an EOS token, at any of the ``stop``
+    strings (the token completing it is kept), or after ``max_new_tokens``.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stop: tuple[str, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams: max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams: temperature must be ≥ 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.n < 1:
+            raise ValueError(f"SamplingParams: top_k must be ≥ 0 and n ≥ 1, got {self.top_k}, {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_logprobs(
+    logits: Float[Tensor, "b v"], *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> Float[Tensor, "b v"]:
+    """``log p`` of the sampling distribution, float32; ``-inf`` on truncated tokens.
+
+    ``p ∝ softmax(logits / T)`` restricted to the ``top_k`` most likely tokens (0 = all) and then
+    to the smallest set whose mass reaches ``top_p`` (the most likely token always stays).
+    Greedy (``T = 0``) uses ``T = 1`` here: the reported log-prob of a greedy token is its
+    log-prob under the untempered model.
+    """
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    if top_k > 0 and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        mass_before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, -1)
+
+
+def sample_tokens(
+    logprobs: Float[Tensor, "b v"], *, greedy: bool, generator: torch.Generator | None
+) -> Int[Tensor, " b"]:
+    """Draw one token per row from ``exp(logprobs)`` (argmax when ``greedy``)."""
+    if greedy:
+        return logprobs.argmax(-1)
+    return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)

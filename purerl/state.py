@@ -1,0 +1,61 @@
+"""The train state: everything a run needs to continue, as one pytree.
+
+``TrainState`` holds the policy params and optimizer state, optional critic params and optimizer
+state, the frozen reference params, the KL controller state, the RNG position, the data cursor
+and the step. A checkpoint (:mod:`purerl.checkpoint`) writes exactly this tree; resuming from it
+continues bit-identically on CPU because no randomness or position lives anywhere else.
+"""
+
+from typing import Any
+
+import torch
+
+from purerl.tree import pytree, replace
+
+__all__ = ["RngState", "TrainState"]
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment (splitmix64): decorrelates seeds of nearby counters
+
+
+@pytree
+class RngState:
+    """A seed and a counter; each use derives a fresh generator and advances the counter.
+
+    Randomness never comes from torch's global RNG: ``rng.generator(device)`` is seeded from
+    ``(seed, counter)``, and ``rng.next()`` is the state after one use.
+    """
+
+    seed: int
+    counter: int = 0
+
+    def generator(self, device: str | torch.device = "cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed((self.seed * _MIX + self.counter) % (2**63 - 1))
+        return g
+
+    def next(self) -> "RngState":
+        return RngState(self.seed, self.counter + 1)
+
+
+@pytree
+class TrainState:
+    """One pytree holding all algorithmic state of a run.
+
+    ``policy``/``critic``/``reference`` are params trees (``dict[str, Tensor]``, canonical names);
+    ``policy_opt``/``critic_opt`` are optimizer states (:mod:`purerl.optim`); ``kl`` is the KL
+    controller state; ``data`` is the data cursor (any pytree with int/tensor leaves).
+    """
+
+    policy: dict[str, torch.Tensor]
+    policy_opt: Any
+    kl: Any
+    rng: RngState
+    data: Any = None
+    step: int = 0
+    reference: dict[str, torch.Tensor] | None = None
+    critic: dict[str, torch.Tensor] | None = None
+    critic_opt: Any = None
+
+    def advance(self, **changes: Any) -> "TrainState":
+        """The state one step later with ``changes`` applied (``step`` + 1)."""
+        return replace(self, step=self.step + 1, **changes)

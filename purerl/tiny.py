@@ -1,0 +1,71 @@
+"""Tiny random models and a character tokenizer, built offline for tests, benchmarks and demos."""
+
+import string
+from typing import Any
+
+import torch
+
+__all__ = ["tiny_llama_config", "char_tokenizer", "random_sequences"]
+
+_SPECIALS = ["<pad>", "<eos>", "<bos>"]
+
+
+def char_tokenizer() -> Any:
+    """A left-padding Hugging Face fast tokenizer with one token per printable character.
+
+    Ids: ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, then letters, digits, punctuation, space and
+    newline. It has a minimal chat template (``role: content`` lines) so chat-formatted data
+    works with it.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = string.ascii_letters + string.digits + string.punctuation + " \n"
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS + list(chars))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left"
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    return tokenizer
+
+
+def tiny_llama_config(vocab_size: int = 128, hidden_size: int = 32, layers: int = 2, **overrides: Any) -> Any:
+    """A Llama config (SmolLM2's architecture) small enough for CPU tests; tied embeddings."""
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        attn_implementation="sdpa",
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def random_sequences(batch: int, prompt_len: int, response_len: int, vocab_size: int, *, seed: int = 0) -> Any:
+    """Random :class:`~purerl.batch.Sequences` with left-padded prompts and right-padded responses."""
+    from purerl.batch import Sequences
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (batch, prompt_len + response_len), generator=g)
+    prompt_pad = torch.randint(0, prompt_len, (batch,), generator=g)
+    response_len_i = torch.randint(1, response_len + 1, (batch,), generator=g)
+    pos = torch.arange(prompt_len + response_len)
+    attention = (pos[None] >= prompt_pad[:, None]) & (pos[None] < prompt_len + response_len_i[:, None])
+    ids = torch.where(attention, ids, torch.zeros_like(ids))
+    return Sequences(ids, attention, attention[:, prompt_len:].clone())

@@ -1,0 +1,154 @@
+"""The HF adapter: functional forwards equal module forwards, gradients equal .backward()."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from purerl.algo.aggregation import SumCount, aggregate_loss
+from purerl.model import (
+    causal_lm_from_config,
+    critic_from_causal_lm,
+    load_causal_lm,
+    response_entropy,
+    response_logprobs,
+    response_values,
+    value_and_grad,
+)
+from purerl.tiny import random_sequences, tiny_llama_config
+from purerl.tree import assert_trees_close, tree_map
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = tiny_llama_config()
+    model, params = causal_lm_from_config(config, seed=0)
+    seqs = random_sequences(4, 6, 5, config.vocab_size, seed=1)
+    return config, model, params, seqs
+
+
+def _reference_module(config, params):
+    """A plain HF module holding ``params`` (the oracle)."""
+    module = AutoModelForCausalLM.from_config(config)
+    module.load_state_dict({**params, "lm_head.weight": params["model.embed_tokens.weight"]}, strict=False)
+    return module.eval()
+
+
+def _module_logprobs(module, seqs, temperature=1.0):
+    logits = module(
+        input_ids=seqs.input_ids, attention_mask=seqs.attention_mask.long(),
+        position_ids=seqs.position_ids(), use_cache=False,
+    ).logits.float() / temperature
+    t = seqs.response_length
+    logp = torch.log_softmax(logits[:, -t - 1 : -1], -1)
+    return logp.gather(-1, seqs.responses()[..., None]).squeeze(-1)
+
+
+def test_params_tree_keeps_one_name_per_tied_weight(tiny):
+    _, model, params, _ = tiny
+    assert "lm_head.weight" not in params
+    assert model.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert all(p.device.type == "meta" for p in model.module.parameters())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_functional_logprobs_equal_module_forward_logprobs(tiny, temperature):
+    config, model, params, seqs = tiny
+    expected = _module_logprobs(_reference_module(config, params), seqs, temperature)
+    got = response_logprobs(model, params, seqs, temperature=temperature)
+    mask = seqs.response_mask
+    torch.testing.assert_close(got[mask], expected[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_is_finite_and_bounded(tiny):
+    config, model, params, seqs = tiny
+    h = response_entropy(model, params, seqs)
+    assert h.shape == seqs.response_mask.shape
+    assert bool((h >= -1e-6).all()) and bool((h <= torch.log(torch.tensor(float(config.vocab_size))) + 1e-5).all())
+
+
+def _pg_loss(model, seqs):
+    def loss_fn(params):
+        logp = response_logprobs(model, params, seqs)
+        return aggregate_loss(-logp, seqs.response_mask, "token-mean"), {"logp": logp}
+    return loss_fn
+
+
+def test_tied_weight_gradient_equals_backward_gradient(tiny):
+    config, model, params, seqs = tiny
+    loss, aux, grads = value_and_grad(_pg_loss(model, seqs))(params)
+    module = _reference_module(config, params)
+    ref_logp = _module_logprobs(module, seqs)
+    ref_loss = -(ref_logp * seqs.response_mask).sum() / seqs.response_mask.sum()
+    ref_loss.backward()
+    torch.testing.assert_close(loss.value(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    expected = {n: p.grad for n, p in module.named_parameters()}
+    assert set(grads) == set(expected)
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert not aux["logp"].requires_grad
+
+
+def test_value_and_grad_with_denominator_accumulates_micro_batches_exactly(tiny):
+    _, model, params, seqs = tiny
+    whole = value_and_grad(_pg_loss(model, seqs))(params)[2]
+    count = seqs.response_mask.sum().double()
+    parts = [value_and_grad(_pg_loss(model, seqs.rows(slice(a, a + 2))))(params, denominator=count)[2]
+             for a in (0, 2)]
+    summed = tree_map(torch.add, parts[0], parts[1])
+    assert_trees_close(summed, whole, rtol=1e-4, atol=1e-7)
+
+
+def test_activation_checkpointing_gives_the_same_gradients_for_trained_params(tiny):
+    config, _, params, seqs = tiny
+    # params that differ from the skeleton's initialisation: a recomputation that silently used
+    # the module's own weights would give different gradients
+    moved = {k: v + 0.01 * torch.randn_like(v) for k, v in params.items()}
+    plain, _ = causal_lm_from_config(config, seed=0)
+    ckpt, _ = causal_lm_from_config(config, seed=0, activation_checkpointing=True)
+    _, _, g_plain = value_and_grad(_pg_loss(plain, seqs))(moved)
+    _, _, g_ckpt = value_and_grad(_pg_loss(ckpt, seqs))(moved)
+    assert_trees_close(g_ckpt, g_plain, rtol=1e-5, atol=1e-7)
+
+
+def test_inputs_are_not_mutated_and_grads_do_not_alias_params(tiny):
+    _, model, params, seqs = tiny
+    before = tree_map(torch.clone, params)
+    value_and_grad(_pg_loss(model, seqs))(params)
+    assert_trees_close(params, before, rtol=0.0, atol=0.0)
+    assert not any(p.requires_grad for p in params.values())
+
+
+def test_critic_starts_at_zero_and_learns_through_its_head(tiny):
+    _, model, params, seqs = tiny
+    critic, cparams = critic_from_causal_lm(model, params)
+    values = response_values(critic, cparams, seqs)
+    assert values.shape == seqs.response_mask.shape
+    assert bool((values == 0).all())
+
+    def loss_fn(p):
+        v = response_values(critic, p, seqs)
+        return aggregate_loss((v - 1.0) ** 2, seqs.response_mask), None
+
+    loss, _, grads = value_and_grad(loss_fn)(cparams)
+    assert loss.value().item() == pytest.approx(1.0)
+    assert grads["value_head.bias"].abs().item() > 0
+    assert grads["value_head.weight"].abs().sum().item() > 0
+
+
+def test_load_causal_lm_names_missing_and_invalid_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_causal_lm(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty"):
+        load_causal_lm(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "not-a-model"}')
+    with pytest.raises(ValueError, match="bad"):
+        load_causal_lm(bad)
+
+
+def test_summed_loss_type_is_sumcount(tiny):
+    _, model, params, seqs = tiny
+    loss, _, _ = value_and_grad(_pg_loss(model, seqs))(params)
+    assert isinstance(loss, SumCount)

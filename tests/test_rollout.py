@@ -1,0 +1,111 @@
+"""The embedded rollout engine: exact behaviour log-probs, reproducibility, stopping rules."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from purerl.model import causal_lm_from_config, response_logprobs
+from purerl.rollout.engine import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, TorchEngine
+from purerl.rollout.sampling import SamplingParams, sampling_logprobs
+from purerl.state import RngState
+from purerl.tiny import char_tokenizer, tiny_llama_config
+from purerl.tree import tree_equal
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = tiny_llama_config()
+    model, params = causal_lm_from_config(config, seed=0)
+    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
+    engine.sync(params, version=0)
+    return config, model, params, engine
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_behaviour_logprobs_equal_trainer_logprobs(setup, temperature):
+    _, model, params, engine = setup
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=temperature, n=3), RngState(1))
+    trainer = response_logprobs(model, params, rollout.sequences, temperature=temperature)
+    mask = rollout.sequences.response_mask
+    torch.testing.assert_close(rollout.behaviour_logprobs[mask], trainer[mask], rtol=0, atol=1e-4)
+    assert bool((rollout.behaviour_logprobs[~mask] == 0).all())
+    assert rollout.group.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_generation_is_reproducible_from_the_rng_state(setup):
+    *_, engine = setup
+    sampling = SamplingParams(max_new_tokens=10, n=2)
+    a = engine.generate(PROMPTS, sampling, RngState(3, counter=4))
+    b = engine.generate(PROMPTS, sampling, RngState(3, counter=4))
+    c = engine.generate(PROMPTS, sampling, RngState(3, counter=5))
+    assert tree_equal(a, b)
+    assert not torch.equal(a.sequences.input_ids, c.sequences.input_ids)
+
+
+def test_greedy_decoding_equals_hf_generate(setup):
+    config, _, params, engine = setup
+    module = AutoModelForCausalLM.from_config(config).eval()
+    module.load_state_dict({**params, "lm_head.weight": params["model.embed_tokens.weight"]}, strict=False)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), RngState(0))
+    seqs = rollout.sequences
+    prompt = seqs.input_ids[:, : -seqs.response_length]
+    expected = module.generate(input_ids=prompt, attention_mask=seqs.attention_mask[:, : prompt.shape[1]].long(),
+                               max_new_tokens=8, do_sample=False, eos_token_id=1, pad_token_id=0)
+    generated = expected[:, prompt.shape[1]:]
+    for row in range(len(PROMPTS)):
+        n = int(seqs.response_mask[row].sum())
+        assert seqs.responses()[row, :n].tolist() == generated[row, :n].tolist()
+
+
+def test_eos_ends_a_row_and_is_kept_in_the_response(setup):
+    config, model, params, _ = setup
+    # every token counts as EOS: each row must end after its first token, keeping it
+    engine = TorchEngine(model, eos_token_ids=range(config.vocab_size), pad_token_id=0)
+    engine.sync(params, version=0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=2), RngState(0))
+    seqs = rollout.sequences
+    assert seqs.response_length == 1  # every row stopped at once: no wasted decode steps
+    assert rollout.finish_reasons.tolist() == [FINISH_EOS] * 6
+    assert bool(seqs.response_mask.all())
+
+
+def test_length_limit_and_stop_strings():
+    tokenizer = char_tokenizer()
+    config = tiny_llama_config(vocab_size=len(tokenizer))
+    model, params = causal_lm_from_config(config, seed=0)
+    engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+                         decode=lambda ids: tokenizer.decode(ids))
+    engine.sync(params, version=0)
+    prompts = [tokenizer.encode("1+1="), tokenizer.encode("2+2=")]
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=30), RngState(0))
+    assert free.sequences.response_length <= 30
+    texts = [tokenizer.decode(r[m].tolist()) for r, m in zip(free.sequences.responses(), free.sequences.response_mask)]
+    # the first character sampled in each row becomes a stop string: every row must stop right there
+    stop = tuple(sorted({t[0] for t in texts if t}))
+    stopped = engine.generate(prompts, SamplingParams(max_new_tokens=30, stop=stop), RngState(0))
+    assert stopped.sequences.response_length == 1
+    assert stopped.finish_reasons.tolist() == [FINISH_STOP, FINISH_STOP]
+    lengths = free.sequences.response_mask.sum(1)
+    assert all(r != FINISH_LENGTH or n == 30 for r, n in zip(free.finish_reasons.tolist(), lengths.tolist()))
+
+
+def test_engine_refuses_unknown_weight_versions(setup):
+    _, model, params, engine = setup
+    with pytest.raises(RuntimeError, match="version 5"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=2), RngState(0), version=5)
+    fresh = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
+    with pytest.raises(RuntimeError, match="sync"):
+        fresh.generate(PROMPTS, SamplingParams(max_new_tokens=2), RngState(0))
+
+
+def test_top_k_and_top_p_truncate_and_renormalise():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    lp = sampling_logprobs(logits, top_k=2)
+    assert torch.isinf(lp[0, 2:]).all() and torch.isclose(lp[0, :2].exp().sum(), torch.tensor(1.0))
+    probs = torch.softmax(logits, -1)[0]
+    lp = sampling_logprobs(logits, top_p=float(probs[0] + 0.5 * probs[1]))
+    assert torch.isfinite(lp[0, :2]).all() and torch.isinf(lp[0, 2:]).all()
+    lp = sampling_logprobs(logits, top_p=1e-3)
+    assert torch.isfinite(lp[0, 0]) and lp[0, 0].item() == 0.0
