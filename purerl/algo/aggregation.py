@@ -36,7 +36,7 @@ from purerl.checks import check_bool, check_rank, check_same_shape
 from purerl.registry import Registry
 from purerl.tree import pytree
 
-__all__ = ["SumCount", "aggregate_loss", "LOSS_AGGREGATIONS", "token_mean"]
+__all__ = ["SumCount", "aggregate_loss", "loss_denominator", "LOSS_AGGREGATIONS", "token_mean"]
 
 
 @pytree
@@ -135,3 +135,15 @@ def aggregate_loss(
     check_same_shape("aggregate_loss", loss=loss, mask=mask)
     check_bool("aggregate_loss", mask=mask)
     return LOSS_AGGREGATIONS[mode](loss, mask, norm)
+
+
+def loss_denominator(mask: Bool[Tensor, "b t"], mode: str = "token-mean") -> Float[Tensor, ""]:
+    """The ``count`` the named mode gives for ``mask``, computed from the mask alone.
+
+    Compute it once over a whole mini-batch and pass it as the denominator of every micro-batch.
+    """
+    if mode not in LOSS_AGGREGATIONS:
+        LOSS_AGGREGATIONS[mode]  # raises the ValueError naming the known modes
+    if mode == "token-mean":
+        return mask.sum().to(torch.float32)
+    return (mask.sum(-1) > 0).sum().to(torch.float32)

@@ -1,0 +1,1 @@
+"""Prompts and ground truths: procedural math problems, verl-format files, the data cursor."""

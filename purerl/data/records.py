@@ -1,0 +1,141 @@
+"""Prompt records, verl-format file loading, tokenisation with a chat template.
+
+A :class:`PromptRecord` is one training prompt: chat messages, the ground truth the reward
+checks against, and the data source name. Files in verl's format (parquet or jsonl rows with
+``prompt`` as a list of ``{"role", "content"}`` messages, ``reward_model.ground_truth`` and
+``data_source``) load through :func:`load_records`; a malformed row raises
+:class:`DataError` naming the file, the row and the field.
+"""
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = ["PromptRecord", "DataError", "load_records", "encode_prompts", "EncodedPrompts"]
+
+
+class DataError(ValueError):
+    """A data file or row that cannot be used; the message names file, row and field."""
+
+
+@attrs.frozen
+class PromptRecord:
+    messages: tuple[dict[str, str], ...]
+    ground_truth: str
+    data_source: str = "unknown"
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+
+def _field(row: dict[str, Any], dotted: str, where: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise DataError(f"{where}: missing field '{dotted}'")
+        value = value[part]
+    return value
+
+
+def record_from_row(row: Any, where: str) -> PromptRecord:
+    """A record from one verl-format row (dict); ``where`` names file and row in errors."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: row is a {type(row).__name__}, expected an object")
+    prompt = _field(row, "prompt", where)
+    if hasattr(prompt, "tolist"):  # parquet list columns arrive as numpy arrays
+        prompt = prompt.tolist()
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise DataError(f"{where}: field 'prompt' must be a non-empty list of chat messages")
+    messages = []
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: field 'prompt[{i}]' must have string 'role' and 'content'")
+        messages.append({"role": message["role"], "content": message["content"]})
+    truth = _field(row, "reward_model.ground_truth", where)
+    if hasattr(truth, "tolist"):
+        truth = truth.tolist()
+    if truth is None or (isinstance(truth, str) and not truth.strip()):
+        raise DataError(f"{where}: field 'reward_model.ground_truth' is empty")
+    source = row.get("data_source", "unknown")
+    return PromptRecord(tuple(messages), str(truth), str(source))
+
+
+def _rows(path: Path) -> list[Any]:
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}: row {lineno}: invalid JSON ({err.msg})") from err
+        return rows
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as err:
+            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from err
+        return pq.read_table(path).to_pylist()
+    raise DataError(f"{path}: unsupported file type {path.suffix!r} (use .parquet or .jsonl)")
+
+
+def load_records(paths: str | Path | Sequence[str | Path]) -> list[PromptRecord]:
+    """All records of one or more verl-format files, in file order.
+
+    Raises :class:`DataError` for a missing file, an unsupported suffix, invalid JSON, or a row
+    without a usable ``prompt`` / ``reward_model.ground_truth`` (naming file, row and field).
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    records: list[PromptRecord] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise DataError(f"{p}: no such data file")
+        rows = _rows(p)
+        if not rows:
+            raise DataError(f"{p}: no rows")
+        line_numbered = p.suffix in (".jsonl", ".json")
+        for i, row in enumerate(rows):
+            records.append(record_from_row(row, f"{p}: row {i + 1 if line_numbered else i}"))
+    return records
+
+
+@attrs.frozen
+class EncodedPrompts:
+    """Token ids of the prompts that fit, and which records they came from."""
+
+    ids: list[list[int]]
+    record_index: list[int]
+    truncated: int
+    skipped: int
+
+
+def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, *, max_prompt_tokens: int,
+                   overlong: str = "skip") -> EncodedPrompts:
+    """Apply the tokenizer's chat template (with the generation prompt) and tokenise.
+
+    Prompts longer than ``max_prompt_tokens`` are skipped (``overlong="skip"``) or keep their
+    last ``max_prompt_tokens`` tokens (``"truncate"``, which keeps the generation prompt); both
+    are counted in the result.
+    """
+    if overlong not in ("skip", "truncate"):
+        raise ValueError(f"encode_prompts: overlong must be 'skip' or 'truncate', got {overlong!r}")
+    ids, index, truncated, skipped = [], [], 0, 0
+    for i, record in enumerate(records):
+        text = tokenizer.apply_chat_template(list(record.messages), tokenize=False, add_generation_prompt=True)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        if len(tokens) > max_prompt_tokens:
+            if overlong == "skip":
+                skipped += 1
+                continue
+            tokens = tokens[-max_prompt_tokens:]
+            truncated += 1
+        ids.append(tokens)
+        index.append(i)
+    return EncodedPrompts(ids, index, truncated, skipped)

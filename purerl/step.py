@@ -1,0 +1,359 @@
+"""Stage functions and the composed GRPO / PPO steps.
+
+Every stage is a function of explicit inputs that returns new values::
+
+    experience = make_experience(state, rollout, scores, ...)     # old/ref log-probs, values
+    batch, kl_state, m1 = shape_rewards(experience, state.kl, ...)  # KL penalty, advantages
+    critic, critic_opt, m2 = critic_update(...)                     # PPO only
+    policy, policy_opt, m3 = actor_update(...)
+
+:func:`grpo_step` and :func:`ppo_step` compose them; a user script can compose its own step from
+the same stages (see the README). The one injected effect is ``value_and_grad``: the pure
+``purerl.model.value_and_grad`` here, a sharded ``.backward()`` in distributed executors.
+
+Optimizer updates *donate* the old params and optimizer state (they are updated in place and
+returned): never use a ``TrainState`` after passing it to a step. A step whose loss or gradient
+norm is not finite is rejected: the optimizer is not called, so with one mini-batch per step
+(the default) the returned state equals the input state apart from the RNG counter and step.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from purerl.algo.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
+from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, loss_denominator
+from purerl.algo.kl import apply_kl_penalty, kl_loss
+from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from purerl.algo.masked import masked_mean
+from purerl.algo.policy_loss import POLICY_LOSSES, PolicyLossConfig
+from purerl.algo.value_loss import clipped_value_loss
+from purerl.batch import Sequences
+from purerl.model import CausalLM, Critic, Params, response_logits, response_values
+from purerl.model import value_and_grad as pure_value_and_grad
+from purerl.rollout.engine import FINISH_LENGTH, Rollout
+from purerl.state import RngState, TrainState
+from purerl.tree import pytree, tree_leaves, tree_map
+
+__all__ = [
+    "StepConfig",
+    "Experience",
+    "TrainBatch",
+    "token_level_scores",
+    "make_experience",
+    "shape_rewards",
+    "actor_update",
+    "critic_update",
+    "grpo_step",
+    "ppo_step",
+    "Metrics",
+]
+
+Metrics = dict[str, float]
+ValueAndGrad = Callable[[Callable[..., tuple[SumCount, Any]]], Callable[..., tuple[SumCount, Any, Any]]]
+
+
+@attrs.frozen
+class StepConfig:
+    """Hyperparameters of one RL step (defaults follow verl's GRPO recipes where they exist)."""
+
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    policy_loss: str = "vanilla"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float | None = 3.0
+    loss_agg: str = "token-mean"
+    loss_norm: float | None = None
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    ppo_epochs: int = 1
+    mini_batch_rows: int | None = None
+    micro_batch_rows: int = 8
+    temperature: float = 1.0
+    value_clip: float | None = 0.5
+    compute_entropy: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"StepConfig: unknown loss_agg {self.loss_agg!r}; known: {LOSS_AGGREGATIONS.names()}")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"StepConfig: unknown policy_loss {self.policy_loss!r}; known: {POLICY_LOSSES.names()}")
+        if self.ppo_epochs < 1 or self.micro_batch_rows < 1:
+            raise ValueError("StepConfig: ppo_epochs and micro_batch_rows must be ≥ 1")
+        if self.mini_batch_rows is not None and self.mini_batch_rows < 1:
+            raise ValueError("StepConfig: mini_batch_rows must be ≥ 1 or None")
+
+
+@pytree
+class Experience:
+    """A scored rollout with everything the updates need, computed before any update."""
+
+    sequences: Sequences
+    group: Int[Tensor, " b"]
+    scores: Float[Tensor, " b"]
+    old_logprobs: Float[Tensor, "b t"]
+    behaviour_logprobs: Float[Tensor, "b t"]
+    ref_logprobs: Float[Tensor, "b t"] | None
+    values: Float[Tensor, "b t"] | None
+
+
+@pytree
+class TrainBatch:
+    """What the actor and critic updates consume."""
+
+    sequences: Sequences
+    old_logprobs: Float[Tensor, "b t"]
+    ref_logprobs: Float[Tensor, "b t"] | None
+    advantages: Float[Tensor, "b t"]
+    returns: Float[Tensor, "b t"]
+    values: Float[Tensor, "b t"] | None
+
+    def rows(self, index: Tensor) -> "TrainBatch":
+        return tree_map(lambda x: x[index] if isinstance(x, Tensor) else x, self)
+
+
+def token_level_scores(scores: Float[Tensor, " b"], mask: Bool[Tensor, "b t"]) -> Float[Tensor, "b t"]:
+    """Each sequence's score placed on its last valid token (0 elsewhere, and for empty rows)."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, positions, -1).max(-1).values
+    onehot = (positions[None] == last[:, None]) & mask
+    return torch.where(onehot, scores[:, None].to(torch.float32), 0.0)
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def _batched_logprobs(model: CausalLM, params: Params, seqs: Sequences, rows: int, temperature: float) -> Tensor:
+    parts = []
+    for sl in _chunks(len(seqs), rows):
+        part = seqs.rows(sl)
+        parts.append(logprobs_from_logits(response_logits(model, params, part), part.responses(),
+                                          temperature=temperature))
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def _batched_values(critic: Critic, params: Params, seqs: Sequences, rows: int) -> Tensor:
+    return torch.cat([response_values(critic, params, seqs.rows(sl)) for sl in _chunks(len(seqs), rows)])
+
+
+def make_experience(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"], *, policy: CausalLM,
+                    config: StepConfig, critic: Critic | None = None) -> Experience:
+    """Old log-probs (the policy before the update), reference log-probs and values, no gradients."""
+    seqs = rollout.sequences
+    old = _batched_logprobs(policy, state.policy, seqs, config.micro_batch_rows, config.temperature)
+    needs_ref = config.use_kl_loss or config.use_kl_in_reward
+    if needs_ref and state.reference is None:
+        raise ValueError("make_experience: KL to the reference needs TrainState.reference params")
+    ref = (_batched_logprobs(policy, state.reference, seqs, config.micro_batch_rows, config.temperature)
+           if needs_ref else None)
+    values = None
+    if config.adv_estimator == "gae":
+        if critic is None or state.critic is None:
+            raise ValueError("make_experience: the 'gae' estimator needs a critic and TrainState.critic params")
+        values = _batched_values(critic, state.critic, seqs, config.micro_batch_rows)
+        values = torch.where(seqs.response_mask, values, 0.0)
+    return Experience(seqs, rollout.group, scores.to(torch.float32), old, rollout.behaviour_logprobs, ref, values)
+
+
+def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
+                  config: StepConfig) -> tuple[TrainBatch, Any, Metrics]:
+    """Token rewards (with the KL penalty when ``use_kl_in_reward``) and advantages."""
+    mask = experience.sequences.response_mask
+    rewards = token_level_scores(experience.scores, mask)
+    metrics: Metrics = {}
+    if config.use_kl_in_reward:
+        penalty = apply_kl_penalty(rewards, experience.old_logprobs, experience.ref_logprobs, mask,
+                                   kl_state.coef, config.kl_penalty)
+        metrics["actor/reward_kl_penalty"] = float(penalty.current_kl)
+        metrics["actor/reward_kl_penalty_coeff"] = float(kl_state.coef)
+        kl_state = kl_controller.update(kl_state, penalty.current_kl, len(experience.scores))
+        rewards = penalty.rewards
+    inputs = AdvantageInputs(rewards=rewards, mask=mask, values=experience.values, group=experience.group)
+    adv_config = AdvantageConfig(gamma=config.gamma, lam=config.lam, norm_by_std=config.norm_adv_by_std)
+    advantages, returns = compute_advantages(config.adv_estimator, inputs, adv_config)
+    metrics.update({
+        "critic/score/mean": float(experience.scores.mean()),
+        "critic/rewards/mean": float(rewards.sum(-1).mean()),
+        "critic/advantages/mean": float(masked_mean(advantages, mask)),
+        "critic/advantages/max": float(torch.where(mask, advantages, -math.inf).max()) if mask.any() else 0.0,
+        "critic/advantages/min": float(torch.where(mask, advantages, math.inf).min()) if mask.any() else 0.0,
+        "critic/returns/mean": float(masked_mean(returns, mask)),
+    })
+    batch = TrainBatch(experience.sequences, experience.old_logprobs, experience.ref_logprobs,
+                       advantages, returns, experience.values)
+    return batch, kl_state, metrics
+
+
+def _minibatches(n: int, rows: int | None, epochs: int, rng: RngState) -> list[Tensor]:
+    """Row index sets for ``epochs`` shuffled passes in mini-batches of ``rows`` (all rows if None)."""
+    size = n if rows is None else min(rows, n)
+    g = rng.generator()
+    out = []
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=g) if size < n else torch.arange(n)
+        out.extend(order[sl] for sl in _chunks(n, size))
+    return out
+
+
+def _finite(*values: Tensor) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in values)
+
+
+def _grad_norm(grads: Any) -> Tensor:
+    leaves = [g for g in tree_leaves(grads) if isinstance(g, Tensor)]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in leaves]))
+
+
+def _accumulate(total: Any, grads: Any) -> Any:
+    if total is None:
+        return grads
+    torch._foreach_add_([t for t in tree_leaves(total)], [g for g in tree_leaves(grads)])
+    return total
+
+
+def _actor_loss(policy: CausalLM, batch: TrainBatch, config: StepConfig) -> Callable:
+    """The actor's loss function of params for one micro-batch: policy loss, entropy bonus, KL loss."""
+    loss_config = PolicyLossConfig(clip_low=config.clip_low, clip_high=config.clip_high, clip_c=config.clip_c,
+                                   agg=config.loss_agg, norm=config.loss_norm)
+    mask = batch.sequences.response_mask
+
+    def loss_fn(params: Params) -> tuple[SumCount, dict[str, SumCount]]:
+        logits = response_logits(policy, params, batch.sequences)
+        logp = logprobs_from_logits(logits, batch.sequences.responses(), temperature=config.temperature)
+        out = POLICY_LOSSES[config.policy_loss](logp, batch.old_logprobs, batch.advantages, mask, loss_config)
+        total = out.loss
+        aux = {"pg_loss": out.loss, "pg_clipfrac": out.clipfrac, "pg_clipfrac_lower": out.clipfrac_lower,
+               "ppo_kl": out.ppo_kl}
+        if config.entropy_coeff != 0 or config.compute_entropy:
+            with torch.set_grad_enabled(config.entropy_coeff != 0 and torch.is_grad_enabled()):
+                entropy = entropy_from_logits(logits if config.entropy_coeff != 0 else logits.detach(),
+                                              temperature=config.temperature)
+            ent = LOSS_AGGREGATIONS[config.loss_agg](entropy, mask, config.loss_norm)
+            aux["entropy"] = ent
+            if config.entropy_coeff != 0:
+                total = SumCount(total.total - config.entropy_coeff * ent.total, total.count)
+        if config.use_kl_loss:
+            kl = kl_loss(logp, batch.ref_logprobs, mask, config.kl_loss_type, config.loss_agg, config.loss_norm)
+            aux["kl_loss"] = kl
+            total = SumCount(total.total + config.kl_loss_coef * kl.total, total.count)
+        return total, aux
+
+    return loss_fn
+
+
+def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, indices: list[Tensor],
+            make_loss: Callable[[TrainBatch], Callable], config: StepConfig,
+            value_and_grad: ValueAndGrad, prefix: str) -> tuple[Params, Any, Metrics]:
+    """Mini-batch × micro-batch gradient steps; micro-batch gradients add up to the mini-batch's."""
+    sums: dict[str, SumCount] = {}
+    norms, rejected = [], 0
+    for rows in indices:
+        mini = batch.rows(rows)
+        mask = mini.sequences.response_mask
+        denominator = loss_denominator(mask, config.loss_agg)
+        grads, mini_loss = None, None
+        for sl in _chunks(len(rows), config.micro_batch_rows):
+            micro = mini.rows(torch.arange(len(rows))[sl])
+            loss, aux, g = value_and_grad(make_loss(micro))(params, denominator=denominator.clamp_min(1))
+            grads = _accumulate(grads, g)
+            mini_loss = loss if mini_loss is None else mini_loss + loss
+            for name, value in aux.items():
+                sums[name] = sums[name] + value if name in sums else value
+        norm = _grad_norm(grads)
+        if not _finite(mini_loss.total, norm):
+            rejected += 1
+            break  # never feed a non-finite update to the (donating) optimizer
+        params, opt_state = optimizer.update(grads, opt_state, params)
+        norms.append(float(norm))
+    metrics = {f"{prefix}/{name}": float(value.value()) for name, value in sums.items()}
+    metrics[f"{prefix}/grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
+    metrics[f"{prefix}/rejected_updates"] = float(rejected)
+    return params, opt_state, metrics
+
+
+def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: CausalLM, optimizer: Any,
+                 config: StepConfig, rng: RngState,
+                 value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
+    """PPO-style policy updates over ``ppo_epochs`` × mini-batches (donates ``params``/``opt_state``)."""
+    indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng)
+    return _update(params, opt_state, optimizer, batch, indices,
+                   lambda micro: _actor_loss(policy, micro, config), config, value_and_grad, "actor")
+
+
+def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: Critic, optimizer: Any,
+                  config: StepConfig, rng: RngState,
+                  value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
+    """Clipped value-loss updates (donates ``params``/``opt_state``)."""
+
+    def make_loss(micro: TrainBatch) -> Callable:
+        def loss_fn(p: Params) -> tuple[SumCount, dict[str, SumCount]]:
+            values = response_values(critic, p, micro.sequences)
+            out = clipped_value_loss(values, micro.values, micro.returns, micro.sequences.response_mask,
+                                     clip=config.value_clip, agg=config.loss_agg, norm=config.loss_norm)
+            return out.loss, {"vf_loss": out.loss, "vf_clipfrac": out.clipfrac}
+        return loss_fn
+
+    indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng)
+    return _update(params, opt_state, optimizer, batch, indices, make_loss, config, value_and_grad, "critic")
+
+
+def _rollout_metrics(rollout: Rollout, experience: Experience) -> Metrics:
+    mask = rollout.sequences.response_mask
+    lengths = mask.sum(-1).float()
+    gap = (experience.behaviour_logprobs - experience.old_logprobs).abs()
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((rollout.finish_reasons == FINISH_LENGTH).float().mean()),
+        "rollout/logprob_gap_max": float(torch.where(mask, gap, 0.0).max()),
+        "rollout/logprob_gap_mean": float(masked_mean(gap, mask)),
+    }
+
+
+def grpo_step(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"], *, policy: CausalLM,
+              optimizer: Any, kl_controller: Any, config: StepConfig,
+              value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[TrainState, Metrics]:
+    """One GRPO step on a scored rollout: experience, advantages, actor update (no critic)."""
+    experience = make_experience(state, rollout, scores, policy=policy, config=config)
+    batch, kl_state, metrics = shape_rewards(experience, state.kl, kl_controller, config=config)
+    params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt, batch, policy=policy,
+                                                    optimizer=optimizer, config=config, rng=state.rng,
+                                                    value_and_grad=value_and_grad)
+    metrics.update(actor_metrics)
+    metrics.update(_rollout_metrics(rollout, experience))
+    return state.advance(policy=params, policy_opt=opt_state, kl=kl_state, rng=state.rng.next()), metrics
+
+
+def ppo_step(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"], *, policy: CausalLM,
+             critic: Critic, optimizer: Any, critic_optimizer: Any, kl_controller: Any, config: StepConfig,
+             value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[TrainState, Metrics]:
+    """One PPO step: experience with values, GAE, critic update, then actor update."""
+    experience = make_experience(state, rollout, scores, policy=policy, config=config, critic=critic)
+    batch, kl_state, metrics = shape_rewards(experience, state.kl, kl_controller, config=config)
+    critic_params, critic_opt, critic_metrics = critic_update(
+        state.critic, state.critic_opt, batch, critic=critic, optimizer=critic_optimizer, config=config,
+        rng=state.rng, value_and_grad=value_and_grad)
+    params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt, batch, policy=policy,
+                                                    optimizer=optimizer, config=config, rng=state.rng.next(),
+                                                    value_and_grad=value_and_grad)
+    metrics.update(critic_metrics)
+    metrics.update(actor_metrics)
+    metrics.update(_rollout_metrics(rollout, experience))
+    metrics["critic/values/mean"] = float(masked_mean(experience.values, experience.sequences.response_mask))
+    return state.advance(policy=params, policy_opt=opt_state, critic=critic_params, critic_opt=critic_opt,
+                         kl=kl_state, rng=state.rng.next().next()), metrics

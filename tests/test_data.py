@@ -1,0 +1,105 @@
+"""Data: procedural problems, verl-format loading with clear errors, the cursor, prompt encoding."""
+
+import json
+
+import pytest
+
+from purerl.data.cursor import DataCursor, next_indices
+from purerl.data.math_problems import math_problems, train_eval_split
+from purerl.data.records import DataError, PromptRecord, encode_prompts, load_records
+from purerl.tiny import char_tokenizer
+
+
+def test_procedural_problems_have_exact_answers_and_disjoint_splits():
+    train, held_out = train_eval_split(300, 50, seed=3, difficulties=(1, 2, 3))
+    assert len(train) == 300 and len(held_out) == 50
+    assert not {r.extra["question"] for r in train} & {r.extra["question"] for r in held_out}
+    for record in train + held_out:
+        assert int(record.ground_truth) >= 0
+        assert "####" in record.messages[0]["content"]
+    assert [r.ground_truth for r in math_problems(20, seed=1)] == [r.ground_truth for r in math_problems(20, seed=1)]
+
+
+def test_procedural_answers_are_right():
+    for record in math_problems(200, seed=0, difficulties=(1,)):
+        q, truth = record.extra["question"], int(record.ground_truth)
+        numbers = [int(w.strip(".,")) for w in q.split() if w.strip(".,").isdigit()]
+        a, b = numbers
+        assert truth == (a + b if "more" in q else a - b)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_verl_jsonl_rows_load(tmp_path):
+    rows = [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+1?"}],
+             "reward_model": {"ground_truth": "2", "style": "rule"}}]
+    _write_jsonl(tmp_path / "d.jsonl", rows)
+    (record,) = load_records(tmp_path / "d.jsonl")
+    assert record == PromptRecord(({"role": "user", "content": "1+1?"},), "2", "gsm8k")
+
+
+@pytest.mark.parametrize(
+    ("row", "field"),
+    [
+        ({"prompt": [{"role": "user", "content": "x"}]}, "reward_model.ground_truth"),
+        ({"reward_model": {"ground_truth": "1"}}, "prompt"),
+        ({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}, "prompt[0]"),
+        ({"prompt": [], "reward_model": {"ground_truth": "1"}}, "prompt"),
+        ({"prompt": "x", "reward_model": {"ground_truth": ""}}, "ground_truth"),
+    ],
+)
+def test_malformed_rows_name_file_row_and_field(tmp_path, row, field):
+    good = {"prompt": [{"role": "user", "content": "ok"}], "reward_model": {"ground_truth": "1"}}
+    _write_jsonl(tmp_path / "bad.jsonl", [good, row])
+    with pytest.raises(DataError) as err:
+        load_records(tmp_path / "bad.jsonl")
+    message = str(err.value)
+    assert "bad.jsonl" in message and "row 2" in message and field in message
+
+
+def test_missing_file_bad_json_and_suffix_are_named(tmp_path):
+    with pytest.raises(DataError, match="no such data file"):
+        load_records(tmp_path / "nope.jsonl")
+    (tmp_path / "x.jsonl").write_text('{"prompt": \n')
+    with pytest.raises(DataError, match=r"x\.jsonl: row 1: invalid JSON"):
+        load_records(tmp_path / "x.jsonl")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported"):
+        load_records(tmp_path / "x.csv")
+
+
+def test_parquet_rows_load(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([{"data_source": "s", "prompt": [{"role": "user", "content": "2+2?"}],
+                                   "reward_model": {"ground_truth": "4"}}])
+    pq.write_table(table, tmp_path / "d.parquet")
+    (record,) = load_records(tmp_path / "d.parquet")
+    assert record.messages[0]["content"] == "2+2?" and record.ground_truth == "4"
+
+
+def test_overlong_prompts_are_skipped_or_truncated_and_counted():
+    tokenizer = char_tokenizer()
+    records = [PromptRecord(({"role": "user", "content": "x" * n},), "1") for n in (5, 50, 6)]
+    skipped = encode_prompts(records, tokenizer, max_prompt_tokens=30)
+    assert skipped.record_index == [0, 2] and skipped.skipped == 1 and skipped.truncated == 0
+    truncated = encode_prompts(records, tokenizer, max_prompt_tokens=30, overlong="truncate")
+    assert truncated.record_index == [0, 1, 2] and truncated.truncated == 1
+    assert len(truncated.ids[1]) == 30
+    assert tokenizer.decode(truncated.ids[1]).endswith("assistant: ")
+
+
+def test_cursor_walks_epochs_and_is_deterministic():
+    cursor = DataCursor(seed=4)
+    seen = []
+    for _ in range(5):
+        batch, cursor = next_indices(cursor, 7, 3)
+        seen.append(batch)
+    assert cursor.epoch == 2 and cursor.index == 1
+    flat = sum(seen, [])
+    assert sorted(flat[:7]) == list(range(7)) and sorted(flat[7:14]) == list(range(7))
+    again, cursor2 = next_indices(DataCursor(seed=4, epoch=1, index=0), 7, 3)
+    assert again == flat[7:10]

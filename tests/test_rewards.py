@@ -1,0 +1,58 @@
+"""Answer extraction, exact checking, and scoring that survives crashing or hanging reward functions."""
+
+import time
+
+import pytest
+
+from purerl.rewards import answers_equal, extract_answer, math_reward, math_reward_with_format, score_responses
+
+
+@pytest.mark.parametrize(
+    ("text", "strict", "expected"),
+    [
+        ("so the answer is 12.\n#### 12", True, "12"),
+        ("#### 3 then later #### 1,234", True, "1,234"),
+        ("the result is \\boxed{\\frac{1}{2}}", True, "\\frac{1}{2}"),
+        ("I think it is 7 apples", True, None),
+        ("I think it is 7 apples, no, 8", False, "8"),
+        ("#### $-5", True, "-5"),
+        ("nothing here", False, None),
+    ],
+)
+def test_extract_answer(text, strict, expected):
+    assert extract_answer(text, strict=strict) == expected
+
+
+def test_answers_are_compared_as_exact_numbers():
+    assert answers_equal("1,234", "1234")
+    assert answers_equal("0.5", "1/2")
+    assert answers_equal("12.", "12")
+    assert not answers_equal("12", "13")
+    assert not answers_equal("0.3333", "1/3")
+
+
+def test_math_reward_and_format_bonus():
+    assert math_reward("#### 8", "8") == 1.0
+    assert math_reward("8", "8") == 0.0  # strict: the answer must follow '####' or be boxed
+    assert math_reward_with_format("#### 7", "8", format_bonus=0.1) == pytest.approx(0.1)
+    assert math_reward_with_format("#### 8", "8", format_bonus=0.1) == pytest.approx(1.1)
+    assert math_reward_with_format("eight", "8") == 0.0
+
+
+def test_a_raising_or_hanging_reward_gives_a_penalty_and_the_run_goes_on():
+    def flaky(response: str, truth: str) -> float:
+        if response == "boom":
+            raise RuntimeError("reward server down")
+        if response == "hang":
+            time.sleep(60)
+        if response == "nan":
+            return float("nan")
+        return 1.0
+
+    start = time.monotonic()
+    scores = score_responses(flaky, ["ok", "boom", "hang", "nan", "ok"], ["1"] * 5, timeout=0.5, penalty=-1.0)
+    assert time.monotonic() - start < 5
+    assert scores.values == [1.0, -1.0, -1.0, -1.0, 1.0]
+    assert scores.errors == 2 and scores.timeouts == 1
+    assert any("reward server down" in m for m in scores.error_messages)
+    assert any("timed out" in m for m in scores.error_messages)

@@ -1,0 +1,106 @@
+"""Composed GRPO and PPO steps on a tiny random model: on-policy invariants and short loops."""
+
+import pytest
+import torch
+
+from purerl.algo.kl_control import make_kl_controller
+from purerl.model import causal_lm_from_config, critic_from_causal_lm
+from purerl.optim import adamw, chain, clip_by_global_norm
+from purerl.rollout.engine import TorchEngine
+from purerl.rollout.sampling import SamplingParams
+from purerl.state import RngState, TrainState
+from purerl.step import StepConfig, grpo_step, make_experience, ppo_step, shape_rewards, token_level_scores
+from purerl.tiny import tiny_llama_config
+from purerl.tree import tree_clone, tree_equal
+
+CONFIG = tiny_llama_config()
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+def _setup(critic=False, kl=0.0):
+    model, params = causal_lm_from_config(CONFIG, seed=0)
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.0))
+    kl_controller = make_kl_controller("fixed", coef=0.001)
+    state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(),
+                       rng=RngState(0), reference=tree_clone(params))
+    value_model = None
+    if critic:
+        value_model, cparams = critic_from_causal_lm(model, params)
+        state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(),
+                           rng=RngState(0), reference=tree_clone(params), critic=cparams,
+                           critic_opt=optimizer.init(cparams))
+    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
+    return model, optimizer, kl_controller, state, engine, value_model
+
+
+def _scores(rollout):
+    # a reward that prefers even token ids: learnable, varies within groups
+    responses = rollout.sequences.responses()
+    mask = rollout.sequences.response_mask
+    return ((responses % 2 == 0) & mask).float().sum(-1) / mask.sum(-1).clamp_min(1)
+
+
+def test_token_level_scores_sit_on_the_last_valid_token():
+    mask = torch.tensor([[True, True, False], [True, False, True], [False, False, False]])
+    out = token_level_scores(torch.tensor([1.0, 2.0, 3.0]), mask)
+    assert out.tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 2.0], [0.0, 0.0, 0.0]]
+
+
+def test_first_on_policy_minibatch_has_ratio_one_no_clipping_and_zero_reference_kl():
+    model, optimizer, kl_controller, state, engine, _ = _setup()
+    engine.sync(state.policy, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    config = StepConfig(use_kl_loss=True, kl_loss_coef=0.1, micro_batch_rows=5)
+    experience = make_experience(state, rollout, _scores(rollout), policy=model, config=config)
+    mask = rollout.sequences.response_mask
+    # behaviour (engine) log-probs equal the trainer's, and the reference equals the policy at step 0
+    torch.testing.assert_close(experience.old_logprobs[mask], rollout.behaviour_logprobs[mask], rtol=0, atol=1e-4)
+    assert torch.equal(experience.ref_logprobs, experience.old_logprobs)
+    _, metrics = grpo_step(state, rollout, _scores(rollout), policy=model, optimizer=optimizer,
+                           kl_controller=kl_controller, config=config)
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["rollout/logprob_gap_max"] < 1e-4
+
+
+def _loop(step, steps=3, **step_kwargs):
+    model, optimizer, kl_controller, state, engine, critic = _setup(critic=step is ppo_step)
+    history = []
+    for i in range(steps):
+        engine.sync(state.policy, state.step)
+        rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), state.rng, version=state.step)
+        kwargs = dict(policy=model, optimizer=optimizer, kl_controller=kl_controller, **step_kwargs)
+        if step is ppo_step:
+            kwargs.update(critic=critic, critic_optimizer=optimizer)
+        before = tree_clone(state.policy)
+        state, metrics = step(state, rollout, _scores(rollout), **kwargs)
+        assert not tree_equal(before, state.policy), "the policy did not change"
+        assert state.step == i + 1
+        history.append(metrics)
+    return state, history
+
+
+def test_grpo_loop_runs_three_steps():
+    state, history = _loop(grpo_step, config=StepConfig(micro_batch_rows=4, mini_batch_rows=6, ppo_epochs=2))
+    assert all(h["actor/rejected_updates"] == 0 for h in history)
+    assert all(h["actor/grad_norm"] > 0 for h in history)
+
+
+def test_ppo_loop_runs_three_steps_and_trains_the_critic():
+    state, history = _loop(ppo_step, config=StepConfig(adv_estimator="gae", micro_batch_rows=6, gamma=1.0, lam=0.95))
+    assert all("critic/vf_loss" in h and h["critic/grad_norm"] > 0 for h in history)
+    assert state.critic is not None
+
+
+def test_a_non_finite_loss_rejects_the_update_and_leaves_params_unchanged():
+    model, optimizer, kl_controller, state, engine, _ = _setup()
+    engine.sync(state.policy, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4), RngState(1))
+    scores = _scores(rollout)
+    scores[0] = float("nan")
+    before = tree_clone(state.policy)
+    new_state, metrics = grpo_step(state, rollout, scores, policy=model, optimizer=optimizer,
+                                   kl_controller=kl_controller, config=StepConfig())
+    assert metrics["actor/rejected_updates"] == 1
+    assert tree_equal(new_state.policy, before)
