@@ -84,6 +84,10 @@ class StepConfig:
     temperature: float = 1.0
     value_clip: float | None = 0.5
     compute_entropy: bool = True
+    recompute_old_logprobs: bool = True
+    """False: use the rollout's behaviour log-probs as π_old (verl's bypass mode). Exact when the
+    engine samples from the trainer's distribution (embedded engine, fp32, no top-p/top-k) and
+    saves one forward pass over the batch."""
 
     def __attrs_post_init__(self) -> None:
         if self.loss_agg not in LOSS_AGGREGATIONS:
@@ -155,7 +159,8 @@ def make_experience(state: TrainState, rollout: Rollout, scores: Float[Tensor, "
                     config: StepConfig, critic: Critic | None = None) -> Experience:
     """Old log-probs (the policy before the update), reference log-probs and values, no gradients."""
     seqs = rollout.sequences
-    old = _batched_logprobs(policy, state.policy, seqs, config.micro_batch_rows, config.temperature)
+    old = (_batched_logprobs(policy, state.policy, seqs, config.micro_batch_rows, config.temperature)
+           if config.recompute_old_logprobs else rollout.behaviour_logprobs)
     needs_ref = config.use_kl_loss or config.use_kl_in_reward
     if needs_ref and state.reference is None:
         raise ValueError("make_experience: KL to the reference needs TrainState.reference params")

@@ -15,6 +15,7 @@ A purerl state class looks like::
 Invariants:
 - classes are ``attrs.frozen(eq=False)``: immutable, and never compared with ``==`` (tensors);
   use :func:`tree_allclose` / :func:`tree_equal`;
+- a subclass of a ``@pytree`` class must be decorated too, or it flattens as a leaf;
 - fields marked :func:`static_field` live in the tree definition, not in the leaves, so they
   survive ``tree_map`` and two trees with different static values have different structures;
 - unflatten builds instances without calling ``__init__``: tree maps may put non-tensor leaves
@@ -136,20 +137,28 @@ def tree_clone(tree: Any) -> Any:
     return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
 
 
-def _mismatch(a: Any, b: Any, rtol: float, atol: float, equal_nan: bool) -> str | None:
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    flat = torch.empty(x.numel(), dtype=x.dtype, device=x.device)  # dense: expanded inputs have stride 0
+    return flat.copy_(x.detach().reshape(-1)).view(torch.uint8)
+
+
+def _mismatch(a: Any, b: Any, rtol: float, atol: float, equal_nan: bool, bitwise: bool = False) -> str | None:
     """The first difference between two trees as a message naming its path, or None."""
     if tree_structure(a) != tree_structure(b):
         return f"tree structures differ:\n  {tree_structure(a)}\n  {tree_structure(b)}"
     for (path, x), (_, y) in zip(tree_paths(a), tree_paths(b)):
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-                return f"{path}: tensor vs {type(x).__name__ if not isinstance(x, torch.Tensor) else type(y).__name__}"
+                other = y if isinstance(x, torch.Tensor) else x
+                return f"{path}: tensor vs {type(other).__name__}"
             if x.shape != y.shape or x.dtype != y.dtype:
                 return f"{path}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}"
-            if not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=equal_nan):
+            same = torch.equal(_bits(x), _bits(y)) if bitwise else torch.allclose(
+                x, y, rtol=rtol, atol=atol, equal_nan=equal_nan)
+            if not same:
                 diff = (x.double() - y.double()).abs().nan_to_num(float("inf")).max().item()
                 return f"{path}: values differ (max abs diff {diff:.3g})"
-        elif x != y:
+        elif x != y and not (equal_nan and isinstance(x, float) and isinstance(y, float) and x != x and y != y):
             return f"{path}: {x!r} != {y!r}"
     return None
 
@@ -160,8 +169,9 @@ def tree_allclose(a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-8, equ
 
 
 def tree_equal(a: Any, b: Any) -> bool:
-    """True when the trees have one structure and bit-identical leaves (NaN equals NaN)."""
-    return _mismatch(a, b, 0.0, 0.0, True) is None
+    """True when the trees have one structure and bit-identical leaves (so 0.0 differs from -0.0;
+    a NaN equals a NaN with the same bits, and float NaN leaves equal each other)."""
+    return _mismatch(a, b, 0.0, 0.0, True, bitwise=True) is None
 
 
 def assert_trees_close(a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False) -> None:

@@ -1,0 +1,152 @@
+"""One full GRPO step, purerl vs TRL's GRPOTrainer, same tiny model, batch and lengths, on CPU.
+
+A step is: sample ``--prompts`` × ``--n`` completions of exactly ``--new`` tokens (EOS disabled in
+both), score them with the same reward function, compute group-normalised advantages, one
+policy-gradient update with AdamW (no reference model, beta = 0). TRL is timed per step with a
+trainer callback (``on_step_begin`` → ``on_step_end``, generation included); purerl is timed
+around ``rollout_batch`` + ``grpo_step``. The two alternate in blocks of ``--steps`` steps,
+``--rounds`` times, so machine noise hits both; medians and the ratio are printed.
+
+Needs ``pip install trl`` (not a purerl dependency).
+
+    python bench/bench_grpo_step.py [--hidden 128 --layers 2 --prompts 4 --n 4 --new 32 --steps 5 --rounds 2]
+"""
+
+import argparse
+import functools
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.data.cursor import DataCursor  # noqa: E402
+from purerl.driver import RunConfig, Task, rollout_batch  # noqa: E402
+from purerl.model import causal_lm_from_config  # noqa: E402
+from purerl.optim import adamw  # noqa: E402
+from purerl.rollout.engine import TorchEngine  # noqa: E402
+from purerl.rollout.sampling import SamplingParams  # noqa: E402
+from purerl.state import RngState, TrainState  # noqa: E402
+from purerl.step import StepConfig, grpo_step  # noqa: E402
+from purerl.tiny import char_tokenizer, tiny_llama_config  # noqa: E402
+
+
+def reward(response: str, truth: str) -> float:
+    return float(response.count(truth[0])) / max(len(response), 1)
+
+
+def make_prompts(count: int) -> list[tuple[str, str]]:
+    return [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)][:count]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = char_tokenizer()
+    no_eos = len(tokenizer) + 3  # never sampled: both sides generate exactly --new tokens
+    config = tiny_llama_config(vocab_size=len(tokenizer) + 8, hidden_size=args.hidden, layers=args.layers)
+    pairs = make_prompts(100)
+    lr = 1e-5
+
+    # --- purerl ---
+    model, params = causal_lm_from_config(config, seed=0)
+    optimizer = adamw(lr, weight_decay=0.0)
+    kl_controller = make_kl_controller("fixed", coef=0.0)
+    state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(),
+                       rng=RngState(0), data=DataCursor(0))
+    engine = TorchEngine(model, eos_token_ids=[no_eos], pad_token_id=tokenizer.pad_token_id,
+                         decode=tokenizer.decode)
+    from purerl.data.records import PromptRecord
+
+    task = Task([tokenizer.encode(p) for p, _ in pairs],
+                [PromptRecord(({"role": "user", "content": p},), t) for p, t in pairs], reward)
+    run = RunConfig(steps=10**9, prompts_per_step=args.prompts,
+                    sampling=SamplingParams(max_new_tokens=args.new, n=args.n))
+    step_config = StepConfig(micro_batch_rows=args.prompts * args.n, compute_entropy=False,
+                             recompute_old_logprobs=False)
+    step_fn = functools.partial(grpo_step, policy=model, optimizer=optimizer, kl_controller=kl_controller,
+                                config=step_config)
+    purerl_times: list[float] = []
+
+    def purerl_block(count: int, record: bool) -> None:
+        nonlocal state
+        for _ in range(count):
+            start = time.perf_counter()
+            engine.sync(state.policy, state.step)
+            state, rollout, scores, _ = rollout_batch(state, engine, task, run, tokenizer.decode)
+            state, _ = step_fn(state, rollout, scores)
+            if record:
+                purerl_times.append(time.perf_counter() - start)
+
+    # --- TRL ---
+    trl_times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        record = False
+
+        def on_step_begin(self, *a, **k):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if self.record:
+                trl_times.append(time.perf_counter() - self._start)
+
+    timer = StepTimer()
+    tmp = tempfile.mkdtemp(prefix="purerl_bench_trl_")
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    trl_model = AutoModelForCausalLM.from_config(config)
+    trl_model.generation_config.pad_token_id = tokenizer.pad_token_id
+    trl_model.generation_config.eos_token_id = no_eos
+    dataset = Dataset.from_dict({"prompt": [p for p, _ in pairs], "truth": [t for _, t in pairs]})
+
+    def trl_reward(completions, truth, **_):
+        return [reward(c, t) for c, t in zip(completions, truth)]
+
+    def trl_block(count: int, record: bool) -> None:
+        timer.record = record
+        trl_args = GRPOConfig(
+            output_dir=tmp, use_cpu=True, bf16=False, max_steps=count, logging_steps=10**6,
+            per_device_train_batch_size=args.prompts * args.n, num_generations=args.n,
+            max_completion_length=args.new, learning_rate=lr, report_to="none", save_strategy="no",
+            seed=0, gradient_checkpointing=False, beta=0.0, disable_tqdm=True, temperature=1.0,
+            top_p=1.0, top_k=0,
+        )
+        GRPOTrainer(model=trl_model, reward_funcs=trl_reward, args=trl_args, train_dataset=dataset,
+                    processing_class=tokenizer, callbacks=[timer]).train()
+
+    purerl_block(2, record=False)  # warm-up
+    trl_block(2, record=False)
+    for _ in range(args.rounds):
+        trl_block(args.steps, record=True)
+        purerl_block(args.steps, record=True)
+
+    trl_med, purerl_med = statistics.median(trl_times), statistics.median(purerl_times)
+    print(f"model {sum(p.numel() for p in params.values()) / 1e6:.2f} M params; {args.prompts} prompts x "
+          f"{args.n} samples x {args.new} new tokens; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{len(trl_times)} TRL and {len(purerl_times)} purerl steps")
+    print(f"TRL GRPOTrainer        median {trl_med * 1e3:8.1f} ms/step")
+    print(f"purerl grpo_step       median {purerl_med * 1e3:8.1f} ms/step   speed-up vs TRL {trl_med / purerl_med:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
