@@ -53,12 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--difficulty", type=int, nargs="+", default=[1], help="procedural difficulty levels")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--samples-per-prompt", type=int, default=4)
     ap.add_argument("--max-prompt-tokens", type=int, default=160)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--warmup-steps", type=int, default=2)
@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
                          decode=decode, device=args.device)
 
     config = StepConfig(adv_estimator="grpo", clip_high=args.clip_high, use_kl_loss=args.kl_coef > 0,
-                        kl_loss_coef=args.kl_coef, micro_batch_rows=args.micro_batch, temperature=args.temperature)
+                        kl_loss_coef=args.kl_coef, micro_batch_rows=args.micro_batch, temperature=args.temperature,
+                        recompute_old_logprobs=args.top_p < 1.0)  # the engine's log-probs are π_old when exact
     optimizer = chain(clip_by_global_norm(1.0),
                       adamw(warmup_cosine_schedule(args.lr, args.warmup_steps, args.steps, final_lr=args.lr * 0.1),
                             weight_decay=0.0))

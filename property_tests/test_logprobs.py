@@ -102,7 +102,9 @@ def test_logprobs_are_at_most_zero_and_exponentiate_to_a_distribution(data, temp
     logits, _, _, chunk = data.draw(vocab_batches())
     b, t, v = logits.shape
     every_label = torch.arange(v).expand(b * t, v).T.reshape(v, b, t)
-    probs = torch.stack([logprobs_from_logits(logits, y, temperature=temperature, chunk_size=chunk) for y in every_label])
+    probs = torch.stack(
+        [logprobs_from_logits(logits, y, temperature=temperature, chunk_size=chunk) for y in every_label]
+    )
     assert bool((probs <= 1e-12).all())
     torch.testing.assert_close(probs.exp().sum(0), torch.ones(b, t, dtype=torch.float64), rtol=1e-12, atol=1e-12)
 
@@ -150,10 +152,31 @@ def test_entropy_accepts_any_number_of_leading_dimensions(shape):
 
 def test_temperature_divides_the_logits_first():
     g = torch.Generator().manual_seed(0)
-    logits, labels = torch.randn(2, 3, 5, generator=g, dtype=torch.float64), torch.randint(0, 5, (2, 3), generator=g)
+    logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 5, (2, 3), generator=g)
     torch.testing.assert_close(logprobs_from_logits(logits, labels, temperature=0.5),
                                logprobs_from_logits(logits * 2, labels))
     torch.testing.assert_close(entropy_from_logits(logits, temperature=0.5), entropy_from_logits(logits * 2))
+
+
+@pytest.mark.parametrize("runner_up", [2.0, 3.0, 9.0])
+def test_gradient_of_a_confident_token_keeps_its_small_complement(runner_up):
+    # p_y = 1 − σ(runner_up − 20): float32 rounds 1 − p_y (4e-8 … 2e-5) coarsely or to 0 in
+    # log(1 + ε) and in a stored logsumexp; the exact gradient is g·(1 − p_y) at the label
+    logits = torch.tensor([[[20.0, runner_up]]], requires_grad=True)
+    complement = torch.sigmoid(torch.tensor(runner_up - 20.0, dtype=torch.float64)).item()
+    logp = logprobs_from_logits(logits, torch.tensor([[0]]))
+    (grad,) = torch.autograd.grad(logp.sum(), logits)
+    torch.testing.assert_close(grad, torch.tensor([[[complement, -complement]]]), rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(logp, torch.tensor([[-complement]]), rtol=1e-5, atol=0.0)
+    entropy = entropy_from_logits(logits)
+    c = torch.tensor(complement, dtype=torch.float64)
+    exact = -(c * c.log() + (1 - c) * torch.log1p(-c))  # a float32 lse − Σpz gives 0 here
+    torch.testing.assert_close(entropy, exact.float()[None, None], rtol=1e-5, atol=0.0)
+    (grad,) = torch.autograd.grad(entropy.sum(), logits)
+    exact_grad = -c * (1 - c) * ((1 - c) / c).log()  # ∂H/∂z_y = H'(c)·∂c/∂z_y, c = σ(z_2 − z_y)
+    expected = torch.stack([exact_grad, -exact_grad]).float().view(1, 1, 2)
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=0.0)
 
 
 class _Float32Allocations(TorchDispatchMode):
@@ -217,7 +240,8 @@ def test_the_graph_saves_only_the_inputs_and_per_row_statistics():
 
 def test_torch_func_grad_agrees_with_autograd():
     g = torch.Generator().manual_seed(1)
-    logits, labels = torch.randn(2, 3, 6, generator=g, dtype=torch.float64), torch.randint(0, 6, (2, 3), generator=g)
+    logits = torch.randn(2, 3, 6, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 6, (2, 3), generator=g)
 
     def objective(z):
         return logprobs_from_logits(z, labels, chunk_size=4).sum() + entropy_from_logits(z, chunk_size=4).sum()

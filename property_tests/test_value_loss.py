@@ -26,8 +26,7 @@ def critic_batches(draw, **kwargs):
     return batch.values, _like(draw, batch.values, 10.0), _like(draw, batch.values, 10.0), batch.mask
 
 
-@pytest.mark.parametrize("mode", MODES)
-@given(batch=critic_batches())
+@given(mode=st.sampled_from(MODES), batch=critic_batches())
 def test_value_loss_without_clipping_is_half_the_aggregated_squared_error(mode, batch):
     values, old, returns, mask = batch
     out = clipped_value_loss(values, old, returns, mask, clip=None, agg=mode, norm=3.0)
@@ -45,8 +44,7 @@ def test_token_mean_value_loss_without_clipping_is_half_the_mean_squared_error(b
     torch.testing.assert_close(out.loss.value(), expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@given(batch=critic_batches(), clip=st.floats(0.0, 5.0))
+@given(mode=st.sampled_from(MODES), batch=critic_batches(), clip=st.floats(0.0, 5.0))
 def test_clipped_value_loss_is_at_least_the_unclipped_loss(mode, batch, clip):
     values, old, returns, mask = batch
     clipped = clipped_value_loss(values, old, returns, mask, clip=clip, agg=mode, norm=3.0)
@@ -64,8 +62,12 @@ def test_a_clip_range_wider_than_every_value_change_changes_nothing(batch):
     assert tree_equal(clipped, clipped_value_loss(values, old, returns, mask, clip=None))
 
 
-@pytest.mark.parametrize("mode", MODES)
-@given(batch=critic_batches(), pad=st.integers(1, 3), junk=st.sampled_from([1e6, float("nan"), float("-inf")]))
+@given(
+    mode=st.sampled_from(MODES),
+    batch=critic_batches(),
+    pad=st.integers(1, 3),
+    junk=st.sampled_from([1e6, float("nan"), float("-inf")]),
+)
 def test_value_loss_and_its_gradient_are_invariant_to_appended_padding(mode, batch, pad, junk):
     values, old, returns, mask = batch
     b = values.shape[0]
@@ -85,8 +87,7 @@ def test_value_loss_and_its_gradient_are_invariant_to_appended_padding(mode, bat
     assert bool((grad_pad[:, values.shape[1]:] == 0).all())
 
 
-@pytest.mark.parametrize("mode", MODES)
-@given(batch=critic_batches(min_rows=2), cut=st.integers(1, 5))
+@given(mode=st.sampled_from(MODES), batch=critic_batches(min_rows=2), cut=st.integers(1, 5))
 def test_value_loss_of_micro_batches_adds_up_to_the_whole_batch(mode, batch, cut):
     values, old, returns, mask = batch
     cut = min(cut, values.shape[0] - 1)

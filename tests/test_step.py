@@ -98,9 +98,12 @@ def test_a_non_finite_loss_rejects_the_update_and_leaves_params_unchanged():
     engine.sync(state.policy, 0)
     rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4), RngState(1))
     scores = _scores(rollout)
-    scores[0] = float("nan")
-    before = tree_clone(state.policy)
+    # an overflowing weight: every forward gives NaN logits, so the loss is NaN
+    poisoned = dict(state.policy)
+    poisoned["model.norm.weight"] = torch.full_like(poisoned["model.norm.weight"], float("inf"))
+    state = TrainState(policy=poisoned, policy_opt=state.policy_opt, kl=state.kl, rng=state.rng)
+    before, opt_before = tree_clone(state.policy), tree_clone(state.policy_opt)
     new_state, metrics = grpo_step(state, rollout, scores, policy=model, optimizer=optimizer,
                                    kl_controller=kl_controller, config=StepConfig())
     assert metrics["actor/rejected_updates"] == 1
-    assert tree_equal(new_state.policy, before)
+    assert tree_equal(new_state.policy, before) and tree_equal(new_state.policy_opt, opt_before)

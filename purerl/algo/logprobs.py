@@ -5,12 +5,18 @@ bfloat16. Upcasting them whole (as ``log_softmax(logits.float())`` does, and as 
 does again in backward) costs ``4·b·t·v`` bytes at the peak of the step. The two functions here
 are ``torch.autograd.Function``\\ s that visit the ``b·t`` positions in blocks of at most
 ``chunk_size`` rows, upcast one block at a time, and keep only per-row statistics between forward
-and backward; backward recomputes the softmax block by block and writes the gradient directly in
-the logits' dtype.
+and backward (the row max ``m`` and ``n = log Σ exp(z − m)``, so ``logsumexp = m + n``); backward
+recomputes the softmax block by block and writes the gradient directly in the logits' dtype.
 
 The computation dtype is ``float32`` for half-precision logits and the logits' own dtype for
 ``float32``/``float64``; outputs have that dtype. Temperature divides the logits first
 (``z = x / τ``), as verl's actor does before both log-probs and entropy.
+
+Precision: ``n`` is ``log1p`` of the sum without the maximal term, so ``log p`` and ``1 − p`` of
+a confident token stay accurate in float32. verl's float32 formulas (``z_y − logsumexp z`` and
+``logsumexp z − Σ p·z``) round them away: for logits ``[20, 3]`` verl's entropy is 0 and the
+label gradient is 0, here they are correct to ~1e-7 relative. Elsewhere the two agree to float
+rounding.
 """
 
 from collections.abc import Iterator
@@ -40,9 +46,10 @@ def logprobs_from_logits(
     Every position is computed (no mask: padding positions hold the log-prob of whatever label
     sits there). Gradient: ``∂/∂logits = g·(onehot(y) − softmax(z)) / τ``, in the logits' dtype.
     Memory: at most ``chunk_size`` rows are upcast at a time; the graph saves the logits, the
-    labels and one logsumexp per position. Differs from verl only in precision: verl computes
-    half-precision logits' log-softmax (and ``logits / τ``) in their own dtype; here both are in
-    float32. ``temperature <= 0`` raises ``ValueError`` (verl clamps it to 1e-8).
+    labels and two floats per position (row max and log-normaliser). Differs from verl only in
+    precision: verl computes half-precision logits' log-softmax (and ``logits / τ``) in their own
+    dtype, here both are in float32, and see the module note on confident tokens.
+    ``temperature <= 0`` raises ``ValueError`` (verl clamps it to 1e-8).
     """
     check_rank("logprobs_from_logits", 3, logits=logits)
     check_floating("logprobs_from_logits", logits=logits)
@@ -66,9 +73,11 @@ def entropy_from_logits(
 
     ``0 ≤ H ≤ log v``. Every position is computed (no mask). Gradient:
     ``∂H/∂logits = −g·p·(z − E_p[z]) / τ`` with ``E_p[z] = logsumexp(z) − H``, recomputed per block
-    in backward; the graph saves the logits and two floats per position. Same precision note and
-    ``temperature`` check as :func:`logprobs_from_logits`. Leading dimensions beyond two are
-    flattened, which copies (in the logits' dtype) only if their strides do not allow a view.
+    in backward; the graph saves the logits and three floats per position (row max,
+    log-normaliser, ``H``). Same precision notes and ``temperature`` check as
+    :func:`logprobs_from_logits`; logits must be finite (``−inf`` entries give NaN, as in verl).
+    Leading dimensions beyond two are flattened, which copies (in the logits' dtype) only if their
+    strides do not allow a view.
     """
     check_floating("entropy_from_logits", logits=logits)
     if logits.dim() < 1:
@@ -115,21 +124,29 @@ def _blocks(b: int, t: int, rows: int) -> Iterator[tuple[slice, slice]]:
                 yield slice(i, i + 1), slice(j, j + rows)
 
 
-def _centred(
-    block: Tensor, dtype: torch.dtype, temperature: float, peak: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """``(z − max z, max z)`` for ``z = block / τ`` in ``dtype`` (the max is computed if not given).
+def _centred(block: Tensor, dtype: torch.dtype, temperature: float, peak: Tensor) -> Tensor:
+    """A fresh ``dtype`` tensor ``z − peak`` for ``z = block / τ`` (callers may update it in place)."""
+    z = block.to(dtype, copy=True)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z.sub_(peak[..., None])
 
-    The first is a fresh tensor (callers may update it in place). Working relative to the row max
-    keeps ``log p`` accurate for probabilities near 1: a stored ``logsumexp`` of large logits
-    would round away exactly the small ``1 − p`` that the gradient of a confident token is made of.
+
+def _normalised(block: Tensor, dtype: torch.dtype, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(z' = z − max z, max z, log Σ exp z')`` for ``z = block / τ``; ``z'`` is fresh.
+
+    The normaliser is ``log1p`` of the sum without the (first) maximal term, so ``log p`` stays
+    accurate when one token takes nearly all the mass: ``log(1 + ε)`` in float32 rounds ``ε``
+    below 6e-8 to 0, and a stored ``logsumexp`` of large logits rounds away more still, which
+    would zero the gradient ``g·(1 − p_y)`` of a confident token.
     """
     z = block.to(dtype, copy=True)
     if temperature != 1.0:
         z.div_(temperature)
-    if peak is None:
-        peak = z.amax(-1)
-    return z.sub_(peak[..., None]), peak
+    peak, top = z.max(-1, keepdim=True)
+    z.sub_(peak)
+    rest = z.exp().scatter_(-1, top, 0.0).sum(-1)
+    return z, peak.squeeze(-1), torch.log1p(rest)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -143,8 +160,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         dtype = _compute_dtype(logits.dtype)
         logprobs, peak, log_norm = (logits.new_empty((b, t), dtype=dtype) for _ in range(3))
         for rows, cols in _blocks(b, t, chunk_size):
-            z, block_peak = _centred(logits[rows, cols], dtype, temperature)
-            block_norm = torch.logsumexp(z, dim=-1)
+            z, block_peak, block_norm = _normalised(logits[rows, cols], dtype, temperature)
             peak[rows, cols] = block_peak
             log_norm[rows, cols] = block_norm
             logprobs[rows, cols] = z.gather(-1, labels[rows, cols, None]).squeeze(-1) - block_norm
@@ -171,7 +187,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for rows, cols in _blocks(b, t, ctx.chunk_size):
             g = grad_logprobs[rows, cols, None].to(log_norm.dtype) / tau
             y = labels[rows, cols, None]
-            z, _ = _centred(logits[rows, cols], log_norm.dtype, tau, peak[rows, cols])
+            z = _centred(logits[rows, cols], log_norm.dtype, tau, peak[rows, cols])
             log_p = z.sub_(log_norm[rows, cols, None])
             # g·(onehot − p): −g·p everywhere, and g·(1 − p_y) = −g·expm1(log p_y) at the label,
             # which keeps 1 − p_y accurate when p_y is close to 1
@@ -190,11 +206,11 @@ class _ChunkedEntropy(torch.autograd.Function):
         dtype = _compute_dtype(logits.dtype)
         entropy, peak, log_norm = (logits.new_empty((b, t), dtype=dtype) for _ in range(3))
         for rows, cols in _blocks(b, t, chunk_size):
-            z, block_peak = _centred(x[rows, cols], dtype, temperature)
-            block_norm = torch.logsumexp(z, dim=-1)
+            z, block_peak, block_norm = _normalised(x[rows, cols], dtype, temperature)
             peak[rows, cols] = block_peak
             log_norm[rows, cols] = block_norm
-            entropy[rows, cols] = block_norm - (torch.softmax(z, dim=-1) * z).sum(-1)
+            probs = (z - block_norm[..., None]).exp_()
+            entropy[rows, cols] = block_norm - (probs * z).sum(-1)
         shape = logits.shape[:-1]
         return entropy.reshape(shape), peak.reshape(shape), log_norm.reshape(shape)
 
@@ -221,7 +237,7 @@ class _ChunkedEntropy(torch.autograd.Function):
         mean3, g3 = (log_norm - entropy).reshape(b, t), grad_entropy.reshape(b, t)
         grad = torch.empty(x.shape, dtype=logits.dtype, device=logits.device)
         for rows, cols in _blocks(b, t, ctx.chunk_size):
-            z, _ = _centred(x[rows, cols], log_norm.dtype, tau, peak3[rows, cols])
+            z = _centred(x[rows, cols], log_norm.dtype, tau, peak3[rows, cols])
             p = (z - norm3[rows, cols, None]).exp_()
             scale = g3[rows, cols, None].to(log_norm.dtype) / -tau
             # −g·p·(z − E_p[z]) / τ

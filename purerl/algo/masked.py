@@ -36,7 +36,7 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
         return var
     count = mask.sum().to(x.dtype)
     # tensor arithmetic instead of an int() read: no host sync on accelerators
-    return torch.where(count >= 2, var * count / (count - 1).clamp_min(1), var)
+    return torch.where(count >= 2, var * (count / (count - 1).clamp_min(1)), var)  # verl's rounding order
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
@@ -44,7 +44,8 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
 
     ``shift_mean=False`` adds μ back. Differences from verl, both on degenerate inputs: masked
     entries are set to 0 (verl leaves ``(x-μ)/σ`` there), and fewer than 2 valid entries give
-    variance 0 instead of raising, so a single valid entry whitens to 0 (or to μ unshifted).
+    variance 0 instead of raising, so a single valid entry whitens to ≈ 0 (``x·1e-4``, from the
+    ``1e-8`` in ``masked_mean`` and in the rsqrt).
     """
     mean = masked_mean(x, mask)
     whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + 1e-8)

@@ -94,23 +94,32 @@ def adamw(
         count = torch.zeros((), dtype=torch.float32, device=device)
         return AdamWState(count, tree_map(_zeros_like, params), tree_map(_zeros_like, params))
 
-    def update(grads: Any, state: AdamWState, params: Any, *, donate: bool = True) -> tuple[Any, AdamWState]:
+    def update(
+        grads: Any, state: AdamWState, params: Any, *, donate: bool = True
+    ) -> tuple[Any, AdamWState]:
         p_leaves, treedef = tree_flatten(params)
         g_leaves, g_def = tree_flatten(grads)
         mu_leaves, mu_def = tree_flatten(state.mu)
         nu_leaves, nu_def = tree_flatten(state.nu)
         for name, other in (("grads", g_def), ("state.mu", mu_def), ("state.nu", nu_def)):
             if other != treedef:
-                raise ValueError(f"adamw update: {name} has tree structure\n  {other}\nbut params has\n  {treedef}")
+                raise ValueError(
+                    f"adamw update: {name} has tree structure\n  {other}\n"
+                    f"but params has\n  {treedef}"
+                )
         _check_grads(params, p_leaves, g_leaves)
         if not donate:
-            p_leaves, mu_leaves, nu_leaves = (list(map(_fresh_copy, ls)) for ls in (p_leaves, mu_leaves, nu_leaves))
+            p_leaves, mu_leaves, nu_leaves = (
+                [_fresh_copy(x) for x in leaves] for leaves in (p_leaves, mu_leaves, nu_leaves)
+            )
         live = [i for i, g in enumerate(g_leaves) if g is not None]
         if live:
-            p, g, m, v = ([leaves[i] for i in live] for leaves in (p_leaves, g_leaves, mu_leaves, nu_leaves))
-            _step(p, g, m, v, state.count, _learning_rate(lr, state.count), b1, b2, eps, weight_decay, impl)
-        new_state = AdamWState(state.count + 1, tree_unflatten(mu_leaves, treedef), tree_unflatten(nu_leaves, treedef))
-        return tree_unflatten(p_leaves, treedef), new_state
+            lists = (p_leaves, g_leaves, mu_leaves, nu_leaves)
+            p, g, m, v = ([leaves[i] for i in live] for leaves in lists)
+            step_lr = _learning_rate(lr, state.count)
+            _step(p, g, m, v, state.count, step_lr, b1, b2, eps, weight_decay, impl)
+        mu, nu = tree_unflatten(mu_leaves, treedef), tree_unflatten(nu_leaves, treedef)
+        return tree_unflatten(p_leaves, treedef), AdamWState(state.count + 1, mu, nu)
 
     return Optimizer(init, update)
 
@@ -122,14 +131,19 @@ def _check_hyper(name: str, value: float, lo: float, hi: float) -> None:
 
 
 def _check_grads(params: Any, p_leaves: list[Any], g_leaves: list[Any]) -> None:
-    """Shapes and dtypes of the gradients equal the params' (the fused CPU kernel does not check)."""
+    """Gradient shapes and dtypes equal the params' (the fused CPU kernel does not check)."""
     for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
         if g is None or (g.shape == p.shape and g.dtype == p.dtype):
             continue
         path = tree_paths(params)[i][0]
         if g.shape != p.shape:
-            raise ValueError(f"adamw update: grads{path} has shape {tuple(g.shape)} but params{path} has {tuple(p.shape)}")
-        raise TypeError(f"adamw update: grads{path} has dtype {g.dtype} but params{path} has {p.dtype}")
+            raise ValueError(
+                f"adamw update: grads{path} has shape {tuple(g.shape)} "
+                f"but params{path} has {tuple(p.shape)}"
+            )
+        raise TypeError(
+            f"adamw update: grads{path} has dtype {g.dtype} but params{path} has {p.dtype}"
+        )
 
 
 def _zeros_like(x: Tensor) -> Tensor:
@@ -151,15 +165,29 @@ def _learning_rate(lr: float | Schedule, count: Tensor) -> float | Tensor:
     return float(value) if count.device.type == "cpu" else value.to(torch.float32)
 
 
-def _step(params: list[Tensor], grads: list[Tensor], mu: list[Tensor], nu: list[Tensor], count: Tensor,
-          lr: float | Tensor, b1: float, b2: float, eps: float, weight_decay: float, impl: Impl) -> None:
+def _step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    mu: list[Tensor],
+    nu: list[Tensor],
+    count: Tensor,
+    lr: float | Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    impl: Impl,
+) -> None:
     """One in-place AdamW step on the leaf lists (the only mutation in this module)."""
     fused = impl == "fused" and all(p.device.type in _FUSED_DEVICES for p in params)
     # one distinct step element per leaf: the kernel adds 1 to each, so they read count + 1
     steps = list(count.repeat(len(params)).unbind(0))
     with torch.no_grad():
-        _adamw_kernel(params, grads, mu, nu, [], steps,
-                      foreach=not fused and impl != "single", fused=fused,
-                      capturable=count.device.type != "cpu",
-                      amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=weight_decay, eps=eps,
-                      maximize=False)
+        _adamw_kernel(
+            params, grads, mu, nu, [], steps,
+            foreach=not fused and impl != "single",
+            fused=fused,
+            capturable=count.device.type != "cpu",
+            amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=weight_decay, eps=eps,
+            maximize=False,
+        )

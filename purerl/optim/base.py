@@ -6,7 +6,8 @@ Two kinds of parts:
   ``init(params) -> state`` and ``update(grads, state) -> (grads', state')``; it never touches
   its inputs (clipping, scaling);
 - an :class:`Optimizer` turns gradients into new params:
-  ``init(params) -> state`` and ``update(grads, state, params, *, donate=True) -> (params', state')``.
+  ``init(params) -> state`` and
+  ``update(grads, state, params, *, donate=True) -> (params', state')``.
 
 **Donation.** With ``donate=True`` (the default) an optimizer may update ``params`` and ``state``
 in place and return new tree objects that alias the input buffers, like
@@ -39,7 +40,8 @@ class GradientTransform:
 
 @attrs.frozen
 class Optimizer:
-    """``init(params) -> state``; ``update(grads, state, params, *, donate=True) -> (params', state')``.
+    """``init(params) -> state``;
+    ``update(grads, state, params, *, donate=True) -> (params', state')``.
 
     See the module docstring for the donation contract of ``update``.
     """
@@ -68,14 +70,19 @@ def chain(*parts: GradientTransform | Optimizer) -> Optimizer:
     transforms, optimizer = parts[:-1], parts[-1]
     for i, part in enumerate(transforms):
         if not isinstance(part, GradientTransform):
-            raise TypeError(f"chain: part {i} must be a GradientTransform, got {type(part).__name__}")
+            kind = type(part).__name__
+            raise TypeError(f"chain: part {i} must be a GradientTransform, got {kind}")
 
     def init(params: Any) -> tuple[Any, ...]:
         return (*(t.init(params) for t in transforms), optimizer.init(params))
 
-    def update(grads: Any, state: tuple[Any, ...], params: Any, *, donate: bool = True) -> tuple[Any, tuple[Any, ...]]:
+    def update(
+        grads: Any, state: tuple[Any, ...], params: Any, *, donate: bool = True
+    ) -> tuple[Any, tuple[Any, ...]]:
         if len(state) != len(parts):
-            raise ValueError(f"chain update: state has {len(state)} parts but the chain has {len(parts)}")
+            raise ValueError(
+                f"chain update: state has {len(state)} parts but the chain has {len(parts)}"
+            )
         states = []
         for transform, part_state in zip(transforms, state):
             grads, part_state = transform.update(grads, part_state)

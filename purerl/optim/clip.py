@@ -19,7 +19,7 @@ class ClipState:
 
 @GRADIENT_TRANSFORMS.register("clip_by_global_norm")
 def clip_by_global_norm(max_norm: float) -> GradientTransform:
-    """Scale all gradients by ``c = min(1, max_norm / (‖g‖ + 1e-6))``, ``‖g‖ = sqrt(Σ_leaves ‖g_i‖²)``.
+    """Scale all gradients by ``c = min(1, max_norm / (‖g‖ + 1e-6))``, ``‖g‖² = Σ_leaves ‖g_i‖²``.
 
     This is ``torch.nn.utils.clip_grad_norm_`` (verl's actor/critic clipping): the norm comes from
     ``torch.nn.utils.get_total_norm`` (per-leaf norms, then one reduction; DTensor-aware) and the

@@ -72,7 +72,9 @@ def linear_warmup_schedule(peak_lr: float, warmup_steps: int) -> Schedule:
 
 
 @SCHEDULES.register("warmup_cosine", "cosine")
-def warmup_cosine_schedule(peak_lr: float, warmup_steps: int, total_steps: int, final_lr: float = 0.0) -> Schedule:
+def warmup_cosine_schedule(
+    peak_lr: float, warmup_steps: int, total_steps: int, final_lr: float = 0.0
+) -> Schedule:
     """Linear warmup from 0 to ``peak_lr``, then a half cosine down to ``final_lr``, then flat.
 
     With ``W = warmup_steps``, ``T = total_steps`` and ``p = clamp((s - W) / (T - W), 0, 1)``::
@@ -88,7 +90,8 @@ def warmup_cosine_schedule(peak_lr: float, warmup_steps: int, total_steps: int, 
     _check_lr("warmup_cosine_schedule", peak_lr=peak_lr, final_lr=final_lr)
     if not 0 <= warmup_steps < total_steps:
         raise ValueError(
-            f"warmup_cosine_schedule: need 0 <= warmup_steps < total_steps, got {warmup_steps} and {total_steps}"
+            "warmup_cosine_schedule: need 0 <= warmup_steps < total_steps, "
+            f"got {warmup_steps} and {total_steps}"
         )
     if final_lr > peak_lr:
         raise ValueError(f"warmup_cosine_schedule: final_lr {final_lr} exceeds peak_lr {peak_lr}")
