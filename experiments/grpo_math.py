@@ -33,7 +33,7 @@ from purerl.driver import RunConfig, Task, evaluate, train  # noqa: E402
 from purerl.metrics_log import MetricsLog  # noqa: E402
 from purerl.model import causal_lm_from_config, load_causal_lm, smollm2_gguf  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedule  # noqa: E402
-from purerl.rewards import math_reward, math_reward_with_format  # noqa: E402
+from purerl.rewards import lenient_math_reward, math_reward, math_reward_with_format  # noqa: E402
 from purerl.rollout.engine import TorchEngine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
@@ -63,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-reference loss coefficient (0: no reference)")
-    ap.add_argument("--format-bonus", type=float, default=0.1, help="reward for a '####' answer, right or wrong")
+    ap.add_argument("--strict-answers", action="store_true",
+                    help="count only answers after '####' or boxed (default: else the last number)")
+    ap.add_argument("--format-bonus", type=float, default=0.0,
+                    help="with --strict-answers: extra reward for any '####' answer, right or wrong")
     ap.add_argument("--clip-high", type=float, default=0.28, help="upper clip ratio (DAPO clip-higher)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward")
     ap.add_argument("--eval-every", type=int, default=10)
@@ -150,8 +153,11 @@ def main(argv: list[str] | None = None) -> dict:
     wall_start = time.time()
 
     model, params, tokenizer = load_policy(args)
-    reward_fn = (functools.partial(math_reward_with_format, format_bonus=args.format_bonus)
-                 if args.format_bonus else math_reward)
+    if args.strict_answers:
+        reward_fn = (functools.partial(math_reward_with_format, format_bonus=args.format_bonus)
+                     if args.format_bonus else math_reward)
+    else:
+        reward_fn = lenient_math_reward
     train_task, eval_task, counts = build_tasks(args, tokenizer, reward_fn)
     decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
     eos = {tokenizer.eos_token_id, *([model.config.eos_token_id] if isinstance(model.config.eos_token_id, int)
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         (run_dir / "baseline.json").write_text(json.dumps(baseline))
         before = baseline["val/accuracy"]
         print(f"step 0 held-out greedy accuracy {before:.3f} "
-              f"(flexible {baseline['val/flexible_accuracy']:.3f}) on {len(eval_task.records)} problems", flush=True)
+              f"(strict {baseline['val/strict_accuracy']:.3f}) on {len(eval_task.records)} problems", flush=True)
 
     step_fn = functools.partial(grpo_step, policy=model, optimizer=optimizer, kl_controller=kl_controller,
                                 config=config)
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         "accuracy_before": before,
         "accuracy_after": after,
         "accuracy_gain_points": 100 * (after - before),
-        "flexible_accuracy_after": final.get("val/flexible_accuracy"),
+        "strict_accuracy_after": final.get("val/strict_accuracy"),
         "wall_seconds": time.time() - wall_start,
         **counts,
         "args": vars(args),

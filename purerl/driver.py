@@ -21,7 +21,7 @@ from purerl.checkpoint import save_checkpoint
 from purerl.data.cursor import next_indices
 from purerl.data.records import PromptRecord
 from purerl.metrics_log import MetricsLog
-from purerl.rewards import RewardFn, extract_answer, answers_equal, score_responses
+from purerl.rewards import RewardFn, math_reward, score_responses
 from purerl.rollout.engine import Rollout, RolloutEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
@@ -89,18 +89,17 @@ def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, run: Run
 def evaluate(state: TrainState, engine: RolloutEngine, task: Task, decode: Callable[[list[int]], str], *,
              max_new_tokens: int, batch_prompts: int = 32) -> dict[str, float]:
     """Greedy accuracy on ``task``: ``val/accuracy`` with the task's reward (score ≥ 1 counts as
-    correct) and ``val/flexible_accuracy`` accepting the last number as the answer."""
+    correct) and ``val/strict_accuracy`` counting only answers written after ``####`` or boxed."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    correct = flexible = 0
+    correct = strict = 0
     for start in range(0, len(task.records), batch_prompts):
         ids = task.prompt_ids[start:start + batch_prompts]
         rollout = engine.generate(ids, sampling, RngState(0), version=state.step)
         for text, record in zip(decode_responses(rollout, decode), task.records[start:start + batch_prompts]):
             correct += task.reward_fn(text, record.ground_truth) >= 1.0
-            answer = extract_answer(text, strict=False)
-            flexible += answer is not None and answers_equal(answer, record.ground_truth)
+            strict += math_reward(text, record.ground_truth) >= 1.0
     n = len(task.records)
-    return {"val/accuracy": correct / n, "val/flexible_accuracy": flexible / n}
+    return {"val/accuracy": correct / n, "val/strict_accuracy": strict / n}
 
 
 def train(state: TrainState, *, step_fn: StepFn, engine: RolloutEngine, task: Task, run: RunConfig,

@@ -18,6 +18,7 @@ __all__ = [
     "extract_answer",
     "answers_equal",
     "math_reward",
+    "lenient_math_reward",
     "math_reward_with_format",
     "Scores",
     "score_responses",
@@ -85,6 +86,13 @@ def answers_equal(answer: str, ground_truth: str) -> bool:
 def math_reward(response: str, ground_truth: str) -> float:
     """1.0 when the strictly extracted final answer equals the ground truth, else 0.0."""
     answer = extract_answer(response, strict=True)
+    return 1.0 if answer is not None and answers_equal(answer, ground_truth) else 0.0
+
+
+def lenient_math_reward(response: str, ground_truth: str) -> float:
+    """1.0 when the final answer equals the ground truth, taking the last number in the response
+    when there is no ``####``/``\\boxed`` answer (verl's "flexible" GSM8K extraction), else 0.0."""
+    answer = extract_answer(response, strict=False)
     return 1.0 if answer is not None and answers_equal(answer, ground_truth) else 0.0
 
 

@@ -43,6 +43,7 @@ def test_kill_and_resume_continues_with_identical_metrics(tmp_path):
     assert checkpoint.exists(), proc.stdout.read().decode() if proc.poll() is not None else "timed out"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    proc.stdout.close()
     resumed = _run(tmp_path / "killed", "--resume")
     assert "resumed from" in resumed.stdout
     assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "full")

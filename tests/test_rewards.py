@@ -4,7 +4,14 @@ import time
 
 import pytest
 
-from purerl.rewards import answers_equal, extract_answer, math_reward, math_reward_with_format, score_responses
+from purerl.rewards import (
+    answers_equal,
+    extract_answer,
+    lenient_math_reward,
+    math_reward,
+    math_reward_with_format,
+    score_responses,
+)
 
 
 @pytest.mark.parametrize(
@@ -37,6 +44,9 @@ def test_math_reward_and_format_bonus():
     assert math_reward_with_format("#### 7", "8", format_bonus=0.1) == pytest.approx(0.1)
     assert math_reward_with_format("#### 8", "8", format_bonus=0.1) == pytest.approx(1.1)
     assert math_reward_with_format("eight", "8") == 0.0
+    assert lenient_math_reward("so 3 + 5 = 8 apples", "8") == 1.0
+    assert lenient_math_reward("#### 9, not 8", "8") == 0.0  # an explicit answer wins over the last number
+    assert lenient_math_reward("no idea", "8") == 0.0
 
 
 def test_a_raising_or_hanging_reward_gives_a_penalty_and_the_run_goes_on():

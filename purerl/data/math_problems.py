@@ -1,8 +1,9 @@
 """Procedural math word problems with exact integer answers.
 
 Each problem is a short story over random names, objects and numbers; the answer is computed,
-not stored, so it is exact. Difficulty 1 is one addition or subtraction, 2 chains two operations,
-3 adds multiplication and exact division. A held-out split is a different seed with every
+not stored, so it is exact. Difficulty 1 is one addition or subtraction of single-digit numbers,
+2 the same with numbers up to 20, 3 chains two operations, 4 adds multiplication and exact
+division. A held-out split is a different seed with every
 question that also occurs in the training split removed.
 """
 
@@ -13,21 +14,28 @@ from purerl.data.records import PromptRecord
 
 __all__ = ["INSTRUCTION", "math_problem", "math_problems", "train_eval_split"]
 
-INSTRUCTION = "Solve the problem. Write the final answer as a number after '####', like '#### 42'."
+INSTRUCTION = "Give a short answer. End with '#### <number>'."
 _NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Maya", "Ben", "Ivy", "Raj", "Zoe", "Eli", "Nia"]
 _THINGS = ["apples", "marbles", "books", "pencils", "stickers", "cookies", "coins", "shells", "cards", "eggs"]
 
 
-def _level1(r: random.Random) -> tuple[str, int]:
+def _one_step(r: random.Random, a: int, b: int) -> tuple[str, int]:
     name, thing = r.choice(_NAMES), r.choice(_THINGS)
-    a, b = r.randint(2, 20), r.randint(1, 15)
     if r.random() < 0.5:
         return f"{name} has {a} {thing}. {name} gets {b} more {thing}. How many {thing} does {name} have now?", a + b
     a = a + b
     return f"{name} has {a} {thing}. {name} gives away {b} {thing}. How many {thing} does {name} have left?", a - b
 
 
+def _level1(r: random.Random) -> tuple[str, int]:
+    return _one_step(r, r.randint(1, 9), r.randint(1, 9))
+
+
 def _level2(r: random.Random) -> tuple[str, int]:
+    return _one_step(r, r.randint(2, 20), r.randint(1, 15))
+
+
+def _level3(r: random.Random) -> tuple[str, int]:
     name, other, thing = r.choice(_NAMES), r.choice(_NAMES), r.choice(_THINGS)
     a, b, c = r.randint(5, 30), r.randint(2, 20), r.randint(1, 10)
     if r.random() < 0.5:
@@ -38,7 +46,7 @@ def _level2(r: random.Random) -> tuple[str, int]:
             f"How many {thing} does {name} have in total?", k * (c + 1) + b)
 
 
-def _level3(r: random.Random) -> tuple[str, int]:
+def _level4(r: random.Random) -> tuple[str, int]:
     name, thing = r.choice(_NAMES), r.choice(_THINGS)
     per, groups, extra = r.randint(2, 12), r.randint(2, 9), r.randint(1, 20)
     if r.random() < 0.5:
@@ -50,11 +58,11 @@ def _level3(r: random.Random) -> tuple[str, int]:
             f"How many {thing} are left?", groups * per - extra)
 
 
-_LEVELS: dict[int, Callable[[random.Random], tuple[str, int]]] = {1: _level1, 2: _level2, 3: _level3}
+_LEVELS: dict[int, Callable[[random.Random], tuple[str, int]]] = {1: _level1, 2: _level2, 3: _level3, 4: _level4}
 
 
 def math_problem(r: random.Random, difficulty: int) -> PromptRecord:
-    """One problem of the given difficulty (1–3) drawn from ``r``."""
+    """One problem of the given difficulty (1–4) drawn from ``r``."""
     if difficulty not in _LEVELS:
         raise ValueError(f"math_problem: difficulty must be one of {sorted(_LEVELS)}, got {difficulty}")
     question, answer = _LEVELS[difficulty](r)
