@@ -1,7 +1,8 @@
 """One full GRPO step, purerl vs TRL's GRPOTrainer, same tiny model, batch and lengths, on CPU.
 
-A step is: sample ``--prompts`` × ``--n`` completions of exactly ``--new`` tokens (EOS disabled in
-both), score them with the same reward function, compute group-normalised advantages, one
+A step is: sample ``--prompts`` × ``--n`` completions of at most ``--new`` tokens (both stop at the
+tokenizer's EOS; the random model's lengths follow the same distribution on both sides, and the
+mean lengths are printed), score them with the same reward function, compute group-normalised advantages, one
 policy-gradient update with AdamW (no reference model, beta = 0). TRL is timed per step with a
 trainer callback (``on_step_begin`` → ``on_step_end``, generation included); purerl is timed
 around ``rollout_batch`` + ``grpo_step``. The two alternate in blocks of ``--steps`` steps,
@@ -61,7 +62,6 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = char_tokenizer()
-    no_eos = len(tokenizer) + 3  # never sampled: both sides generate exactly --new tokens
     config = tiny_llama_config(vocab_size=len(tokenizer) + 8, hidden_size=args.hidden, layers=args.layers)
     pairs = make_prompts(100)
     lr = 1e-5
@@ -72,7 +72,7 @@ def main() -> None:
     kl_controller = make_kl_controller("fixed", coef=0.0)
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(),
                        rng=RngState(0), data=DataCursor(0))
-    engine = TorchEngine(model, eos_token_ids=[no_eos], pad_token_id=tokenizer.pad_token_id,
+    engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
                          decode=tokenizer.decode)
     from purerl.data.records import PromptRecord
 
@@ -85,6 +85,7 @@ def main() -> None:
     step_fn = functools.partial(grpo_step, policy=model, optimizer=optimizer, kl_controller=kl_controller,
                                 config=step_config)
     purerl_times: list[float] = []
+    purerl_lengths: list[float] = []
 
     def purerl_block(count: int, record: bool) -> None:
         nonlocal state
@@ -92,12 +93,14 @@ def main() -> None:
             start = time.perf_counter()
             engine.sync(state.policy, state.step)
             state, rollout, scores, _ = rollout_batch(state, engine, task, run, tokenizer.decode)
-            state, _ = step_fn(state, rollout, scores)
+            state, metrics = step_fn(state, rollout, scores)
             if record:
                 purerl_times.append(time.perf_counter() - start)
+                purerl_lengths.append(metrics["response_length/mean"])
 
     # --- TRL ---
     trl_times: list[float] = []
+    trl_lengths: list[float] = []
 
     class StepTimer(TrainerCallback):
         record = False
@@ -109,6 +112,10 @@ def main() -> None:
             if self.record:
                 trl_times.append(time.perf_counter() - self._start)
 
+        def on_log(self, args, state, control, logs=None, **k):
+            if self.record and logs and "completions/mean_length" in logs:
+                trl_lengths.append(float(logs["completions/mean_length"]))
+
     timer = StepTimer()
     tmp = tempfile.mkdtemp(prefix="purerl_bench_trl_")
     torch.manual_seed(0)
@@ -116,7 +123,7 @@ def main() -> None:
 
     trl_model = AutoModelForCausalLM.from_config(config)
     trl_model.generation_config.pad_token_id = tokenizer.pad_token_id
-    trl_model.generation_config.eos_token_id = no_eos
+    trl_model.generation_config.eos_token_id = tokenizer.eos_token_id
     dataset = Dataset.from_dict({"prompt": [p for p, _ in pairs], "truth": [t for _, t in pairs]})
 
     def trl_reward(completions, truth, **_):
@@ -125,7 +132,7 @@ def main() -> None:
     def trl_block(count: int, record: bool) -> None:
         timer.record = record
         trl_args = GRPOConfig(
-            output_dir=tmp, use_cpu=True, bf16=False, max_steps=count, logging_steps=10**6,
+            output_dir=tmp, use_cpu=True, bf16=False, max_steps=count, logging_steps=1,
             per_device_train_batch_size=args.prompts * args.n, num_generations=args.n,
             max_completion_length=args.new, learning_rate=lr, report_to="none", save_strategy="no",
             seed=0, gradient_checkpointing=False, beta=0.0, disable_tqdm=True, temperature=1.0,
@@ -144,8 +151,10 @@ def main() -> None:
     print(f"model {sum(p.numel() for p in params.values()) / 1e6:.2f} M params; {args.prompts} prompts x "
           f"{args.n} samples x {args.new} new tokens; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{len(trl_times)} TRL and {len(purerl_times)} purerl steps")
-    print(f"TRL GRPOTrainer        median {trl_med * 1e3:8.1f} ms/step")
-    print(f"purerl grpo_step       median {purerl_med * 1e3:8.1f} ms/step   speed-up vs TRL {trl_med / purerl_med:5.2f}x")
+    print(f"TRL GRPOTrainer        median {trl_med * 1e3:8.1f} ms/step   mean completion length "
+          f"{statistics.mean(trl_lengths):.1f}")
+    print(f"purerl grpo_step       median {purerl_med * 1e3:8.1f} ms/step   mean completion length "
+          f"{statistics.mean(purerl_lengths):.1f}   speed-up vs TRL {trl_med / purerl_med:5.2f}x")
 
 
 if __name__ == "__main__":
