@@ -7,24 +7,25 @@ except where noted as a sane fix of a degenerate case.
 """
 
 import torch
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 __all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+def masked_sum(x: Float[Tensor, "*shape"], mask: Bool[Tensor, "*shape"], dim: int | None = None) -> Float[Tensor, "..."]:
     """``Σ x·m`` over ``dim`` (all dims if None); masked entries contribute exactly 0."""
     zeroed = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     return zeroed.sum() if dim is None else zeroed.sum(dim)
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+def masked_mean(x: Float[Tensor, "*shape"], mask: Bool[Tensor, "*shape"], dim: int | None = None) -> Float[Tensor, "..."]:
     """``Σ x·m / (Σ m + 1e-8)``; an empty mask gives 0 (verl's epsilon, kept for exactness)."""
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(x, mask, dim) / (count.to(x.dtype) + 1e-8)
 
 
-def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+def masked_var(x: Float[Tensor, "*shape"], mask: Bool[Tensor, "*shape"], unbiased: bool = True) -> Float[Tensor, ""]:
     """Variance of the valid entries, ``mean_m((x-μ)²)·M/(M-1)`` when ``unbiased``.
 
     Degenerate case (verl raises ``ValueError``): with ``M = Σm < 2`` the unbiased variance is
@@ -39,7 +40,9 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return torch.where(count >= 2, var * (count / (count - 1).clamp_min(1)), var)  # verl's rounding order
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+def masked_whiten(
+    x: Float[Tensor, "*shape"], mask: Bool[Tensor, "*shape"], shift_mean: bool = True
+) -> Float[Tensor, "*shape"]:
     """``(x - μ)·rsqrt(var_unbiased + 1e-8)`` over the valid entries, 0 at masked entries.
 
     ``shift_mean=False`` adds μ back. Differences from verl, both on degenerate inputs: masked
