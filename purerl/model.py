@@ -208,7 +208,7 @@ def smollm2_gguf() -> Path:
     return found[0]
 
 
-def critic_from_causal_lm(model: CausalLM, params: Params, *, seed: int = 0) -> tuple[Critic, Params]:
+def critic_from_causal_lm(model: CausalLM, params: Params) -> tuple[Critic, Params]:
     """A critic whose backbone starts from the policy's weights and whose value head is zero.
 
     The backbone is the causal LM's base model (``model.*`` names); a zero head makes every
@@ -225,7 +225,6 @@ def critic_from_causal_lm(model: CausalLM, params: Params, *, seed: int = 0) -> 
     critic_params = {
         f"backbone.{name[len(prefix):]}": p.clone() for name, p in params.items() if name.startswith(prefix)
     }
-    del seed  # the head is deterministic (zeros); kept for a future random init option
     critic_params["value_head.weight"] = torch.zeros(1, config.hidden_size, dtype=some.dtype, device=some.device)
     critic_params["value_head.bias"] = torch.zeros(1, dtype=some.dtype, device=some.device)
     buffers = {
