@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, aggregate_loss
+from purerl.algo.aggregation import LOSS_AGGREGATIONS, aggregate_loss
 from property_tests.strategies import token_batches
 
 MODES = LOSS_AGGREGATIONS.names()

@@ -6,7 +6,6 @@ response positions (padding last), ``s = P + T``. The response tokens are the la
 multi-turn rollouts, which still attend).
 """
 
-import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
@@ -62,12 +61,3 @@ class Sequences:
     def rows(self, index: Tensor | slice) -> "Sequences":
         """The sub-batch of the given rows (a view for slices)."""
         return Sequences(self.input_ids[index], self.attention_mask[index], self.response_mask[index])
-
-    @staticmethod
-    def concat(parts: "list[Sequences]") -> "Sequences":
-        """Rows of ``parts`` stacked; all parts must share ``s`` and ``t``."""
-        return Sequences(
-            torch.cat([p.input_ids for p in parts]),
-            torch.cat([p.attention_mask for p in parts]),
-            torch.cat([p.response_mask for p in parts]),
-        )

@@ -6,7 +6,7 @@ jaxtyping checks every annotated call under pytest only; these checks run always
 
 import torch
 
-__all__ = ["check_same_shape", "check_floating", "check_bool", "check_rank", "check_finite"]
+__all__ = ["check_same_shape", "check_floating", "check_bool", "check_rank"]
 
 
 def _shape(x: torch.Tensor) -> tuple[int, ...]:
@@ -46,9 +46,3 @@ def check_bool(where: str, **tensors: torch.Tensor | None) -> None:
         if value is not None and value.dtype != torch.bool:
             raise TypeError(f"{where}: {name} must be a bool mask, got {value.dtype}")
 
-
-def check_finite(where: str, **tensors: torch.Tensor | None) -> None:
-    """Raise ``ValueError`` naming the first tensor holding NaN or inf (reads the data)."""
-    for name, value in tensors.items():
-        if value is not None and not bool(torch.isfinite(value).all()):
-            raise ValueError(f"{where}: {name} holds NaN or inf")

@@ -12,7 +12,6 @@ uninterrupted run would have done.
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch

@@ -301,16 +301,6 @@ def value_and_grad(
 
 
 def full_state_dict(model: CausalLM, params: Params) -> dict[str, Tensor]:
-    """Params with tied aliases dropped and persistent buffers added: what ``save_pretrained`` wants."""
-    persistent = {
-        name for name, _ in model.module.named_buffers()
-        if name.rsplit(".", 1)[-1] not in _non_persistent(model.module, name)
-    }
-    state = dict(params)
-    state.update({name: b for name, b in model.buffers.items() if name in persistent})
-    return state
-
-
-def _non_persistent(module: nn.Module, name: str) -> set[str]:
-    owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
-    return set(owner._non_persistent_buffers_set)
+    """Params plus persistent buffers (tied aliases left out): what ``save_pretrained`` wants."""
+    persistent = set(model.module.state_dict())  # the meta skeleton knows which buffers persist
+    return {**params, **{name: b for name, b in model.buffers.items() if name in persistent}}

@@ -9,7 +9,7 @@ from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.engine import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.step import StepConfig, grpo_step, make_experience, ppo_step, shape_rewards, token_level_scores
+from purerl.step import StepConfig, grpo_step, make_experience, ppo_step, token_level_scores
 from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_equal
 

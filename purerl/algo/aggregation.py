@@ -59,11 +59,6 @@ class SumCount:
     def detach(self) -> "SumCount":
         return SumCount(self.total.detach(), self.count.detach())
 
-    @staticmethod
-    def zero(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> "SumCount":
-        z = torch.zeros((), dtype=dtype, device=device)
-        return SumCount(z, z.clone())
-
 
 class Aggregation(Protocol):
     def __call__(

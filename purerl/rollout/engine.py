@@ -22,7 +22,6 @@ from purerl.tree import pytree
 __all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout", "RolloutEngine", "TorchEngine"]
 
 FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2
-FINISH_NAMES = {FINISH_EOS: "eos", FINISH_LENGTH: "length", FINISH_STOP: "stop"}
 
 
 @pytree
