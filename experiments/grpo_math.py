@@ -10,6 +10,12 @@ steps or bigger batches; ``--resume`` continues from the newest checkpoint in ``
     python experiments/grpo_math.py --tiny --steps 3     # a tiny random model, seconds
     python experiments/grpo_math.py --model ./Qwen2.5-0.5B-Instruct --data train.parquet \\
         --eval-data test.parquet --device cuda --steps 200 --prompts-per-step 64 --samples-per-prompt 8
+    python experiments/grpo_math.py --tiny --executor ray --train-ranks 2 --rollout-workers 1   # Ray, FSDP2
+
+With ``--executor ray`` the same step function runs on FSDP2 training ranks (Ray actors) and
+generation on rollout workers (``--placement split``) or on the training ranks themselves
+(``--placement colocated``). A dead or stuck worker ends the run with exit status 1 and a message
+naming it.
 """
 
 import argparse
@@ -30,6 +36,7 @@ from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.data.math_problems import train_eval_split  # noqa: E402
 from purerl.data.records import encode_prompts, load_records  # noqa: E402
 from purerl.driver import RunConfig, Task, evaluate, train  # noqa: E402
+from purerl.executors.local import ExecutorError, LocalExecutor  # noqa: E402
 from purerl.metrics_log import MetricsLog  # noqa: E402
 from purerl.model import causal_lm_from_config, load_causal_lm, smollm2_gguf  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedule  # noqa: E402
@@ -77,7 +84,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log", nargs="*", default=[], choices=["tensorboard", "wandb"])
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--no-progress", action="store_true")
+    ray = ap.add_argument_group("Ray executor")
+    ray.add_argument("--executor", default="local", choices=["local", "ray"],
+                     help="local: one process (default); ray: FSDP2 training ranks + rollout workers")
+    ray.add_argument("--ray-address", help="join this Ray cluster ('auto' or host:port; default: start one locally)")
+    ray.add_argument("--placement", default="split", choices=["split", "colocated"],
+                     help="split: rollout workers apart from training ranks; colocated: the ranks generate")
+    ray.add_argument("--train-ranks", type=int, default=2)
+    ray.add_argument("--rollout-workers", type=int, default=1)
+    ray.add_argument("--gpus-per-worker", type=float, default=0.0)
+    ray.add_argument("--cpus-per-worker", type=float, default=1.0)
+    ray.add_argument("--sync-checksum", action="store_true", help="verify every weight sync by sha256")
+    ray.add_argument("--step-timeout", type=float, default=3600.0, help="seconds before a silent rank ends the run")
+    ray.add_argument("--ray-temp-dir", help="temp/log folder of a locally started Ray (default: Ray's)")
     return ap.parse_args(argv)
+
+
+def make_executor(args: argparse.Namespace, step_fn, model, engine_kwargs: dict):
+    """The local executor, or the Ray one (which writes its workers' PIDs to ``workers.json``)."""
+    if args.executor == "local":
+        return LocalExecutor(step_fn, model, TorchEngine(model, device=args.device, **engine_kwargs))
+    from purerl.executors.ray_executor import RayConfig, RayExecutor
+
+    config = RayConfig(train_ranks=args.train_ranks, rollout_workers=args.rollout_workers, placement=args.placement,
+                       address=args.ray_address, cpus_per_worker=args.cpus_per_worker,
+                       gpus_per_worker=args.gpus_per_worker, threads_per_worker=max(1, int(args.cpus_per_worker)),
+                       checksum=args.sync_checksum, step_timeout=args.step_timeout)
+    ray_init = {"_temp_dir": str(Path(args.ray_temp_dir).resolve())} if args.ray_temp_dir else None
+    executor = RayExecutor(step_fn, model, engine_kwargs=engine_kwargs, config=config, ray_init=ray_init)
+    (Path(args.out_dir) / "workers.json").write_text(json.dumps(executor.worker_pids()))
+    return executor
 
 
 def load_policy(args: argparse.Namespace):
@@ -163,8 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     eos = {tokenizer.eos_token_id, *([model.config.eos_token_id] if isinstance(model.config.eos_token_id, int)
                                      else (model.config.eos_token_id or []))}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = TorchEngine(model, eos_token_ids=sorted(e for e in eos if e is not None), pad_token_id=pad,
-                         decode=decode, device=args.device)
+    engine_kwargs = dict(eos_token_ids=sorted(e for e in eos if e is not None), pad_token_id=pad, decode=decode)
 
     config = StepConfig(adv_estimator="grpo", clip_high=args.clip_high, use_kl_loss=args.kl_coef > 0,
                         kl_loss_coef=args.kl_coef, micro_batch_rows=args.micro_batch, temperature=args.temperature,
@@ -180,13 +215,25 @@ def main(argv: list[str] | None = None) -> dict:
                     sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                             top_p=args.top_p, n=args.samples_per_prompt),
                     eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl_controller, config=config)
+    try:
+        with make_executor(args, step_fn, model, engine_kwargs) as executor:
+            return run_job(args, executor, state, run, train_task, eval_task, counts, decode, wall_start)
+    except ExecutorError as e:
+        raise SystemExit(f"grpo_math: {e}") from None
+
+
+def run_job(args, executor, state, run, train_task, eval_task, counts, decode, wall_start) -> dict:
+    """Baseline eval (or resume), training, final eval, summary and curve."""
+    run_dir = Path(args.out_dir)
+    engine = executor.engine
     log = MetricsLog(run_dir, tuple(args.log), config=vars(args))
     evaluate_fn = functools.partial(evaluate, engine=engine, task=eval_task, decode=decode,
                                     max_new_tokens=args.max_new_tokens)
 
     summary_path = run_dir / "summary.json"
     if args.resume and (checkpoint := latest_checkpoint(run_dir / "checkpoints")) is not None:
-        state = load_checkpoint(checkpoint, state)
+        state = executor.start(load_checkpoint(checkpoint, state))
         log.truncate_after(state.step)
         before = json.loads((run_dir / "baseline.json").read_text())["val/accuracy"]
         print(f"resumed from {checkpoint} at step {state.step}", flush=True)
@@ -194,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.resume:
             print(f"--resume: no checkpoint in {run_dir / 'checkpoints'}, starting fresh", flush=True)
         log.path.unlink(missing_ok=True)
+        state = executor.start(state)
         engine.sync(state.policy, version=state.step)
         baseline = evaluate_fn(state)
         (run_dir / "baseline.json").write_text(json.dumps(baseline))
@@ -201,9 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"step 0 held-out greedy accuracy {before:.3f} "
               f"(strict {baseline['val/strict_accuracy']:.3f}) on {len(eval_task.records)} problems", flush=True)
 
-    step_fn = functools.partial(grpo_step, policy=model, optimizer=optimizer, kl_controller=kl_controller,
-                                config=config)
-    state = train(state, step_fn=step_fn, engine=engine, task=train_task, run=run, decode=decode,
+    state = train(state, executor=executor, task=train_task, run=run, decode=decode,
                   run_dir=run_dir, log=log, evaluate_fn=evaluate_fn, progress=not args.no_progress)
     log.close()
     records = MetricsLog.read(log.path)

@@ -1,7 +1,7 @@
 """The driver loop: it sequences effects and calls the step function, and does no maths.
 
     for each step: prompts (data cursor) → rollout (engine, weights version v) → rewards (timeouts)
-                   → step_fn (pure stages) → sync weights (version v+1) → log
+                   → executor.step (the step function's pure stages) → sync weights (version v+1) → log
                    → evaluate every ``eval_every`` → checkpoint every ``checkpoint_every``
 
 Everything the loop needs to continue lives in the :class:`~purerl.state.TrainState` (data
@@ -19,6 +19,7 @@ import torch
 from purerl.checkpoint import save_checkpoint
 from purerl.data.cursor import next_indices
 from purerl.data.records import PromptRecord
+from purerl.executors.local import Executor
 from purerl.metrics_log import MetricsLog
 from purerl.rewards import RewardFn, math_reward, score_responses
 from purerl.rollout.engine import Rollout, RolloutEngine
@@ -27,9 +28,6 @@ from purerl.state import RngState, TrainState
 from purerl.tree import replace
 
 __all__ = ["Task", "RunConfig", "rollout_batch", "decode_responses", "evaluate", "train"]
-
-StepFn = Callable[[TrainState, Rollout, torch.Tensor], tuple[TrainState, dict[str, float]]]
-
 
 @attrs.frozen
 class Task:
@@ -101,13 +99,15 @@ def evaluate(state: TrainState, engine: RolloutEngine, task: Task, decode: Calla
     return {"val/accuracy": correct / n, "val/strict_accuracy": strict / n}
 
 
-def train(state: TrainState, *, step_fn: StepFn, engine: RolloutEngine, task: Task, run: RunConfig,
+def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,
           decode: Callable[[list[int]], str], run_dir: str | Path, log: MetricsLog,
           evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
           progress: bool = True) -> TrainState:
-    """Run steps ``state.step + 1 … run.steps``; returns the final state."""
+    """Run steps ``state.step + 1 … run.steps`` on ``executor`` (already started with ``state``);
+    returns the final (driver's) state. Checkpoints hold the executor's full state."""
     from tqdm.auto import tqdm
 
+    engine = executor.engine
     engine.sync(state.policy, version=state.step)
     bar = tqdm(total=run.steps, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True)
     try:
@@ -115,7 +115,7 @@ def train(state: TrainState, *, step_fn: StepFn, engine: RolloutEngine, task: Ta
             step_start = time.perf_counter()
             state, rollout, scores, metrics = rollout_batch(state, engine, task, run, decode)
             train_start = time.perf_counter()
-            state, step_metrics = step_fn(state, rollout, scores)
+            state, step_metrics = executor.step(state, rollout, scores)
             metrics.update(step_metrics)
             engine.sync(state.policy, version=state.step)
             metrics["timing/train_s"] = time.perf_counter() - train_start
@@ -124,7 +124,8 @@ def train(state: TrainState, *, step_fn: StepFn, engine: RolloutEngine, task: Ta
                 metrics.update(evaluate_fn(state))
             log.write(state.step, metrics)
             if run.checkpoint_every and state.step % run.checkpoint_every == 0:
-                save_checkpoint(Path(run_dir) / "checkpoints", state, step=state.step, keep=run.keep_checkpoints)
+                save_checkpoint(Path(run_dir) / "checkpoints", executor.full_state(state), step=state.step,
+                                keep=run.keep_checkpoints)
             bar.update(1)
             bar.set_postfix({
                 "reward": f"{metrics.get('critic/score/mean', float('nan')):.3f}",

@@ -36,6 +36,10 @@ class RngState:
     def next(self) -> "RngState":
         return RngState(self.seed, self.counter + 1)
 
+    def fold_in(self, index: int) -> "RngState":
+        """An independent stream for shard ``index`` (e.g. one rollout worker of many)."""
+        return RngState((self.seed * _MIX + index + 1) % (2**62), self.counter)
+
 
 @pytree
 class TrainState:

@@ -231,13 +231,13 @@ def _accumulate(total: Any, grads: Any) -> Any:
     return total
 
 
-def _actor_loss(policy: CausalLM, batch: TrainBatch, config: StepConfig) -> Callable:
-    """The actor's loss function of params for one micro-batch: policy loss, entropy bonus, KL loss."""
+def _actor_loss(policy: CausalLM, config: StepConfig) -> Callable:
+    """The actor's loss as a function of (params, micro-batch): policy loss, entropy bonus, KL loss."""
     loss_config = PolicyLossConfig(clip_low=config.clip_low, clip_high=config.clip_high, clip_c=config.clip_c,
                                    agg=config.loss_agg, norm=config.loss_norm)
-    mask = batch.sequences.response_mask
 
-    def loss_fn(params: Params) -> tuple[SumCount, dict[str, SumCount]]:
+    def loss_fn(params: Params, batch: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
+        mask = batch.sequences.response_mask
         logits = response_logits(policy, params, batch.sequences)
         logp = logprobs_from_logits(logits, batch.sequences.responses(), temperature=config.temperature)
         out = POLICY_LOSSES[config.policy_loss](logp, batch.old_logprobs, batch.advantages, mask, loss_config)
@@ -262,9 +262,14 @@ def _actor_loss(policy: CausalLM, batch: TrainBatch, config: StepConfig) -> Call
 
 
 def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, indices: list[Tensor],
-            make_loss: Callable[[TrainBatch], Callable], config: StepConfig,
+            loss_fn: Callable[[Params, TrainBatch], tuple[SumCount, Any]], config: StepConfig,
             value_and_grad: ValueAndGrad, prefix: str) -> tuple[Params, Any, Metrics]:
-    """Mini-batch × micro-batch gradient steps; micro-batch gradients add up to the mini-batch's."""
+    """Mini-batch × micro-batch gradient steps; micro-batch gradients add up to the mini-batch's.
+
+    The micro-batch is an argument of the differentiated function (not closed over), so a
+    data-parallel ``value_and_grad`` can take its own rank's rows of it.
+    """
+    grad_fn = value_and_grad(loss_fn)
     sums: dict[str, SumCount] = {}
     norms, rejected = [], 0
     for rows in indices:
@@ -274,7 +279,7 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
         grads, mini_loss = None, None
         for sl in _chunks(len(rows), config.micro_batch_rows):
             micro = mini.rows(torch.arange(len(rows))[sl])
-            loss, aux, g = value_and_grad(make_loss(micro))(params, denominator=denominator.clamp_min(1))
+            loss, aux, g = grad_fn(params, micro, denominator=denominator.clamp_min(1))
             grads = _accumulate(grads, g)
             mini_loss = loss if mini_loss is None else mini_loss + loss
             for name, value in aux.items():
@@ -297,7 +302,7 @@ def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: C
     """PPO-style policy updates over ``ppo_epochs`` × mini-batches (donates ``params``/``opt_state``)."""
     indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng)
     return _update(params, opt_state, optimizer, batch, indices,
-                   lambda micro: _actor_loss(policy, micro, config), config, value_and_grad, "actor")
+                   _actor_loss(policy, config), config, value_and_grad, "actor")
 
 
 def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: Critic, optimizer: Any,
@@ -305,16 +310,14 @@ def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: 
                   value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
     """Clipped value-loss updates (donates ``params``/``opt_state``)."""
 
-    def make_loss(micro: TrainBatch) -> Callable:
-        def loss_fn(p: Params) -> tuple[SumCount, dict[str, SumCount]]:
-            values = response_values(critic, p, micro.sequences)
-            out = clipped_value_loss(values, micro.values, micro.returns, micro.sequences.response_mask,
-                                     clip=config.value_clip, agg=config.loss_agg, norm=config.loss_norm)
-            return out.loss, {"vf_loss": out.loss, "vf_clipfrac": out.clipfrac}
-        return loss_fn
+    def loss_fn(p: Params, micro: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
+        values = response_values(critic, p, micro.sequences)
+        out = clipped_value_loss(values, micro.values, micro.returns, micro.sequences.response_mask,
+                                 clip=config.value_clip, agg=config.loss_agg, norm=config.loss_norm)
+        return out.loss, {"vf_loss": out.loss, "vf_clipfrac": out.clipfrac}
 
     indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng)
-    return _update(params, opt_state, optimizer, batch, indices, make_loss, config, value_and_grad, "critic")
+    return _update(params, opt_state, optimizer, batch, indices, loss_fn, config, value_and_grad, "critic")
 
 
 def _rollout_metrics(rollout: Rollout, experience: Experience) -> Metrics:

@@ -101,9 +101,10 @@ def replace(obj: T, **changes: Any) -> T:
     return attrs.evolve(obj, **changes)
 
 
-def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
-    """``fn`` applied leaf-wise over ``tree`` and trees of the same structure in ``rest``."""
-    return _pt.tree_map(fn, tree, *rest)
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """``fn`` applied leaf-wise over ``tree`` and trees of the same structure in ``rest``
+    (``is_leaf`` may stop the recursion at chosen subtrees, which ``fn`` then receives whole)."""
+    return _pt.tree_map(fn, tree, *rest, is_leaf=is_leaf)
 
 
 def tree_leaves(tree: Any) -> list[Any]:

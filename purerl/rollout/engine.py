@@ -7,7 +7,7 @@ batched left-padded prefill and KV-cache decoding in the trainer's process, on C
 """
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float, Int
@@ -40,6 +40,7 @@ class Rollout:
     version: int
 
 
+@runtime_checkable
 class RolloutEngine(Protocol):
     def sync(self, params: Params, version: int) -> None:
         """Make ``params`` the weights of version ``version``."""

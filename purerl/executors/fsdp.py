@@ -1,0 +1,162 @@
+"""Training ranks under FSDP2: the state's params *are* FSDP's sharded parameters; gradients are an effect.
+
+FSDP2 (``fully_shard``) and ``functional_call`` do not compose: swapped-in params are silently
+ignored and gradients arrive only through ``.backward()`` into sharded ``.grad``. So on a training
+rank:
+
+- :func:`shard_causal_lm` builds a real module from a :class:`~purerl.model.CausalLM` skeleton and
+  a full params tree, shards it, and returns its own sharded parameters (``DTensor``) as the params
+  tree. Donated optimizer updates modify those very tensors in place, so FSDP keeps seeing them.
+- :class:`ShardedCausalLM` stands in for the skeleton in the pure stages: called with a params
+  tree, it runs the sharded module that *owns* those tensors (the policy's or the reference's) and
+  refuses any other tree, instead of silently computing with the wrong weights.
+- :func:`sharded_value_and_grad` is the data-parallel ``value_and_grad``: every rank holds the
+  whole micro-batch, differentiates the loss of its own rows (``rank::world``) with ``.backward()``
+  (FSDP reduce-scatters the mean over ranks), and all-reduces the loss and aux ``SumCount``s so
+  every rank sees the exact global values. Gradients come back as the sharded ``.grad`` tensors.
+
+Everything else in a step (experience, advantages, KL control, metrics, the rejection decision)
+runs on the whole batch on every rank, so the ranks stay identical without extra collectives.
+"""
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from purerl.algo.aggregation import SumCount
+from purerl.model import CausalLM, Params
+from purerl.tree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["ShardedCausalLM", "shard_causal_lm", "sharded_value_and_grad", "full_params", "is_sharded"]
+
+
+def is_sharded(x: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def _decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF causal LM (``<base_model>.layers``), each its own FSDP unit."""
+    base = getattr(module, getattr(module, "base_model_prefix", "model"), None)
+    layers = getattr(base, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def _materialise(model: CausalLM, params: Params, device: torch.device) -> nn.Module:
+    """A real copy of the meta skeleton holding ``params`` and the buffers (ties kept)."""
+    module = copy.deepcopy(model.module).to_empty(device=device)
+    for alias, canonical in model.aliases.items():  # to_empty unties; tie again
+        parent, _, leaf = alias.rpartition(".")
+        setattr(module.get_submodule(parent), leaf, module.get_parameter(canonical))
+    with torch.no_grad():
+        for name, tensor in params.items():
+            module.get_parameter(name).copy_(tensor)
+        for name, tensor in model.buffers.items():
+            module.get_buffer(name).copy_(tensor)
+    for p in module.parameters():
+        p.requires_grad_(True)
+    return module
+
+
+def shard_causal_lm(model: CausalLM, params: Params, *, mesh: Any, trainable: bool = True) -> tuple[nn.Module, Params]:
+    """Materialise ``params`` in a copy of ``model``'s skeleton and ``fully_shard`` it over ``mesh``
+    (each decoder layer, then the root). Returns the module and its sharded params tree, keyed by
+    the same canonical names as ``params``."""
+    from torch.distributed.fsdp import fully_shard
+
+    module = _materialise(model, params, torch.device(mesh.device_type))
+    for layer in _decoder_layers(module):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    if not trainable:
+        for p in module.parameters():
+            p.requires_grad_(False)
+    sharded = dict(module.named_parameters())
+    if set(sharded) != set(params):
+        raise ValueError(f"shard_causal_lm: sharded names differ from the params tree: "
+                         f"{sorted(set(sharded) ^ set(params))[:5]}")
+    return module, {name: sharded[name] for name in params}
+
+
+@attrs.frozen(eq=False)
+class ShardedCausalLM(CausalLM):
+    """A :class:`CausalLM` whose params are FSDP's: ``owners`` maps the id of each sharded module's
+    first parameter to the module. ``module``, ``buffers`` and ``aliases`` keep the skeleton's."""
+
+    owners: dict[int, nn.Module] = attrs.field(factory=dict)
+
+    @classmethod
+    def of(cls, model: CausalLM, modules: list[tuple[nn.Module, Params]]) -> "ShardedCausalLM":
+        owners = {id(next(iter(params.values()))): module for module, params in modules}
+        return cls(model.module, model.buffers, model.aliases, model.config, owners)
+
+    def _owner(self, params: Params) -> nn.Module:
+        module = self.owners.get(id(next(iter(params.values()))))
+        if module is None:
+            raise ValueError("ShardedCausalLM: these params are not a sharded module's own parameters "
+                             "(FSDP2 would silently ignore them); pass the state's sharded params tree")
+        return module
+
+    def __call__(self, params: Params, **kwargs: Any) -> Any:
+        return self._owner(params)(**kwargs)
+
+    @contextlib.contextmanager
+    def bind(self, params: Params) -> Iterator[nn.Module]:
+        yield self._owner(params)
+
+
+def full_params(params: Params) -> dict[str, Tensor]:
+    """Every leaf gathered to a full plain tensor (a collective: all ranks must call it)."""
+    return {name: (p.full_tensor() if is_sharded(p) else p).detach() for name, p in params.items()}
+
+
+def _all_reduce_sums(tree: Any) -> Any:
+    """Sum every tensor leaf over ranks (one collective for the whole tree)."""
+    leaves, treedef = tree_flatten(tree)
+    flat = torch.stack([x.detach().to(torch.float64).reshape(()) for x in leaves])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    return tree_unflatten([v.to(x.dtype) for v, x in zip(flat.unbind(0), leaves)], treedef)
+
+
+def sharded_value_and_grad(rank: int, world: int) -> Callable:
+    """The data-parallel ``value_and_grad`` for :func:`purerl.step.actor_update` / ``critic_update``.
+
+    ``wrapped(params, batch, *, denominator)``: ``batch`` (a pytree with ``rows``) is the whole
+    micro-batch, the same on every rank; ``denominator`` is the whole mini-batch's loss count.
+    This rank backpropagates ``world · total(own rows) / denominator``; FSDP's reduce-scatter
+    averages over ranks, so the sharded gradients are those of ``total(all rows) / denominator``,
+    exactly what the single-process ``value_and_grad`` gives. A rank with no rows (a micro-batch
+    smaller than the world) runs row 0 with weight 0, so every rank joins every collective.
+    """
+
+    def value_and_grad(loss_fn: Callable[..., tuple[SumCount, Any]]) -> Callable[..., tuple[SumCount, Any, Any]]:
+        @functools.wraps(loss_fn)
+        def wrapped(params: Params, batch: Any, *args: Any, denominator: Tensor | float | None = None,
+                    **kwargs: Any) -> tuple[SumCount, Any, Params]:
+            rows = torch.arange(rank, len(batch.sequences), world)
+            weight = 1.0 if len(rows) else 0.0
+            mine = batch.rows(rows if len(rows) else torch.zeros(1, dtype=torch.long))
+            with torch.enable_grad():
+                loss, aux = loss_fn(params, mine, *args, **kwargs)
+                if denominator is None:
+                    denominator = _all_reduce_sums(loss.count.detach() * weight)
+                (loss.total * (weight * world / denominator)).backward()
+            grads = {}
+            for name, p in params.items():
+                grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
+                p.grad = None
+            local = tree_map(lambda x: x.detach() * weight, (loss, aux))
+            loss, aux = _all_reduce_sums(local)
+            return loss, aux, grads
+
+        return wrapped
+
+    return value_and_grad

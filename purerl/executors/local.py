@@ -1,0 +1,75 @@
+"""The executor interface and the in-process (local) executor.
+
+An executor owns the effects of a run: where the weights live, how gradients are taken, how the
+rollout engine gets new weights. The driver loop sees only this interface, and the *same* step
+function runs under every executor. A step function is called as::
+
+    step_fn(state, rollout, scores, *, policy, value_and_grad) -> (state', metrics)
+
+where the executor supplies ``policy`` (the model the stages compute with) and ``value_and_grad``
+(the gradient effect); bind everything else (optimizer, KL controller, config) with
+``functools.partial``. :func:`purerl.step.grpo_step` has this shape.
+"""
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from purerl.model import CausalLM
+from purerl.model import value_and_grad as pure_value_and_grad
+from purerl.rollout.engine import Rollout, RolloutEngine
+from purerl.state import TrainState
+
+__all__ = ["Executor", "ExecutorError", "LocalExecutor", "StepFn"]
+
+StepFn = Callable[..., tuple[TrainState, dict[str, float]]]
+
+
+class ExecutorError(RuntimeError):
+    """A worker died, timed out or failed: the run cannot go on (the message names role and rank)."""
+
+
+@runtime_checkable
+class Executor(Protocol):
+    engine: RolloutEngine
+    """Generates for the driver; ``engine.sync(state.policy, version)`` publishes new weights."""
+
+    def start(self, state: TrainState) -> TrainState:
+        """Take ownership of ``state``; returns the state the driver holds from now on."""
+
+    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor) -> tuple[TrainState, dict[str, float]]:
+        """One step of the step function (donates ``state``)."""
+
+    def full_state(self, state: TrainState) -> TrainState:
+        """The complete state, params and optimizer state included (for checkpoints and export)."""
+
+    def close(self) -> None:
+        """Release workers and processes (idempotent)."""
+
+
+class LocalExecutor:
+    """Everything in this process: the state holds the params, gradients are the pure
+    ``value_and_grad``, and the engine shares the trainer's params (sync is a no-op copy-free tag)."""
+
+    def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine,
+                 value_and_grad: Callable = pure_value_and_grad) -> None:
+        self.step_fn, self.policy, self.engine, self.value_and_grad = step_fn, policy, engine, value_and_grad
+
+    def start(self, state: TrainState) -> TrainState:
+        return state
+
+    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor) -> tuple[TrainState, dict[str, float]]:
+        return self.step_fn(state, rollout, scores, policy=self.policy, value_and_grad=self.value_and_grad)
+
+    def full_state(self, state: TrainState) -> TrainState:
+        return state
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "LocalExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

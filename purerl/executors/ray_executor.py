@@ -1,0 +1,432 @@
+"""The Ray executor: training ranks (FSDP2) and rollout workers as Ray actors, driven from one process.
+
+Worker groups live on resource pools (Ray placement groups, one bundle per worker):
+
+- ``train``: ``train_ranks`` actors forming one ``torch.distributed`` group (gloo on CPU, NCCL on
+  GPU). Each holds the sharded policy (and reference) and runs the *unchanged* step function with
+  :class:`~purerl.executors.fsdp.ShardedCausalLM` as ``policy`` and the data-parallel
+  ``value_and_grad``. Each rank receives the whole rollout batch; the gradient effect takes the
+  rank's own rows.
+- ``rollout``: with ``placement="split"``, ``rollout_workers`` actors apart from the training
+  ranks, each with an embedded engine; with ``"colocated"`` (verl's hybrid engine) the training
+  ranks generate themselves from gathered weights.
+
+The driver keeps the small part of the state (step, RNG, data cursor, KL controller); params and
+optimizer state stay on the ranks (the driver's copy holds ``policy={}``, ``policy_opt=None``).
+Weights reach the rollout workers by :meth:`RayExecutor.engine` ``.sync``: gathered from the
+shards, sent as versioned buckets (optionally checksummed), and every generate names the version
+it expects.
+
+Failures fail closed: a dead actor, an exception in a worker or a call that outlives its timeout
+raises :class:`~purerl.executors.local.ExecutorError` naming the role and rank, after every actor
+is killed (so no rank is left blocked in a collective).
+"""
+
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch
+
+from purerl.executors.local import ExecutorError, StepFn
+from purerl.executors.wire import from_wire, load_weight_buckets, params_digest, to_wire, weight_buckets
+from purerl.model import CausalLM
+from purerl.rollout.engine import Rollout, TorchEngine
+from purerl.rollout.merge import concat_rollouts, prompt_shards
+from purerl.rollout.sampling import SamplingParams
+from purerl.state import RngState, TrainState
+from purerl.tree import replace, tree_map
+
+__all__ = ["RayConfig", "RayExecutor"]
+
+PLACEMENTS = ("colocated", "split")
+_GRACE_S = 5.0  # how long, after one worker fails, the others may still report
+
+
+@attrs.frozen
+class RayConfig:
+    """Where workers run and how long the driver waits for them.
+
+    ``address``: None starts a local Ray instance (``ray.init()``); ``"auto"`` or ``"host:port"``
+    joins a running cluster. ``step_timeout``/``sync_timeout`` bound one step / one weight sync;
+    a rank that exceeds them ends the run.
+    """
+
+    train_ranks: int = 2
+    rollout_workers: int = 1
+    placement: str = "split"
+    address: str | None = None
+    cpus_per_worker: float = attrs.field(default=1.0, converter=float)
+    gpus_per_worker: float = attrs.field(default=0.0, converter=float)
+    threads_per_worker: int = 1
+    checksum: bool = False
+    bucket_bytes: int = 64 << 20
+    step_timeout: float = attrs.field(default=3600.0, converter=float)
+    sync_timeout: float = attrs.field(default=600.0, converter=float)
+    start_timeout: float = attrs.field(default=300.0, converter=float)
+
+    def __attrs_post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"RayConfig: placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.train_ranks < 1 or (self.placement == "split" and self.rollout_workers < 1):
+            raise ValueError("RayConfig: need ≥ 1 training rank and, for 'split', ≥ 1 rollout worker")
+
+
+def _driver_view(state: TrainState) -> TrainState:
+    """What the driver keeps: the state without params and optimizer state."""
+    return replace(state, policy={}, policy_opt=None, reference=None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainRank:
+    """One training rank (a Ray actor): sharded params, the step function, optionally an engine."""
+
+    def __init__(self, rank: int, world: int, policy: CausalLM, step_fn: Callable, build: bool, threads: int,
+                 engine_kwargs: dict[str, Any] | None, device: str) -> None:
+        torch.set_num_threads(threads)
+        self.rank, self.world, self.skeleton, self.device = rank, world, policy, device
+        self.step_fn = step_fn() if build else step_fn
+        self.engine = TorchEngine(policy, device=device, **engine_kwargs) if engine_kwargs is not None else None
+        self.state: TrainState | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def init_process_group(self, host: str, port: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                world_size=self.world, timeout=timedelta(seconds=timeout_s))
+        self.mesh = init_device_mesh(self.device, (self.world,))
+
+    def load(self, wire_state: Any) -> None:
+        """Shard a full state: params and reference through FSDP2, the optimizer state like the
+        params (each leaf of a params-shaped subtree gets its param's placement)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        from purerl.executors.fsdp import ShardedCausalLM, shard_causal_lm
+
+        state = from_wire(wire_state)
+        if state.critic is not None:
+            raise ValueError("the Ray executor trains the policy only: a critic (PPO) is not supported yet")
+        module, params = shard_causal_lm(self.skeleton, state.policy, mesh=self.mesh)
+        modules = [(module, params)]
+        reference = None
+        if state.reference is not None:
+            ref_module, reference = shard_causal_lm(self.skeleton, state.reference, mesh=self.mesh, trainable=False)
+            modules.append((ref_module, reference))
+        self.model = ShardedCausalLM.of(self.skeleton, modules)
+        names = set(params)
+
+        def shard(tree: Any) -> Any:
+            if isinstance(tree, dict) and set(tree) == names:
+                return {k: distribute_tensor(v.to(self.device), params[k].device_mesh, params[k].placements)
+                        for k, v in tree.items()}
+            return tree.to(self.device) if isinstance(tree, torch.Tensor) else tree
+
+        opt = tree_map(shard, state.policy_opt, is_leaf=lambda x: isinstance(x, dict) and set(x) == names)
+        self.state = replace(state, policy=params, policy_opt=opt, reference=reference)
+        from purerl.executors.fsdp import sharded_value_and_grad
+
+        self.value_and_grad = sharded_value_and_grad(self.rank, self.world)
+
+    def step(self, small: Any, batch: Any) -> tuple[Any, dict[str, float]]:
+        """``small``: the driver's state; ``batch``: ``(rollout, scores)``, the same on every rank."""
+        small, (rollout, scores) = from_wire((small, batch))
+        state = replace(small, policy=self.state.policy, policy_opt=self.state.policy_opt,
+                        reference=self.state.reference)
+        state, metrics = self.step_fn(state, rollout, scores, policy=self.model, value_and_grad=self.value_and_grad)
+        self.state = state
+        return to_wire(_driver_view(state)), metrics
+
+    def full_state(self) -> Any:
+        """The whole state with full tensors (all ranks must call it; rank 0 returns it)."""
+        from purerl.executors.fsdp import is_sharded
+
+        full = tree_map(lambda x: x.full_tensor() if is_sharded(x) else x, self.state)
+        full = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, full)
+        return to_wire(full) if self.rank == 0 else None
+
+    def weights(self, version: int, bucket_bytes: int, checksum: bool) -> Any:
+        """Gathered policy weights as buckets (all ranks must call it; rank 0 returns them)."""
+        from purerl.executors.fsdp import full_params
+
+        full = full_params(self.state.policy)
+        if self.rank != 0:
+            return None
+        return weight_buckets(full, version, bucket_bytes=bucket_bytes, checksum=checksum)
+
+    def sync_engine(self, version: int) -> str:
+        """Colocated: the local engine gets the gathered weights (all ranks call it)."""
+        from purerl.executors.fsdp import full_params
+
+        full = full_params(self.state.policy)
+        self.engine.sync(full, version)
+        return params_digest(full)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int) -> Any:
+        return to_wire(self.engine.generate(prompts, sampling, rng, version=version))
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RolloutWorker:
+    """A rollout worker (a Ray actor): an embedded engine fed by weight sync."""
+
+    def __init__(self, policy: CausalLM, engine_kwargs: dict[str, Any], threads: int, device: str) -> None:
+        torch.set_num_threads(threads)
+        self.engine = TorchEngine(policy, device=device, **engine_kwargs)
+        self.device = device
+        self.names: set[str] | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def load_weights(self, version: int, buckets: list[Any]) -> str:
+        params = load_weight_buckets(buckets, version, self.names, device=self.device)
+        self.names = set(params)
+        self.engine.sync(params, version)
+        return params_digest(params)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int) -> Any:
+        return to_wire(self.engine.generate(prompts, sampling, rng, version=version))
+
+
+class _RemoteEngine:
+    """The driver's view of the rollout workers, with the :class:`RolloutEngine` interface."""
+
+    def __init__(self, executor: "RayExecutor", pad_token_id: int) -> None:
+        self.executor, self.pad_token_id = executor, pad_token_id
+        self.version: int | None = None
+
+    def sync(self, params: Any, version: int) -> None:
+        """Publish the training ranks' current weights as ``version`` (``params`` is the driver's
+        placeholder and is ignored: the weights live on the ranks)."""
+        self.executor.sync_weights(version)
+        self.version = version
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
+                 *, version: int | None = None) -> Rollout:
+        ex = self.executor
+        version = self.version if version is None else version
+        shards = prompt_shards(len(prompts), len(ex.rollout))
+        calls = [(w.generate.remote([list(p) for p in prompts[sl]], sampling, rng if len(shards) == 1 else
+                                    rng.fold_in(i), version), ex.rollout_label(i))
+                 for i, (w, sl) in enumerate(zip(ex.rollout, shards))]
+        parts = ex.wait(calls, ex.config.step_timeout, "generate")
+        return concat_rollouts([from_wire(p) for p in parts], self.pad_token_id)
+
+
+class RayExecutor:
+    """Runs a step function on FSDP2 training ranks and generates on rollout workers, over Ray.
+
+    ``engine_kwargs`` are the :class:`~purerl.rollout.engine.TorchEngine` arguments for the rollout
+    workers (``eos_token_ids``, ``pad_token_id``, ``decode``); everything passed in must pickle.
+    ``step_fn`` may be ``None`` with ``make_step_fn`` given instead: a picklable zero-argument
+    function that builds the step function on each rank (for step functions that close over
+    objects that do not pickle, e.g. under jaxtyping's import hook in the test suite).
+    """
+
+    def __init__(self, step_fn: StepFn | None, policy: CausalLM, *, engine_kwargs: dict[str, Any],
+                 config: RayConfig = RayConfig(), ray_init: dict[str, Any] | None = None,
+                 make_step_fn: Callable[[], StepFn] | None = None) -> None:
+        if (step_fn is None) == (make_step_fn is None):
+            raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.config = config
+        self.actors: list[tuple[Any, str]] = []
+        self._closed = False
+        colocated = config.placement == "colocated"
+        workers = config.train_ranks + (0 if colocated else config.rollout_workers)
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            local = config.address is None
+            # "local" always starts a fresh instance (never joins a cluster some other run left behind)
+            ray.init(address=config.address or "local", include_dashboard=False, log_to_driver=True,
+                     **({"num_cpus": max(os.cpu_count() or 1, int(workers * config.cpus_per_worker + 0.999))}
+                        if local else {}), **(ray_init or {}))
+        device = "cuda" if config.gpus_per_worker > 0 else "cpu"
+        bundle = {"CPU": config.cpus_per_worker, **({"GPU": config.gpus_per_worker} if config.gpus_per_worker else {})}
+        try:
+            self.pools = {"train": placement_group([bundle] * config.train_ranks, strategy="PACK")}
+            if not colocated:
+                self.pools["rollout"] = placement_group([bundle] * config.rollout_workers, strategy="PACK")
+            for name, pool in self.pools.items():
+                if not pool.wait(config.start_timeout):
+                    raise ExecutorError(f"Ray could not reserve the {name} pool ({len(pool.bundle_specs)} × {bundle}) "
+                                        f"within {config.start_timeout:.0f} s: not enough resources in the cluster")
+
+            def on(pool: str, index: int) -> dict[str, Any]:
+                return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pools[pool], index),
+                        "num_cpus": config.cpus_per_worker, "num_gpus": config.gpus_per_worker,
+                        "max_restarts": 0}
+
+            train_cls = ray.remote(TrainRank)
+            self.train = [train_cls.options(**on("train", r)).remote(
+                r, config.train_ranks, policy, step_fn or make_step_fn, step_fn is None, config.threads_per_worker,
+                engine_kwargs if colocated else None, device) for r in range(config.train_ranks)]
+            self.actors += [(a, f"train rank {r}") for r, a in enumerate(self.train)]
+            if colocated:
+                self.rollout = self.train
+            else:
+                rollout_cls = ray.remote(RolloutWorker)
+                self.rollout = [rollout_cls.options(**on("rollout", i)).remote(
+                    policy, engine_kwargs, config.threads_per_worker, device) for i in range(config.rollout_workers)]
+                self.actors += [(a, f"rollout worker {i}") for i, a in enumerate(self.rollout)]
+            (host, port), = self.wait([(self.train[0].address.remote(), "train rank 0")], config.start_timeout, "start")
+            self.wait([(w.init_process_group.remote(host, port, config.step_timeout), f"train rank {r}")
+                       for r, w in enumerate(self.train)], config.start_timeout, "init_process_group")
+        except BaseException:
+            self.close()
+            raise
+        self.engine = _RemoteEngine(self, engine_kwargs["pad_token_id"])
+        self.last_sync_digests: list[str] = []
+
+    # ---- plumbing -------------------------------------------------------------------------------
+    def rollout_label(self, i: int) -> str:
+        return f"train rank {i}" if self.config.placement == "colocated" else f"rollout worker {i}"
+
+    def worker_pids(self) -> dict[str, int]:
+        """``{"train rank 0": pid, …, "rollout worker 0": pid}``."""
+        pids = self.wait([(a.pid.remote(), label) for a, label in self.actors], self.config.start_timeout, "pid")
+        return {label: pid for (_, label), pid in zip(self.actors, pids)}
+
+    def wait(self, calls: list[tuple[Any, str]], timeout: float, what: str) -> list[Any]:
+        """The results of ``calls`` (``(ObjectRef, label)``), failing closed on the first error or
+        when ``timeout`` seconds pass.
+
+        After a first failure the other calls get a short grace period, so that when one rank dies
+        and its peers then fail in a broken collective, the message names the dead one first.
+        """
+        import ray
+
+        labels = {ref: label for ref, label in calls}
+        results: dict[Any, Any] = {}
+        pending = list(labels)
+        deadline = time.monotonic() + timeout
+        failures: list[tuple[bool, str]] = []
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for ref in ready:
+                failure = self._result(ref, labels[ref], results)
+                if failure is not None:
+                    failures.append(failure)
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+        if failures or pending:
+            self.close()
+            failures.sort(key=lambda f: not f[0])  # deaths first
+            messages = [m for _, m in failures]
+            if pending and not failures:
+                messages.append(f"{', '.join(labels[r] for r in pending)} did not answer within {timeout:.0f} s")
+            raise ExecutorError(f"{what}: {'; '.join(messages)}; the run is stopped")
+        return [results[ref] for ref, _ in calls]
+
+    @staticmethod
+    def _result(ref: Any, label: str, results: dict[Any, Any]) -> tuple[bool, str] | None:
+        """Store the result of a finished call, or return ``(died, message)``."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            results[ref] = ray.get(ref)
+            return None
+        except RayActorError as e:
+            return True, f"{label} died ({type(e).__name__})"
+        except RayTaskError as e:
+            cause = e.cause if e.cause is not None else e
+            return False, f"{label} failed: {type(cause).__name__}: {cause}"
+
+    def close(self) -> None:
+        """Kill every actor and release the pools (and Ray itself, when this executor started it)."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        for actor, _ in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # an actor that is already gone
+                pass
+        from ray.util.placement_group import remove_placement_group
+
+        for pool in getattr(self, "pools", {}).values():
+            try:
+                remove_placement_group(pool)
+            except Exception:
+                pass
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "RayExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- the executor interface -----------------------------------------------------------------
+    def start(self, state: TrainState) -> TrainState:
+        """Send the full ``state`` to the training ranks (they shard it); the driver keeps the rest."""
+        import ray
+
+        ref = ray.put(to_wire(state))
+        self.wait([(w.load.remote(ref), f"train rank {r}") for r, w in enumerate(self.train)],
+                  self.config.start_timeout, "load state")
+        return _driver_view(state)
+
+    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor) -> tuple[TrainState, dict[str, float]]:
+        import ray
+
+        small, batch = ray.put(to_wire(_driver_view(state))), ray.put(to_wire((rollout, scores)))
+        results = self.wait([(w.step.remote(small, batch), f"train rank {r}")
+                             for r, w in enumerate(self.train)], self.config.step_timeout, "step")
+        new, metrics = from_wire(results[0][0]), results[0][1]
+        for r, (other, _) in enumerate(results[1:], 1):
+            if from_wire(other).step != new.step:
+                self.close()
+                raise ExecutorError(f"step: train rank {r} is at step {from_wire(other).step}, rank 0 at {new.step}")
+        return replace(new, policy={}, policy_opt=None, reference=None), metrics
+
+    def sync_weights(self, version: int) -> None:
+        """Gather the policy from the shards and load it into every rollout engine as ``version``."""
+        c = self.config
+        if c.placement == "colocated":
+            self.last_sync_digests = self.wait([(w.sync_engine.remote(version), f"train rank {r}")
+                                                for r, w in enumerate(self.train)], c.sync_timeout, "weight sync")
+            return
+        refs = [w.weights.remote(version, c.bucket_bytes, c.checksum) for w in self.train]
+        self.wait([(ref, f"train rank {r}") for r, ref in enumerate(refs)], c.sync_timeout, "weight sync")
+        self.last_sync_digests = self.wait([(w.load_weights.remote(version, refs[0]), f"rollout worker {i}")
+                                            for i, w in enumerate(self.rollout)], c.sync_timeout, "weight sync")
+
+    def full_state(self, state: TrainState) -> TrainState:
+        """The full state gathered from the ranks, with the driver's step, RNG, cursor and KL."""
+        parts = self.wait([(w.full_state.remote(), f"train rank {r}") for r, w in enumerate(self.train)],
+                          self.config.sync_timeout, "gather state")
+        full = from_wire(parts[0])
+        return replace(state, policy=full.policy, policy_opt=full.policy_opt, reference=full.reference)

@@ -1,0 +1,57 @@
+"""Joining rollouts generated in shards (one per rollout worker) into one batch."""
+
+from collections.abc import Sequence
+
+import torch
+
+from purerl.batch import Sequences
+from purerl.rollout.engine import Rollout
+
+__all__ = ["concat_rollouts", "prompt_shards"]
+
+
+def prompt_shards(count: int, shards: int) -> list[slice]:
+    """Contiguous, near-equal slices of ``range(count)`` (the first ``count % shards`` one longer);
+    empty slices are left out."""
+    base, extra = divmod(count, shards)
+    out, start = [], 0
+    for i in range(shards):
+        stop = start + base + (i < extra)
+        if stop > start:
+            out.append(slice(start, stop))
+        start = stop
+    return out
+
+
+def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
+    """Rows of ``rollouts`` in order, re-padded to the widest prompt (on the left) and the longest
+    response (on the right); group ids are offset so that groups stay distinct and prompt-major.
+
+    All parts must carry the same weights version.
+    """
+    if not rollouts:
+        raise ValueError("concat_rollouts: nothing to join")
+    versions = {r.version for r in rollouts}
+    if len(versions) != 1:
+        raise ValueError(f"concat_rollouts: parts were generated with different weights versions {sorted(versions)}")
+    if len(rollouts) == 1:
+        return rollouts[0]
+    widths = [r.sequences.input_ids.shape[1] - r.sequences.response_length for r in rollouts]
+    prompt_width, response_width = max(widths), max(r.sequences.response_length for r in rollouts)
+    ids, attention, response_mask, logprobs, groups = [], [], [], [], []
+    offset = 0
+    for r, width in zip(rollouts, widths):
+        s = r.sequences
+        left, right = prompt_width - width, response_width - s.response_length
+        pad = lambda x, value, lr: torch.nn.functional.pad(x, lr, value=value)  # noqa: E731
+        ids.append(torch.cat([pad(s.input_ids[:, :width], pad_token_id, (left, 0)),
+                              pad(s.responses(), pad_token_id, (0, right))], 1))
+        attention.append(torch.cat([pad(s.attention_mask[:, :width], False, (left, 0)),
+                                    pad(s.attention_mask[:, width:], False, (0, right))], 1))
+        response_mask.append(pad(s.response_mask, False, (0, right)))
+        logprobs.append(pad(r.behaviour_logprobs, 0.0, (0, right)))
+        groups.append(r.group + offset)
+        offset += int(r.group.max()) + 1 if len(r.group) else 0
+    return Rollout(Sequences(torch.cat(ids), torch.cat(attention), torch.cat(response_mask)),
+                   torch.cat(logprobs), torch.cat([r.finish_reasons for r in rollouts]), torch.cat(groups),
+                   versions.pop())

@@ -1,0 +1,179 @@
+"""The Ray executor on CPU: 2 FSDP2 gloo training ranks (+ a rollout worker when split).
+
+The same step function runs on the local and the Ray executor; on the same rollout batch the
+results must agree. Failures (a killed worker, a silent rank, an unknown weights version) must end
+the run with an error naming the worker, quickly.
+"""
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from purerl.algo.kl_control import make_kl_controller
+from purerl.data.cursor import DataCursor
+from purerl.data.records import PromptRecord
+from purerl.driver import RunConfig, Task, train
+from purerl.executors.local import ExecutorError, LocalExecutor
+from purerl.executors.wire import params_digest
+from purerl.metrics_log import MetricsLog
+from purerl.model import causal_lm_from_config
+from purerl.optim import adamw, chain, clip_by_global_norm
+from purerl.rollout.engine import TorchEngine
+from purerl.rollout.sampling import SamplingParams
+from purerl.state import RngState, TrainState
+from purerl.step import StepConfig, grpo_step
+from purerl.tiny import tiny_llama_config
+from purerl.tree import tree_clone, tree_equal, tree_leaves
+
+ray_executor = pytest.importorskip("purerl.executors.ray_executor")
+pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
+
+
+def _even_tokens(rollout):
+    responses, mask = rollout.sequences.responses(), rollout.sequences.response_mask
+    return ((responses % 2 == 0) & mask).float().sum(-1) / mask.sum(-1).clamp_min(1)
+
+
+def _make_step_fn(micro_batch_rows):
+    """Built on each rank: under jaxtyping's import hook purerl's closures do not pickle."""
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
+    config = StepConfig(use_kl_loss=True, kl_loss_coef=0.1, micro_batch_rows=micro_batch_rows)
+    return functools.partial(grpo_step, optimizer=optimizer, kl_controller=make_kl_controller("fixed", coef=0.001),
+                             config=config), optimizer
+
+
+def _setup(micro_batch_rows):
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    step_fn, optimizer = _make_step_fn(micro_batch_rows)
+    kl = make_kl_controller("fixed", coef=0.001)
+
+    def fresh():
+        p = tree_clone(params)
+        return TrainState(policy=p, policy_opt=optimizer.init(p), kl=kl.init(), rng=RngState(0),
+                          data=DataCursor(0), reference=tree_clone(p))
+
+    make = functools.partial(lambda rows: _make_step_fn(rows)[0], micro_batch_rows)
+    return model, step_fn, make, fresh
+
+
+@pytest.fixture(autouse=True)
+def _pickle_this_module_by_value():
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import tests/
+
+
+@pytest.mark.parametrize("placement, micro_batch_rows", [("split", 5), ("colocated", 1)])
+def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_path, placement, micro_batch_rows):
+    # micro-batches of 1 row leave one rank without rows: it must still join every collective
+    model, step_fn, make_step_fn, fresh = _setup(micro_batch_rows)
+    config = ray_executor.RayConfig(train_ranks=2, rollout_workers=1, placement=placement, checksum=True,
+                                    step_timeout=120, sync_timeout=60)
+    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
+                                  make_step_fn=make_step_fn) as executor:
+        state = executor.start(fresh())
+        assert state.policy == {} and state.policy_opt is None  # params live on the ranks
+        executor.engine.sync(state.policy, version=0)
+        # every rollout engine holds exactly the trainer's weights (sha256 over all params)
+        assert set(executor.last_sync_digests) == {params_digest(fresh().policy)}
+        rollout = executor.engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1), version=0)
+        assert rollout.sequences.input_ids.shape[0] == 12
+        assert rollout.group.tolist() == [g for g in range(3) for _ in range(4)]
+        scores = _even_tokens(rollout)
+        state, metrics = executor.step(state, rollout, scores)
+        ray_full = executor.full_state(state)
+
+        local_state, local_metrics = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE)).step(fresh(), rollout, scores)
+        assert ray_full.step == local_state.step == 1 and ray_full.rng.counter == local_state.rng.counter == 1
+        for name, value in local_state.policy.items():
+            torch.testing.assert_close(ray_full.policy[name], value, rtol=0, atol=1e-5)
+        for a, b in zip(tree_leaves(ray_full.policy_opt), tree_leaves(local_state.policy_opt)):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert metrics.keys() == local_metrics.keys()
+        for key, value in local_metrics.items():
+            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert tree_equal(ray_full.reference, fresh().reference)
+
+        # the driver loop on this executor: two more steps, weights synced as versions 1, 2, 3
+        records = [PromptRecord(({"role": "user", "content": str(i)},), "0") for i in range(6)]
+        task = Task([[5 + i, 6, 7] for i in range(6)], records,
+                    lambda text, truth: float(text.count("a")) / max(len(text), 1))
+        run = RunConfig(steps=3, prompts_per_step=2, sampling=SamplingParams(max_new_tokens=6, n=3),
+                        checkpoint_every=3)
+        log = MetricsLog(tmp_path)
+        before = executor.full_state(state)
+        state = train(state, executor=executor, task=task, run=run, decode=lambda ids: "".join(map(chr, ids)),
+                      run_dir=tmp_path, log=log, progress=False)
+        log.close()
+        assert state.step == 3 and executor.engine.version == 3
+        assert [r["step"] for r in MetricsLog.read(log.path)] == [2, 3]
+        assert not tree_equal(executor.full_state(state).policy, before.policy)
+        assert (tmp_path / "checkpoints" / "step_00000003").is_dir()
+
+        # generating with weights the engines were never given fails closed, naming the worker
+        with pytest.raises(ExecutorError, match=r"(rollout worker|train rank) \d .*version 7"):
+            executor.engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), RngState(0), version=7)
+
+
+def _sleeping_step(state, rollout, scores, **effects):
+    time.sleep(60)
+
+
+def test_a_rank_that_outlives_the_step_timeout_ends_the_run(ray_cluster):
+    model, _, _, fresh = _setup(4)
+    config = ray_executor.RayConfig(train_ranks=2, placement="colocated", step_timeout=3)
+    with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config) as executor:
+        state = executor.start(fresh())
+        executor.engine.sync(state.policy, version=0)
+        rollout = executor.engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=2), RngState(1), version=0)
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"step: train rank 0, train rank 1 did not answer within 3 s"):
+            executor.step(state, rollout, _even_tokens(rollout))
+        assert time.monotonic() - start < 20
+
+
+def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path):
+    """experiments/grpo_math.py --executor ray: SIGKILL one training rank after the first step."""
+    pytest.importorskip("ray")
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--executor", "ray",
+           "--steps", "500", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
+           "--eval-size", "2", "--train-size", "40", "--eval-every", "0", "--checkpoint-every", "0",
+           "--no-progress", "--threads", "1", "--out-dir", str(out),
+           "--ray-temp-dir", str(ROOT / "runs" / "ray" / f"kill-{os.getpid()}")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the run did not finish a step"
+            time.sleep(0.2)
+        pid = json.loads((out / "workers.json").read_text())["train rank 1"]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        output, _ = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0, output
+    assert "train rank 1 died" in output, output
+    assert "Traceback" not in output.split("train rank 1 died")[-1]
+    assert not (out / "summary.json").exists()  # never a "training complete"
+    assert elapsed < 60
