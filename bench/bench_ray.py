@@ -1,0 +1,142 @@
+"""The Ray executor's costs against the local executor, measured in one run on the same machine.
+
+1. **Step overhead.** One GRPO step (generate → score → step → weight sync) on a tiny model with
+   the local executor, then with the Ray executor in ``split`` (2 FSDP2 training ranks + 1 rollout
+   worker) and ``colocated`` (2 ranks that also generate) placement. Medians per phase and the
+   ratio to local are printed. On a small CPU box this is pure overhead: Ray round trips, numpy
+   transfers, gloo collectives and 3 processes sharing the cores.
+2. **Weight sync.** Time to gather the policy from the shards and load it into the rollout worker
+   (``split``), for a tiny and a larger model, without and with sha256 checksums, as MB/s.
+
+    python bench/bench_ray.py [--steps 8 --sync-hidden 512 --sync-layers 8 --sync-repeats 5]
+"""
+
+import argparse
+import functools
+import os
+import statistics
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import torch  # noqa: E402
+
+from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.data.cursor import DataCursor  # noqa: E402
+from purerl.data.records import PromptRecord  # noqa: E402
+from purerl.driver import RunConfig, Task, rollout_batch  # noqa: E402
+from purerl.executors.local import LocalExecutor  # noqa: E402
+from purerl.executors.ray_executor import RayConfig, RayExecutor  # noqa: E402
+from purerl.model import causal_lm_from_config  # noqa: E402
+from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
+from purerl.rollout.engine import TorchEngine  # noqa: E402
+from purerl.rollout.sampling import SamplingParams  # noqa: E402
+from purerl.state import RngState, TrainState  # noqa: E402
+from purerl.step import StepConfig, grpo_step  # noqa: E402
+from purerl.tiny import tiny_llama_config  # noqa: E402
+
+ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
+
+
+def reward(text: str, truth: str) -> float:
+    return float(text.count("a")) / max(len(text), 1)
+
+
+def setup(config):
+    model, params = causal_lm_from_config(config, seed=0)
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-4, weight_decay=0.0))
+    kl = make_kl_controller("fixed", coef=0.0)
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl,
+                                config=StepConfig(micro_batch_rows=16, compute_entropy=False))
+    state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
+                       data=DataCursor(0))
+    return model, step_fn, state
+
+
+def time_steps(executor, state, task, run, steps: int) -> dict[str, list[float]]:
+    phases: dict[str, list[float]] = {"generate+score": [], "step": [], "sync": [], "total": []}
+    state = executor.start(state)
+    executor.engine.sync(state.policy, version=state.step)
+    for i in range(steps + 1):  # the first step warms up and is not counted
+        t0 = time.perf_counter()
+        state, rollout, scores, _ = rollout_batch(state, executor.engine, task, run, lambda ids: "a" * len(ids))
+        t1 = time.perf_counter()
+        state, _ = executor.step(state, rollout, scores)
+        t2 = time.perf_counter()
+        executor.engine.sync(state.policy, version=state.step)
+        t3 = time.perf_counter()
+        if i:
+            for name, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                phases[name].append(value)
+    return phases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--sync-hidden", type=int, default=512)
+    ap.add_argument("--sync-layers", type=int, default=8)
+    ap.add_argument("--sync-repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    tiny = tiny_llama_config(vocab_size=128, hidden_size=64, layers=2)
+    records = [PromptRecord(({"role": "user", "content": str(i)},), "0") for i in range(64)]
+    task = Task([[5 + i % 50, 6, 7, 8] for i in range(64)], records, reward)
+    run = RunConfig(steps=10**9, prompts_per_step=args.prompts,
+                    sampling=SamplingParams(max_new_tokens=args.new, n=args.n))
+
+    results = {}
+    model, step_fn, state = setup(tiny)
+    results["local"] = time_steps(LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE)), state, task, run,
+                                  args.steps)
+    for placement in ("split", "colocated"):
+        model, step_fn, state = setup(tiny)
+        with RayExecutor(step_fn, model, engine_kwargs=ENGINE,
+                         config=RayConfig(train_ranks=2, rollout_workers=1, placement=placement)) as executor:
+            results[f"ray {placement}"] = time_steps(executor, state, task, run, args.steps)
+
+    params = sum(p.numel() for p in causal_lm_from_config(tiny)[1].values())
+    print(f"\n## Step overhead: tiny Llama ({params / 1e3:.0f} k params), {args.prompts}×{args.n} samples, "
+          f"≤{args.new} new tokens, medians of {args.steps} steps (ms)\n")
+    print("| executor | generate+score | step | weight sync | total | total vs local |")
+    print("|---|---|---|---|---|---|")
+    base = statistics.median(results["local"]["total"])
+    for name, phases in results.items():
+        med = {k: statistics.median(v) * 1e3 for k, v in phases.items()}
+        print(f"| {name} | {med['generate+score']:.1f} | {med['step']:.1f} | {med['sync']:.1f} | {med['total']:.1f} "
+              f"| {med['total'] / (base * 1e3):.2f}× |")
+
+    print(f"\n## Weight sync, split placement (2 ranks → 1 rollout worker), median of {args.sync_repeats}\n")
+    print("| model | params | MB (fp32) | checksum | sync ms | MB/s |")
+    print("|---|---|---|---|---|---|")
+    larger = tiny_llama_config(vocab_size=8192, hidden_size=args.sync_hidden, layers=args.sync_layers,
+                               intermediate_size=args.sync_hidden * 3)
+    for label, config in (("tiny", tiny), (f"h{args.sync_hidden}×{args.sync_layers}", larger)):
+        for checksum in (False, True):
+            model, step_fn, state = setup(config)
+            size = sum(p.nbytes for p in state.policy.values()) / 1e6
+            count = sum(p.numel() for p in state.policy.values())
+            with RayExecutor(step_fn, model, engine_kwargs=ENGINE,
+                             config=RayConfig(placement="split", checksum=checksum)) as executor:
+                executor.start(state)
+                times = []
+                for version in range(args.sync_repeats + 1):
+                    start = time.perf_counter()
+                    executor.sync_weights(version)
+                    times.append(time.perf_counter() - start)
+                ms = statistics.median(times[1:]) * 1e3
+            print(f"| {label} | {count / 1e6:.2f} M | {size:.1f} | {'sha256' if checksum else 'off'} | {ms:.1f} "
+                  f"| {size / (ms / 1e3):.0f} |")
+    ray.shutdown()
+    print(f"\nmachine: {os.cpu_count()} CPUs, torch {torch.__version__}, ray {ray.__version__}")
+
+
+if __name__ == "__main__":
+    main()
