@@ -148,7 +148,8 @@ class TrainRank:
 
     def step(self, small: Any, batch: Any) -> tuple[Any, dict[str, float]]:
         """``small``: the driver's state; ``batch``: ``(rollout, scores)``, the same on every rank."""
-        small, (rollout, scores) = from_wire((small, batch))
+        to_device = lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        small, (rollout, scores) = tree_map(to_device, from_wire((small, batch)))
         state = replace(small, policy=self.state.policy, policy_opt=self.state.policy_opt,
                         reference=self.state.reference)
         state, metrics = self.step_fn(state, rollout, scores, policy=self.model, value_and_grad=self.value_and_grad)
