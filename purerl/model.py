@@ -81,6 +81,11 @@ class CausalLM:
         with stateless._reparametrize_module(self.module, self.bound(params)):
             yield self.module
 
+    def map_rows(self, fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
+        """``fn(seqs)``, a row-wise function (row ``i`` of the result depends on row ``i`` only).
+        Executors whose model spans data-parallel ranks override it to split the rows."""
+        return fn(seqs)
+
 
 class _ValueModel(nn.Module):
     """An HF backbone (no LM head) and a linear head giving one value per position."""

@@ -142,12 +142,10 @@ def _chunks(n: int, size: int) -> list[slice]:
 
 @torch.no_grad()
 def _batched_logprobs(model: CausalLM, params: Params, seqs: Sequences, rows: int, temperature: float) -> Tensor:
-    parts = []
-    for sl in _chunks(len(seqs), rows):
-        part = seqs.rows(sl)
-        parts.append(logprobs_from_logits(response_logits(model, params, part), part.responses(),
-                                          temperature=temperature))
-    return torch.cat(parts)
+    def logprobs(part: Sequences) -> Tensor:
+        return logprobs_from_logits(response_logits(model, params, part), part.responses(), temperature=temperature)
+
+    return torch.cat([model.map_rows(logprobs, seqs.rows(sl)) for sl in _chunks(len(seqs), rows)])
 
 
 @torch.no_grad()

@@ -15,8 +15,10 @@ rank:
   (FSDP reduce-scatters the mean over ranks), and all-reduces the loss and aux ``SumCount``s so
   every rank sees the exact global values. Gradients come back as the sharded ``.grad`` tensors.
 
-Everything else in a step (experience, advantages, KL control, metrics, the rejection decision)
-runs on the whole batch on every rank, so the ranks stay identical without extra collectives.
+Forwards without gradients (old and reference log-probs) go through
+:meth:`ShardedCausalLM.map_rows`: each rank computes its rows and all-gathers the result.
+Everything else in a step (advantages, KL control, metrics, the rejection decision) runs on the
+whole batch on every rank, so the ranks stay identical without extra collectives.
 """
 
 import contextlib
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from purerl.algo.aggregation import SumCount
+from purerl.batch import Sequences
 from purerl.model import CausalLM, Params
 from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
@@ -111,6 +114,23 @@ class ShardedCausalLM(CausalLM):
     @contextlib.contextmanager
     def bind(self, params: Params) -> Iterator[nn.Module]:
         yield self._owner(params)
+
+    def map_rows(self, fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
+        """``fn`` on this rank's rows (``rank::world``), all-gathered: every rank gets all rows.
+        Every rank runs ``fn`` once (a rank without rows runs row 0 and drops it), so the
+        collectives inside the sharded forward stay matched."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        rows = torch.arange(rank, len(seqs), world)
+        out = fn(seqs.rows(rows if len(rows) else torch.zeros(1, dtype=torch.long)))[: len(rows)]
+        per_rank = -(-len(seqs) // world)
+        padded = out.new_zeros((per_rank, *out.shape[1:]))
+        padded[: len(out)] = out
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded)
+        result = out.new_empty((len(seqs), *out.shape[1:]))
+        for r, part in enumerate(gathered):
+            result[r::world] = part[: len(range(r, len(seqs), world))]
+        return result
 
 
 def full_params(params: Params) -> dict[str, Tensor]:
