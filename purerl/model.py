@@ -112,6 +112,10 @@ class Critic:
     def __call__(self, params: Params, *args: Any) -> Tensor:
         return torch.func.functional_call(self.module, ({**params, **self.buffers}), args, strict=True)
 
+    def map_rows(self, fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
+        """``fn(seqs)`` for a row-wise ``fn`` (see :meth:`CausalLM.map_rows`)."""
+        return fn(seqs)
+
 
 def _tie_aliases(module: nn.Module) -> dict[str, str]:
     canonical: dict[int, str] = {id(p): name for name, p in module.named_parameters()}

@@ -150,7 +150,10 @@ def _batched_logprobs(model: CausalLM, params: Params, seqs: Sequences, rows: in
 
 @torch.no_grad()
 def _batched_values(critic: Critic, params: Params, seqs: Sequences, rows: int) -> Tensor:
-    return torch.cat([response_values(critic, params, seqs.rows(sl)) for sl in _chunks(len(seqs), rows)])
+    def values(part: Sequences) -> Tensor:
+        return response_values(critic, params, part)
+
+    return torch.cat([critic.map_rows(values, seqs.rows(sl)) for sl in _chunks(len(seqs), rows)])
 
 
 def make_experience(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"], *, policy: CausalLM,

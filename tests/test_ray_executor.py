@@ -24,12 +24,12 @@ from purerl.driver import RunConfig, Task, train
 from purerl.executors.local import ExecutorError, LocalExecutor
 from purerl.executors.wire import params_digest
 from purerl.metrics_log import MetricsLog
-from purerl.model import causal_lm_from_config
+from purerl.model import causal_lm_from_config, critic_from_causal_lm
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.engine import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.step import StepConfig, grpo_step
+from purerl.step import StepConfig, grpo_step, ppo_step
 from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_equal, tree_leaves
 
@@ -126,6 +126,44 @@ def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_p
         # generating with weights the engines were never given fails closed, naming the worker
         with pytest.raises(ExecutorError, match=r"(rollout worker|train rank) \d .*version 7"):
             executor.engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), RngState(0), version=7)
+
+
+def _make_ppo_step_fn():
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
+    config = StepConfig(adv_estimator="gae", micro_batch_rows=4, mini_batch_rows=6, ppo_epochs=2)
+    return functools.partial(ppo_step, optimizer=optimizer, critic_optimizer=optimizer,
+                             kl_controller=make_kl_controller("fixed", coef=0.001), config=config), optimizer
+
+
+def test_ppo_with_a_sharded_critic_equals_local(ray_cluster):
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    critic, critic_params = critic_from_causal_lm(model, params)
+    step_fn, optimizer = _make_ppo_step_fn()
+    kl = make_kl_controller("fixed", coef=0.001)
+
+    def fresh():
+        p, c = tree_clone(params), tree_clone(critic_params)
+        return TrainState(policy=p, policy_opt=optimizer.init(p), kl=kl.init(), rng=RngState(0),
+                          critic=c, critic_opt=optimizer.init(c))
+
+    local = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE), critic=critic)
+    local.engine.sync(params, 0)
+    rollout = local.engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(3), version=0)
+    scores = _even_tokens(rollout)
+    local_state, local_metrics = local.step(fresh(), rollout, scores)
+
+    config = ray_executor.RayConfig(train_ranks=2, placement="colocated", step_timeout=120)
+    make = functools.partial(lambda: _make_ppo_step_fn()[0])
+    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config, make_step_fn=make,
+                                  critic=critic) as executor:
+        state, metrics = executor.step(executor.start(fresh()), rollout, scores)
+        full = executor.full_state(state)
+    for tree in ("policy", "critic"):
+        for name, value in getattr(local_state, tree).items():
+            torch.testing.assert_close(getattr(full, tree)[name], value, rtol=0, atol=1e-5)
+    assert "critic/vf_loss" in metrics
+    for key, value in local_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 def _sleeping_step(state, rollout, scores, **effects):

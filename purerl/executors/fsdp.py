@@ -34,10 +34,20 @@ from torch import Tensor, nn
 
 from purerl.algo.aggregation import SumCount
 from purerl.batch import Sequences
-from purerl.model import CausalLM, Params
+from purerl.model import CausalLM, Critic, Params
 from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["ShardedCausalLM", "shard_causal_lm", "sharded_value_and_grad", "full_params", "is_sharded"]
+__all__ = [
+    "ShardedCausalLM",
+    "ShardedCritic",
+    "shard_module",
+    "shard_causal_lm",
+    "shard_like",
+    "map_rows_data_parallel",
+    "sharded_value_and_grad",
+    "full_params",
+    "is_sharded",
+]
 
 
 def is_sharded(x: Any) -> bool:
@@ -47,35 +57,38 @@ def is_sharded(x: Any) -> bool:
 
 
 def _decoder_layers(module: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of an HF causal LM (``<base_model>.layers``), each its own FSDP unit."""
-    base = getattr(module, getattr(module, "base_model_prefix", "model"), None)
-    layers = getattr(base, "layers", None)
-    return list(layers) if isinstance(layers, nn.ModuleList) else []
+    """The transformer blocks (the first ``….layers`` ModuleList), each its own FSDP unit."""
+    for name, child in module.named_modules():
+        if name.rpartition(".")[2] == "layers" and isinstance(child, nn.ModuleList):
+            return list(child)
+    return []
 
 
-def _materialise(model: CausalLM, params: Params, device: torch.device) -> nn.Module:
-    """A real copy of the meta skeleton holding ``params`` and the buffers (ties kept)."""
-    module = copy.deepcopy(model.module).to_empty(device=device)
-    for alias, canonical in model.aliases.items():  # to_empty unties; tie again
+def _materialise(skeleton: nn.Module, params: Params, buffers: dict[str, Tensor], aliases: dict[str, str],
+                 device: torch.device) -> nn.Module:
+    """A real copy of a meta skeleton holding ``params`` and ``buffers`` (ties kept)."""
+    module = copy.deepcopy(skeleton).to_empty(device=device)
+    for alias, canonical in aliases.items():  # to_empty unties; tie again
         parent, _, leaf = alias.rpartition(".")
         setattr(module.get_submodule(parent), leaf, module.get_parameter(canonical))
     with torch.no_grad():
         for name, tensor in params.items():
             module.get_parameter(name).copy_(tensor)
-        for name, tensor in model.buffers.items():
+        for name, tensor in buffers.items():
             module.get_buffer(name).copy_(tensor)
     for p in module.parameters():
         p.requires_grad_(True)
     return module
 
 
-def shard_causal_lm(model: CausalLM, params: Params, *, mesh: Any, trainable: bool = True) -> tuple[nn.Module, Params]:
-    """Materialise ``params`` in a copy of ``model``'s skeleton and ``fully_shard`` it over ``mesh``
-    (each decoder layer, then the root). Returns the module and its sharded params tree, keyed by
-    the same canonical names as ``params``."""
+def shard_module(skeleton: nn.Module, params: Params, *, mesh: Any, buffers: dict[str, Tensor] | None = None,
+                 aliases: dict[str, str] | None = None, trainable: bool = True) -> tuple[nn.Module, Params]:
+    """Materialise ``params`` in a copy of ``skeleton`` and ``fully_shard`` it over ``mesh`` (each
+    decoder layer, then the root). Returns the module and its sharded params tree, keyed by the
+    same names as ``params``."""
     from torch.distributed.fsdp import fully_shard
 
-    module = _materialise(model, params, torch.device(mesh.device_type))
+    module = _materialise(skeleton, params, buffers or {}, aliases or {}, torch.device(mesh.device_type))
     for layer in _decoder_layers(module):
         fully_shard(layer, mesh=mesh)
     fully_shard(module, mesh=mesh)
@@ -84,9 +97,62 @@ def shard_causal_lm(model: CausalLM, params: Params, *, mesh: Any, trainable: bo
             p.requires_grad_(False)
     sharded = dict(module.named_parameters())
     if set(sharded) != set(params):
-        raise ValueError(f"shard_causal_lm: sharded names differ from the params tree: "
+        raise ValueError(f"shard_module: sharded names differ from the params tree: "
                          f"{sorted(set(sharded) ^ set(params))[:5]}")
     return module, {name: sharded[name] for name in params}
+
+
+def shard_causal_lm(model: CausalLM, params: Params, *, mesh: Any, trainable: bool = True) -> tuple[nn.Module, Params]:
+    """:func:`shard_module` for a causal LM skeleton (its buffers and tied aliases)."""
+    return shard_module(model.module, params, mesh=mesh, buffers=model.buffers, aliases=model.aliases,
+                        trainable=trainable)
+
+
+def shard_like(tree: Any, params: Params) -> Any:
+    """``tree`` (e.g. an optimizer state) with every params-shaped subtree (a dict with the params'
+    keys) distributed like the sharded ``params``, and other tensors moved to their device."""
+    names = set(params)
+    device = next(iter(params.values())).device
+
+    def shard(sub: Any) -> Any:
+        from torch.distributed.tensor import distribute_tensor
+
+        if isinstance(sub, dict) and set(sub) == names:
+            return {k: distribute_tensor(v.to(device), params[k].device_mesh, params[k].placements)
+                    for k, v in sub.items()}
+        return sub.to(device) if isinstance(sub, Tensor) else sub
+
+    return tree_map(shard, tree, is_leaf=lambda x: isinstance(x, dict) and set(x) == names)
+
+
+def _owners(modules: list[tuple[nn.Module, Params]]) -> dict[int, nn.Module]:
+    return {id(next(iter(params.values()))): module for module, params in modules}
+
+
+def _owner(owners: dict[int, nn.Module], params: Params) -> nn.Module:
+    module = owners.get(id(next(iter(params.values()))))
+    if module is None:
+        raise ValueError("sharded model: these params are not a sharded module's own parameters "
+                         "(FSDP2 would silently ignore them); pass the state's sharded params tree")
+    return module
+
+
+def map_rows_data_parallel(fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
+    """``fn`` on this rank's rows (``rank::world``), all-gathered: every rank gets all rows.
+    Every rank runs ``fn`` once (a rank without rows runs row 0 and drops it), so the
+    collectives inside a sharded forward stay matched."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = torch.arange(rank, len(seqs), world)
+    out = fn(seqs.rows(rows if len(rows) else torch.zeros(1, dtype=torch.long)))[: len(rows)]
+    per_rank = -(-len(seqs) // world)
+    padded = out.new_zeros((per_rank, *out.shape[1:]))
+    padded[: len(out)] = out
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    result = out.new_empty((len(seqs), *out.shape[1:]))
+    for r, part in enumerate(gathered):
+        result[r::world] = part[: len(range(r, len(seqs), world))]
+    return result
 
 
 @attrs.frozen(eq=False)
@@ -98,39 +164,34 @@ class ShardedCausalLM(CausalLM):
 
     @classmethod
     def of(cls, model: CausalLM, modules: list[tuple[nn.Module, Params]]) -> "ShardedCausalLM":
-        owners = {id(next(iter(params.values()))): module for module, params in modules}
-        return cls(model.module, model.buffers, model.aliases, model.config, owners)
-
-    def _owner(self, params: Params) -> nn.Module:
-        module = self.owners.get(id(next(iter(params.values()))))
-        if module is None:
-            raise ValueError("ShardedCausalLM: these params are not a sharded module's own parameters "
-                             "(FSDP2 would silently ignore them); pass the state's sharded params tree")
-        return module
+        return cls(model.module, model.buffers, model.aliases, model.config, _owners(modules))
 
     def __call__(self, params: Params, **kwargs: Any) -> Any:
-        return self._owner(params)(**kwargs)
+        return _owner(self.owners, params)(**kwargs)
 
     @contextlib.contextmanager
     def bind(self, params: Params) -> Iterator[nn.Module]:
-        yield self._owner(params)
+        yield _owner(self.owners, params)
 
     def map_rows(self, fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
-        """``fn`` on this rank's rows (``rank::world``), all-gathered: every rank gets all rows.
-        Every rank runs ``fn`` once (a rank without rows runs row 0 and drops it), so the
-        collectives inside the sharded forward stay matched."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        rows = torch.arange(rank, len(seqs), world)
-        out = fn(seqs.rows(rows if len(rows) else torch.zeros(1, dtype=torch.long)))[: len(rows)]
-        per_rank = -(-len(seqs) // world)
-        padded = out.new_zeros((per_rank, *out.shape[1:]))
-        padded[: len(out)] = out
-        gathered = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(gathered, padded)
-        result = out.new_empty((len(seqs), *out.shape[1:]))
-        for r, part in enumerate(gathered):
-            result[r::world] = part[: len(range(r, len(seqs), world))]
-        return result
+        return map_rows_data_parallel(fn, seqs)
+
+
+@attrs.frozen(eq=False)
+class ShardedCritic(Critic):
+    """A :class:`Critic` whose params are FSDP's (see :class:`ShardedCausalLM`)."""
+
+    owners: dict[int, nn.Module] = attrs.field(factory=dict)
+
+    @classmethod
+    def of(cls, critic: Critic, modules: list[tuple[nn.Module, Params]]) -> "ShardedCritic":
+        return cls(critic.module, critic.buffers, _owners(modules))
+
+    def __call__(self, params: Params, *args: Any) -> Tensor:
+        return _owner(self.owners, params)(*args)
+
+    def map_rows(self, fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
+        return map_rows_data_parallel(fn, seqs)
 
 
 def full_params(params: Params) -> dict[str, Tensor]:

@@ -6,9 +6,10 @@ function runs under every executor. A step function is called as::
 
     step_fn(state, rollout, scores, *, policy, value_and_grad) -> (state', metrics)
 
-where the executor supplies ``policy`` (the model the stages compute with) and ``value_and_grad``
-(the gradient effect); bind everything else (optimizer, KL controller, config) with
-``functools.partial``. :func:`purerl.step.grpo_step` has this shape.
+where the executor supplies ``policy`` (the model the stages compute with), ``value_and_grad``
+(the gradient effect) and, when it has one, ``critic=``; bind everything else (optimizers, KL
+controller, config) with ``functools.partial``. :func:`purerl.step.grpo_step` and
+:func:`purerl.step.ppo_step` have this shape.
 """
 
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from purerl.model import CausalLM
+from purerl.model import CausalLM, Critic
 from purerl.model import value_and_grad as pure_value_and_grad
 from purerl.rollout.engine import Rollout, RolloutEngine
 from purerl.state import TrainState
@@ -52,15 +53,16 @@ class LocalExecutor:
     """Everything in this process: the state holds the params, gradients are the pure
     ``value_and_grad``, and the engine shares the trainer's params (sync is a no-op copy-free tag)."""
 
-    def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine,
+    def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine, *, critic: Critic | None = None,
                  value_and_grad: Callable = pure_value_and_grad) -> None:
         self.step_fn, self.policy, self.engine, self.value_and_grad = step_fn, policy, engine, value_and_grad
+        self.effects = {"policy": policy, "value_and_grad": value_and_grad, **({"critic": critic} if critic is not None else {})}
 
     def start(self, state: TrainState) -> TrainState:
         return state
 
     def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor) -> tuple[TrainState, dict[str, float]]:
-        return self.step_fn(state, rollout, scores, policy=self.policy, value_and_grad=self.value_and_grad)
+        return self.step_fn(state, rollout, scores, **self.effects)
 
     def full_state(self, state: TrainState) -> TrainState:
         return state

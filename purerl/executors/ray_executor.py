@@ -5,8 +5,8 @@ Worker groups live on resource pools (Ray placement groups, one bundle per worke
 - ``train``: ``train_ranks`` actors forming one ``torch.distributed`` group (gloo on CPU, NCCL on
   GPU). Each holds the sharded policy (and reference) and runs the *unchanged* step function with
   :class:`~purerl.executors.fsdp.ShardedCausalLM` as ``policy`` and the data-parallel
-  ``value_and_grad``. Each rank receives the whole rollout batch; the gradient effect takes the
-  rank's own rows.
+  ``value_and_grad`` (and a sharded critic, for PPO). Each rank receives the whole rollout batch;
+  the gradient effect and the no-grad forwards take the rank's own rows.
 - ``rollout``: with ``placement="split"``, ``rollout_workers`` actors apart from the training
   ranks, each with an embedded engine; with ``"colocated"`` (verl's hybrid engine) the training
   ranks generate themselves from gathered weights.
@@ -34,7 +34,7 @@ import torch
 
 from purerl.executors.local import ExecutorError, StepFn
 from purerl.executors.wire import from_wire, load_weight_buckets, params_digest, to_wire, weight_buckets
-from purerl.model import CausalLM
+from purerl.model import CausalLM, Critic
 from purerl.rollout.engine import Rollout, TorchEngine
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.sampling import SamplingParams
@@ -76,9 +76,12 @@ class RayConfig:
             raise ValueError("RayConfig: need ≥ 1 training rank and, for 'split', ≥ 1 rollout worker")
 
 
+_RANK_FIELDS = ("policy", "policy_opt", "reference", "critic", "critic_opt")
+
+
 def _driver_view(state: TrainState) -> TrainState:
-    """What the driver keeps: the state without params and optimizer state."""
-    return replace(state, policy={}, policy_opt=None, reference=None)
+    """What the driver keeps: the state without params and optimizer states (they stay on the ranks)."""
+    return replace(state, policy={}, policy_opt=None, reference=None, critic=None, critic_opt=None)
 
 
 def _free_port() -> int:
@@ -90,10 +93,10 @@ def _free_port() -> int:
 class TrainRank:
     """One training rank (a Ray actor): sharded params, the step function, optionally an engine."""
 
-    def __init__(self, rank: int, world: int, policy: CausalLM, step_fn: Callable, build: bool, threads: int,
-                 engine_kwargs: dict[str, Any] | None, device: str) -> None:
+    def __init__(self, rank: int, world: int, policy: CausalLM, critic: Critic | None, step_fn: Callable,
+                 build: bool, threads: int, engine_kwargs: dict[str, Any] | None, device: str) -> None:
         torch.set_num_threads(threads)
-        self.rank, self.world, self.skeleton, self.device = rank, world, policy, device
+        self.rank, self.world, self.skeleton, self.critic_skeleton, self.device = rank, world, policy, critic, device
         self.step_fn = step_fn() if build else step_fn
         self.engine = TorchEngine(policy, device=device, **engine_kwargs) if engine_kwargs is not None else None
         self.state: TrainState | None = None
@@ -116,15 +119,18 @@ class TrainRank:
         self.mesh = init_device_mesh(self.device, (self.world,))
 
     def load(self, wire_state: Any) -> None:
-        """Shard a full state: params and reference through FSDP2, the optimizer state like the
-        params (each leaf of a params-shaped subtree gets its param's placement)."""
-        from torch.distributed.tensor import distribute_tensor
-
-        from purerl.executors.fsdp import ShardedCausalLM, shard_causal_lm
+        """Shard a full state: policy, reference and critic through FSDP2, each optimizer state
+        like its params."""
+        from purerl.executors.fsdp import (
+            ShardedCausalLM,
+            ShardedCritic,
+            shard_causal_lm,
+            shard_like,
+            shard_module,
+            sharded_value_and_grad,
+        )
 
         state = from_wire(wire_state)
-        if state.critic is not None:
-            raise ValueError("the Ray executor trains the policy only: a critic (PPO) is not supported yet")
         module, params = shard_causal_lm(self.skeleton, state.policy, mesh=self.mesh)
         modules = [(module, params)]
         reference = None
@@ -132,27 +138,27 @@ class TrainRank:
             ref_module, reference = shard_causal_lm(self.skeleton, state.reference, mesh=self.mesh, trainable=False)
             modules.append((ref_module, reference))
         self.model = ShardedCausalLM.of(self.skeleton, modules)
-        names = set(params)
-
-        def shard(tree: Any) -> Any:
-            if isinstance(tree, dict) and set(tree) == names:
-                return {k: distribute_tensor(v.to(self.device), params[k].device_mesh, params[k].placements)
-                        for k, v in tree.items()}
-            return tree.to(self.device) if isinstance(tree, torch.Tensor) else tree
-
-        opt = tree_map(shard, state.policy_opt, is_leaf=lambda x: isinstance(x, dict) and set(x) == names)
-        self.state = replace(state, policy=params, policy_opt=opt, reference=reference)
-        from purerl.executors.fsdp import sharded_value_and_grad
-
+        changes = dict(policy=params, policy_opt=shard_like(state.policy_opt, params), reference=reference)
+        self.critic = None
+        if state.critic is not None:
+            if self.critic_skeleton is None:
+                raise ValueError("the state has critic params but the executor was given no critic model")
+            critic_module, critic = shard_module(self.critic_skeleton.module, state.critic, mesh=self.mesh,
+                                                 buffers=self.critic_skeleton.buffers)
+            self.critic = ShardedCritic.of(self.critic_skeleton, [(critic_module, critic)])
+            changes.update(critic=critic, critic_opt=shard_like(state.critic_opt, critic))
+        self.state = replace(state, **changes)
         self.value_and_grad = sharded_value_and_grad(self.rank, self.world)
 
     def step(self, small: Any, batch: Any) -> tuple[Any, dict[str, float]]:
         """``small``: the driver's state; ``batch``: ``(rollout, scores)``, the same on every rank."""
         to_device = lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x  # noqa: E731
         small, (rollout, scores) = tree_map(to_device, from_wire((small, batch)))
-        state = replace(small, policy=self.state.policy, policy_opt=self.state.policy_opt,
-                        reference=self.state.reference)
-        state, metrics = self.step_fn(state, rollout, scores, policy=self.model, value_and_grad=self.value_and_grad)
+        state = replace(small, **{k: getattr(self.state, k) for k in _RANK_FIELDS})
+        effects = dict(policy=self.model, value_and_grad=self.value_and_grad)
+        if self.critic is not None:
+            effects["critic"] = self.critic
+        state, metrics = self.step_fn(state, rollout, scores, **effects)
         self.state = state
         return to_wire(_driver_view(state)), metrics
 
@@ -245,12 +251,14 @@ class RayExecutor:
     workers (``eos_token_ids``, ``pad_token_id``, ``decode``); everything passed in must pickle.
     ``step_fn`` may be ``None`` with ``make_step_fn`` given instead: a picklable zero-argument
     function that builds the step function on each rank (for step functions that close over
-    objects that do not pickle, e.g. under jaxtyping's import hook in the test suite).
+    objects that do not pickle, e.g. under jaxtyping's import hook in the test suite). With a
+    ``critic`` (PPO), a state with critic params gets a sharded critic, passed to the step
+    function as ``critic=``.
     """
 
     def __init__(self, step_fn: StepFn | None, policy: CausalLM, *, engine_kwargs: dict[str, Any],
                  config: RayConfig = RayConfig(), ray_init: dict[str, Any] | None = None,
-                 make_step_fn: Callable[[], StepFn] | None = None) -> None:
+                 make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None) -> None:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
         import ray
@@ -287,7 +295,7 @@ class RayExecutor:
 
             train_cls = ray.remote(TrainRank)
             self.train = [train_cls.options(**on("train", r)).remote(
-                r, config.train_ranks, policy, step_fn or make_step_fn, step_fn is None, config.threads_per_worker,
+                r, config.train_ranks, policy, critic, step_fn or make_step_fn, step_fn is None, config.threads_per_worker,
                 engine_kwargs if colocated else None, device) for r in range(config.train_ranks)]
             self.actors += [(a, f"train rank {r}") for r, a in enumerate(self.train)]
             if colocated:
@@ -411,7 +419,7 @@ class RayExecutor:
             if from_wire(other).step != new.step:
                 self.close()
                 raise ExecutorError(f"step: train rank {r} is at step {from_wire(other).step}, rank 0 at {new.step}")
-        return replace(new, policy={}, policy_opt=None, reference=None), metrics
+        return _driver_view(new), metrics
 
     def sync_weights(self, version: int) -> None:
         """Gather the policy from the shards and load it into every rollout engine as ``version``."""
@@ -430,4 +438,4 @@ class RayExecutor:
         parts = self.wait([(w.full_state.remote(), f"train rank {r}") for r, w in enumerate(self.train)],
                           self.config.sync_timeout, "gather state")
         full = from_wire(parts[0])
-        return replace(state, policy=full.policy, policy_opt=full.policy_opt, reference=full.reference)
+        return replace(state, **{k: getattr(full, k) for k in _RANK_FIELDS})
