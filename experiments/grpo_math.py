@@ -92,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="split: rollout workers apart from training ranks; colocated: the ranks generate")
     ray.add_argument("--train-ranks", type=int, default=2)
     ray.add_argument("--rollout-workers", type=int, default=1)
+    ray.add_argument("--reward-workers", type=int, default=0, help="CPU workers scoring rewards (0: the driver)")
     ray.add_argument("--gpus-per-worker", type=float, default=0.0)
     ray.add_argument("--cpus-per-worker", type=float, default=1.0)
     ray.add_argument("--sync-checksum", action="store_true", help="verify every weight sync by sha256")
@@ -106,7 +107,8 @@ def make_executor(args: argparse.Namespace, step_fn, model, engine_kwargs: dict)
         return LocalExecutor(step_fn, model, TorchEngine(model, device=args.device, **engine_kwargs))
     from purerl.executors.ray_executor import RayConfig, RayExecutor
 
-    config = RayConfig(train_ranks=args.train_ranks, rollout_workers=args.rollout_workers, placement=args.placement,
+    config = RayConfig(train_ranks=args.train_ranks, rollout_workers=args.rollout_workers,
+                       reward_workers=args.reward_workers, placement=args.placement,
                        address=args.ray_address, cpus_per_worker=args.cpus_per_worker,
                        gpus_per_worker=args.gpus_per_worker, threads_per_worker=max(1, int(args.cpus_per_worker)),
                        checksum=args.sync_checksum, step_timeout=args.step_timeout)

@@ -21,7 +21,7 @@ from purerl.data.cursor import next_indices
 from purerl.data.records import PromptRecord
 from purerl.executors.local import Executor
 from purerl.metrics_log import MetricsLog
-from purerl.rewards import RewardFn, math_reward, score_responses
+from purerl.rewards import RewardFn, Scores, math_reward, score_responses
 from purerl.rollout.engine import Rollout, RolloutEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
@@ -61,8 +61,10 @@ def decode_responses(rollout: Rollout, decode: Callable[[list[int]], str]) -> li
 
 
 def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, run: RunConfig,
-                  decode: Callable[[list[int]], str]) -> tuple[TrainState, Rollout, torch.Tensor, dict[str, float]]:
-    """Draw the next prompts, sample, and score: the state comes back with cursor and RNG advanced."""
+                  decode: Callable[[list[int]], str], *, score: Callable[..., Scores] = score_responses,
+                  ) -> tuple[TrainState, Rollout, torch.Tensor, dict[str, float]]:
+    """Draw the next prompts, sample, and score (with ``score``, :func:`~purerl.rewards.score_responses`'s
+    signature): the state comes back with cursor and RNG advanced."""
     indices, cursor = next_indices(state.data, len(task.records), run.prompts_per_step)
     start = time.perf_counter()
     rollout = engine.generate([task.prompt_ids[i] for i in indices], run.sampling, state.rng, version=state.step)
@@ -70,7 +72,7 @@ def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, run: Run
     texts = decode_responses(rollout, decode)
     truths = [task.records[i].ground_truth for i in indices for _ in range(run.sampling.n)]
     start = time.perf_counter()
-    scores = score_responses(task.reward_fn, texts, truths, timeout=run.reward_timeout, penalty=run.reward_penalty)
+    scores = score(task.reward_fn, texts, truths, timeout=run.reward_timeout, penalty=run.reward_penalty)
     tokens = int(rollout.sequences.response_mask.sum())
     metrics = {
         "reward/errors": float(scores.errors),
@@ -113,7 +115,7 @@ def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,
     try:
         while state.step < run.steps:
             step_start = time.perf_counter()
-            state, rollout, scores, metrics = rollout_batch(state, engine, task, run, decode)
+            state, rollout, scores, metrics = rollout_batch(state, engine, task, run, decode, score=executor.score)
             train_start = time.perf_counter()
             state, step_metrics = executor.step(state, rollout, scores)
             metrics.update(step_metrics)

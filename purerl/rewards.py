@@ -113,14 +113,21 @@ class Scores:
     timeouts: int
     error_messages: list[str]
 
+    @staticmethod
+    def concat(parts: Sequence["Scores"]) -> "Scores":
+        """The scores of consecutive shards as one batch."""
+        return Scores([v for p in parts for v in p.values], sum(p.errors for p in parts),
+                      sum(p.timeouts for p in parts), [m for p in parts for m in p.error_messages])
+
 
 def score_responses(fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
-                    timeout: float = 10.0, penalty: float = 0.0) -> Scores:
+                    timeout: float = 10.0, penalty: float = 0.0, first_index: int = 0) -> Scores:
     """``fn`` over every (response, ground truth) pair, concurrently, each under ``timeout`` seconds.
 
     A call that raises, returns a non-finite or non-numeric value, or is still running at its
     deadline scores ``penalty``. A timed-out call's thread is abandoned (daemon), never joined,
-    so a hanging reward function cannot hang the run.
+    so a hanging reward function cannot hang the run. Error messages number samples from
+    ``first_index`` (for a shard of a larger batch).
     """
     if len(responses) != len(ground_truths):
         raise ValueError(f"score_responses: {len(responses)} responses but {len(ground_truths)} ground truths")
@@ -147,11 +154,11 @@ def score_responses(fn: RewardFn, responses: Sequence[str], ground_truths: Seque
         if t.is_alive() or result is None:
             timeouts += 1
             values.append(penalty)
-            messages.append(f"sample {i}: timed out after {timeout:g} s")
+            messages.append(f"sample {first_index + i}: timed out after {timeout:g} s")
         elif isinstance(result, BaseException):
             errors += 1
             values.append(penalty)
-            messages.append(f"sample {i}: {type(result).__name__}: {result}")
+            messages.append(f"sample {first_index + i}: {type(result).__name__}: {result}")
         else:
             values.append(result)
     return Scores(values, errors, timeouts, messages)

@@ -21,7 +21,7 @@ def ray_cluster():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     temp = RAY_TEMP / f"session-{os.getpid()}"
     temp.mkdir(parents=True, exist_ok=True)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False)
+    ray.init(address="local", num_cpus=6, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False)
     yield ray
     ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)

@@ -26,6 +26,7 @@ from purerl.executors.wire import params_digest
 from purerl.metrics_log import MetricsLog
 from purerl.model import causal_lm_from_config, critic_from_causal_lm
 from purerl.optim import adamw, chain, clip_by_global_norm
+from purerl.rewards import score_responses
 from purerl.rollout.engine import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
@@ -75,12 +76,19 @@ def _pickle_this_module_by_value():
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import tests/
 
 
-@pytest.mark.parametrize("placement, micro_batch_rows", [("split", 5), ("colocated", 1)])
-def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_path, placement, micro_batch_rows):
+def _picky_reward(text, truth):
+    if len(text) % 3 == 0:
+        raise ValueError("a multiple of 3")
+    return float(len(text))
+
+
+@pytest.mark.parametrize("placement, micro_batch_rows, reward_workers", [("split", 5, 2), ("colocated", 1, 0)])
+def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_path, placement, micro_batch_rows,
+                                                              reward_workers):
     # micro-batches of 1 row leave one rank without rows: it must still join every collective
     model, step_fn, make_step_fn, fresh = _setup(micro_batch_rows)
-    config = ray_executor.RayConfig(train_ranks=2, rollout_workers=1, placement=placement, checksum=True,
-                                    step_timeout=120, sync_timeout=60)
+    config = ray_executor.RayConfig(train_ranks=2, rollout_workers=1, reward_workers=reward_workers,
+                                    placement=placement, checksum=True, step_timeout=120, sync_timeout=60)
     with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
                                   make_step_fn=make_step_fn) as executor:
         state = executor.start(fresh())
@@ -95,7 +103,8 @@ def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_p
         state, metrics = executor.step(state, rollout, scores)
         ray_full = executor.full_state(state)
 
-        local_state, local_metrics = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE)).step(fresh(), rollout, scores)
+        local = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE))
+        local_state, local_metrics = local.step(fresh(), rollout, scores)
         assert ray_full.step == local_state.step == 1 and ray_full.rng.counter == local_state.rng.counter == 1
         for name, value in local_state.policy.items():
             torch.testing.assert_close(ray_full.policy[name], value, rtol=0, atol=1e-5)
@@ -122,6 +131,12 @@ def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_p
         assert [r["step"] for r in MetricsLog.read(log.path)] == [2, 3]
         assert not tree_equal(executor.full_state(state).policy, before.policy)
         assert (tmp_path / "checkpoints" / "step_00000003").is_dir()
+
+        # rewards scored on the reward workers (or the driver) equal the driver's, errors numbered globally
+        texts, truths = ["a" * i for i in range(11)], ["0"] * 11
+        scored = executor.score(_picky_reward, texts, truths, timeout=5.0, penalty=-1.0)
+        assert scored == score_responses(_picky_reward, texts, truths, timeout=5.0, penalty=-1.0)
+        assert scored.errors == 4 and "sample 9: ValueError" in scored.error_messages[-1]
 
         # generating with weights the engines were never given fails closed, naming the worker
         with pytest.raises(ExecutorError, match=r"(rollout worker|train rank) \d .*version 7"):

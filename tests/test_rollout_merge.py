@@ -12,7 +12,7 @@ from purerl.tiny import tiny_llama_config
 
 
 def test_prompt_shards_cover_every_prompt_once_in_order():
-    for count in range(0, 9):
+    for count in range(9):
         for shards in range(1, 5):
             slices = prompt_shards(count, shards)
             assert [i for sl in slices for i in range(count)[sl]] == list(range(count))

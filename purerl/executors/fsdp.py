@@ -40,13 +40,13 @@ from purerl.tree import tree_flatten, tree_map, tree_unflatten
 __all__ = [
     "ShardedCausalLM",
     "ShardedCritic",
-    "shard_module",
-    "shard_causal_lm",
-    "shard_like",
-    "map_rows_data_parallel",
-    "sharded_value_and_grad",
     "full_params",
     "is_sharded",
+    "map_rows_data_parallel",
+    "shard_causal_lm",
+    "shard_like",
+    "shard_module",
+    "sharded_value_and_grad",
 ]
 
 

@@ -12,13 +12,14 @@ controller, config) with ``functools.partial``. :func:`purerl.step.grpo_step` an
 :func:`purerl.step.ppo_step` have this shape.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from purerl.model import CausalLM, Critic
 from purerl.model import value_and_grad as pure_value_and_grad
+from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rollout.engine import Rollout, RolloutEngine
 from purerl.state import TrainState
 
@@ -45,6 +46,10 @@ class Executor(Protocol):
     def full_state(self, state: TrainState) -> TrainState:
         """The complete state, params and optimizer state included (for checkpoints and export)."""
 
+    def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
+              timeout: float, penalty: float) -> Scores:
+        """:func:`~purerl.rewards.score_responses`, wherever the executor runs reward functions."""
+
     def close(self) -> None:
         """Release workers and processes (idempotent)."""
 
@@ -56,7 +61,9 @@ class LocalExecutor:
     def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine, *, critic: Critic | None = None,
                  value_and_grad: Callable = pure_value_and_grad) -> None:
         self.step_fn, self.policy, self.engine, self.value_and_grad = step_fn, policy, engine, value_and_grad
-        self.effects = {"policy": policy, "value_and_grad": value_and_grad, **({"critic": critic} if critic is not None else {})}
+        self.effects = {"policy": policy, "value_and_grad": value_and_grad}
+        if critic is not None:
+            self.effects["critic"] = critic
 
     def start(self, state: TrainState) -> TrainState:
         return state
@@ -66,6 +73,10 @@ class LocalExecutor:
 
     def full_state(self, state: TrainState) -> TrainState:
         return state
+
+    def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
+              timeout: float, penalty: float) -> Scores:
+        return score_responses(fn, responses, ground_truths, timeout=timeout, penalty=penalty)
 
     def close(self) -> None:
         pass

@@ -33,8 +33,15 @@ import attrs
 import torch
 
 from purerl.executors.local import ExecutorError, StepFn
-from purerl.executors.wire import from_wire, load_weight_buckets, params_digest, to_wire, weight_buckets
+from purerl.executors.wire import (
+    from_wire,
+    load_weight_buckets,
+    params_digest,
+    to_wire,
+    weight_buckets,
+)
 from purerl.model import CausalLM, Critic
+from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rollout.engine import Rollout, TorchEngine
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.sampling import SamplingParams
@@ -52,12 +59,14 @@ class RayConfig:
     """Where workers run and how long the driver waits for them.
 
     ``address``: None starts a local Ray instance (``ray.init()``); ``"auto"`` or ``"host:port"``
-    joins a running cluster. ``step_timeout``/``sync_timeout`` bound one step / one weight sync;
+    joins a running cluster. ``reward_workers``: 0 scores on the driver, more spreads the reward
+    function calls over that many CPU workers. ``step_timeout``/``sync_timeout`` bound one step / one weight sync;
     a rank that exceeds them ends the run.
     """
 
     train_ranks: int = 2
     rollout_workers: int = 1
+    reward_workers: int = 0
     placement: str = "split"
     address: str | None = None
     cpus_per_worker: float = attrs.field(default=1.0, converter=float)
@@ -219,6 +228,17 @@ class RolloutWorker:
         return to_wire(self.engine.generate(prompts, sampling, rng, version=version))
 
 
+class RewardWorker:
+    """A reward worker (a Ray actor): scores one shard of the responses."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def score(self, fn: RewardFn, responses: list[str], truths: list[str], timeout: float, penalty: float,
+              first_index: int) -> Scores:
+        return score_responses(fn, responses, truths, timeout=timeout, penalty=penalty, first_index=first_index)
+
+
 class _RemoteEngine:
     """The driver's view of the rollout workers, with the :class:`RolloutEngine` interface."""
 
@@ -269,7 +289,7 @@ class RayExecutor:
         self.actors: list[tuple[Any, str]] = []
         self._closed = False
         colocated = config.placement == "colocated"
-        workers = config.train_ranks + (0 if colocated else config.rollout_workers)
+        workers = config.train_ranks + (0 if colocated else config.rollout_workers) + config.reward_workers
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             local = config.address is None
@@ -283,20 +303,24 @@ class RayExecutor:
             self.pools = {"train": placement_group([bundle] * config.train_ranks, strategy="PACK")}
             if not colocated:
                 self.pools["rollout"] = placement_group([bundle] * config.rollout_workers, strategy="PACK")
+            if config.reward_workers:
+                self.pools["reward"] = placement_group([{"CPU": config.cpus_per_worker}] * config.reward_workers,
+                                                       strategy="SPREAD")
             for name, pool in self.pools.items():
                 if not pool.wait(config.start_timeout):
                     raise ExecutorError(f"Ray could not reserve the {name} pool ({len(pool.bundle_specs)} × {bundle}) "
                                         f"within {config.start_timeout:.0f} s: not enough resources in the cluster")
 
             def on(pool: str, index: int) -> dict[str, Any]:
+                gpus = 0 if pool == "reward" else config.gpus_per_worker
                 return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pools[pool], index),
-                        "num_cpus": config.cpus_per_worker, "num_gpus": config.gpus_per_worker,
-                        "max_restarts": 0}
+                        "num_cpus": config.cpus_per_worker, "num_gpus": gpus, "max_restarts": 0}
 
             train_cls = ray.remote(TrainRank)
             self.train = [train_cls.options(**on("train", r)).remote(
-                r, config.train_ranks, policy, critic, step_fn or make_step_fn, step_fn is None, config.threads_per_worker,
-                engine_kwargs if colocated else None, device) for r in range(config.train_ranks)]
+                r, config.train_ranks, policy, critic, step_fn or make_step_fn, step_fn is None,
+                config.threads_per_worker, engine_kwargs if colocated else None, device)
+                for r in range(config.train_ranks)]
             self.actors += [(a, f"train rank {r}") for r, a in enumerate(self.train)]
             if colocated:
                 self.rollout = self.train
@@ -305,6 +329,9 @@ class RayExecutor:
                 self.rollout = [rollout_cls.options(**on("rollout", i)).remote(
                     policy, engine_kwargs, config.threads_per_worker, device) for i in range(config.rollout_workers)]
                 self.actors += [(a, f"rollout worker {i}") for i, a in enumerate(self.rollout)]
+            reward_cls = ray.remote(RewardWorker)
+            self.reward = [reward_cls.options(**on("reward", i)).remote() for i in range(config.reward_workers)]
+            self.actors += [(a, f"reward worker {i}") for i, a in enumerate(self.reward)]
             (host, port), = self.wait([(self.train[0].address.remote(), "train rank 0")], config.start_timeout, "start")
             self.wait([(w.init_process_group.remote(host, port, config.step_timeout), f"train rank {r}")
                        for r, w in enumerate(self.train)], config.start_timeout, "init_process_group")
@@ -432,6 +459,20 @@ class RayExecutor:
         self.wait([(ref, f"train rank {r}") for r, ref in enumerate(refs)], c.sync_timeout, "weight sync")
         self.last_sync_digests = self.wait([(w.load_weights.remote(version, refs[0]), f"rollout worker {i}")
                                             for i, w in enumerate(self.rollout)], c.sync_timeout, "weight sync")
+
+    def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
+              timeout: float, penalty: float) -> Scores:
+        """Rewards on the reward workers (contiguous shards), or on the driver when there are none."""
+        if not self.reward:
+            return score_responses(fn, responses, ground_truths, timeout=timeout, penalty=penalty)
+        import ray
+
+        fn_ref = ray.put(fn)
+        shards = prompt_shards(len(responses), len(self.reward))
+        calls = [(w.score.remote(fn_ref, list(responses[sl]), list(ground_truths[sl]), timeout, penalty, sl.start),
+                  f"reward worker {i}") for i, (w, sl) in enumerate(zip(self.reward, shards))]
+        # each worker's threads time out after `timeout`; the margin covers transfer and start-up
+        return Scores.concat(self.wait(calls, 2 * timeout + 30, "reward"))
 
     def full_state(self, state: TrainState) -> TrainState:
         """The full state gathered from the ranks, with the driver's step, RNG, cursor and KL."""

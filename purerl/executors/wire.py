@@ -20,8 +20,15 @@ from torch import Tensor
 
 from purerl.tree import tree_map
 
-__all__ = ["WeightBucket", "WeightSyncError", "to_wire", "from_wire", "weight_buckets", "load_weight_buckets",
-           "params_digest"]
+__all__ = [
+    "WeightBucket",
+    "WeightSyncError",
+    "from_wire",
+    "load_weight_buckets",
+    "params_digest",
+    "to_wire",
+    "weight_buckets",
+]
 
 # numpy has no bfloat16: such tensors travel as their raw 16-bit patterns
 _VIEW_AS = {torch.bfloat16: torch.int16}
