@@ -150,8 +150,9 @@ def _make_ppo_step_fn():
                              kl_controller=make_kl_controller("fixed", coef=0.001), config=config), optimizer
 
 
-def test_ppo_with_a_sharded_critic_equals_local(ray_cluster):
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+def test_ppo_with_a_sharded_critic_and_checkpointed_policy_equals_local(ray_cluster):
+    # activation checkpointing: FSDP's hooks must re-gather the params when a layer recomputes
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, activation_checkpointing=True)
     critic, critic_params = critic_from_causal_lm(model, params)
     step_fn, optimizer = _make_ppo_step_fn()
     kl = make_kl_controller("fixed", coef=0.001)

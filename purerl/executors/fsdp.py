@@ -31,10 +31,11 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from purerl.algo.aggregation import SumCount
 from purerl.batch import Sequences
-from purerl.model import CausalLM, Critic, Params
+from purerl.model import CausalLM, Critic, Params, _rebinding_checkpoint
 from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -78,6 +79,11 @@ def _materialise(skeleton: nn.Module, params: Params, buffers: dict[str, Tensor]
             module.get_buffer(name).copy_(tensor)
     for p in module.parameters():
         p.requires_grad_(True)
+    for sub in module.modules():
+        # activation checkpointing: FSDP's own hooks re-gather the params when a layer recomputes,
+        # so the skeleton's re-binding checkpoint (which would reuse freed unsharded storage) goes
+        if getattr(sub, "_gradient_checkpointing_func", None) is _rebinding_checkpoint:
+            sub._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
     return module
 
 

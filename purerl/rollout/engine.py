@@ -6,7 +6,8 @@ generate for a version it was not told about. :class:`TorchEngine` is the embedd
 batched left-padded prefill and KV-cache decoding in the trainer's process, on CPU or one GPU.
 """
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -61,6 +62,18 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tenso
         ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
         mask[i, width - len(p):] = True
     return ids, mask
+
+
+@contextlib.contextmanager
+def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Eval mode for the block: a skeleton trained with activation checkpointing is in train mode,
+    where transformers silently turns the KV cache off."""
+    training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(training)
 
 
 class TorchEngine:
@@ -118,7 +131,7 @@ class TorchEngine:
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         reasons = torch.full((rows,), FINISH_LENGTH, dtype=torch.long, device=self.device)
         tokens, logps, alive = [], [], []
-        with self.model.bind(self._params) as module:
+        with self.model.bind(self._params) as module, _eval_mode(module):
             out = module(input_ids=ids, attention_mask=attention, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
             next_position = positions[:, -1:] + 1
