@@ -206,9 +206,9 @@ def main(argv: list[str] | None = None) -> dict:
     config = StepConfig(adv_estimator="grpo", clip_high=args.clip_high, use_kl_loss=args.kl_coef > 0,
                         kl_loss_coef=args.kl_coef, micro_batch_rows=args.micro_batch, temperature=args.temperature,
                         recompute_old_logprobs=args.top_p < 1.0)  # the engine's log-probs are π_old when exact
-    optimizer = chain(clip_by_global_norm(1.0),
-                      adamw(warmup_cosine_schedule(args.lr, args.warmup_steps, args.steps, final_lr=args.lr * 0.1),
-                            weight_decay=0.0))
+    schedule = warmup_cosine_schedule(args.lr, min(args.warmup_steps, args.steps - 1), args.steps,
+                                      final_lr=args.lr * 0.1)
+    optimizer = chain(clip_by_global_norm(1.0), adamw(schedule, weight_decay=0.0))
     kl_controller = make_kl_controller("fixed", coef=args.kl_coef)
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(),
                        rng=RngState(args.seed), data=DataCursor(args.seed),

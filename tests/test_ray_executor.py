@@ -199,6 +199,24 @@ def test_a_rank_that_outlives_the_step_timeout_ends_the_run(ray_cluster):
         assert time.monotonic() - start < 20
 
 
+def test_the_job_joins_a_running_cluster_with_ray_address_and_leaves_it_running(ray_cluster, tmp_path):
+    from ray.util import placement_group_table
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--executor", "ray",
+           "--ray-address", address, "--placement", "colocated", "--steps", "2", "--prompts-per-step", "2",
+           "--samples-per-prompt", "2", "--max-new-tokens", "4", "--eval-size", "2", "--train-size", "20",
+           "--eval-every", "0", "--checkpoint-every", "2", "--no-progress", "--threads", "1", "--out-dir", str(out)]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert (out / "checkpoints" / "step_00000002").is_dir()
+    assert ray_cluster.is_initialized() and ray_cluster.get(ray_cluster.put(1)) == 1  # the cluster lives on
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+
+
 def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path):
     """experiments/grpo_math.py --executor ray: SIGKILL one training rank after the first step."""
     pytest.importorskip("ray")
