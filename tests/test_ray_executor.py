@@ -71,7 +71,7 @@ def _setup(micro_batch_rows):
 
 @pytest.fixture(autouse=True)
 def _pickle_this_module_by_value():
-    import cloudpickle
+    from ray import cloudpickle  # Ray's own copy, the one that serialises tasks
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import tests/
 
