@@ -8,7 +8,7 @@
 2. **Weight sync.** Time to gather the policy from the shards and load it into the rollout worker
    (``split``), for a tiny and a larger model, without and with sha256 checksums, as MB/s.
 
-    python bench/bench_ray.py [--steps 8 --sync-hidden 512 --sync-layers 8 --sync-repeats 5]
+    python bench/bench_ray.py [--steps 8 --hidden 64 --layers 2 --sync-hidden 512 --sync-layers 8 --sync-repeats 5]
 """
 
 import argparse
@@ -75,6 +75,8 @@ def time_steps(executor, state, task, run, steps: int) -> dict[str, list[float]]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--new", type=int, default=16)
@@ -86,7 +88,7 @@ def main() -> None:
     import ray
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    tiny = tiny_llama_config(vocab_size=128, hidden_size=64, layers=2)
+    tiny = tiny_llama_config(vocab_size=128, hidden_size=args.hidden, layers=args.layers)
     records = [PromptRecord(({"role": "user", "content": str(i)},), "0") for i in range(64)]
     task = Task([[5 + i % 50, 6, 7, 8] for i in range(64)], records, reward)
     run = RunConfig(steps=10**9, prompts_per_step=args.prompts,
@@ -103,7 +105,7 @@ def main() -> None:
             results[f"ray {placement}"] = time_steps(executor, state, task, run, args.steps)
 
     params = sum(p.numel() for p in causal_lm_from_config(tiny)[1].values())
-    print(f"\n## Step overhead: tiny Llama ({params / 1e3:.0f} k params), {args.prompts}×{args.n} samples, "
+    print(f"\n## Step overhead: Llama h{args.hidden}×{args.layers} ({params / 1e3:.0f} k params), {args.prompts}×{args.n} samples, "
           f"≤{args.new} new tokens, medians of {args.steps} steps (ms)\n")
     print("| executor | generate+score | step | weight sync | total | total vs local |")
     print("|---|---|---|---|---|---|")
