@@ -82,7 +82,8 @@ def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, run: Run
         "perf/gen_tokens_per_s": tokens / max(gen_seconds, 1e-9),
     }
     state = replace(state, data=cursor, rng=state.rng.next())
-    return state, rollout, torch.tensor(scores.values, dtype=torch.float32), metrics
+    device = rollout.sequences.input_ids.device
+    return state, rollout, torch.tensor(scores.values, dtype=torch.float32, device=device), metrics
 
 
 def evaluate(state: TrainState, engine: RolloutEngine, task: Task, decode: Callable[[list[int]], str], *,
