@@ -188,23 +188,17 @@ class TrainRank:
             return None
         return weight_buckets(full, version, bucket_bytes=bucket_bytes, checksum=checksum)
 
-    def sync_engine(self, version: int) -> str:
-        """Colocated: the local engine gets the gathered weights (all ranks call it)."""
+    def sync_engine(self, version: int, checksum: bool) -> str | None:
+        """Colocated: the local engine gets the gathered weights (all ranks call it); with
+        ``checksum``, returns their sha256."""
         from purerl.executors.fsdp import full_params
 
         full = full_params(self.state.policy)
         self.engine.sync(full, version)
-        return params_digest(full)
+        return params_digest(full) if checksum else None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int) -> Any:
         return to_wire(self.engine.generate(prompts, sampling, rng, version=version))
-
-    def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 class RolloutWorker:
     """A rollout worker (a Ray actor): an embedded engine fed by weight sync."""
@@ -218,11 +212,13 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def load_weights(self, version: int, buckets: list[Any]) -> str:
+    def load_weights(self, version: int, buckets: list[Any]) -> str | None:
+        """Load synced weights (each bucket's checksum verified when it has one); returns the
+        sha256 of all of them in checksum mode."""
         params = load_weight_buckets(buckets, version, self.names, device=self.device)
         self.names = set(params)
         self.engine.sync(params, version)
-        return params_digest(params)
+        return params_digest(params) if buckets[0].sha256 is not None else None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int) -> Any:
         return to_wire(self.engine.generate(prompts, sampling, rng, version=version))
@@ -339,7 +335,7 @@ class RayExecutor:
             self.close()
             raise
         self.engine = _RemoteEngine(self, engine_kwargs["pad_token_id"])
-        self.last_sync_digests: list[str] = []
+        self.last_sync_digests: list[str | None] = []  # per rollout engine, in checksum mode
 
     # ---- plumbing -------------------------------------------------------------------------------
     def rollout_label(self, i: int) -> str:
@@ -452,7 +448,7 @@ class RayExecutor:
         """Gather the policy from the shards and load it into every rollout engine as ``version``."""
         c = self.config
         if c.placement == "colocated":
-            self.last_sync_digests = self.wait([(w.sync_engine.remote(version), f"train rank {r}")
+            self.last_sync_digests = self.wait([(w.sync_engine.remote(version, c.checksum), f"train rank {r}")
                                                 for r, w in enumerate(self.train)], c.sync_timeout, "weight sync")
             return
         refs = [w.weights.remote(version, c.bucket_bytes, c.checksum) for w in self.train]
