@@ -16,6 +16,7 @@ from torch import Tensor
 
 from purerl.batch import Sequences
 from purerl.model import CausalLM, Params
+from purerl.rollout import llama_decode
 from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
 from purerl.state import RngState
 from purerl.tree import pytree
@@ -81,11 +82,14 @@ class TorchEngine:
 
     Colocated with the trainer: :meth:`sync` keeps a reference to the params (no copy), so the
     donated optimizer update and the engine share buffers; the version tag records which update
-    they hold. ``decode`` (token ids → text) is needed only for stop strings.
+    they hold. ``decode`` (token ids → text) is needed only for stop strings. Llama-family models
+    decode through :mod:`purerl.rollout.llama_decode` (a static KV cache, no module dispatch);
+    ``lean=False`` forces the HF module path, which every other model takes.
     """
 
     def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
-                 decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu") -> None:
+                 decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
+                 lean: bool = True) -> None:
         if not eos_token_ids:
             raise ValueError("TorchEngine: at least one EOS token id is needed")
         self.model = model
@@ -95,6 +99,8 @@ class TorchEngine:
         self.device = torch.device(device)
         self._params: Params | None = None
         self.version: int | None = None
+        self.lean = lean and llama_decode.supports(model)
+        """True when decoding runs :mod:`purerl.rollout.llama_decode` (not the HF module)."""
 
     def sync(self, params: Params, version: int) -> None:
         self._params = params
@@ -121,22 +127,16 @@ class TorchEngine:
 
     @torch.no_grad()
     def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState):
-        from transformers import DynamicCache
-
         rows = ids.shape[0]
         generator = None if sampling.greedy else rng.generator(self.device)
-        cache = DynamicCache(config=self.model.config)
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        attention = mask.long()
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         reasons = torch.full((rows,), FINISH_LENGTH, dtype=torch.long, device=self.device)
         tokens, logps, alive = [], [], []
-        with self.model.bind(self._params) as module, _eval_mode(module):
-            out = module(input_ids=ids, attention_mask=attention, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with self._model_steps(ids, mask, positions, ids.shape[1] + sampling.max_new_tokens) as (logits, advance):
             next_position = positions[:, -1:] + 1
             for step in range(sampling.max_new_tokens):
-                lp = sampling_logprobs(out.logits[:, -1], temperature=sampling.temperature,
+                lp = sampling_logprobs(logits, temperature=sampling.temperature,
                                        top_k=sampling.top_k, top_p=sampling.top_p)
                 token = sample_tokens(lp, greedy=sampling.greedy, generator=generator)
                 token = torch.where(finished, self.pad_token_id, token)
@@ -153,11 +153,42 @@ class TorchEngine:
                     finished = finished | hit_stop
                 if bool(finished.all()) or step + 1 == sampling.max_new_tokens:
                     break
-                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-                out = module(input_ids=token[:, None], attention_mask=attention, position_ids=next_position,
-                             past_key_values=cache, use_cache=True)
+                logits = advance(token, next_position)
                 next_position = next_position + 1
         return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(alive, 1), reasons
+
+    @contextlib.contextmanager
+    def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor,
+                     capacity: int) -> Iterator[tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]]:
+        """The prompt's last-position logits ``[b, v]`` and ``advance(token[b], position[b, 1])``,
+        which appends one token per row and returns the next logits. Llama-family models run the
+        lean static-cache forward; others the HF module with its dynamic cache."""
+        if self.lean:
+            params, layout = self._params, llama_decode.layout_of(self.model.config)
+            inv_freq = self.model.buffers["model.rotary_emb.inv_freq"]
+            dtype = params["model.embed_tokens.weight"].dtype
+            cache = llama_decode.StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=self.device)
+            attend = torch.ones((ids.shape[0], 1), dtype=torch.bool, device=self.device)
+
+            def advance(token: Tensor, position: Tensor) -> Tensor:
+                return llama_decode.forward_last(params, inv_freq, layout, token[:, None], attend, position, cache)
+
+            yield llama_decode.forward_last(params, inv_freq, layout, ids, mask, positions, cache), advance
+            return
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        attention = mask.long()
+        with self.model.bind(self._params) as module, _eval_mode(module):
+            def step(token: Tensor, position: Tensor) -> Tensor:
+                nonlocal attention
+                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+                return module(input_ids=token[:, None], attention_mask=attention, position_ids=position,
+                              past_key_values=cache, use_cache=True).logits[:, -1]
+
+            out = module(input_ids=ids, attention_mask=attention, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+            yield out.logits[:, -1], step
 
     def _stop_hits(self, tokens: list[Tensor], finished: Tensor, stop: tuple[str, ...]) -> Tensor:
         """Rows (not yet finished) whose response text now contains a stop string."""

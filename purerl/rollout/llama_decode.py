@@ -1,0 +1,147 @@
+"""A lean forward for sampling from Llama-family models, with a preallocated (static) KV cache.
+
+Decoding through the HF module costs per token: a growing ``DynamicCache`` (one ``torch.cat`` per
+layer and token, so O(T²) copying), mask construction and module dispatch, which dominate for
+small models and on GPUs. Here one decoding step is a plain function of the params tree: RMSNorm,
+rotary embeddings, grouped-query attention over a cache written in place, SwiGLU MLP. It computes
+what ``LlamaForCausalLM`` computes, op for op, so its logits equal the module's (fp32: to ~1e-6;
+``tests/test_llama_decode.py``). Models it does not cover (other architectures, rope variants that
+rescale attention, sliding windows) go through the HF module as before: see :func:`supports`.
+
+Shapes: ``b`` rows, ``s`` new positions, ``t`` cache capacity (prompt width + max new tokens),
+``H`` query heads, ``K`` key/value heads, ``D`` head size.
+"""
+
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+__all__ = ["LlamaLayout", "StaticCache", "supports", "layout_of", "forward_last"]
+
+_ARCHITECTURES = ("llama", "qwen2")
+_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq changes, attention is not rescaled
+
+
+def supports(model: Any) -> bool:
+    """Whether :func:`forward_last` computes exactly what ``model`` (a CausalLM skeleton) does."""
+    config = model.config
+    rotary = getattr(getattr(model.module, "model", None), "rotary_emb", None)
+    return (
+        getattr(config, "model_type", None) in _ARCHITECTURES
+        and getattr(config, "hidden_act", None) == "silu"
+        and rotary is not None
+        and getattr(rotary, "rope_type", None) in _ROPE_TYPES
+        and float(getattr(rotary, "attention_scaling", 1.0)) == 1.0
+        and not getattr(config, "use_sliding_window", False)
+        and "model.rotary_emb.inv_freq" in model.buffers
+    )
+
+
+@attrs.frozen
+class LlamaLayout:
+    """Sizes and names of a Llama-family model (from its HF config)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def layout_of(config: Any) -> LlamaLayout:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return LlamaLayout(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+                       head_dim, float(config.rms_norm_eps))
+
+
+@attrs.define
+class StaticCache:
+    """Keys and values of every layer, ``[b, K, t, D]`` each, filled in place; ``valid[b, t]`` marks
+    the positions that are real tokens (left padding and unwritten slots are not)."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    valid: Bool[Tensor, "b t"]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, layout: LlamaLayout, rows: int, capacity: int, *, dtype: torch.dtype,
+              device: torch.device) -> "StaticCache":
+        shape = (rows, layout.kv_heads, capacity, layout.head_dim)
+        return cls([torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.layers)],
+                   [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.layers)],
+                   torch.zeros((rows, capacity), dtype=torch.bool, device=device))
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _linear(params: dict[str, Tensor], name: str, x: Tensor) -> Tensor:
+    return F.linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
+
+
+def forward_last(
+    params: dict[str, Tensor],
+    inv_freq: Float[Tensor, " half"],
+    layout: LlamaLayout,
+    ids: Int[Tensor, "b s"],
+    attend: Bool[Tensor, "b s"],
+    positions: Int[Tensor, "b s"],
+    cache: StaticCache,
+) -> Float[Tensor, "b v"]:
+    """Run ``ids`` (new tokens at ``positions``; ``attend`` False for padding) through the model,
+    appending their keys and values to ``cache``, and return the logits at the last position.
+
+    Each new position attends to the valid cached positions and the valid new positions up to
+    itself. A padding position attends only to itself (its output is never used, and this keeps
+    its keys finite, so they can be masked without NaNs).
+    """
+    b, s = ids.shape
+    start, stop = cache.length, cache.length + s
+    cache.valid[:, start:stop] = attend
+    cache.length = stop
+    causal = torch.ones((s, stop), dtype=torch.bool, device=ids.device).tril(start)
+    mask = (cache.valid[:, None, :stop] & causal[None]) | F.pad(torch.eye(s, dtype=torch.bool, device=ids.device),
+                                                                (start, 0))[None]
+    mask = mask[:, None]  # [b, 1, s, stop]
+
+    h = F.embedding(ids, params["model.embed_tokens.weight"])
+    freqs = positions[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]  # [b, 1, s, D]
+    scale = layout.head_dim ** -0.5
+    groups = layout.heads // layout.kv_heads
+    for i in range(layout.layers):
+        p = f"model.layers.{i}"
+        x = _rms_norm(h, params[f"{p}.input_layernorm.weight"], layout.eps)
+        q = _linear(params, f"{p}.self_attn.q_proj", x).view(b, s, layout.heads, layout.head_dim).transpose(1, 2)
+        k = _linear(params, f"{p}.self_attn.k_proj", x).view(b, s, layout.kv_heads, layout.head_dim).transpose(1, 2)
+        v = _linear(params, f"{p}.self_attn.v_proj", x).view(b, s, layout.kv_heads, layout.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cache.keys[i][:, :, start:stop] = k
+        cache.values[i][:, :, start:stop] = v
+        keys, values = cache.keys[i][:, :, :stop], cache.values[i][:, :, :stop]
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        h = h + _linear(params, f"{p}.self_attn.o_proj", attn.transpose(1, 2).reshape(b, s, -1))
+        x = _rms_norm(h, params[f"{p}.post_attention_layernorm.weight"], layout.eps)
+        gate = F.silu(_linear(params, f"{p}.mlp.gate_proj", x))
+        h = h + _linear(params, f"{p}.mlp.down_proj", gate * _linear(params, f"{p}.mlp.up_proj", x))
+    last = _rms_norm(h[:, -1], params["model.norm.weight"], layout.eps)
+    head = params.get("lm_head.weight", params["model.embed_tokens.weight"])  # tied: only the embedding
+    return F.linear(last, head, params.get("lm_head.bias"))

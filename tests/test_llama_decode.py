@@ -1,0 +1,82 @@
+"""The lean Llama-family decode path computes what the HF module computes."""
+
+import pytest
+import torch
+
+from purerl.model import causal_lm_from_config
+from purerl.rollout import llama_decode
+from purerl.rollout.engine import TorchEngine, left_pad
+from purerl.rollout.sampling import SamplingParams
+from purerl.state import RngState
+from purerl.tiny import tiny_llama_config
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+
+
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       tie_word_embeddings=False, attn_implementation="sdpa")
+
+
+CONFIGS = {
+    "llama tied, GQA": tiny_llama_config(),
+    "llama untied, MHA, llama3 rope": tiny_llama_config(tie_word_embeddings=False, num_key_value_heads=4,
+                                                        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+                                                                         "factor": 8.0, "low_freq_factor": 1.0,
+                                                                         "high_freq_factor": 4.0,
+                                                                         "original_max_position_embeddings": 64}),
+    "qwen2 (q/k/v biases)": _qwen2_config(),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_and_every_decode_step_give_the_modules_logits(name):
+    model, params = causal_lm_from_config(CONFIGS[name], seed=0)
+    assert llama_decode.supports(model)
+    if "qwen2" in name:
+        assert "model.layers.0.self_attn.q_proj.bias" in params
+    layout = llama_decode.layout_of(model.config)
+    inv_freq = model.buffers["model.rotary_emb.inv_freq"]
+    ids, mask = left_pad(PROMPTS, 0)
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    steps = 6
+    cache = llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + steps, dtype=torch.float32,
+                                           device=torch.device("cpu"))
+    logits = llama_decode.forward_last(params, inv_freq, layout, ids, mask, positions, cache)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        reference = model(params, input_ids=ids, attention_mask=mask.long(), position_ids=positions,
+                          use_cache=False).logits[:, -1]
+        torch.testing.assert_close(logits, reference, rtol=0, atol=2e-5)
+        token = torch.randint(3, 128, (len(PROMPTS), 1), generator=g)
+        position = positions[:, -1:] + 1
+        ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token, dtype=torch.bool)], 1)
+        positions = torch.cat([positions, position], 1)
+        logits = llama_decode.forward_last(params, inv_freq, layout, token, torch.ones_like(token, dtype=torch.bool),
+                                           position, cache)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=10, temperature=0.0),
+                                      SamplingParams(max_new_tokens=10, n=3, top_p=0.9, top_k=20)],
+                         ids=["greedy", "top-p/top-k"])
+def test_the_engine_samples_the_same_tokens_on_both_paths(sampling):
+    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0)
+    lean, hf = (TorchEngine(model, eos_token_ids=[1], pad_token_id=0, lean=flag) for flag in (True, False))
+    assert lean.lean and not hf.lean
+    out = []
+    for engine in (lean, hf):
+        engine.sync(params, 0)
+        out.append(engine.generate(PROMPTS, sampling, RngState(4)))
+    assert torch.equal(out[0].sequences.input_ids, out[1].sequences.input_ids)
+    torch.testing.assert_close(out[0].behaviour_logprobs, out[1].behaviour_logprobs, rtol=0, atol=1e-5)
+
+
+def test_unsupported_models_take_the_module_path():
+    config = tiny_llama_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                "original_max_position_embeddings": 64})
+    model, _ = causal_lm_from_config(config, seed=0)
+    assert not llama_decode.supports(model)
+    assert not TorchEngine(model, eos_token_ids=[1], pad_token_id=0).lean
