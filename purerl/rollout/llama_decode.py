@@ -134,10 +134,7 @@ def forward_last(
         cache.keys[i][:, :, start:stop] = k
         cache.values[i][:, :, start:stop] = v
         keys, values = cache.keys[i][:, :, :stop], cache.values[i][:, :, :stop]
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
         h = h + _linear(params, f"{p}.self_attn.o_proj", attn.transpose(1, 2).reshape(b, s, -1))
         x = _rms_norm(h, params[f"{p}.post_attention_layernorm.weight"], layout.eps)
         gate = F.silu(_linear(params, f"{p}.mlp.gate_proj", x))
