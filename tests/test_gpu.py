@@ -81,6 +81,17 @@ def test_engine_behaviour_logprobs_equal_the_trainers_on_cuda():
     torch.testing.assert_close(trainer[mask], rollout.behaviour_logprobs[mask], rtol=0, atol=1e-4)
 
 
+def test_cuda_graph_decoding_samples_what_eager_decoding_samples():
+    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    rollouts = []
+    for graphs in (True, False):
+        engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, device="cuda", cuda_graphs=graphs)
+        engine.sync(params, 0)
+        rollouts.append(engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, n=3), RngState(2)))
+    assert torch.equal(rollouts[0].sequences.input_ids, rollouts[1].sequences.input_ids)
+    torch.testing.assert_close(rollouts[0].behaviour_logprobs, rollouts[1].behaviour_logprobs, rtol=0, atol=1e-5)
+
+
 def test_a_grpo_step_on_cuda_matches_the_same_step_on_cpu():
     model, params, step_fn, fresh, rollout, scores = _setup()
     gpu_state, gpu_metrics = step_fn(fresh(), rollout, scores, policy=model)

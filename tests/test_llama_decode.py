@@ -80,3 +80,24 @@ def test_unsupported_models_take_the_module_path():
     model, _ = causal_lm_from_config(config, seed=0)
     assert not llama_decode.supports(model)
     assert not TorchEngine(model, eos_token_ids=[1], pad_token_id=0).lean
+
+
+def test_the_fixed_shape_step_equals_the_sliced_step():
+    # decode_step_static (the CUDA-graph step) attends over the whole cache with unwritten slots masked
+    model, params = causal_lm_from_config(CONFIGS["llama tied, GQA"], seed=0)
+    layout, inv_freq = llama_decode.layout_of(model.config), model.buffers["model.rotary_emb.inv_freq"]
+    ids, mask = left_pad(PROMPTS, 0)
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    caches = [llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + 5, dtype=torch.float32,
+                                             device=torch.device("cpu")) for _ in range(2)]
+    for cache in caches:
+        llama_decode.forward_last(params, inv_freq, layout, ids, mask, positions, cache)
+    position = positions[:, -1:]
+    for step in range(5):
+        token, position = torch.full((len(PROMPTS), 1), 10 + step), position + 1
+        sliced = llama_decode.forward_last(params, inv_freq, layout, token, torch.ones_like(token, dtype=torch.bool),
+                                           position, caches[0])
+        index = torch.tensor([caches[1].length])
+        fixed = llama_decode.decode_step_static(params, inv_freq, layout, token, position, index, caches[1])
+        caches[1].length += 1
+        torch.testing.assert_close(fixed, sliced, rtol=0, atol=1e-6)

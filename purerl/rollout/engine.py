@@ -84,12 +84,14 @@ class TorchEngine:
     donated optimizer update and the engine share buffers; the version tag records which update
     they hold. ``decode`` (token ids → text) is needed only for stop strings. Llama-family models
     decode through :mod:`purerl.rollout.llama_decode` (a static KV cache, no module dispatch);
-    ``lean=False`` forces the HF module path, which every other model takes.
+    ``lean=False`` forces the HF module path, which every other model takes. On CUDA the lean
+    decoding step is captured once per generate call and replayed as a CUDA graph
+    (``cuda_graphs=False`` turns that off).
     """
 
     def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
-                 lean: bool = True) -> None:
+                 lean: bool = True, cuda_graphs: bool = True) -> None:
         if not eos_token_ids:
             raise ValueError("TorchEngine: at least one EOS token id is needed")
         self.model = model
@@ -101,6 +103,7 @@ class TorchEngine:
         self.version: int | None = None
         self.lean = lean and llama_decode.supports(model)
         """True when decoding runs :mod:`purerl.rollout.llama_decode` (not the HF module)."""
+        self.cuda_graphs = cuda_graphs
 
     def sync(self, params: Params, version: int) -> None:
         self._params = params
@@ -173,7 +176,10 @@ class TorchEngine:
             def advance(token: Tensor, position: Tensor) -> Tensor:
                 return llama_decode.forward_last(params, inv_freq, layout, token[:, None], attend, position, cache)
 
-            yield llama_decode.forward_last(params, inv_freq, layout, ids, mask, positions, cache), advance
+            first = llama_decode.forward_last(params, inv_freq, layout, ids, mask, positions, cache)
+            if self.cuda_graphs and self.device.type == "cuda":
+                advance = llama_decode.GraphedDecoder(params, inv_freq, layout, cache).step
+            yield first, advance
             return
         from transformers import DynamicCache
 

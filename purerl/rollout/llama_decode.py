@@ -20,7 +20,15 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["LlamaLayout", "StaticCache", "supports", "layout_of", "forward_last"]
+__all__ = [
+    "LlamaLayout",
+    "StaticCache",
+    "GraphedDecoder",
+    "supports",
+    "layout_of",
+    "forward_last",
+    "decode_step_static",
+]
 
 _ARCHITECTURES = ("llama", "qwen2")
 _ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq changes, attention is not rescaled
@@ -72,8 +80,9 @@ class StaticCache:
     def empty(cls, layout: LlamaLayout, rows: int, capacity: int, *, dtype: torch.dtype,
               device: torch.device) -> "StaticCache":
         shape = (rows, layout.kv_heads, capacity, layout.head_dim)
-        return cls([torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.layers)],
-                   [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.layers)],
+        # zeros, not empty: masked slots still enter the products (and NaN · 0 is NaN)
+        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.layers)],
+                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.layers)],
                    torch.zeros((rows, capacity), dtype=torch.bool, device=device))
 
 
@@ -142,3 +151,83 @@ def forward_last(
     last = _rms_norm(h[:, -1], params["model.norm.weight"], layout.eps)
     head = params.get("lm_head.weight", params["model.embed_tokens.weight"])  # tied: only the embedding
     return F.linear(last, head, params.get("lm_head.bias"))
+
+
+def decode_step_static(
+    params: dict[str, Tensor],
+    inv_freq: Float[Tensor, " half"],
+    layout: LlamaLayout,
+    token: Int[Tensor, "b 1"],
+    position: Int[Tensor, "b 1"],
+    index: Int[Tensor, " 1"],
+    cache: StaticCache,
+) -> Float[Tensor, "b v"]:
+    """One decoding step with every shape fixed (so that a CUDA graph can replay it): the token
+    goes to cache slot ``index`` (a device tensor) and attention runs over the whole capacity,
+    unwritten slots masked. Same result as :func:`forward_last` with ``s = 1``; ``cache.length``
+    is not used or changed."""
+    b = token.shape[0]
+    cache.valid.index_fill_(1, index, True)
+    mask = cache.valid[:, None, None, :]  # [b, 1, 1, t]
+    h = F.embedding(token, params["model.embed_tokens.weight"])
+    freqs = position[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]
+    scale = layout.head_dim ** -0.5
+    for i in range(layout.layers):
+        p = f"model.layers.{i}"
+        x = _rms_norm(h, params[f"{p}.input_layernorm.weight"], layout.eps)
+        q = _linear(params, f"{p}.self_attn.q_proj", x).view(b, 1, layout.heads, layout.head_dim).transpose(1, 2)
+        k = _linear(params, f"{p}.self_attn.k_proj", x).view(b, 1, layout.kv_heads, layout.head_dim).transpose(1, 2)
+        v = _linear(params, f"{p}.self_attn.v_proj", x).view(b, 1, layout.kv_heads, layout.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cache.keys[i].index_copy_(2, index, k)
+        cache.values[i].index_copy_(2, index, v)
+        attn = F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=mask, scale=scale,
+                                              enable_gqa=layout.heads != layout.kv_heads)
+        h = h + _linear(params, f"{p}.self_attn.o_proj", attn.transpose(1, 2).reshape(b, 1, -1))
+        x = _rms_norm(h, params[f"{p}.post_attention_layernorm.weight"], layout.eps)
+        gate = F.silu(_linear(params, f"{p}.mlp.gate_proj", x))
+        h = h + _linear(params, f"{p}.mlp.down_proj", gate * _linear(params, f"{p}.mlp.up_proj", x))
+    last = _rms_norm(h[:, -1], params["model.norm.weight"], layout.eps)
+    return F.linear(last, params.get("lm_head.weight", params["model.embed_tokens.weight"]), params.get("lm_head.bias"))
+
+
+class GraphedDecoder:
+    """:func:`decode_step_static` captured once in a CUDA graph and replayed per token.
+
+    Decoding a small model on a GPU is bound by kernel launches (hundreds per token); a replay is
+    one launch. The graph is tied to ``cache`` (its batch and capacity), so one is captured per
+    generate call: ``step(token, position)`` writes slot ``cache.length`` and advances it.
+    """
+
+    def __init__(self, params: dict[str, Tensor], inv_freq: Tensor, layout: LlamaLayout, cache: StaticCache) -> None:
+        device = cache.valid.device
+        rows = cache.valid.shape[0]
+        self.cache = cache
+        self.token = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.position = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.index = torch.full((1,), cache.length, dtype=torch.long, device=device)
+        valid = cache.valid.clone()  # warm-up and capture write slot `index`: undo afterwards
+
+        def run() -> Tensor:
+            return decode_step_static(params, inv_freq, layout, self.token, self.position, self.index, cache)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = run()
+        cache.valid.copy_(valid)
+
+    def step(self, token: Int[Tensor, " b"], position: Int[Tensor, "b 1"]) -> Float[Tensor, "b v"]:
+        self.token.copy_(token[:, None])
+        self.position.copy_(position)
+        self.index.fill_(self.cache.length)
+        self.graph.replay()
+        self.cache.length += 1
+        return self.logits.clone()
