@@ -110,7 +110,13 @@ def test_an_fsdp2_nccl_rank_matches_the_local_step_on_cuda():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from purerl.executors.fsdp import ShardedCausalLM, full_params, shard_causal_lm, shard_like, sharded_value_and_grad
+    from purerl.executors.fsdp import (
+        ShardedCausalLM,
+        full_params,
+        shard_causal_lm,
+        shard_like,
+        sharded_value_and_grad,
+    )
 
     model, params, step_fn, fresh, rollout, scores = _setup()
     local_state, local_metrics = step_fn(fresh(), rollout, scores, policy=model)

@@ -127,12 +127,27 @@ def forward_last(
                                                                 (start, 0))[None]
     mask = mask[:, None]  # [b, 1, s, stop]
 
+    scale = layout.head_dim ** -0.5
+    gqa = layout.heads != layout.kv_heads
+
+    def attention(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        cache.keys[i][:, :, start:stop] = k
+        cache.values[i][:, :, start:stop] = v
+        keys, values = cache.keys[i][:, :, :stop], cache.values[i][:, :, :stop]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+    return _logits_of_last(params, inv_freq, layout, ids, positions, attention)
+
+
+def _logits_of_last(params: dict[str, Tensor], inv_freq: Tensor, layout: LlamaLayout, ids: Tensor,
+                    positions: Tensor, attention: Any) -> Tensor:
+    """The decoder stack on ``ids`` at ``positions``; ``attention(layer, q, k, v)`` stores the new keys
+    and values and returns the attention output ``[b, H, s, D]``. Logits of the last position."""
+    b, s = ids.shape
     h = F.embedding(ids, params["model.embed_tokens.weight"])
     freqs = positions[..., None].float() * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]  # [b, 1, s, D]
-    scale = layout.head_dim ** -0.5
-    groups = layout.heads // layout.kv_heads
     for i in range(layout.layers):
         p = f"model.layers.{i}"
         x = _rms_norm(h, params[f"{p}.input_layernorm.weight"], layout.eps)
@@ -140,10 +155,7 @@ def forward_last(
         k = _linear(params, f"{p}.self_attn.k_proj", x).view(b, s, layout.kv_heads, layout.head_dim).transpose(1, 2)
         v = _linear(params, f"{p}.self_attn.v_proj", x).view(b, s, layout.kv_heads, layout.head_dim).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        cache.keys[i][:, :, start:stop] = k
-        cache.values[i][:, :, start:stop] = v
-        keys, values = cache.keys[i][:, :, :stop], cache.values[i][:, :, :stop]
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+        attn = attention(i, q, k, v)
         h = h + _linear(params, f"{p}.self_attn.o_proj", attn.transpose(1, 2).reshape(b, s, -1))
         x = _rms_norm(h, params[f"{p}.post_attention_layernorm.weight"], layout.eps)
         gate = F.silu(_linear(params, f"{p}.mlp.gate_proj", x))
@@ -166,31 +178,18 @@ def decode_step_static(
     goes to cache slot ``index`` (a device tensor) and attention runs over the whole capacity,
     unwritten slots masked. Same result as :func:`forward_last` with ``s = 1``; ``cache.length``
     is not used or changed."""
-    b = token.shape[0]
     cache.valid.index_fill_(1, index, True)
     mask = cache.valid[:, None, None, :]  # [b, 1, 1, t]
-    h = F.embedding(token, params["model.embed_tokens.weight"])
-    freqs = position[..., None].float() * inv_freq.float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]
     scale = layout.head_dim ** -0.5
-    for i in range(layout.layers):
-        p = f"model.layers.{i}"
-        x = _rms_norm(h, params[f"{p}.input_layernorm.weight"], layout.eps)
-        q = _linear(params, f"{p}.self_attn.q_proj", x).view(b, 1, layout.heads, layout.head_dim).transpose(1, 2)
-        k = _linear(params, f"{p}.self_attn.k_proj", x).view(b, 1, layout.kv_heads, layout.head_dim).transpose(1, 2)
-        v = _linear(params, f"{p}.self_attn.v_proj", x).view(b, 1, layout.kv_heads, layout.head_dim).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    gqa = layout.heads != layout.kv_heads
+
+    def attention(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache.keys[i].index_copy_(2, index, k)
         cache.values[i].index_copy_(2, index, v)
-        attn = F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=mask, scale=scale,
-                                              enable_gqa=layout.heads != layout.kv_heads)
-        h = h + _linear(params, f"{p}.self_attn.o_proj", attn.transpose(1, 2).reshape(b, 1, -1))
-        x = _rms_norm(h, params[f"{p}.post_attention_layernorm.weight"], layout.eps)
-        gate = F.silu(_linear(params, f"{p}.mlp.gate_proj", x))
-        h = h + _linear(params, f"{p}.mlp.down_proj", gate * _linear(params, f"{p}.mlp.up_proj", x))
-    last = _rms_norm(h[:, -1], params["model.norm.weight"], layout.eps)
-    return F.linear(last, params.get("lm_head.weight", params["model.embed_tokens.weight"]), params.get("lm_head.bias"))
+        return F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+
+    return _logits_of_last(params, inv_freq, layout, token, position, attention)
 
 
 class GraphedDecoder:
