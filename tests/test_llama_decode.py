@@ -45,7 +45,8 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(name):
     steps = 6
     cache = llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + steps, dtype=torch.float32,
                                            device=torch.device("cpu"))
-    logits = llama_decode.forward_last(params, inv_freq, layout, ids, mask, positions, cache)
+    weights = llama_decode.decoder_weights(params, layout)
+    logits = llama_decode.forward_last(weights, inv_freq, layout, ids, mask, positions, cache)
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
         reference = model(params, input_ids=ids, attention_mask=mask.long(), position_ids=positions,
@@ -55,7 +56,7 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(name):
         position = positions[:, -1:] + 1
         ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token, dtype=torch.bool)], 1)
         positions = torch.cat([positions, position], 1)
-        logits = llama_decode.forward_last(params, inv_freq, layout, token, torch.ones_like(token, dtype=torch.bool),
+        logits = llama_decode.forward_last(weights, inv_freq, layout, token, torch.ones_like(token, dtype=torch.bool),
                                            position, cache)
 
 
@@ -86,18 +87,19 @@ def test_the_fixed_shape_step_equals_the_sliced_step():
     # decode_step_static (the CUDA-graph step) attends over the whole cache with unwritten slots masked
     model, params = causal_lm_from_config(CONFIGS["llama tied, GQA"], seed=0)
     layout, inv_freq = llama_decode.layout_of(model.config), model.buffers["model.rotary_emb.inv_freq"]
+    weights = llama_decode.decoder_weights(params, layout)
     ids, mask = left_pad(PROMPTS, 0)
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     caches = [llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + 5, dtype=torch.float32,
                                              device=torch.device("cpu")) for _ in range(2)]
     for cache in caches:
-        llama_decode.forward_last(params, inv_freq, layout, ids, mask, positions, cache)
+        llama_decode.forward_last(weights, inv_freq, layout, ids, mask, positions, cache)
     position = positions[:, -1:]
     for step in range(5):
         token, position = torch.full((len(PROMPTS), 1), 10 + step), position + 1
-        sliced = llama_decode.forward_last(params, inv_freq, layout, token, torch.ones_like(token, dtype=torch.bool),
+        sliced = llama_decode.forward_last(weights, inv_freq, layout, token, torch.ones_like(token, dtype=torch.bool),
                                            position, caches[0])
         index = torch.tensor([caches[1].length])
-        fixed = llama_decode.decode_step_static(params, inv_freq, layout, token, position, index, caches[1])
+        fixed = llama_decode.decode_step_static(weights, inv_freq, layout, token, position, index, caches[1])
         caches[1].length += 1
         torch.testing.assert_close(fixed, sliced, rtol=0, atol=1e-6)

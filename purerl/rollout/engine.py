@@ -167,9 +167,10 @@ class TorchEngine:
         which appends one token per row and returns the next logits. Llama-family models run the
         lean static-cache forward; others the HF module with its dynamic cache."""
         if self.lean:
-            params, layout = self._params, llama_decode.layout_of(self.model.config)
+            layout = llama_decode.layout_of(self.model.config)
+            params = llama_decode.decoder_weights(self._params, layout)
             inv_freq = self.model.buffers["model.rotary_emb.inv_freq"]
-            dtype = params["model.embed_tokens.weight"].dtype
+            dtype = params.embed.dtype
             cache = llama_decode.StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=self.device)
             attend = torch.ones((ids.shape[0], 1), dtype=torch.bool, device=self.device)
 

@@ -3,7 +3,8 @@
 Decoding through the HF module costs per token: a growing ``DynamicCache`` (one ``torch.cat`` per
 layer and token, so O(T²) copying), mask construction and module dispatch, which dominate for
 small models and on GPUs. Here one decoding step is a plain function of the params tree: RMSNorm,
-rotary embeddings, grouped-query attention over a cache written in place, SwiGLU MLP. It computes
+rotary embeddings, grouped-query attention over a cache written in place, SwiGLU MLP, with q/k/v
+and gate/up each fused into one matrix product (fewer, larger kernels). It computes
 what ``LlamaForCausalLM`` computes, op for op, so its logits equal the module's (fp32: to ~1e-6;
 ``tests/test_llama_decode.py``). Models it does not cover (other architectures, rope variants that
 rescale attention, sliding windows) go through the HF module as before: see :func:`supports`.
@@ -28,6 +29,8 @@ __all__ = [
     "layout_of",
     "forward_last",
     "decode_step_static",
+    "DecoderWeights",
+    "decoder_weights",
 ]
 
 _ARCHITECTURES = ("llama", "qwen2")
@@ -45,6 +48,7 @@ def supports(model: Any) -> bool:
         and getattr(rotary, "rope_type", None) in _ROPE_TYPES
         and float(getattr(rotary, "attention_scaling", 1.0)) == 1.0
         and not getattr(config, "use_sliding_window", False)
+        and not getattr(config, "mlp_bias", False)
         and "model.rotary_emb.inv_freq" in model.buffers
     )
 
@@ -98,12 +102,58 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _linear(params: dict[str, Tensor], name: str, x: Tensor) -> Tensor:
-    return F.linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
+@attrs.frozen(eq=False)
+class LayerWeights:
+    """One decoder layer with its projections fused: q, k, v in one matrix, gate and up in another."""
+
+    input_norm: Tensor
+    qkv: Tensor
+    qkv_bias: Tensor | None
+    out: Tensor
+    out_bias: Tensor | None
+    post_norm: Tensor
+    gate_up: Tensor
+    down: Tensor
+
+
+@attrs.frozen(eq=False)
+class DecoderWeights:
+    """What the lean forward reads, built once per generate call by :func:`decoder_weights`."""
+
+    embed: Tensor
+    layers: list[LayerWeights]
+    norm: Tensor
+    head: Tensor
+    head_bias: Tensor | None
+
+
+def decoder_weights(params: dict[str, Tensor], layout: LlamaLayout) -> DecoderWeights:
+    """The params tree rearranged for decoding (the fused matrices are copies: rebuild after an update)."""
+
+    def cat(*names: str) -> Tensor | None:
+        parts = [params.get(n) for n in names]
+        return None if parts[0] is None else torch.cat(parts)
+
+    layers = []
+    for i in range(layout.layers):
+        a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        if params.get(f"{m}.gate_proj.bias") is not None or params.get(f"{m}.down_proj.bias") is not None:
+            raise ValueError("decoder_weights: MLP biases are not supported")
+        layers.append(LayerWeights(
+            params[f"model.layers.{i}.input_layernorm.weight"],
+            cat(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
+            cat(f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"),
+            params[f"{a}.o_proj.weight"], params.get(f"{a}.o_proj.bias"),
+            params[f"model.layers.{i}.post_attention_layernorm.weight"],
+            cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight"), params[f"{m}.down_proj.weight"]))
+    embed = params["model.embed_tokens.weight"]
+    return DecoderWeights(embed, layers, params["model.norm.weight"],
+                          params.get("lm_head.weight", embed),  # tied: only the embedding is in the tree
+                          params.get("lm_head.bias"))
 
 
 def forward_last(
-    params: dict[str, Tensor],
+    weights: DecoderWeights,
     inv_freq: Float[Tensor, " half"],
     layout: LlamaLayout,
     ids: Int[Tensor, "b s"],
@@ -136,37 +186,34 @@ def forward_last(
         keys, values = cache.keys[i][:, :, :stop], cache.values[i][:, :, :stop]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
-    return _logits_of_last(params, inv_freq, layout, ids, positions, attention)
+    return _logits_of_last(weights, inv_freq, layout, ids, positions, attention)
 
 
-def _logits_of_last(params: dict[str, Tensor], inv_freq: Tensor, layout: LlamaLayout, ids: Tensor,
+def _logits_of_last(weights: DecoderWeights, inv_freq: Tensor, layout: LlamaLayout, ids: Tensor,
                     positions: Tensor, attention: Any) -> Tensor:
-    """The decoder stack on ``ids`` at ``positions``; ``attention(layer, q, k, v)`` stores the new keys
-    and values and returns the attention output ``[b, H, s, D]``. Logits of the last position."""
+    """The decoder stack on ``ids`` at ``positions``; ``attention(layer, q, k, v)`` stores the new
+    keys and values and returns the attention output ``[b, H, s, D]``. Logits of the last position."""
     b, s = ids.shape
-    h = F.embedding(ids, params["model.embed_tokens.weight"])
+    q_size, kv_size = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
+    h = F.embedding(ids, weights.embed)
     freqs = positions[..., None].float() * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]  # [b, 1, s, D]
-    for i in range(layout.layers):
-        p = f"model.layers.{i}"
-        x = _rms_norm(h, params[f"{p}.input_layernorm.weight"], layout.eps)
-        q = _linear(params, f"{p}.self_attn.q_proj", x).view(b, s, layout.heads, layout.head_dim).transpose(1, 2)
-        k = _linear(params, f"{p}.self_attn.k_proj", x).view(b, s, layout.kv_heads, layout.head_dim).transpose(1, 2)
-        v = _linear(params, f"{p}.self_attn.v_proj", x).view(b, s, layout.kv_heads, layout.head_dim).transpose(1, 2)
+    for i, w in enumerate(weights.layers):
+        q, k, v = F.linear(_rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias).split(
+            (q_size, kv_size, kv_size), dim=-1)
+        q = q.view(b, s, layout.heads, layout.head_dim).transpose(1, 2)
+        k = k.view(b, s, layout.kv_heads, layout.head_dim).transpose(1, 2)
+        v = v.view(b, s, layout.kv_heads, layout.head_dim).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         attn = attention(i, q, k, v)
-        h = h + _linear(params, f"{p}.self_attn.o_proj", attn.transpose(1, 2).reshape(b, s, -1))
-        x = _rms_norm(h, params[f"{p}.post_attention_layernorm.weight"], layout.eps)
-        gate = F.silu(_linear(params, f"{p}.mlp.gate_proj", x))
-        h = h + _linear(params, f"{p}.mlp.down_proj", gate * _linear(params, f"{p}.mlp.up_proj", x))
-    last = _rms_norm(h[:, -1], params["model.norm.weight"], layout.eps)
-    head = params.get("lm_head.weight", params["model.embed_tokens.weight"])  # tied: only the embedding
-    return F.linear(last, head, params.get("lm_head.bias"))
-
+        h = h + F.linear(attn.transpose(1, 2).reshape(b, s, -1), w.out, w.out_bias)
+        gate, up = F.linear(_rms_norm(h, w.post_norm, layout.eps), w.gate_up).chunk(2, dim=-1)
+        h = h + F.linear(F.silu(gate) * up, w.down)
+    return F.linear(_rms_norm(h[:, -1], weights.norm, layout.eps), weights.head, weights.head_bias)
 
 def decode_step_static(
-    params: dict[str, Tensor],
+    weights: DecoderWeights,
     inv_freq: Float[Tensor, " half"],
     layout: LlamaLayout,
     token: Int[Tensor, "b 1"],
@@ -189,7 +236,7 @@ def decode_step_static(
         return F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=mask, scale=scale,
                                               enable_gqa=gqa)
 
-    return _logits_of_last(params, inv_freq, layout, token, position, attention)
+    return _logits_of_last(weights, inv_freq, layout, token, position, attention)
 
 
 class GraphedDecoder:
@@ -200,7 +247,7 @@ class GraphedDecoder:
     generate call: ``step(token, position)`` writes slot ``cache.length`` and advances it.
     """
 
-    def __init__(self, params: dict[str, Tensor], inv_freq: Tensor, layout: LlamaLayout, cache: StaticCache) -> None:
+    def __init__(self, weights: DecoderWeights, inv_freq: Tensor, layout: LlamaLayout, cache: StaticCache) -> None:
         device = cache.valid.device
         rows = cache.valid.shape[0]
         self.cache = cache
@@ -210,7 +257,7 @@ class GraphedDecoder:
         valid = cache.valid.clone()  # warm-up and capture write slot `index`: undo afterwards
 
         def run() -> Tensor:
-            return decode_step_static(params, inv_freq, layout, self.token, self.position, self.index, cache)
+            return decode_step_static(weights, inv_freq, layout, self.token, self.position, self.index, cache)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
