@@ -5,6 +5,9 @@ same left-padded prompts; runs are interleaved so machine noise hits both alike.
 and the ratio against ``generate``.
 
     python bench/bench_rollout.py [--hidden 256 --layers 4 --vocab 2048 --prompts 16 --n 4 --new 64]
+    python bench/bench_rollout.py --device cuda --smollm2-shape     # SmolLM2-135M's shape, random weights
+
+On CUDA the engine replays its decoding step as a CUDA graph; the timings synchronise the device.
 """
 
 import argparse
@@ -31,13 +34,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--smollm2-shape", action="store_true", help="30 layers, hidden 576, 9/3 heads, vocab 49152")
     args = ap.parse_args()
 
+    shape = dict(num_attention_heads=8, num_key_value_heads=4)
+    if args.smollm2_shape:
+        args.hidden, args.layers, args.vocab = 576, 30, 49152
+        shape = dict(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
     config = tiny_llama_config(vocab_size=args.vocab, hidden_size=args.hidden, layers=args.layers,
-                               num_attention_heads=8, num_key_value_heads=4)
-    model, params = causal_lm_from_config(config, seed=0)
+                               max_position_embeddings=2048, **shape)
+    model, params = causal_lm_from_config(config, seed=0, device=args.device)
     no_eos = args.vocab + 7  # an id never sampled: every row runs the full length
-    engine = TorchEngine(model, eos_token_ids=[no_eos], pad_token_id=0)
+    engine = TorchEngine(model, eos_token_ids=[no_eos], pad_token_id=0, device=args.device)
     engine.sync(params, 0)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, args.vocab, (int(torch.randint(args.prompt_len // 2, args.prompt_len + 1, (),
@@ -46,10 +55,11 @@ def main() -> None:
     sampling = SamplingParams(max_new_tokens=args.new, n=args.n)
 
     torch.manual_seed(0)
-    module = AutoModelForCausalLM.from_config(config).eval()
+    module = AutoModelForCausalLM.from_config(config).eval().to(args.device)
     module.load_state_dict({**params, "lm_head.weight": params["model.embed_tokens.weight"]}, strict=False)
     ids, mask = left_pad(prompts, 0)
-    ids, mask = ids.repeat_interleave(args.n, 0), mask.repeat_interleave(args.n, 0).long()
+    ids, mask = ids.repeat_interleave(args.n, 0).to(args.device), mask.repeat_interleave(args.n, 0).long().to(args.device)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     def purerl_generate() -> int:
         return int(engine.generate(prompts, sampling, RngState(1)).sequences.response_mask.sum())
@@ -61,18 +71,25 @@ def main() -> None:
         return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
     variants = {"HF generate (sampling, DynamicCache)": hf_generate, "purerl TorchEngine": purerl_generate}
+    if args.device.startswith("cuda"):
+        eager = TorchEngine(model, eos_token_ids=[no_eos], pad_token_id=0, device=args.device, cuda_graphs=False)
+        eager.sync(params, 0)
+        variants["purerl TorchEngine, no CUDA graph"] = (
+            lambda: int(eager.generate(prompts, sampling, RngState(1)).sequences.response_mask.sum()))
     rates: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():
         fn()
     for _ in range(args.iters):
         for name, fn in variants.items():
+            sync()
             start = time.perf_counter()
             tokens = fn()
+            sync()
             rates[name].append(tokens / (time.perf_counter() - start))
     rows = args.prompts * args.n
     print(f"model {sum(p.numel() for p in params.values()) / 1e6:.1f} M params, {rows} rows x {args.new} new tokens, "
           f"prompts {args.prompt_len // 2}-{args.prompt_len} tokens, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {args.iters} interleaved runs")
+          f"{torch.get_num_threads()} threads, device {args.device}, {args.iters} interleaved runs")
     base = statistics.median(rates["HF generate (sampling, DynamicCache)"])
     for name, values in rates.items():
         med = statistics.median(values)
