@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (TRL then trains on the GPU too)")
     args = ap.parse_args()
 
     from datasets import Dataset
@@ -67,12 +68,13 @@ def main() -> None:
     lr = 1e-5
 
     # --- purerl ---
-    model, params = causal_lm_from_config(config, seed=0)
+    model, params = causal_lm_from_config(config, seed=0, device=args.device)
     optimizer = adamw(lr, weight_decay=0.0)
     kl_controller = make_kl_controller("fixed", coef=0.0)
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(),
                        rng=RngState(0), data=DataCursor(0))
-    engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+    engine = TorchEngine(model, device=args.device, eos_token_ids=[tokenizer.eos_token_id],
+                         pad_token_id=tokenizer.pad_token_id,
                          decode=tokenizer.decode)
     from purerl.data.records import PromptRecord
 
@@ -86,6 +88,7 @@ def main() -> None:
                                 config=step_config)
     purerl_times: list[float] = []
     purerl_lengths: list[float] = []
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     def purerl_block(count: int, record: bool) -> None:
         nonlocal state
@@ -94,6 +97,7 @@ def main() -> None:
             engine.sync(state.policy, state.step)
             state, rollout, scores, _ = rollout_batch(state, engine, task, run, tokenizer.decode)
             state, metrics = step_fn(state, rollout, scores)
+            sync()
             if record:
                 purerl_times.append(time.perf_counter() - start)
                 purerl_lengths.append(metrics["response_length/mean"])
@@ -109,6 +113,7 @@ def main() -> None:
             self._start = time.perf_counter()
 
         def on_step_end(self, *a, **k):
+            sync()
             if self.record:
                 trl_times.append(time.perf_counter() - self._start)
 
@@ -132,7 +137,7 @@ def main() -> None:
     def trl_block(count: int, record: bool) -> None:
         timer.record = record
         trl_args = GRPOConfig(
-            output_dir=tmp, use_cpu=True, bf16=False, max_steps=count, logging_steps=1,
+            output_dir=tmp, use_cpu=args.device == "cpu", bf16=False, max_steps=count, logging_steps=1,
             per_device_train_batch_size=args.prompts * args.n, num_generations=args.n,
             max_completion_length=args.new, learning_rate=lr, report_to="none", save_strategy="no",
             seed=0, gradient_checkpointing=False, beta=0.0, disable_tqdm=True, temperature=1.0,
