@@ -199,6 +199,21 @@ def test_a_rank_that_outlives_the_step_timeout_ends_the_run(ray_cluster):
         assert time.monotonic() - start < 20
 
 
+def test_a_sync_to_a_dead_rollout_worker_fails_closed(ray_cluster):
+    model, _, _, fresh = _setup(4)
+    config = ray_executor.RayConfig(train_ranks=2, placement="split", sync_timeout=30)
+    with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config) as executor:
+        state = executor.start(fresh())
+        executor.engine.sync(state.policy, version=0)
+        ray_cluster.kill(executor.rollout[0])
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"weight sync: rollout worker 0 died"):
+            executor.engine.sync(state.policy, version=1)
+        assert time.monotonic() - start < 20
+        with pytest.raises(ExecutorError):  # everything was stopped: nothing runs on half a cluster
+            executor.wait([(executor.train[0].pid.remote(), "train rank 0")], 10.0, "ping")
+
+
 def test_the_job_joins_a_running_cluster_with_ray_address_and_leaves_it_running(ray_cluster, tmp_path):
     from ray.util import placement_group_table
 
