@@ -118,12 +118,18 @@ def make_executor(args: argparse.Namespace, step_fn, model, engine_kwargs: dict)
     return executor
 
 
+def driver_device(args: argparse.Namespace) -> str:
+    """Where this process keeps the weights: ``--device`` for the local executor; the CPU under Ray,
+    whose workers take GPUs through ``--gpus-per-worker`` (the driver only ships the weights)."""
+    return args.device if args.executor == "local" else "cpu"
+
+
 def load_policy(args: argparse.Namespace):
     dtype = getattr(torch, args.dtype)
     if args.tiny:
         tokenizer = char_tokenizer()
         model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64),
-                                              seed=args.seed, dtype=dtype, device=args.device)
+                                              seed=args.seed, dtype=dtype, device=driver_device(args))
         return model, params, tokenizer
     from transformers import AutoTokenizer
 
@@ -133,7 +139,7 @@ def load_policy(args: argparse.Namespace):
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
-    model, params = load_causal_lm(path, dtype=dtype, device=args.device)
+    model, params = load_causal_lm(path, dtype=dtype, device=driver_device(args))
     return model, params, tokenizer
 
 
