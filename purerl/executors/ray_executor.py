@@ -10,6 +10,8 @@ Worker groups live on resource pools (Ray placement groups, one bundle per worke
 - ``rollout``: with ``placement="split"``, ``rollout_workers`` actors apart from the training
   ranks, each with an embedded engine; with ``"colocated"`` (verl's hybrid engine) the training
   ranks generate themselves from gathered weights.
+- ``reward``: ``reward_workers`` CPU actors scoring contiguous shards of the responses with
+  :func:`~purerl.rewards.score_responses` (none: the driver scores).
 
 The driver keeps the small part of the state (step, RNG, data cursor, KL controller); params and
 optimizer state stay on the ranks (the driver's copy holds ``policy={}``, ``policy_opt=None``).
