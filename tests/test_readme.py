@@ -1,11 +1,13 @@
 """The README's custom step example runs as written."""
 
+import functools
 import re
 from pathlib import Path
 
 import torch
 
 from purerl.algo.kl_control import make_kl_controller
+from purerl.executors import LocalExecutor
 from purerl.model import causal_lm_from_config
 from purerl.optim import adamw
 from purerl.rollout.engine import TorchEngine
@@ -17,7 +19,7 @@ from purerl.tree import tree_clone, tree_equal
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_readme_custom_step_runs_and_updates_the_policy():
+def test_readme_custom_step_runs_on_the_local_executor_and_updates_the_policy():
     section = README.read_text().split("## Your own step function", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict = {}
@@ -33,7 +35,8 @@ def test_readme_custom_step_runs_and_updates_the_policy():
     rollout = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, n=4), RngState(1))
     scores = torch.arange(8, dtype=torch.float32) % 3
     before = tree_clone(state.policy)
-    new_state, metrics = my_step(state, rollout, scores, policy=model, optimizer=optimizer,
-                                 kl_controller=kl_controller)
+    executor = LocalExecutor(functools.partial(my_step, optimizer=optimizer, kl_controller=kl_controller),
+                             model, engine)
+    new_state, metrics = executor.step(state, rollout, scores)
     assert new_state.step == 1 and not tree_equal(new_state.policy, before)
     assert "actor/entropy" in metrics and "critic/advantages/mean" in metrics
