@@ -1,10 +1,12 @@
 """Rewards: answer extraction, exact checking, and safe scoring under a per-sample timeout.
 
 A reward function is any callable ``fn(response: str, ground_truth: str) -> float``. Scoring runs
-each call in a daemon thread with a deadline: a call that raises or outlives ``timeout`` gets
+the calls on daemon threads under one deadline: a call that raises or outlives ``timeout`` gets
 ``penalty`` and is counted (``errors`` / ``timeouts``) instead of crashing or hanging the run.
 """
 
+import functools
+import queue
 import re
 import threading
 import time
@@ -120,18 +122,77 @@ class Scores:
                       sum(p.timeouts for p in parts), [m for p in parts for m in p.error_messages])
 
 
+class _Worker:
+    """A daemon thread running what is put in its inbox; ``busy`` while inside a reward call."""
+
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy = False
+        self.owed = False  # its batch has ended: return to the idle list when the call ends
+        threading.Thread(target=self._serve, daemon=True, name="purerl-reward").start()
+
+    def _serve(self) -> None:
+        while True:
+            self.inbox.get()()
+
+
+class _RewardThreads:
+    """Daemon threads kept between :func:`score_responses` calls.
+
+    Starting a thread per sample costs ~0.5 ms right after torch work (7.7 ms for 16 samples in a
+    GRPO step, measured), more than the rewards themselves; waking an idle one costs ~20 µs. When a
+    batch ends, its idle threads go back to the list at once; a thread still inside a call goes
+    back when that call returns, so one stuck in a hanging reward function is never handed new
+    work (and, being a daemon, cannot block interpreter exit).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._idle: list[_Worker] = []
+
+    def take(self, count: int) -> list[_Worker]:
+        """``count`` idle workers (new ones where too few are idle)."""
+        with self.lock:
+            keep = max(len(self._idle) - count, 0)
+            taken, self._idle = self._idle[keep:], self._idle[:keep]
+        return taken + [_Worker() for _ in range(count - len(taken))]
+
+    def release(self, workers: list[_Worker]) -> None:
+        """Hand back the workers of an ended batch (call with :attr:`lock` held)."""
+        for worker in workers:
+            if worker.busy:
+                worker.owed = True
+            else:
+                self._idle.append(worker)
+
+    def call_ended(self, worker: _Worker) -> None:
+        with self.lock:
+            worker.busy = False
+            if worker.owed:
+                worker.owed = False
+                self._idle.append(worker)
+
+
+_THREADS = _RewardThreads()
+
+
 def score_responses(fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
                     timeout: float = 10.0, penalty: float = 0.0, first_index: int = 0) -> Scores:
     """``fn`` over every (response, ground truth) pair, concurrently, each under ``timeout`` seconds.
 
     A call that raises, returns a non-finite or non-numeric value, or is still running at its
-    deadline scores ``penalty``. A timed-out call's thread is abandoned (daemon), never joined,
-    so a hanging reward function cannot hang the run. Error messages number samples from
+    deadline scores ``penalty``. One thread per sample is woken; each takes calls from the batch
+    until none is left, so every call starts at once even when others hang, and the batch ends
+    ``timeout`` after it started at the latest. A timed-out call's thread is abandoned, never
+    joined, so a hanging reward function cannot hang the run. Error messages number samples from
     ``first_index`` (for a shard of a larger batch).
     """
     if len(responses) != len(ground_truths):
         raise ValueError(f"score_responses: {len(responses)} responses but {len(ground_truths)} ground truths")
     results: list[float | BaseException | None] = [None] * len(responses)
+    pending = list(range(len(responses)))[::-1]
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    ended = False
 
     def run(i: int) -> None:
         try:
@@ -142,16 +203,32 @@ def score_responses(fn: RewardFn, responses: Sequence[str], ground_truths: Seque
         except BaseException as err:  # noqa: BLE001 - any failure becomes a recorded penalty
             results[i] = err
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(responses))]
-    for t in threads:
-        t.start()
+    def drain(worker: _Worker) -> None:
+        while True:
+            with _THREADS.lock:
+                if ended or not pending:
+                    return
+                i = pending.pop()
+                worker.busy = True
+            run(i)
+            _THREADS.call_ended(worker)
+            finished.put(i)
+
     deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+    workers = _THREADS.take(len(responses))
+    for worker in workers:
+        worker.inbox.put(functools.partial(drain, worker))
+    for _ in range(len(responses)):
+        try:
+            finished.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+    with _THREADS.lock:
+        ended = True  # calls not started by now never start
+        _THREADS.release(workers)
     values, messages, errors, timeouts = [], [], 0, 0
-    for i, t in enumerate(threads):
-        result = results[i]
-        if t.is_alive() or result is None:
+    for i, result in enumerate(results):
+        if result is None:
             timeouts += 1
             values.append(penalty)
             messages.append(f"sample {first_index + i}: timed out after {timeout:g} s")

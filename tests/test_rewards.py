@@ -1,5 +1,6 @@
 """Answer extraction, exact checking, and scoring that survives crashing or hanging reward functions."""
 
+import threading
 import time
 
 import pytest
@@ -66,3 +67,25 @@ def test_a_raising_or_hanging_reward_gives_a_penalty_and_the_run_goes_on():
     assert scores.errors == 2 and scores.timeouts == 1
     assert any("reward server down" in m for m in scores.error_messages)
     assert any("timed out" in m for m in scores.error_messages)
+
+
+def test_scoring_threads_are_reused_and_a_hung_one_is_never_handed_new_work():
+    release = threading.Event()
+
+    def reward(response: str, truth: str) -> float:
+        if response == "hang":
+            release.wait(30)
+        return float(len(response))
+
+    score_responses(reward, ["a"] * 8, ["1"] * 8)
+    threads = threading.active_count()
+    for _ in range(5):
+        assert score_responses(reward, ["ab"] * 8, ["1"] * 8).values == [2.0] * 8
+    assert threading.active_count() == threads
+
+    hung = score_responses(reward, ["hang", "abc"], ["1", "1"], timeout=0.3, penalty=-1.0)
+    assert hung.values == [-1.0, 3.0] and hung.timeouts == 1
+    start = time.monotonic()
+    assert score_responses(reward, ["a"] * 8, ["1"] * 8, timeout=5.0).values == [1.0] * 8
+    assert time.monotonic() - start < 1.0  # the stuck thread was not waited for
+    release.set()
