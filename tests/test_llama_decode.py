@@ -39,16 +39,17 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(name):
     if "qwen2" in name:
         assert "model.layers.0.self_attn.q_proj.bias" in params
     layout = llama_decode.layout_of(model.config)
-    inv_freq = model.buffers["model.rotary_emb.inv_freq"]
     ids, mask = left_pad(PROMPTS, 0)
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     steps = 6
+    rotary = llama_decode.RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], ids.shape[1] + steps,
+                                            dtype=torch.float32, device=torch.device("cpu"))
     cache = llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + steps, dtype=torch.float32,
                                            device=torch.device("cpu"))
     weights = llama_decode.decoder_weights(params, layout)
-    logits = llama_decode.forward_last(weights, inv_freq, layout, ids, mask, positions, cache)
+    logits = llama_decode.forward_last(weights, rotary, layout, ids, mask, positions, cache)
     g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
+    for step in range(steps):
         reference = model(params, input_ids=ids, attention_mask=mask.long(), position_ids=positions,
                           use_cache=False).logits[:, -1]
         torch.testing.assert_close(logits, reference, rtol=0, atol=2e-5)
@@ -56,8 +57,8 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(name):
         position = positions[:, -1:] + 1
         ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token, dtype=torch.bool)], 1)
         positions = torch.cat([positions, position], 1)
-        logits = llama_decode.forward_last(weights, inv_freq, layout, token, torch.ones_like(token, dtype=torch.bool),
-                                           position, cache)
+        attend = None if step % 2 else torch.ones_like(token, dtype=torch.bool)  # the decoding path, the general one
+        logits = llama_decode.forward_last(weights, rotary, layout, token, attend, position, cache)
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=10, temperature=0.0),
@@ -86,20 +87,21 @@ def test_unsupported_models_take_the_module_path():
 def test_the_fixed_shape_step_equals_the_sliced_step():
     # decode_step_static (the CUDA-graph step) attends over the whole cache with unwritten slots masked
     model, params = causal_lm_from_config(CONFIGS["llama tied, GQA"], seed=0)
-    layout, inv_freq = llama_decode.layout_of(model.config), model.buffers["model.rotary_emb.inv_freq"]
+    layout = llama_decode.layout_of(model.config)
     weights = llama_decode.decoder_weights(params, layout)
     ids, mask = left_pad(PROMPTS, 0)
+    rotary = llama_decode.RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], ids.shape[1] + 5,
+                                            dtype=torch.float32, device=torch.device("cpu"))
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     caches = [llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + 5, dtype=torch.float32,
                                              device=torch.device("cpu")) for _ in range(2)]
     for cache in caches:
-        llama_decode.forward_last(weights, inv_freq, layout, ids, mask, positions, cache)
+        llama_decode.forward_last(weights, rotary, layout, ids, mask, positions, cache)
     position = positions[:, -1:]
     for step in range(5):
         token, position = torch.full((len(PROMPTS), 1), 10 + step), position + 1
-        sliced = llama_decode.forward_last(weights, inv_freq, layout, token, torch.ones_like(token, dtype=torch.bool),
-                                           position, caches[0])
+        sliced = llama_decode.forward_last(weights, rotary, layout, token, None, position, caches[0])
         index = torch.tensor([caches[1].length])
-        fixed = llama_decode.decode_step_static(weights, inv_freq, layout, token, position, index, caches[1])
+        fixed = llama_decode.decode_step_static(weights, rotary, layout, token, position, index, caches[1])
         caches[1].length += 1
         torch.testing.assert_close(fixed, sliced, rtol=0, atol=1e-6)

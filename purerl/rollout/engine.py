@@ -169,17 +169,17 @@ class TorchEngine:
         if self.lean:
             layout = llama_decode.layout_of(self.model.config)
             params = llama_decode.decoder_weights(self._params, layout)
-            inv_freq = self.model.buffers["model.rotary_emb.inv_freq"]
             dtype = params.embed.dtype
+            rotary = llama_decode.RotaryTable.build(self.model.buffers["model.rotary_emb.inv_freq"], capacity,
+                                                    dtype=dtype, device=self.device)
             cache = llama_decode.StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=self.device)
-            attend = torch.ones((ids.shape[0], 1), dtype=torch.bool, device=self.device)
 
             def advance(token: Tensor, position: Tensor) -> Tensor:
-                return llama_decode.forward_last(params, inv_freq, layout, token[:, None], attend, position, cache)
+                return llama_decode.forward_last(params, rotary, layout, token[:, None], None, position, cache)
 
-            first = llama_decode.forward_last(params, inv_freq, layout, ids, mask, positions, cache)
+            first = llama_decode.forward_last(params, rotary, layout, ids, mask, positions, cache)
             if self.cuda_graphs and self.device.type == "cuda":
-                advance = llama_decode.GraphedDecoder(params, inv_freq, layout, cache).step
+                advance = llama_decode.GraphedDecoder(params, rotary, layout, cache).step
             yield first, advance
             return
         from transformers import DynamicCache

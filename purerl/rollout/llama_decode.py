@@ -24,6 +24,7 @@ from torch import Tensor
 __all__ = [
     "LlamaLayout",
     "StaticCache",
+    "RotaryTable",
     "GraphedDecoder",
     "supports",
     "layout_of",
@@ -91,15 +92,37 @@ class StaticCache:
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    """``LlamaRMSNorm``: normalise in float32, cast back, then scale (bit-identical to the module)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@attrs.frozen(eq=False)
+class RotaryTable:
+    """``cos`` and sign-folded ``sin`` of every position below a capacity, ``[t, D]`` each, computed
+    once per generate call. Rotating ``x`` at position ``p`` is
+    ``x · cos[p] + roll(x, D/2) · sin[p]``, which equals HF's ``x · cos + rotate_half(x) · sin``
+    value for value (``roll`` moves the halves as ``rotate_half`` does; the minus sign that
+    ``rotate_half`` puts on the second half sits in ``sin`` here)."""
+
+    cos: Tensor
+    sin: Tensor
+
+    @classmethod
+    def build(cls, inv_freq: Float[Tensor, " half"], capacity: int, *, dtype: torch.dtype,
+              device: torch.device) -> "RotaryTable":
+        freqs = torch.arange(capacity, device=device).float()[:, None] * inv_freq.float().to(device)
+        return cls(torch.cat((freqs, freqs), -1).cos().to(dtype),
+                   torch.cat((-freqs.sin(), freqs.sin()), -1).to(dtype))
+
+    def at(self, positions: Int[Tensor, "b s"]) -> tuple[Tensor, Tensor]:
+        """``cos`` and ``sin`` at ``positions``, ``[b, 1, s, D]`` (broadcast over heads)."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 @attrs.frozen(eq=False)
@@ -154,15 +177,16 @@ def decoder_weights(params: dict[str, Tensor], layout: LlamaLayout) -> DecoderWe
 
 def forward_last(
     weights: DecoderWeights,
-    inv_freq: Float[Tensor, " half"],
+    rotary: RotaryTable,
     layout: LlamaLayout,
     ids: Int[Tensor, "b s"],
-    attend: Bool[Tensor, "b s"],
+    attend: Bool[Tensor, "b s"] | None,
     positions: Int[Tensor, "b s"],
     cache: StaticCache,
 ) -> Float[Tensor, "b v"]:
-    """Run ``ids`` (new tokens at ``positions``; ``attend`` False for padding) through the model,
-    appending their keys and values to ``cache``, and return the logits at the last position.
+    """Run ``ids`` (new tokens at ``positions``; ``attend`` False for padding, None when every new
+    position is a real token) through the model, appending their keys and values to ``cache``, and
+    return the logits at the last position.
 
     Each new position attends to the valid cached positions and the valid new positions up to
     itself. A padding position attends only to itself (its output is never used, and this keeps
@@ -170,12 +194,15 @@ def forward_last(
     """
     b, s = ids.shape
     start, stop = cache.length, cache.length + s
-    cache.valid[:, start:stop] = attend
     cache.length = stop
-    causal = torch.ones((s, stop), dtype=torch.bool, device=ids.device).tril(start)
-    mask = (cache.valid[:, None, :stop] & causal[None]) | F.pad(torch.eye(s, dtype=torch.bool, device=ids.device),
-                                                                (start, 0))[None]
-    mask = mask[:, None]  # [b, 1, s, stop]
+    if s == 1 and attend is None:  # a decoding step: the new token sees every valid slot
+        cache.valid[:, start] = True
+        mask = cache.valid[:, None, None, :stop]
+    else:
+        cache.valid[:, start:stop] = True if attend is None else attend
+        causal = torch.ones((s, stop), dtype=torch.bool, device=ids.device).tril(start)
+        eye = F.pad(torch.eye(s, dtype=torch.bool, device=ids.device), (start, 0))
+        mask = ((cache.valid[:, None, :stop] & causal[None]) | eye[None])[:, None]  # [b, 1, s, stop]
 
     scale = layout.head_dim ** -0.5
     gqa = layout.heads != layout.kv_heads
@@ -186,26 +213,23 @@ def forward_last(
         keys, values = cache.keys[i][:, :, :stop], cache.values[i][:, :, :stop]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
-    return _logits_of_last(weights, inv_freq, layout, ids, positions, attention)
+    return _logits_of_last(weights, rotary.at(positions), layout, ids, attention)
 
 
-def _logits_of_last(weights: DecoderWeights, inv_freq: Tensor, layout: LlamaLayout, ids: Tensor,
-                    positions: Tensor, attention: Any) -> Tensor:
+def _logits_of_last(weights: DecoderWeights, rope: tuple[Tensor, Tensor], layout: LlamaLayout, ids: Tensor,
+                    attention: Any) -> Tensor:
     """The decoder stack on ``ids`` at ``positions``; ``attention(layer, q, k, v)`` stores the new
     keys and values and returns the attention output ``[b, H, s, D]``. Logits of the last position."""
     b, s = ids.shape
-    q_size, kv_size = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
+    heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
+    cos, sin = rope
     h = F.embedding(ids, weights.embed)
-    freqs = positions[..., None].float() * inv_freq.float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]  # [b, 1, s, D]
     for i, w in enumerate(weights.layers):
-        q, k, v = F.linear(_rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias).split(
-            (q_size, kv_size, kv_size), dim=-1)
-        q = q.view(b, s, layout.heads, layout.head_dim).transpose(1, 2)
-        k = k.view(b, s, layout.kv_heads, layout.head_dim).transpose(1, 2)
-        v = v.view(b, s, layout.kv_heads, layout.head_dim).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        qkv = F.linear(_rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias)
+        qkv = qkv.view(b, s, heads + 2 * kv_heads, head_dim).transpose(1, 2)
+        # q and k are adjacent heads of the fused product: one rotation for both
+        qk, v = qkv[:, :heads + kv_heads], qkv[:, heads + kv_heads:]
+        q, k = _rotate(qk, cos, sin).split((heads, kv_heads), dim=1)
         attn = attention(i, q, k, v)
         h = h + F.linear(attn.transpose(1, 2).reshape(b, s, -1), w.out, w.out_bias)
         gate, up = F.linear(_rms_norm(h, w.post_norm, layout.eps), w.gate_up).chunk(2, dim=-1)
@@ -214,7 +238,7 @@ def _logits_of_last(weights: DecoderWeights, inv_freq: Tensor, layout: LlamaLayo
 
 def decode_step_static(
     weights: DecoderWeights,
-    inv_freq: Float[Tensor, " half"],
+    rotary: RotaryTable,
     layout: LlamaLayout,
     token: Int[Tensor, "b 1"],
     position: Int[Tensor, "b 1"],
@@ -236,7 +260,7 @@ def decode_step_static(
         return F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=mask, scale=scale,
                                               enable_gqa=gqa)
 
-    return _logits_of_last(weights, inv_freq, layout, token, position, attention)
+    return _logits_of_last(weights, rotary.at(position), layout, token, attention)
 
 
 class GraphedDecoder:
@@ -247,7 +271,7 @@ class GraphedDecoder:
     generate call: ``step(token, position)`` writes slot ``cache.length`` and advances it.
     """
 
-    def __init__(self, weights: DecoderWeights, inv_freq: Tensor, layout: LlamaLayout, cache: StaticCache) -> None:
+    def __init__(self, weights: DecoderWeights, rotary: RotaryTable, layout: LlamaLayout, cache: StaticCache) -> None:
         device = cache.valid.device
         rows = cache.valid.shape[0]
         self.cache = cache
@@ -257,7 +281,7 @@ class GraphedDecoder:
         valid = cache.valid.clone()  # warm-up and capture write slot `index`: undo afterwards
 
         def run() -> Tensor:
-            return decode_step_static(weights, inv_freq, layout, self.token, self.position, self.index, cache)
+            return decode_step_static(weights, rotary, layout, self.token, self.position, self.index, cache)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
