@@ -88,6 +88,14 @@ class StepConfig:
     """False: use the rollout's behaviour log-probs as π_old (verl's bypass mode). Exact when the
     engine samples from the trainer's distribution (embedded engine, fp32, no top-p/top-k) and
     saves one forward pass over the batch."""
+    skip_zero_advantage_rows: bool = True
+    """Leave rows whose advantages are all 0 (GRPO groups whose samples scored alike) out of the
+    actor's forward and backward. Every registered policy loss is ``−A·f(ratio)`` per token, so
+    such rows add exactly 0 to the loss and its gradient: the update is the same (the loss is
+    still normalised by the whole mini-batch's tokens). Applies only while no entropy bonus and
+    no KL loss depend on those rows. The actor metrics (``pg_loss``, ``ppo_kl``, ``entropy``, …)
+    then average over the rows that went through the update; ``actor/skipped_rows_frac`` counts
+    the others."""
 
     def __attrs_post_init__(self) -> None:
         if self.loss_agg not in LOSS_AGGREGATIONS:
@@ -264,19 +272,25 @@ def _actor_loss(policy: CausalLM, config: StepConfig) -> Callable:
 
 def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, indices: list[Tensor],
             loss_fn: Callable[[Params, TrainBatch], tuple[SumCount, Any]], config: StepConfig,
-            value_and_grad: ValueAndGrad, prefix: str) -> tuple[Params, Any, Metrics]:
+            value_and_grad: ValueAndGrad, prefix: str,
+            needed: Bool[Tensor, " b"] | None = None) -> tuple[Params, Any, Metrics]:
     """Mini-batch × micro-batch gradient steps; micro-batch gradients add up to the mini-batch's.
 
     The micro-batch is an argument of the differentiated function (not closed over), so a
-    data-parallel ``value_and_grad`` can take its own rank's rows of it.
+    data-parallel ``value_and_grad`` can take its own rank's rows of it. Rows where ``needed`` is
+    False add nothing to the loss: they count in its denominator but skip forward and backward
+    (a mini-batch with none left still takes its optimizer step, with zero gradients).
     """
     grad_fn = value_and_grad(loss_fn)
     sums: dict[str, SumCount] = {}
-    norms, rejected = [], 0
+    norms, rejected, skipped = [], 0, 0
     for rows in indices:
+        denominator = loss_denominator(batch.sequences.response_mask[rows], config.loss_agg)
+        if needed is not None:
+            skipped += len(rows)
+            rows = rows[needed[rows]]
+            skipped -= len(rows)
         mini = batch.rows(rows)
-        mask = mini.sequences.response_mask
-        denominator = loss_denominator(mask, config.loss_agg)
         grads, mini_loss = None, None
         for sl in _chunks(len(rows), config.micro_batch_rows):
             micro = mini.rows(torch.arange(len(rows))[sl])
@@ -285,8 +299,10 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
             mini_loss = loss if mini_loss is None else mini_loss + loss
             for name, value in aux.items():
                 sums[name] = sums[name] + value if name in sums else value
+        if grads is None:
+            grads = tree_map(torch.zeros_like, params)
         norm = _grad_norm(grads)
-        if not _finite(mini_loss.total, norm):
+        if not _finite(norm, *([] if mini_loss is None else [mini_loss.total])):
             rejected += 1
             break  # never feed a non-finite update to the (donating) optimizer
         params, opt_state = optimizer.update(grads, opt_state, params)
@@ -294,16 +310,21 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
     metrics = {f"{prefix}/{name}": float(value.value()) for name, value in sums.items()}
     metrics[f"{prefix}/grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
     metrics[f"{prefix}/rejected_updates"] = float(rejected)
+    if needed is not None:
+        metrics[f"{prefix}/skipped_rows_frac"] = skipped / max(sum(len(rows) for rows in indices), 1)
     return params, opt_state, metrics
 
 
 def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: CausalLM, optimizer: Any,
                  config: StepConfig, rng: RngState,
                  value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
-    """PPO-style policy updates over ``ppo_epochs`` × mini-batches (donates ``params``/``opt_state``)."""
+    """PPO-style policy updates over ``ppo_epochs`` × mini-batches (donates ``params``/``opt_state``);
+    rows with all-zero advantages skip forward and backward (see ``StepConfig.skip_zero_advantage_rows``)."""
     indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng)
+    skip = config.skip_zero_advantage_rows and config.entropy_coeff == 0 and not config.use_kl_loss
+    needed = (batch.advantages != 0).any(-1) if skip else None
     return _update(params, opt_state, optimizer, batch, indices,
-                   _actor_loss(policy, config), config, value_and_grad, "actor")
+                   _actor_loss(policy, config), config, value_and_grad, "actor", needed)
 
 
 def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: Critic, optimizer: Any,

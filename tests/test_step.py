@@ -9,7 +9,7 @@ from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.engine import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.step import StepConfig, grpo_step, make_experience, ppo_step, token_level_scores
+from purerl.step import StepConfig, grpo_step, make_experience, ppo_step, shape_rewards, token_level_scores
 from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_equal
 
@@ -107,3 +107,47 @@ def test_a_non_finite_loss_rejects_the_update_and_leaves_params_unchanged():
                                    kl_controller=kl_controller, config=StepConfig())
     assert metrics["actor/rejected_updates"] == 1
     assert tree_equal(new_state.policy, before) and tree_equal(new_state.policy_opt, opt_before)
+
+
+@pytest.mark.parametrize("zero_groups", [(0,), (0, 1, 2)], ids=["one group", "every group"])
+def test_rows_with_zero_advantage_skip_the_update_without_changing_it(zero_groups):
+    # groups whose samples all score alike have zero GRPO advantages: leaving them out of
+    # forward and backward must give the same params and optimizer state (two mini-batches, so
+    # the second update starts from Adam moments the first one left)
+    model, optimizer, kl_controller, state, engine, _ = _setup()
+    engine.sync(state.policy, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    scores = _scores(rollout)
+    for g in zero_groups:
+        scores[rollout.group == g] = 0.5
+    results = []
+    for skip in (True, False):
+        config = StepConfig(micro_batch_rows=3, mini_batch_rows=6, compute_entropy=False,
+                            skip_zero_advantage_rows=skip)
+        new_state, metrics = grpo_step(tree_clone(state), rollout, scores, policy=model, optimizer=optimizer,
+                                       kl_controller=kl_controller, config=config)
+        results.append((new_state, metrics))
+    (skipped, m_skip), (full, m_full) = results
+    experience = make_experience(state, rollout, scores, policy=model, config=StepConfig())
+    advantages = shape_rewards(experience, state.kl, kl_controller, config=StepConfig())[0].advantages
+    zero_rows = (advantages == 0).all(-1)
+    assert zero_rows.any()
+    assert m_skip["actor/skipped_rows_frac"] == pytest.approx(float(zero_rows.float().mean()))
+    assert "actor/skipped_rows_frac" not in m_full
+    for a, b in ((skipped.policy, full.policy), (skipped.policy_opt, full.policy_opt)):
+        for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+    # every row skipped: the optimizer still takes its steps (Adam's moments and count move on)
+    assert skipped.policy_opt[1].count.item() == full.policy_opt[1].count.item() == 2
+    if not zero_rows.all():
+        assert m_skip["actor/grad_norm"] == pytest.approx(m_full["actor/grad_norm"], rel=1e-5)
+
+
+def test_an_entropy_bonus_keeps_zero_advantage_rows_in_the_update():
+    model, optimizer, kl_controller, state, engine, _ = _setup()
+    engine.sync(state.policy, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    scores = torch.full((len(rollout.group),), 0.5)
+    _, metrics = grpo_step(state, rollout, scores, policy=model, optimizer=optimizer, kl_controller=kl_controller,
+                           config=StepConfig(entropy_coeff=1e-3))
+    assert "actor/skipped_rows_frac" not in metrics and metrics["actor/grad_norm"] > 0
