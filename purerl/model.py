@@ -38,6 +38,7 @@ __all__ = [
     "causal_lm_from_config",
     "load_causal_lm",
     "critic_from_causal_lm",
+    "shared_prompts",
     "response_logits",
     "response_logprobs",
     "response_entropy",
@@ -85,6 +86,14 @@ class CausalLM:
         """``fn(seqs)``, a row-wise function (row ``i`` of the result depends on row ``i`` only).
         Executors whose model spans data-parallel ranks override it to split the rows."""
         return fn(seqs)
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether :func:`response_logits` may run a prompt shared by several rows once, through
+        the KV cache (transformers turns the cache off in checkpointed training forwards)."""
+        name = ("is_activation_checkpointing" if hasattr(type(self.module), "is_activation_checkpointing")
+                else "is_gradient_checkpointing")  # the name before transformers 5.x
+        return not getattr(self.module, name, False)
 
 
 class _ValueModel(nn.Module):
@@ -248,14 +257,52 @@ def critic_from_causal_lm(model: CausalLM, params: Params) -> tuple[Critic, Para
     return Critic(value_model.eval(), buffers), critic_params
 
 
+def shared_prompts(seqs: Sequences, *, min_saving: float = 0.2) -> tuple[Tensor, Tensor] | None:
+    """Rows whose prompts (the ``s - t`` columns before the responses, padding included) are the
+    same, as ``(first, inverse)``: row ``i``'s prompt is row ``first[inverse[i]]``'s. None when
+    running each distinct prompt once would save less than ``min_saving`` of the positions the
+    forward computes (then two forwards cost more than they save; measured on a 0.3 M-param
+    model, 12 % fewer positions ran 10 % slower, 49 % fewer ran 1.7x faster)."""
+    b, s = seqs.input_ids.shape
+    p = s - seqs.response_length
+    if p == 0 or seqs.response_length < 2:
+        return None
+    key = torch.where(seqs.attention_mask[:, :p], seqs.input_ids[:, :p], -1)
+    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if (b - len(unique)) * p < min_saving * b * s:
+        return None
+    rows = torch.arange(b, device=key.device)
+    first = torch.full((len(unique),), b, device=key.device).scatter_reduce(0, inverse, rows, "amin")
+    return first, inverse
+
+
 def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[Tensor, "b t v"]:
-    """Logits predicting each response token: positions ``s-t-1 … s-2`` (only those are projected)."""
+    """Logits predicting each response token: positions ``s-t-1 … s-2`` (only those are projected).
+
+    Rows that share a prompt (GRPO's ``n`` samples of one prompt) run it once when that saves
+    enough (:func:`shared_prompts`): one forward over the distinct prompts fills a KV cache, which
+    is indexed out to every row, and a second forward runs the responses against it. The values
+    are the single forward's (to float rounding), and so are the gradients: autograd adds the
+    gradients of a shared prompt's keys and values over its rows.
+    """
     t = seqs.response_length
-    out = model(
-        params, input_ids=seqs.input_ids, attention_mask=seqs.attention_mask.long(),
-        position_ids=seqs.position_ids(), use_cache=False, logits_to_keep=t + 1,
-    )
-    return out.logits[:, :-1]
+    mask, positions = seqs.attention_mask.long(), seqs.position_ids()
+    shared = shared_prompts(seqs) if model.shares_prompts else None
+    if shared is None:
+        out = model(params, input_ids=seqs.input_ids, attention_mask=mask, position_ids=positions,
+                    use_cache=False, logits_to_keep=t + 1)
+        return out.logits[:, :-1]
+    from transformers import DynamicCache
+
+    first, inverse = shared
+    p = seqs.input_ids.shape[1] - t
+    cache = DynamicCache(config=model.config)
+    prompt = model(params, input_ids=seqs.input_ids[first, :p], attention_mask=mask[first, :p],
+                   position_ids=positions[first, :p], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_select_indices(inverse)  # one copy of each prompt's keys and values per row
+    response = model(params, input_ids=seqs.input_ids[:, p:], attention_mask=mask, position_ids=positions[:, p:],
+                     past_key_values=cache, use_cache=True, logits_to_keep=t)
+    return torch.cat([prompt.logits[inverse], response.logits[:, :-1]], 1)
 
 
 def response_logprobs(

@@ -12,6 +12,7 @@ from purerl.model import (
     response_entropy,
     response_logprobs,
     response_values,
+    shared_prompts,
     value_and_grad,
 )
 from purerl.tiny import random_sequences, tiny_llama_config
@@ -152,3 +153,46 @@ def test_summed_loss_type_is_sumcount(tiny):
     _, model, params, seqs = tiny
     loss, _, _ = value_and_grad(_pg_loss(model, seqs))(params)
     assert isinstance(loss, SumCount)
+
+
+def _grouped(seqs, n):
+    """Each row's prompt columns copied to ``n`` rows that keep their own responses."""
+    from purerl.batch import Sequences
+
+    p = seqs.input_ids.shape[1] - seqs.response_length
+    source = torch.arange(len(seqs)) // n * n  # rows 0..n-1 take row 0's prompt, …
+    ids, mask = seqs.input_ids.clone(), seqs.attention_mask.clone()
+    ids[:, :p], mask[:, :p] = ids[source, :p], mask[source, :p]
+    return Sequences(ids, mask, seqs.response_mask)
+
+
+def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients():
+    config = tiny_llama_config()
+    model, params = causal_lm_from_config(config, seed=0)
+    seqs = _grouped(random_sequences(8, 12, 6, config.vocab_size, seed=2), 4)
+    first, inverse = shared_prompts(seqs)
+    assert sorted(first.tolist()) == [0, 4]
+    assert torch.equal(first[inverse], torch.tensor([0, 0, 0, 0, 4, 4, 4, 4]))
+    module = _reference_module(config, params)
+    mask = seqs.response_mask
+
+    def loss(p, s):
+        return aggregate_loss(response_logprobs(model, p, s), s.response_mask), {}
+
+    torch.testing.assert_close(response_logprobs(model, params, seqs)[mask], _module_logprobs(module, seqs)[mask],
+                               rtol=0, atol=1e-5)
+    _, _, grads = value_and_grad(loss)(params, seqs)
+    module.zero_grad()
+    lp = _module_logprobs(module, seqs)
+    (lp * mask).sum().div(mask.sum()).backward()
+    reference = {name: p.grad for name, p in module.named_parameters() if name in params}
+    assert_trees_close(grads, reference, rtol=1e-4, atol=1e-6)
+
+
+def test_prompts_are_shared_only_when_that_saves_enough():
+    config = tiny_llama_config()
+    distinct = random_sequences(8, 12, 6, config.vocab_size, seed=2)
+    assert shared_prompts(distinct) is None
+    short_prompts = _grouped(random_sequences(8, 2, 30, config.vocab_size, seed=2), 4)  # saves 12 of 256 positions
+    assert shared_prompts(short_prompts) is None
+    assert shared_prompts(short_prompts, min_saving=0.04) is not None

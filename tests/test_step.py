@@ -136,7 +136,7 @@ def test_rows_with_zero_advantage_skip_the_update_without_changing_it(zero_group
     assert "actor/skipped_rows_frac" not in m_full
     for a, b in ((skipped.policy, full.policy), (skipped.policy_opt, full.policy_opt)):
         for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)  # lr 1e-3: a wrong update is ~1e-3 off
     # every row skipped: the optimizer still takes its steps (Adam's moments and count move on)
     assert skipped.policy_opt[1].count.item() == full.policy_opt[1].count.item() == 2
     if not zero_rows.all():

@@ -182,6 +182,10 @@ class ShardedCausalLM(CausalLM):
     def map_rows(self, fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
         return map_rows_data_parallel(fn, seqs)
 
+    @property
+    def shares_prompts(self) -> bool:
+        return False  # one FSDP forward per micro-batch: a second one before backward is untested
+
 
 @attrs.frozen(eq=False)
 class ShardedCritic(Critic):

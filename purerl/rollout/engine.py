@@ -118,26 +118,27 @@ class TorchEngine:
                                f"but holds version {self.version}")
         if sampling.stop and self.decode is None:
             raise ValueError("TorchEngine: stop strings need a decode function")
-        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
-        prompt_ids = prompt_ids.repeat_interleave(sampling.n, 0).to(self.device)
-        prompt_mask = prompt_mask.repeat_interleave(sampling.n, 0).to(self.device)
+        prompt_ids, prompt_mask = (x.to(self.device) for x in left_pad(prompts, self.pad_token_id))
         tokens, logprobs, alive, reasons = self._decode(prompt_ids, prompt_mask, sampling, rng)
-        sequences = Sequences(
-            torch.cat([prompt_ids, tokens], 1), torch.cat([prompt_mask, alive], 1), alive.clone()
-        )
+        n = sampling.n
+        sequences = Sequences(torch.cat([prompt_ids.repeat_interleave(n, 0), tokens], 1),
+                              torch.cat([prompt_mask.repeat_interleave(n, 0), alive], 1), alive.clone())
         group = torch.arange(len(prompts), device=self.device).repeat_interleave(sampling.n)
         return Rollout(sequences, logprobs, reasons, group, self.version)
 
     @torch.no_grad()
     def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState):
-        rows = ids.shape[0]
+        """Sample ``sampling.n`` responses for each of the ``[g, P]`` left-padded prompts: rows
+        ``i·n … i·n+n-1`` continue prompt ``i``, whose prefill runs once for all of them."""
+        rows = ids.shape[0] * sampling.n
         generator = None if sampling.greedy else rng.generator(self.device)
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         reasons = torch.full((rows,), FINISH_LENGTH, dtype=torch.long, device=self.device)
         tokens, logps, alive = [], [], []
-        with self._model_steps(ids, mask, positions, ids.shape[1] + sampling.max_new_tokens) as (logits, advance):
-            next_position = positions[:, -1:] + 1
+        capacity = ids.shape[1] + sampling.max_new_tokens
+        with self._model_steps(ids, mask, positions, sampling.n, capacity) as (logits, advance):
+            next_position = positions[:, -1:].repeat_interleave(sampling.n, 0) + 1
             for step in range(sampling.max_new_tokens):
                 lp = sampling_logprobs(logits, temperature=sampling.temperature,
                                        top_k=sampling.top_k, top_p=sampling.top_p)
@@ -161,11 +162,12 @@ class TorchEngine:
         return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(alive, 1), reasons
 
     @contextlib.contextmanager
-    def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor,
+    def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor, n: int,
                      capacity: int) -> Iterator[tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]]:
-        """The prompt's last-position logits ``[b, v]`` and ``advance(token[b], position[b, 1])``,
-        which appends one token per row and returns the next logits. Llama-family models run the
-        lean static-cache forward; others the HF module with its dynamic cache."""
+        """Prefill the ``[g, P]`` prompts, then give each ``n`` rows: the prompts' last-position
+        logits ``[g·n, v]`` and ``advance(token[b], position[b, 1])``, which appends one token per
+        row and returns the next logits. Llama-family models run the lean static-cache forward;
+        others the HF module with its dynamic cache."""
         if self.lean:
             layout = llama_decode.layout_of(self.model.config)
             params = llama_decode.decoder_weights(self._params, layout)
@@ -173,11 +175,13 @@ class TorchEngine:
             rotary = llama_decode.RotaryTable.build(self.model.buffers["model.rotary_emb.inv_freq"], capacity,
                                                     dtype=dtype, device=self.device)
             cache = llama_decode.StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=self.device)
+            first = llama_decode.forward_last(params, rotary, layout, ids, mask, positions, cache)
+            if n > 1:
+                cache, first = cache.repeat_rows(n), first.repeat_interleave(n, 0)
 
             def advance(token: Tensor, position: Tensor) -> Tensor:
                 return llama_decode.forward_last(params, rotary, layout, token[:, None], None, position, cache)
 
-            first = llama_decode.forward_last(params, rotary, layout, ids, mask, positions, cache)
             if self.cuda_graphs and self.device.type == "cuda":
                 advance = llama_decode.GraphedDecoder(params, rotary, layout, cache).step
             yield first, advance
@@ -185,7 +189,7 @@ class TorchEngine:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        attention = mask.long()
+        attention = mask.long().repeat_interleave(n, 0)
         with self.model.bind(self._params) as module, _eval_mode(module):
             def step(token: Tensor, position: Tensor) -> Tensor:
                 nonlocal attention
@@ -193,9 +197,11 @@ class TorchEngine:
                 return module(input_ids=token[:, None], attention_mask=attention, position_ids=position,
                               past_key_values=cache, use_cache=True).logits[:, -1]
 
-            out = module(input_ids=ids, attention_mask=attention, position_ids=positions,
+            out = module(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
-            yield out.logits[:, -1], step
+            if n > 1:
+                cache.batch_repeat_interleave(n)
+            yield out.logits[:, -1].repeat_interleave(n, 0), step
 
     def _stop_hits(self, tokens: list[Tensor], finished: Tensor, stop: tuple[str, ...]) -> Tensor:
         """Rows (not yet finished) whose response text now contains a stop string."""

@@ -90,6 +90,11 @@ class StaticCache:
                    [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.layers)],
                    torch.zeros((rows, capacity), dtype=torch.bool, device=device))
 
+    def repeat_rows(self, n: int) -> "StaticCache":
+        """Every row ``n`` times in a row (``repeat_interleave``): one prefilled prompt per sample."""
+        return StaticCache([k.repeat_interleave(n, 0) for k in self.keys], [v.repeat_interleave(n, 0) for v in self.values],
+                           self.valid.repeat_interleave(n, 0), self.length)
+
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``LlamaRMSNorm``: normalise in float32, cast back, then scale (bit-identical to the module)."""
