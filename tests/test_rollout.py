@@ -128,11 +128,40 @@ def test_a_model_trained_with_activation_checkpointing_samples_with_its_kv_cache
 def test_sampled_tokens_follow_the_distribution_and_never_hit_truncated_tokens():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0, 0.5]]).expand(40_000, 6)
     lp = sampling_logprobs(logits, top_k=4)  # tokens 2 and 3 truncated
-    draws = sample_tokens(lp, greedy=False, generator=torch.Generator().manual_seed(0))
+    draws = sample_tokens(lp, torch.rand(len(lp), generator=torch.Generator().manual_seed(0)))
     freq = torch.bincount(draws, minlength=6).double() / len(draws)
     expected = lp[0].exp().double()
     assert freq[2] == 0 and freq[3] == 0
     # 40k draws: standard error ≤ 0.0025 per token; 5 sigma
     torch.testing.assert_close(freq, expected, rtol=0, atol=0.0125)
-    again = sample_tokens(lp, greedy=False, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(draws, again)
+    assert torch.equal(sample_tokens(lp, None), lp.argmax(-1))
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "hf"])
+def test_dropping_finished_rows_from_the_batch_changes_no_sample(setup, lean, monkeypatch):
+    _, model, params, _ = setup
+    from purerl.rollout import llama_decode
+
+    cuts = []
+    select_rows = llama_decode.StaticCache.select_rows
+    monkeypatch.setattr(llama_decode.StaticCache, "select_rows",
+                        lambda self, rows: cuts.append(len(rows)) or select_rows(self, rows))
+    sampling = SamplingParams(max_new_tokens=16, n=4)
+    out = []
+    for drop in (True, False):
+        # a third of the vocabulary ends a response: rows finish at many different steps
+        engine = TorchEngine(model, eos_token_ids=range(40, 83), pad_token_id=0, lean=lean, drop_finished=drop)
+        engine.sync(params, version=0)
+        out.append(engine.generate(PROMPTS, sampling, RngState(2)))
+    dropped, kept = out
+    assert torch.equal(dropped.sequences.input_ids, kept.sequences.input_ids)
+    assert torch.equal(dropped.sequences.response_mask, kept.sequences.response_mask)
+    assert torch.equal(dropped.finish_reasons, kept.finish_reasons)
+    torch.testing.assert_close(dropped.behaviour_logprobs, kept.behaviour_logprobs, rtol=0, atol=1e-5)
+    lengths = kept.sequences.response_mask.sum(-1)
+    assert len(set(lengths.tolist())) > 3 and FINISH_EOS in kept.finish_reasons.tolist()
+    if lean:
+        assert cuts and cuts == sorted(cuts, reverse=True)
+    trainer = response_logprobs(model, params, dropped.sequences)
+    mask = dropped.sequences.response_mask
+    torch.testing.assert_close(dropped.behaviour_logprobs[mask], trainer[mask], rtol=0, atol=1e-4)

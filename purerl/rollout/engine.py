@@ -86,12 +86,13 @@ class TorchEngine:
     decode through :mod:`purerl.rollout.llama_decode` (a static KV cache, no module dispatch);
     ``lean=False`` forces the HF module path, which every other model takes. On CUDA the lean
     decoding step is captured once per generate call and replayed as a CUDA graph
-    (``cuda_graphs=False`` turns that off).
+    (``cuda_graphs=False`` turns that off). Rows that finish early leave the decoding batch
+    (``drop_finished=False`` keeps them; not with CUDA graphs, whose shapes are fixed).
     """
 
     def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
-                 lean: bool = True, cuda_graphs: bool = True) -> None:
+                 lean: bool = True, cuda_graphs: bool = True, drop_finished: bool = True) -> None:
         if not eos_token_ids:
             raise ValueError("TorchEngine: at least one EOS token id is needed")
         self.model = model
@@ -104,6 +105,7 @@ class TorchEngine:
         self.lean = lean and llama_decode.supports(model)
         """True when decoding runs :mod:`purerl.rollout.llama_decode` (not the HF module)."""
         self.cuda_graphs = cuda_graphs
+        self.drop_finished = drop_finished
 
     def sync(self, params: Params, version: int) -> None:
         self._params = params
@@ -129,45 +131,81 @@ class TorchEngine:
     @torch.no_grad()
     def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState):
         """Sample ``sampling.n`` responses for each of the ``[g, P]`` left-padded prompts: rows
-        ``i·n … i·n+n-1`` continue prompt ``i``, whose prefill runs once for all of them."""
+        ``i·n … i·n+n-1`` continue prompt ``i``, whose prefill runs once for all of them.
+
+        Rows that finish stop costing compute: once a quarter of the rows still in the batch have
+        finished, the batch (and its KV cache) is cut down to the open rows.
+        """
         rows = ids.shape[0] * sampling.n
         generator = None if sampling.greedy else rng.generator(self.device)
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
         reasons = torch.full((rows,), FINISH_LENGTH, dtype=torch.long, device=self.device)
-        tokens, logps, alive = [], [], []
+        active = torch.arange(rows, device=self.device)  # the batch's rows, as rows of the output
+        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        reason = reasons.clone()
+        steps: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # (active, open, token, log-prob)
         capacity = ids.shape[1] + sampling.max_new_tokens
-        with self._model_steps(ids, mask, positions, sampling.n, capacity) as (logits, advance):
-            next_position = positions[:, -1:].repeat_interleave(sampling.n, 0) + 1
+        with self._model_steps(ids, mask, positions, sampling.n, capacity) as (logits, advance, keep):
+            position = positions[:, -1:].repeat_interleave(sampling.n, 0) + 1
             for step in range(sampling.max_new_tokens):
                 lp = sampling_logprobs(logits, temperature=sampling.temperature,
                                        top_k=sampling.top_k, top_p=sampling.top_p)
-                token = sample_tokens(lp, greedy=sampling.greedy, generator=generator)
-                token = torch.where(finished, self.pad_token_id, token)
-                token_lp = lp.gather(-1, token[:, None]).squeeze(-1)
-                alive.append(~finished)
-                tokens.append(token)
-                logps.append(torch.where(finished, 0.0, token_lp))
-                hit_eos = ~finished & torch.isin(token, self.eos)
-                reasons = torch.where(hit_eos, FINISH_EOS, reasons)
-                finished = finished | hit_eos
+                # one draw per output row, whether or not it is still in the batch
+                uniform = None if generator is None else torch.rand(rows, generator=generator, device=self.device)
+                token = sample_tokens(lp, None if uniform is None else uniform[active])
+                steps.append((active, ~finished, token, lp.gather(-1, token[:, None]).squeeze(-1)))
+                hit = ~finished & torch.isin(token, self.eos)
+                reason = torch.where(hit, FINISH_EOS, reason)
+                finished = finished | hit
                 if sampling.stop:
-                    hit_stop = self._stop_hits(tokens, finished, sampling.stop)
-                    reasons = torch.where(hit_stop, FINISH_STOP, reasons)
-                    finished = finished | hit_stop
-                if bool(finished.all()) or step + 1 == sampling.max_new_tokens:
+                    hit = self._stop_hits([t for _, _, t, _ in steps], finished, sampling.stop)
+                    reason = torch.where(hit, FINISH_STOP, reason)
+                    finished = finished | hit
+                still_open = len(finished) - int(finished.sum())
+                if still_open == 0 or step + 1 == sampling.max_new_tokens:
                     break
-                logits = advance(token, next_position)
-                next_position = next_position + 1
-        return torch.stack(tokens, 1), torch.stack(logps, 1), torch.stack(alive, 1), reasons
+                if (self.drop_finished and keep is not None and not sampling.stop
+                        and still_open <= 0.75 * len(finished)):
+                    kept = (~finished).nonzero().squeeze(-1)
+                    reasons[active] = reason
+                    active, finished, reason = active[kept], finished[kept], reason[kept]
+                    token, position = token[kept], position[kept]
+                    keep(kept)
+                logits = advance(token, position)
+                position = position + 1
+        reasons[active] = reason
+        return (*self._assemble(steps, rows), reasons)
+
+    def _assemble(self, steps: list[tuple[Tensor, Tensor, Tensor, Tensor]], rows: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``[b, T]`` tokens (padding after a row finished), log-probs (0 there) and alive masks from
+        the per-step values of the rows decoded at each step."""
+        shape = (rows, len(steps))
+        tokens = torch.full(shape, self.pad_token_id, dtype=torch.long, device=self.device)
+        logps = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        alive = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        start = 0
+        while start < len(steps):  # one write per stretch of steps with the same rows
+            stop = start + 1
+            while stop < len(steps) and steps[stop][0] is steps[start][0]:
+                stop += 1
+            rows_at = steps[start][0]
+            live = torch.stack([steps[i][1] for i in range(start, stop)], 1)
+            alive[rows_at, start:stop] = live
+            tokens[rows_at, start:stop] = torch.where(live, torch.stack([steps[i][2] for i in range(start, stop)], 1),
+                                                      self.pad_token_id)
+            logps[rows_at, start:stop] = torch.where(live, torch.stack([steps[i][3] for i in range(start, stop)], 1),
+                                                     0.0)
+            start = stop
+        return tokens, logps, alive
 
     @contextlib.contextmanager
-    def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor, n: int,
-                     capacity: int) -> Iterator[tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]]:
+    def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor, n: int, capacity: int,
+                     ) -> Iterator[tuple[Tensor, Callable[[Tensor, Tensor], Tensor], Callable[[Tensor], None] | None]]:
         """Prefill the ``[g, P]`` prompts, then give each ``n`` rows: the prompts' last-position
-        logits ``[g·n, v]`` and ``advance(token[b], position[b, 1])``, which appends one token per
-        row and returns the next logits. Llama-family models run the lean static-cache forward;
-        others the HF module with its dynamic cache."""
+        logits ``[g·n, v]``; ``advance(token[b], position[b, 1])``, which appends one token per
+        row and returns the next logits; and ``keep(rows)``, which cuts the batch down to
+        ``rows`` (None where shapes are fixed: CUDA graphs). Llama-family models run the lean
+        static-cache forward; others the HF module with its dynamic cache."""
         if self.lean:
             layout = llama_decode.layout_of(self.model.config)
             params = llama_decode.decoder_weights(self._params, layout)
@@ -182,9 +220,14 @@ class TorchEngine:
             def advance(token: Tensor, position: Tensor) -> Tensor:
                 return llama_decode.forward_last(params, rotary, layout, token[:, None], None, position, cache)
 
+            def keep(rows: Tensor) -> None:
+                nonlocal cache
+                cache = cache.select_rows(rows)
+
             if self.cuda_graphs and self.device.type == "cuda":
-                advance = llama_decode.GraphedDecoder(params, rotary, layout, cache).step
-            yield first, advance
+                yield first, llama_decode.GraphedDecoder(params, rotary, layout, cache).step, None
+            else:
+                yield first, advance, keep
             return
         from transformers import DynamicCache
 
@@ -197,11 +240,16 @@ class TorchEngine:
                 return module(input_ids=token[:, None], attention_mask=attention, position_ids=position,
                               past_key_values=cache, use_cache=True).logits[:, -1]
 
+            def keep(rows: Tensor) -> None:
+                nonlocal attention
+                attention = attention[rows]
+                cache.batch_select_indices(rows)
+
             out = module(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
             if n > 1:
                 cache.batch_repeat_interleave(n)
-            yield out.logits[:, -1].repeat_interleave(n, 0), step
+            yield out.logits[:, -1].repeat_interleave(n, 0), step, keep
 
     def _stop_hits(self, tokens: list[Tensor], finished: Tensor, stop: tuple[str, ...]) -> Tensor:
         """Rows (not yet finished) whose response text now contains a stop string."""

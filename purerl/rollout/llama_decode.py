@@ -95,6 +95,10 @@ class StaticCache:
         return StaticCache([k.repeat_interleave(n, 0) for k in self.keys], [v.repeat_interleave(n, 0) for v in self.values],
                            self.valid.repeat_interleave(n, 0), self.length)
 
+    def select_rows(self, rows: Int[Tensor, " r"]) -> "StaticCache":
+        """Only ``rows``, copied (the batch without its finished rows)."""
+        return StaticCache([k[rows] for k in self.keys], [v[rows] for v in self.values], self.valid[rows], self.length)
+
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``LlamaRMSNorm``: normalise in float32, cast back, then scale (bit-identical to the module)."""
