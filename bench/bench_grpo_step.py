@@ -3,10 +3,13 @@
 A step is: sample ``--prompts`` × ``--n`` completions of at most ``--new`` tokens (both stop at the
 tokenizer's EOS; the random model's lengths follow the same distribution on both sides, and the
 mean lengths are printed), score them with the same reward function, compute group-normalised advantages, one
-policy-gradient update with AdamW (no reference model, beta = 0). TRL is timed per step with a
-trainer callback (``on_step_begin`` → ``on_step_end``, generation included); purerl is timed
-around ``rollout_batch`` + ``grpo_step``. The two alternate in blocks of ``--steps`` steps,
-``--rounds`` times, so machine noise hits both; medians and the ratio are printed.
+policy-gradient update with AdamW (no reference model, beta = 0), the entropy computed for the
+logs on both sides. TRL is timed per step with a trainer callback (``on_step_begin`` →
+``on_step_end``, generation included); purerl is timed around ``rollout_batch`` + ``grpo_step``.
+purerl runs twice: with its defaults, which leave rows whose advantages are all zero out of the
+update (the update is the same; the fraction of such rows is printed), and with every row
+through forward and backward, as TRL does. The three alternate in blocks of ``--steps`` steps,
+``--rounds`` times, so machine noise hits all; medians and ratios are printed.
 
 Needs ``pip install trl`` (not a purerl dependency).
 
@@ -82,25 +85,30 @@ def main() -> None:
                 [PromptRecord(({"role": "user", "content": p},), t) for p, t in pairs], reward)
     run = RunConfig(steps=10**9, prompts_per_step=args.prompts,
                     sampling=SamplingParams(max_new_tokens=args.new, n=args.n))
-    step_config = StepConfig(micro_batch_rows=args.prompts * args.n, compute_entropy=False,
-                             recompute_old_logprobs=False)
-    step_fn = functools.partial(grpo_step, policy=model, optimizer=optimizer, kl_controller=kl_controller,
-                                config=step_config)
-    purerl_times: list[float] = []
+    step_fns = {
+        skip: functools.partial(grpo_step, policy=model, optimizer=optimizer, kl_controller=kl_controller,
+                                config=StepConfig(micro_batch_rows=args.prompts * args.n, recompute_old_logprobs=False,
+                                                  skip_zero_advantage_rows=skip))
+        for skip in (True, False)
+    }
+    purerl_times: dict[bool, list[float]] = {True: [], False: []}
     purerl_lengths: list[float] = []
+    skipped: list[float] = []
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
-    def purerl_block(count: int, record: bool) -> None:
+    def purerl_block(count: int, record: bool, skip: bool = True) -> None:
         nonlocal state
         for _ in range(count):
             start = time.perf_counter()
             engine.sync(state.policy, state.step)
             state, rollout, scores, _ = rollout_batch(state, engine, task, run, tokenizer.decode)
-            state, metrics = step_fn(state, rollout, scores)
+            state, metrics = step_fns[skip](state, rollout, scores)
             sync()
             if record:
-                purerl_times.append(time.perf_counter() - start)
+                purerl_times[skip].append(time.perf_counter() - start)
                 purerl_lengths.append(metrics["response_length/mean"])
+                if skip:
+                    skipped.append(metrics["actor/skipped_rows_frac"])
 
     # --- TRL ---
     trl_times: list[float] = []
@@ -147,19 +155,24 @@ def main() -> None:
                     processing_class=tokenizer, callbacks=[timer]).train()
 
     purerl_block(2, record=False)  # warm-up
+    purerl_block(2, record=False, skip=False)
     trl_block(2, record=False)
     for _ in range(args.rounds):
         trl_block(args.steps, record=True)
         purerl_block(args.steps, record=True)
+        purerl_block(args.steps, record=True, skip=False)
 
-    trl_med, purerl_med = statistics.median(trl_times), statistics.median(purerl_times)
+    trl_med = statistics.median(trl_times)
     print(f"model {sum(p.numel() for p in params.values()) / 1e6:.2f} M params; {args.prompts} prompts x "
           f"{args.n} samples x {args.new} new tokens; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{len(trl_times)} TRL and {len(purerl_times)} purerl steps")
-    print(f"TRL GRPOTrainer        median {trl_med * 1e3:8.1f} ms/step   mean completion length "
+          f"{len(trl_times)} TRL and {len(purerl_times[True])} + {len(purerl_times[False])} purerl steps")
+    print(f"TRL GRPOTrainer                  median {trl_med * 1e3:8.1f} ms/step   mean completion length "
           f"{statistics.mean(trl_lengths):.1f}")
-    print(f"purerl grpo_step       median {purerl_med * 1e3:8.1f} ms/step   mean completion length "
-          f"{statistics.mean(purerl_lengths):.1f}   speed-up vs TRL {trl_med / purerl_med:5.2f}x")
+    for skip, label in ((True, "purerl grpo_step (defaults)"), (False, "purerl, every row updated")):
+        med = statistics.median(purerl_times[skip])
+        note = f"   rows skipped {statistics.mean(skipped):.2f}" if skip else ""
+        print(f"{label:32s} median {med * 1e3:8.1f} ms/step   speed-up vs TRL {trl_med / med:5.2f}x{note}")
+    print(f"purerl mean completion length {statistics.mean(purerl_lengths):.1f}")
 
 
 if __name__ == "__main__":

@@ -152,9 +152,12 @@ class TorchEngine:
                                        top_k=sampling.top_k, top_p=sampling.top_p)
                 # one draw per output row, whether or not it is still in the batch
                 uniform = None if generator is None else torch.rand(rows, generator=generator, device=self.device)
-                token = sample_tokens(lp, None if uniform is None else uniform[active])
-                steps.append((active, ~finished, token, lp.gather(-1, token[:, None]).squeeze(-1)))
-                hit = ~finished & torch.isin(token, self.eos)
+                if uniform is not None and len(active) < rows:
+                    uniform = uniform[active]
+                token = sample_tokens(lp, uniform)
+                still = ~finished
+                steps.append((active, still, token, lp.gather(-1, token[:, None]).squeeze(-1)))
+                hit = still & torch.isin(token, self.eos)
                 reason = torch.where(hit, FINISH_EOS, reason)
                 finished = finished | hit
                 if sampling.stop:

@@ -227,23 +227,34 @@ def forward_last(
 
 def _logits_of_last(weights: DecoderWeights, rope: tuple[Tensor, Tensor], layout: LlamaLayout, ids: Tensor,
                     attention: Any) -> Tensor:
-    """The decoder stack on ``ids`` at ``positions``; ``attention(layer, q, k, v)`` stores the new
-    keys and values and returns the attention output ``[b, H, s, D]``. Logits of the last position."""
+    """The decoder stack on ``ids`` at the positions ``rope`` was taken at; ``attention(layer, q, k,
+    v)`` stores the new keys and values and returns the attention output ``[b, H, s, D]``. Logits
+    of the last position. The hidden state stays ``[b·s, hidden]`` so every projection is one
+    matrix product, with the residual added inside it (``addmm``)."""
     b, s = ids.shape
     heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
     cos, sin = rope
-    h = F.embedding(ids, weights.embed)
+    h = F.embedding(ids.reshape(-1), weights.embed)
     for i, w in enumerate(weights.layers):
-        qkv = F.linear(_rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias)
+        qkv = _project(_rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias)
         qkv = qkv.view(b, s, heads + 2 * kv_heads, head_dim).transpose(1, 2)
         # q and k are adjacent heads of the fused product: one rotation for both
         qk, v = qkv[:, :heads + kv_heads], qkv[:, heads + kv_heads:]
         q, k = _rotate(qk, cos, sin).split((heads, kv_heads), dim=1)
-        attn = attention(i, q, k, v)
-        h = h + F.linear(attn.transpose(1, 2).reshape(b, s, -1), w.out, w.out_bias)
-        gate, up = F.linear(_rms_norm(h, w.post_norm, layout.eps), w.gate_up).chunk(2, dim=-1)
-        h = h + F.linear(F.silu(gate) * up, w.down)
-    return F.linear(_rms_norm(h[:, -1], weights.norm, layout.eps), weights.head, weights.head_bias)
+        attn = attention(i, q, k, v).transpose(1, 2).reshape(b * s, heads * head_dim)
+        h = _project(attn, w.out, w.out_bias, residual=h)
+        gate, up = _project(_rms_norm(h, w.post_norm, layout.eps), w.gate_up).chunk(2, dim=-1)
+        h = _project(F.silu(gate) * up, w.down, residual=h)
+    last = h.view(b, s, -1)[:, -1]
+    return _project(_rms_norm(last, weights.norm, layout.eps), weights.head, weights.head_bias)
+
+
+def _project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None) -> Tensor:
+    """``residual + x @ weightᵀ + bias`` for 2-d ``x`` (what ``F.linear`` computes, one kernel)."""
+    if residual is None:
+        return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+    out = torch.addmm(residual, x, weight.t())
+    return out if bias is None else out + bias
 
 def decode_step_static(
     weights: DecoderWeights,
