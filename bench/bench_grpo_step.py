@@ -3,8 +3,8 @@
 A step is: sample ``--prompts`` × ``--n`` completions of at most ``--new`` tokens (both stop at the
 tokenizer's EOS; the random model's lengths follow the same distribution on both sides, and the
 mean lengths are printed), score them with the same reward function, compute group-normalised advantages, one
-policy-gradient update with AdamW (no reference model, beta = 0), the entropy computed for the
-logs on both sides. TRL is timed per step with a trainer callback (``on_step_begin`` →
+policy-gradient update with global-norm clipping at 1.0 and AdamW (no reference model, beta = 0),
+the entropy computed for the logs on both sides. TRL is timed per step with a trainer callback (``on_step_begin`` →
 ``on_step_end``, generation included); purerl is timed around ``rollout_batch`` + ``grpo_step``.
 purerl runs twice: with its defaults, which leave rows whose advantages are all zero out of the
 update (the update is the same; the fraction of such rows is printed), and with every row
@@ -33,7 +33,7 @@ from purerl.algo.kl_control import make_kl_controller  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.driver import RunConfig, Task, rollout_batch  # noqa: E402
 from purerl.model import causal_lm_from_config  # noqa: E402
-from purerl.optim import adamw  # noqa: E402
+from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
 from purerl.rollout.engine import TorchEngine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
@@ -72,7 +72,7 @@ def main() -> None:
 
     # --- purerl ---
     model, params = causal_lm_from_config(config, seed=0, device=args.device)
-    optimizer = adamw(lr, weight_decay=0.0)
+    optimizer = chain(clip_by_global_norm(1.0), adamw(lr, weight_decay=0.0))  # TRL clips at max_grad_norm 1.0
     kl_controller = make_kl_controller("fixed", coef=0.0)
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(),
                        rng=RngState(0), data=DataCursor(0))

@@ -256,6 +256,7 @@ def _project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual:
     out = torch.addmm(residual, x, weight.t())
     return out if bias is None else out + bias
 
+
 def decode_step_static(
     weights: DecoderWeights,
     rotary: RotaryTable,
