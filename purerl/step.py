@@ -287,9 +287,8 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
     for rows in indices:
         denominator = loss_denominator(batch.sequences.response_mask[rows], config.loss_agg)
         if needed is not None:
-            skipped += len(rows)
-            rows = rows[needed[rows]]
-            skipped -= len(rows)
+            kept = rows[needed[rows]]
+            skipped, rows = skipped + len(rows) - len(kept), kept
         mini = batch.rows(rows)
         grads, mini_loss = None, None
         for sl in _chunks(len(rows), config.micro_batch_rows):

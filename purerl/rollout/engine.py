@@ -194,10 +194,9 @@ class TorchEngine:
             rows_at = steps[start][0]
             live = torch.stack([steps[i][1] for i in range(start, stop)], 1)
             alive[rows_at, start:stop] = live
-            tokens[rows_at, start:stop] = torch.where(live, torch.stack([steps[i][2] for i in range(start, stop)], 1),
-                                                      self.pad_token_id)
-            logps[rows_at, start:stop] = torch.where(live, torch.stack([steps[i][3] for i in range(start, stop)], 1),
-                                                     0.0)
+            for out, field, fill in ((tokens, 2, self.pad_token_id), (logps, 3, 0.0)):
+                values = torch.stack([steps[i][field] for i in range(start, stop)], 1)
+                out[rows_at, start:stop] = torch.where(live, values, fill)
             start = stop
         return tokens, logps, alive
 
