@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils import stateless
 from torch.utils.checkpoint import checkpoint
 
+from purerl import llama
 from purerl.algo.aggregation import SumCount
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.batch import Sequences
@@ -51,18 +52,30 @@ __all__ = [
 Params = dict[str, Tensor]
 
 
+def _checkpointed(model: "CausalLM") -> bool:
+    name = ("is_activation_checkpointing" if hasattr(type(model.module), "is_activation_checkpointing")
+            else "is_gradient_checkpointing")  # the name before transformers 5.x
+    return bool(getattr(model.module, name, False))  # a walk over every submodule: read once
+
+
 @attrs.frozen(eq=False)
 class CausalLM:
     """An HF causal LM skeleton (meta device), its buffers and its tie map.
 
     ``aliases`` maps each tied name that is not in the params tree (``lm_head.weight``) to its
-    canonical name (``model.embed_tokens.weight``).
+    canonical name (``model.embed_tokens.weight``). ``checkpointed``: the module recomputes its
+    layers' activations in the backward. ``lean``: :func:`response_logits` runs
+    :mod:`purerl.llama`'s forward (a Llama-family model it supports, not checkpointed) instead of
+    the HF module; ``attrs.evolve(model, lean=False)`` forces the module.
     """
 
     module: nn.Module
     buffers: dict[str, Tensor]
     aliases: dict[str, str]
     config: Any
+    checkpointed: bool = attrs.field(default=attrs.Factory(_checkpointed, takes_self=True))
+    lean: bool = attrs.field(default=attrs.Factory(lambda self: not self.checkpointed and llama.supports(self),
+                                                   takes_self=True))
 
     def bound(self, params: Params) -> dict[str, Tensor]:
         """The name → tensor map functional_call needs: params, tied aliases, buffers."""
@@ -91,9 +104,7 @@ class CausalLM:
     def shares_prompts(self) -> bool:
         """Whether :func:`response_logits` may run a prompt shared by several rows once, through
         the KV cache (transformers turns the cache off in checkpointed training forwards)."""
-        name = ("is_activation_checkpointing" if hasattr(type(self.module), "is_activation_checkpointing")
-                else "is_gradient_checkpointing")  # the name before transformers 5.x
-        return not getattr(self.module, name, False)
+        return not self.checkpointed
 
 
 class _ValueModel(nn.Module):
@@ -265,8 +276,8 @@ def shared_prompts(seqs: Sequences, *, min_saving: float = 0.2) -> tuple[Tensor,
     model, 12 % fewer positions ran 10 % slower, 49 % fewer ran 1.7x faster)."""
     b, s = seqs.input_ids.shape
     p = s - seqs.response_length
-    if p == 0 or seqs.response_length < 2:
-        return None
+    if p == 0 or seqs.response_length < 2 or (b - 1) * p < min_saving * b * s:
+        return None  # (the last: even one prompt for every row would save too little)
     key = torch.where(seqs.attention_mask[:, :p], seqs.input_ids[:, :p], -1)
     unique, inverse = torch.unique(key, dim=0, return_inverse=True)
     if (b - len(unique)) * p < min_saving * b * s:
@@ -283,11 +294,15 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     enough (:func:`shared_prompts`): one forward over the distinct prompts fills a KV cache, which
     is indexed out to every row, and a second forward runs the responses against it. The values
     are the single forward's (to float rounding), and so are the gradients: autograd adds the
-    gradients of a shared prompt's keys and values over its rows.
+    gradients of a shared prompt's keys and values over its rows. Llama-family models run
+    :mod:`purerl.llama`'s lean forward (:attr:`CausalLM.lean`), the others the HF module.
     """
     t = seqs.response_length
     mask, positions = seqs.attention_mask.long(), seqs.position_ids()
     shared = shared_prompts(seqs) if model.shares_prompts else None
+    if model.lean:
+        return llama.response_logits(params, model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(model.config),
+                                     seqs.input_ids, seqs.attention_mask, positions, t, shared)
     if shared is None:
         out = model(params, input_ids=seqs.input_ids, attention_mask=mask, position_ids=positions,
                     use_cache=False, logits_to_keep=t + 1)

@@ -3,50 +3,33 @@
 import pytest
 import torch
 
+from purerl import llama
 from purerl.model import causal_lm_from_config
 from purerl.rollout import llama_decode
 from purerl.rollout.engine import TorchEngine, left_pad
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 from purerl.tiny import tiny_llama_config
+from tests.test_llama import CONFIGS
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
-
-
-def _qwen2_config():
-    from transformers import Qwen2Config
-
-    return Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                       tie_word_embeddings=False, attn_implementation="sdpa")
-
-
-CONFIGS = {
-    "llama tied, GQA": tiny_llama_config(),
-    "llama untied, MHA, llama3 rope": tiny_llama_config(tie_word_embeddings=False, num_key_value_heads=4,
-                                                        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
-                                                                         "factor": 8.0, "low_freq_factor": 1.0,
-                                                                         "high_freq_factor": 4.0,
-                                                                         "original_max_position_embeddings": 64}),
-    "qwen2 (q/k/v biases)": _qwen2_config(),
-}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prefill_and_every_decode_step_give_the_modules_logits(name):
     model, params = causal_lm_from_config(CONFIGS[name], seed=0)
-    assert llama_decode.supports(model)
+    assert llama.supports(model)
     if "qwen2" in name:
         assert "model.layers.0.self_attn.q_proj.bias" in params
-    layout = llama_decode.layout_of(model.config)
+    layout = llama.layout_of(model.config)
     ids, mask = left_pad(PROMPTS, 0)
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     steps = 6
-    rotary = llama_decode.RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], ids.shape[1] + steps,
+    rotary = llama.RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], ids.shape[1] + steps,
                                             dtype=torch.float32, device=torch.device("cpu"))
     cache = llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + steps, dtype=torch.float32,
                                            device=torch.device("cpu"))
-    weights = llama_decode.decoder_weights(params, layout)
+    weights = llama.fused_weights(params, layout)
     logits = llama_decode.forward_last(weights, rotary, layout, ids, mask, positions, cache)
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
@@ -80,17 +63,17 @@ def test_unsupported_models_take_the_module_path():
     config = tiny_llama_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                                 "original_max_position_embeddings": 64})
     model, _ = causal_lm_from_config(config, seed=0)
-    assert not llama_decode.supports(model)
+    assert not llama.supports(model)
     assert not TorchEngine(model, eos_token_ids=[1], pad_token_id=0).lean
 
 
 def test_the_fixed_shape_step_equals_the_sliced_step():
     # decode_step_static (the CUDA-graph step) attends over the whole cache with unwritten slots masked
     model, params = causal_lm_from_config(CONFIGS["llama tied, GQA"], seed=0)
-    layout = llama_decode.layout_of(model.config)
-    weights = llama_decode.decoder_weights(params, layout)
+    layout = llama.layout_of(model.config)
+    weights = llama.fused_weights(params, layout)
     ids, mask = left_pad(PROMPTS, 0)
-    rotary = llama_decode.RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], ids.shape[1] + 5,
+    rotary = llama.RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], ids.shape[1] + 5,
                                             dtype=torch.float32, device=torch.device("cpu"))
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     caches = [llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + 5, dtype=torch.float32,

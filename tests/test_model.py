@@ -1,5 +1,6 @@
 """The HF adapter: functional forwards equal module forwards, gradients equal .backward()."""
 
+import attrs
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -19,10 +20,13 @@ from purerl.tiny import random_sequences, tiny_llama_config
 from purerl.tree import assert_trees_close, tree_map
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=["lean", "module"])
+def tiny(request):
     config = tiny_llama_config()
     model, params = causal_lm_from_config(config, seed=0)
+    assert model.lean
+    if request.param == "module":
+        model = attrs.evolve(model, lean=False)  # the path of models purerl.llama does not cover
     seqs = random_sequences(4, 6, 5, config.vocab_size, seed=1)
     return config, model, params, seqs
 
@@ -166,9 +170,12 @@ def _grouped(seqs, n):
     return Sequences(ids, mask, seqs.response_mask)
 
 
-def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients():
+@pytest.mark.parametrize("path", ["lean", "module"])
+def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(path):
     config = tiny_llama_config()
     model, params = causal_lm_from_config(config, seed=0)
+    if path == "module":
+        model = attrs.evolve(model, lean=False)  # the path of models purerl.llama does not cover
     seqs = _grouped(random_sequences(8, 12, 6, config.vocab_size, seed=2), 4)
     first, inverse = shared_prompts(seqs)
     assert sorted(first.tolist()) == [0, 4]

@@ -170,7 +170,8 @@ class ShardedCausalLM(CausalLM):
 
     @classmethod
     def of(cls, model: CausalLM, modules: list[tuple[nn.Module, Params]]) -> "ShardedCausalLM":
-        return cls(model.module, model.buffers, model.aliases, model.config, _owners(modules))
+        return cls(model.module, model.buffers, model.aliases, model.config, model.checkpointed,
+                   lean=False, owners=_owners(modules))  # lean: FSDP's modules gather the shards
 
     def __call__(self, params: Params, **kwargs: Any) -> Any:
         return _owner(self.owners, params)(**kwargs)

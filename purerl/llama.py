@@ -1,0 +1,266 @@
+"""A lean forward for Llama-family models (Llama, Qwen2, SmolLM2), as plain functions of the params tree.
+
+Running the HF module costs, per call, module dispatch, mask construction, output objects and one
+kernel per projection; for small models and short sequences that overhead is most of the time.
+Here the decoder stack is a plain function: RMSNorm, rotary embeddings, grouped-query attention
+through ``scaled_dot_product_attention``, SwiGLU MLP, with q/k/v and gate/up each fused into one
+matrix product (fewer, larger kernels; in a training forward autograd splits the gradient of a
+fused matrix back onto its parts). It computes what ``LlamaForCausalLM`` computes, op for op:
+logits equal the module's (fp32: bit for bit in training forwards, ~1e-6 when decoding;
+``tests/test_llama.py``, ``tests/test_llama_decode.py``). :func:`supports` says which models it
+covers; the others (other architectures, rope variants that rescale attention, sliding windows)
+go through the HF module.
+
+Users: :func:`response_logits` (the training and scoring forward, through
+:func:`purerl.model.response_logits`) and :mod:`purerl.rollout.llama_decode` (KV-cache decoding).
+
+Shapes: ``b`` rows, ``s`` positions, ``H`` query heads, ``K`` key/value heads, ``D`` head size.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+__all__ = [
+    "LlamaLayout",
+    "RotaryTable",
+    "FusedWeights",
+    "supports",
+    "layout_of",
+    "fused_weights",
+    "decoder_stack",
+    "logits_of",
+    "attention_mask",
+    "response_logits",
+]
+
+_ARCHITECTURES = ("llama", "qwen2")
+_ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq changes, attention is not rescaled
+
+Attention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+"""``attention(layer, q [b, H, s, D], k [b, K, s, D], v [b, K, s, D]) -> [b, H, s, D]``."""
+
+
+def supports(model: Any) -> bool:
+    """Whether this module computes exactly what ``model`` (a CausalLM skeleton) does."""
+    config = model.config
+    rotary = getattr(getattr(model.module, "model", None), "rotary_emb", None)
+    return (
+        getattr(config, "model_type", None) in _ARCHITECTURES
+        and getattr(config, "hidden_act", None) == "silu"
+        and rotary is not None
+        and getattr(rotary, "rope_type", None) in _ROPE_TYPES
+        and float(getattr(rotary, "attention_scaling", 1.0)) == 1.0
+        and not getattr(config, "use_sliding_window", False)
+        and not getattr(config, "mlp_bias", False)
+        and "model.rotary_emb.inv_freq" in model.buffers
+    )
+
+
+@attrs.frozen
+class LlamaLayout:
+    """Sizes of a Llama-family model (from its HF config)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def layout_of(config: Any) -> LlamaLayout:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return LlamaLayout(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+                       head_dim, float(config.rms_norm_eps))
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``LlamaRMSNorm``: normalise in float32, cast back, then scale (bit-identical to the module)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+@attrs.frozen(eq=False)
+class RotaryTable:
+    """``cos`` and sign-folded ``sin`` of positions, ``[..., D]`` each. Rotating ``x`` at position
+    ``p`` is ``x · cos[p] + roll(x, D/2) · sin[p]``, which equals HF's
+    ``x · cos + rotate_half(x) · sin`` value for value (``roll`` moves the halves as
+    ``rotate_half`` does; the minus sign that ``rotate_half`` puts on the second half sits in
+    ``sin`` here)."""
+
+    cos: Tensor
+    sin: Tensor
+
+    @classmethod
+    def of(cls, inv_freq: Float[Tensor, " half"], positions: Tensor, *, dtype: torch.dtype) -> "RotaryTable":
+        """The table at ``positions`` (any shape; the result has one more, trailing dim ``D``)."""
+        freqs = positions.float()[..., None] * inv_freq.float().to(positions.device)
+        return cls(torch.cat((freqs, freqs), -1).cos().to(dtype), torch.cat((-freqs.sin(), freqs.sin()), -1).to(dtype))
+
+    @classmethod
+    def build(cls, inv_freq: Float[Tensor, " half"], capacity: int, *, dtype: torch.dtype,
+              device: torch.device) -> "RotaryTable":
+        """The table of positions ``0 … capacity-1``, ``[capacity, D]``, to index with :meth:`at`."""
+        return cls.of(inv_freq, torch.arange(capacity, device=device), dtype=dtype)
+
+    def at(self, positions: Int[Tensor, "b s"]) -> tuple[Tensor, Tensor]:
+        """``cos`` and ``sin`` at ``positions``, ``[b, 1, s, D]`` (broadcast over heads)."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+@attrs.frozen(eq=False)
+class LayerWeights:
+    """One decoder layer with its projections fused: q, k, v in one matrix, gate and up in another."""
+
+    input_norm: Tensor
+    qkv: Tensor
+    qkv_bias: Tensor | None
+    out: Tensor
+    out_bias: Tensor | None
+    post_norm: Tensor
+    gate_up: Tensor
+    down: Tensor
+
+
+@attrs.frozen(eq=False)
+class FusedWeights:
+    """What the lean forward reads, built from the params tree by :func:`fused_weights`."""
+
+    embed: Tensor
+    layers: list[LayerWeights]
+    norm: Tensor
+    head: Tensor
+    head_bias: Tensor | None
+
+
+def fused_weights(params: dict[str, Tensor], layout: LlamaLayout) -> FusedWeights:
+    """The params tree rearranged for the lean forward. The fused matrices are concatenations:
+    copies, rebuilt after every update, and differentiable (gradients flow back to ``params``)."""
+
+    def cat(*names: str) -> Tensor | None:
+        parts = [params.get(n) for n in names]
+        return None if parts[0] is None else torch.cat(parts)
+
+    layers = []
+    for i in range(layout.layers):
+        a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        if params.get(f"{m}.gate_proj.bias") is not None or params.get(f"{m}.down_proj.bias") is not None:
+            raise ValueError("fused_weights: MLP biases are not supported")
+        layers.append(LayerWeights(
+            params[f"model.layers.{i}.input_layernorm.weight"],
+            cat(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
+            cat(f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"),
+            params[f"{a}.o_proj.weight"], params.get(f"{a}.o_proj.bias"),
+            params[f"model.layers.{i}.post_attention_layernorm.weight"],
+            cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight"), params[f"{m}.down_proj.weight"]))
+    embed = params["model.embed_tokens.weight"]
+    return FusedWeights(embed, layers, params["model.norm.weight"],
+                        params.get("lm_head.weight", embed),  # tied: only the embedding is in the tree
+                        params.get("lm_head.bias"))
+
+
+def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: LlamaLayout,
+                  ids: Int[Tensor, "b s"], attention: Attention) -> Float[Tensor, "b s hidden"]:
+    """The decoder layers on ``ids`` at the positions ``rope`` was taken at (``cos``, ``sin``,
+    ``[b, 1, s, D]``); ``attention`` stores keys and values where it needs to and returns the
+    attention output. Hidden states after the last layer, before the final norm. The hidden
+    state stays ``[b·s, hidden]`` so every projection is one matrix product, with the residual
+    added inside it (``addmm``)."""
+    b, s = ids.shape
+    heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
+    cos, sin = rope
+    h = F.embedding(ids.reshape(-1), weights.embed)
+    for i, w in enumerate(weights.layers):
+        qkv = project(rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias)
+        qkv = qkv.view(b, s, heads + 2 * kv_heads, head_dim).transpose(1, 2)
+        # q and k are adjacent heads of the fused product: one rotation for both
+        qk, v = qkv[:, :heads + kv_heads], qkv[:, heads + kv_heads:]
+        q, k = rotate(qk, cos, sin).split((heads, kv_heads), dim=1)
+        attn = attention(i, q, k, v).transpose(1, 2).reshape(b * s, heads * head_dim)
+        h = project(attn, w.out, w.out_bias, residual=h)
+        gate, up = project(rms_norm(h, w.post_norm, layout.eps), w.gate_up).chunk(2, dim=-1)
+        h = project(F.silu(gate) * up, w.down, residual=h)
+    return h.view(b, s, -1)
+
+
+def logits_of(weights: FusedWeights, layout: LlamaLayout, hidden: Float[Tensor, "... hidden"]) -> Float[Tensor, "... v"]:
+    """The final norm and LM head on hidden states from :func:`decoder_stack`."""
+    shape = hidden.shape[:-1]
+    flat = rms_norm(hidden.reshape(-1, hidden.shape[-1]), weights.norm, layout.eps)
+    return project(flat, weights.head, weights.head_bias).view(*shape, -1)
+
+
+def project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None) -> Tensor:
+    """``residual + x @ weightᵀ + bias`` for 2-d ``x`` (what ``F.linear`` computes, one kernel)."""
+    if residual is None:
+        return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+    out = torch.addmm(residual, x, weight.t())
+    return out if bias is None else out + bias
+
+
+def attention_mask(valid: Bool[Tensor, "b stop"], start: int) -> Bool[Tensor, "b 1 s stop"]:
+    """Which keys each query attends to, for queries at key slots ``start … stop-1``: the valid
+    (attended, not padding) keys up to its own slot. A padding query attends only to itself: its
+    output is never used, and this keeps it finite (a NaN would leak into gradients and caches)."""
+    s, stop = valid.shape[1] - start, valid.shape[1]
+    causal = torch.ones((s, stop), dtype=torch.bool, device=valid.device).tril(start)
+    eye = F.pad(torch.eye(s, dtype=torch.bool, device=valid.device), (start, 0))
+    return ((valid[:, None, :] & causal[None]) | eye[None])[:, None]
+
+
+def response_logits(
+    params: dict[str, Tensor],
+    inv_freq: Float[Tensor, " half"],
+    layout: LlamaLayout,
+    input_ids: Int[Tensor, "b s"],
+    valid: Bool[Tensor, "b s"],
+    positions: Int[Tensor, "b s"],
+    response_length: int,
+    shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None,
+) -> Float[Tensor, "b t v"]:
+    """Logits predicting the last ``t = response_length`` tokens: positions ``s-t-1 … s-2``.
+    Differentiable in ``params``; ``valid`` is the attention mask (False on padding).
+
+    ``shared = (first, inverse)`` (see :func:`purerl.model.shared_prompts`): row ``i``'s prompt
+    (its first ``s - t`` columns) is row ``first[inverse[i]]``'s, so the distinct prompts run
+    once, their keys and values are indexed out to every row and the responses run against them.
+    Same values (to float rounding), and the same gradients: autograd adds those of a shared
+    prompt's keys and values over its rows.
+    """
+    weights = fused_weights(params, layout)
+    scale = layout.head_dim ** -0.5
+    gqa = layout.heads != layout.kv_heads
+
+    def run(ids: Tensor, at: Tensor, mask: Tensor, past: list[tuple[Tensor, Tensor]] | None = None,
+            ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        kv: list[tuple[Tensor, Tensor]] = []
+
+        def attention(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if past is not None:
+                k, v = torch.cat((past[i][0], k), 2), torch.cat((past[i][1], v), 2)
+            kv.append((k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+        rope = RotaryTable.of(inv_freq, at, dtype=weights.embed.dtype)
+        return decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, ids, attention), kv
+
+    s, t = input_ids.shape[1], response_length
+    if shared is None:
+        hidden, _ = run(input_ids, positions, attention_mask(valid, 0))
+        return logits_of(weights, layout, hidden[:, s - t - 1:s - 1])
+    first, inverse = shared
+    p = s - t
+    prompt, kv = run(input_ids[first, :p], positions[first, :p], attention_mask(valid[first, :p], 0))
+    past = [(k[inverse], v[inverse]) for k, v in kv]  # one copy of each prompt's keys and values per row
+    response, _ = run(input_ids[:, p:], positions[:, p:], attention_mask(valid, p), past)
+    return logits_of(weights, layout, torch.cat((prompt[inverse, -1:], response[:, :-1]), 1))

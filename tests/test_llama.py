@@ -1,0 +1,86 @@
+"""purerl.llama's lean training forward computes what the HF module computes: logits and gradients."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from purerl import llama
+from purerl.batch import Sequences
+from purerl.model import causal_lm_from_config, response_logits, shared_prompts
+from purerl.tiny import random_sequences, tiny_llama_config
+
+
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       tie_word_embeddings=False, attn_implementation="sdpa")
+
+
+CONFIGS = {
+    "llama tied, GQA": tiny_llama_config(),
+    "llama untied, MHA, llama3 rope": tiny_llama_config(tie_word_embeddings=False, num_key_value_heads=4,
+                                                        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+                                                                         "factor": 8.0, "low_freq_factor": 1.0,
+                                                                         "high_freq_factor": 4.0,
+                                                                         "original_max_position_embeddings": 64}),
+    "qwen2 (q/k/v biases)": _qwen2_config(),
+}
+
+
+def _grouped(seqs: Sequences, n: int) -> Sequences:
+    """Rows ``i·n … i·n+n-1`` take row ``i·n``'s prompt columns and keep their own responses."""
+    p = seqs.input_ids.shape[1] - seqs.response_length
+    source = torch.arange(len(seqs)) // n * n
+    ids, mask = seqs.input_ids.clone(), seqs.attention_mask.clone()
+    ids[:, :p], mask[:, :p] = ids[source, :p], mask[source, :p]
+    return Sequences(ids, mask, seqs.response_mask)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["every row", "shared prompts"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_and_gradients_equal_the_modules(name, shared):
+    config = CONFIGS[name]
+    model, params = causal_lm_from_config(config, seed=0)
+    assert model.lean
+    g = torch.Generator().manual_seed(1)
+    params = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in params.items()}  # biases ≠ 0
+    seqs = _grouped(random_sequences(8, 7, 6, config.vocab_size, seed=3), 4) if shared else \
+        random_sequences(8, 7, 6, config.vocab_size, seed=3)
+    assert (shared_prompts(seqs) is not None) == shared  # response_logits takes the path under test
+    module = AutoModelForCausalLM.from_config(config).eval()
+    tied = {"lm_head.weight": params["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}
+    module.load_state_dict({**params, **tied}, strict=False)
+    mask, t = seqs.response_mask, seqs.response_length
+    weights = torch.randn(*mask.shape, config.vocab_size, generator=g)  # a loss touching every logit
+
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    logits = response_logits(model, leaves, seqs)
+    (logits * weights)[mask].sum().backward()
+    reference = module(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask.long(),
+                       position_ids=seqs.position_ids(), use_cache=False).logits[:, -t - 1:-1]
+    (reference * weights)[mask].sum().backward()
+
+    torch.testing.assert_close(logits[mask], reference[mask], rtol=0, atol=1e-5)
+    expected = dict(module.named_parameters())
+    for key, leaf in leaves.items():
+        torch.testing.assert_close(leaf.grad, expected[key].grad, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_padding_positions_stay_finite():
+    # a padding query attends only to itself: no NaN even where a whole row of keys is masked
+    config = CONFIGS["llama tied, GQA"]
+    model, params = causal_lm_from_config(config, seed=0)
+    seqs = random_sequences(4, 6, 5, config.vocab_size, seed=1)
+    assert not bool(seqs.attention_mask.all())
+    logits = llama.response_logits(params, model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(config),
+                                   seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length)
+    assert bool(torch.isfinite(logits).all())
+
+
+def test_checkpointed_and_unsupported_models_run_the_module():
+    checkpointed, _ = causal_lm_from_config(tiny_llama_config(), seed=0, activation_checkpointing=True)
+    yarn, _ = causal_lm_from_config(tiny_llama_config(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}), seed=0)
+    assert not checkpointed.lean and not yarn.lean
