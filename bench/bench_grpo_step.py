@@ -9,11 +9,12 @@ the entropy computed for the logs on both sides. TRL is timed per step with a tr
 purerl runs twice: with its defaults, which leave rows whose advantages are all zero out of the
 update (the update is the same; the fraction of such rows is printed), and with every row
 through forward and backward, as TRL does. The three alternate in blocks of ``--steps`` steps,
-``--rounds`` times, so machine noise hits all; medians and ratios are printed.
+``--rounds`` times, so machine noise hits all; medians and ratios are printed, and the range of
+the ratio over rounds (each round's medians) shows how much the machine moved it.
 
 Needs ``pip install trl`` (not a purerl dependency).
 
-    python bench/bench_grpo_step.py [--hidden 128 --layers 2 --prompts 4 --n 4 --new 32 --steps 5 --rounds 2]
+    python bench/bench_grpo_step.py [--hidden 128 --layers 2 --prompts 4 --n 4 --new 32 --steps 5 --rounds 4]
 """
 
 import argparse
@@ -57,7 +58,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (TRL then trains on the GPU too)")
     args = ap.parse_args()
 
@@ -157,10 +158,14 @@ def main() -> None:
     purerl_block(2, record=False)  # warm-up
     purerl_block(2, record=False, skip=False)
     trl_block(2, record=False)
+    round_ratios: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.rounds):
         trl_block(args.steps, record=True)
         purerl_block(args.steps, record=True)
         purerl_block(args.steps, record=True, skip=False)
+        trl_round = statistics.median(trl_times[-args.steps:])
+        for skip in (True, False):
+            round_ratios[skip].append(trl_round / statistics.median(purerl_times[skip][-args.steps:]))
 
     trl_med = statistics.median(trl_times)
     print(f"model {sum(p.numel() for p in params.values()) / 1e6:.2f} M params; {args.prompts} prompts x "
@@ -171,7 +176,8 @@ def main() -> None:
     for skip, label in ((True, "purerl grpo_step (defaults)"), (False, "purerl, every row updated")):
         med = statistics.median(purerl_times[skip])
         note = f"   rows skipped {statistics.mean(skipped):.2f}" if skip else ""
-        print(f"{label:32s} median {med * 1e3:8.1f} ms/step   speed-up vs TRL {trl_med / med:5.2f}x{note}")
+        spread = f"(rounds {min(round_ratios[skip]):.2f}-{max(round_ratios[skip]):.2f})"
+        print(f"{label:32s} median {med * 1e3:8.1f} ms/step   speed-up vs TRL {trl_med / med:5.2f}x {spread}{note}")
     print(f"purerl mean completion length {statistics.mean(purerl_lengths):.1f}")
 
 

@@ -42,8 +42,9 @@ __all__ = [
 _ARCHITECTURES = ("llama", "qwen2")
 _ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq changes, attention is not rescaled
 
-Attention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
-"""``attention(layer, q [b, H, s, D], k [b, K, s, D], v [b, K, s, D]) -> [b, H, s, D]``."""
+Attention = Callable[[int, Tensor, Tensor, Tensor, slice | None], Tensor]
+"""``attention(layer, q [b, H, n, D], k [b, K, s, D], v [b, K, s, D], queries) -> [b, H, n, D]``:
+``queries`` is the slice of the ``s`` positions ``q`` holds (None: all of them, ``n = s``)."""
 
 
 def supports(model: Any) -> bool:
@@ -80,10 +81,12 @@ def layout_of(config: Any) -> LlamaLayout:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``LlamaRMSNorm``: normalise in float32, cast back, then scale (bit-identical to the module)."""
+    """``LlamaRMSNorm``: normalise in float32, cast back, then scale (bit-identical to the module).
+    (``torch.rms_norm`` is what ``F.rms_norm`` calls, without its Python checks: this runs ~150
+    times per decoded token.)"""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 @attrs.frozen(eq=False)
@@ -120,7 +123,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 @attrs.frozen(eq=False)
 class LayerWeights:
-    """One decoder layer with its projections fused: q, k, v in one matrix, gate and up in another."""
+    """One decoder layer with its projections fused: q, k, v in one matrix, gate and up in another.
+    Matrices are transposed views, ``[in, out]``, as the products take them."""
 
     input_norm: Tensor
     qkv: Tensor
@@ -139,7 +143,7 @@ class FusedWeights:
     embed: Tensor
     layers: list[LayerWeights]
     norm: Tensor
-    head: Tensor
+    head: Tensor  # [hidden, vocab], like the layers' matrices
     head_bias: Tensor | None
 
 
@@ -151,6 +155,9 @@ def fused_weights(params: dict[str, Tensor], layout: LlamaLayout) -> FusedWeight
         parts = [params.get(n) for n in names]
         return None if parts[0] is None else torch.cat(parts)
 
+    def t(name: str) -> Tensor:
+        return params[name].t()
+
     layers = []
     for i in range(layout.layers):
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
@@ -158,39 +165,48 @@ def fused_weights(params: dict[str, Tensor], layout: LlamaLayout) -> FusedWeight
             raise ValueError("fused_weights: MLP biases are not supported")
         layers.append(LayerWeights(
             params[f"model.layers.{i}.input_layernorm.weight"],
-            cat(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
+            cat(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight").t(),
             cat(f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"),
-            params[f"{a}.o_proj.weight"], params.get(f"{a}.o_proj.bias"),
+            t(f"{a}.o_proj.weight"), params.get(f"{a}.o_proj.bias"),
             params[f"model.layers.{i}.post_attention_layernorm.weight"],
-            cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight"), params[f"{m}.down_proj.weight"]))
+            cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight").t(), t(f"{m}.down_proj.weight")))
     embed = params["model.embed_tokens.weight"]
     return FusedWeights(embed, layers, params["model.norm.weight"],
-                        params.get("lm_head.weight", embed),  # tied: only the embedding is in the tree
+                        params.get("lm_head.weight", embed).t(),  # tied: only the embedding is in the tree
                         params.get("lm_head.bias"))
 
 
 def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: LlamaLayout,
-                  ids: Int[Tensor, "b s"], attention: Attention) -> Float[Tensor, "b s hidden"]:
+                  ids: Int[Tensor, "b s"], attention: Attention, keep: slice | None = None,
+                  ) -> Float[Tensor, "b n hidden"]:
     """The decoder layers on ``ids`` at the positions ``rope`` was taken at (``cos``, ``sin``,
     ``[b, 1, s, D]``); ``attention`` stores keys and values where it needs to and returns the
-    attention output. Hidden states after the last layer, before the final norm. The hidden
-    state stays ``[b·s, hidden]`` so every projection is one matrix product, with the residual
-    added inside it (``addmm``)."""
+    attention output. Hidden states after the last layer, before the final norm, at the
+    positions ``keep`` (a slice of the ``s``; None: all): the last layer computes its queries'
+    attention, output projection and MLP only there, as no later layer reads the others (every
+    position's keys and values are still computed). The hidden state stays ``[b·s, hidden]`` so
+    every projection is one matrix product, with the residual added inside it (``addmm``)."""
     b, s = ids.shape
     heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
     cos, sin = rope
+    qk_heads, last = heads + kv_heads, layout.layers - 1
     h = F.embedding(ids.reshape(-1), weights.embed)
+    n = s
     for i, w in enumerate(weights.layers):
         qkv = project(rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias)
-        qkv = qkv.view(b, s, heads + 2 * kv_heads, head_dim).transpose(1, 2)
+        qkv = qkv.view(b, s, qk_heads + kv_heads, head_dim).transpose(1, 2)
         # q and k are adjacent heads of the fused product: one rotation for both
-        qk, v = qkv[:, :heads + kv_heads], qkv[:, heads + kv_heads:]
-        q, k = rotate(qk, cos, sin).split((heads, kv_heads), dim=1)
-        attn = attention(i, q, k, v).transpose(1, 2).reshape(b * s, heads * head_dim)
+        qk = rotate(qkv[:, :qk_heads], cos, sin)
+        q, queries = qk[:, :heads], None
+        if i == last and keep is not None:
+            q, queries = q[:, :, keep], keep
+            h = h.view(b, s, -1)[:, keep].reshape(-1, h.shape[-1])
+            n = q.shape[2]
+        attn = attention(i, q, qk[:, heads:], qkv[:, qk_heads:], queries).transpose(1, 2).reshape(b * n, -1)
         h = project(attn, w.out, w.out_bias, residual=h)
         gate, up = project(rms_norm(h, w.post_norm, layout.eps), w.gate_up).chunk(2, dim=-1)
         h = project(F.silu(gate) * up, w.down, residual=h)
-    return h.view(b, s, -1)
+    return h.view(b, n, -1)
 
 
 def logits_of(weights: FusedWeights, layout: LlamaLayout, hidden: Float[Tensor, "... hidden"]) -> Float[Tensor, "... v"]:
@@ -201,10 +217,11 @@ def logits_of(weights: FusedWeights, layout: LlamaLayout, hidden: Float[Tensor, 
 
 
 def project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None) -> Tensor:
-    """``residual + x @ weightᵀ + bias`` for 2-d ``x`` (what ``F.linear`` computes, one kernel)."""
+    """``residual + x @ weight + bias`` for 2-d ``x`` and a transposed ``weight`` ``[in, out]``
+    (what ``F.linear`` computes, one kernel)."""
     if residual is None:
-        return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
-    out = torch.addmm(residual, x, weight.t())
+        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+    out = torch.addmm(residual, x, weight)
     return out if bias is None else out + bias
 
 
@@ -241,26 +258,27 @@ def response_logits(
     scale = layout.head_dim ** -0.5
     gqa = layout.heads != layout.kv_heads
 
-    def run(ids: Tensor, at: Tensor, mask: Tensor, past: list[tuple[Tensor, Tensor]] | None = None,
+    def run(ids: Tensor, at: Tensor, mask: Tensor, keep: slice, past: list[tuple[Tensor, Tensor]] | None = None,
             ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         kv: list[tuple[Tensor, Tensor]] = []
 
-        def attention(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def attention(i: int, q: Tensor, k: Tensor, v: Tensor, queries: slice | None) -> Tensor:
             if past is not None:
                 k, v = torch.cat((past[i][0], k), 2), torch.cat((past[i][1], v), 2)
             kv.append((k, v))
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            m = mask if queries is None else mask[:, :, queries]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=gqa)
 
         rope = RotaryTable.of(inv_freq, at, dtype=weights.embed.dtype)
-        return decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, ids, attention), kv
+        return decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, ids, attention, keep), kv
 
     s, t = input_ids.shape[1], response_length
     if shared is None:
-        hidden, _ = run(input_ids, positions, attention_mask(valid, 0))
-        return logits_of(weights, layout, hidden[:, s - t - 1:s - 1])
+        hidden, _ = run(input_ids, positions, attention_mask(valid, 0), slice(s - t - 1, s - 1))
+        return logits_of(weights, layout, hidden)
     first, inverse = shared
     p = s - t
-    prompt, kv = run(input_ids[first, :p], positions[first, :p], attention_mask(valid[first, :p], 0))
+    prompt, kv = run(input_ids[first, :p], positions[first, :p], attention_mask(valid[first, :p], 0), slice(p - 1, p))
     past = [(k[inverse], v[inverse]) for k, v in kv]  # one copy of each prompt's keys and values per row
-    response, _ = run(input_ids[:, p:], positions[:, p:], attention_mask(valid, p), past)
-    return logits_of(weights, layout, torch.cat((prompt[inverse, -1:], response[:, :-1]), 1))
+    response, _ = run(input_ids[:, p:], positions[:, p:], attention_mask(valid, p), slice(0, t - 1), past)
+    return logits_of(weights, layout, torch.cat((prompt[inverse], response), 1))

@@ -147,6 +147,7 @@ class TorchEngine:
         eos = int(self.eos[0]) if len(self.eos) == 1 else self.eos
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
         active = torch.arange(rows, device=self.device)  # the batch's rows, as rows of the output
+        batch = rows  # len(active)
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)  # of the batch's rows
         ended = torch.zeros(rows, dtype=torch.bool, device=self.device)  # of the output rows, once dropped
         stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)  # by a stop string (rows never drop)
@@ -158,7 +159,7 @@ class TorchEngine:
                 lp = sampling_logprobs(logits, temperature=sampling.temperature,
                                        top_k=sampling.top_k, top_p=sampling.top_p)
                 uniform = None if uniforms is None else uniforms[step]
-                if uniform is not None and len(active) < rows:
+                if uniform is not None and batch < rows:
                     uniform = uniform[active]
                 token = sample_tokens(lp, uniform)
                 steps.append((active, finished, token, lp.gather(-1, token[:, None]).squeeze(-1)))
@@ -167,14 +168,14 @@ class TorchEngine:
                     now = self._stop_hits([t for _, _, t, _ in steps], finished | hit, sampling.stop)
                     stopped, hit = stopped | now, hit | now
                 finished = finished | hit  # a finished row's later tokens are padding, EOS or not
-                still_open = len(finished) - int(finished.sum())
+                still_open = batch - int(finished.sum())
                 if still_open == 0 or step + 1 == sampling.max_new_tokens:
                     break
                 if (self.drop_finished and keep is not None and not sampling.stop
-                        and still_open <= 0.75 * len(finished)):
+                        and still_open <= 0.75 * batch):
                     kept = (~finished).nonzero().squeeze(-1)
                     ended[active] = finished
-                    active, finished = active[kept], finished[kept]
+                    active, finished, batch = active[kept], finished[kept], still_open
                     token, position = token[kept], position[kept]
                     keep(kept)
                 logits = advance(token, position)

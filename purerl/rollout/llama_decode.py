@@ -80,13 +80,14 @@ def forward_last(
     scale = layout.head_dim ** -0.5
     gqa = layout.heads != layout.kv_heads
 
-    def attention(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attention(i: int, q: Tensor, k: Tensor, v: Tensor, queries: slice | None) -> Tensor:
         cache.keys[i][:, :, start:stop] = k
         cache.values[i][:, :, start:stop] = v
         keys, values = cache.keys[i][:, :, :stop], cache.values[i][:, :, :stop]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        m = mask if queries is None else mask[:, :, queries]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=m, scale=scale, enable_gqa=gqa)
 
-    hidden = decoder_stack(weights, rotary.at(positions), layout, ids, attention)
+    hidden = decoder_stack(weights, rotary.at(positions), layout, ids, attention, None if s == 1 else slice(s - 1, s))
     return logits_of(weights, layout, hidden[:, -1])
 
 
@@ -108,7 +109,7 @@ def decode_step_static(
     scale = layout.head_dim ** -0.5
     gqa = layout.heads != layout.kv_heads
 
-    def attention(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attention(i: int, q: Tensor, k: Tensor, v: Tensor, queries: slice | None) -> Tensor:
         cache.keys[i].index_copy_(2, index, k)
         cache.values[i].index_copy_(2, index, v)
         return F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=mask, scale=scale,
