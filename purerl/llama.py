@@ -82,8 +82,8 @@ def layout_of(config: Any) -> LlamaLayout:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``LlamaRMSNorm``: normalise in float32, cast back, then scale (bit-identical to the module).
-    (``torch.rms_norm`` is what ``F.rms_norm`` calls, without its Python checks: this runs ~150
-    times per decoded token.)"""
+    (``torch.rms_norm`` is what ``F.rms_norm`` calls, without its Python checks: this runs twice
+    per layer and decoded token.)"""
     if x.dtype == torch.float32:
         return torch.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)

@@ -297,12 +297,12 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     gradients of a shared prompt's keys and values over its rows. Llama-family models run
     :mod:`purerl.llama`'s lean forward (:attr:`CausalLM.lean`), the others the HF module.
     """
-    t = seqs.response_length
-    mask, positions = seqs.attention_mask.long(), seqs.position_ids()
+    t, positions = seqs.response_length, seqs.position_ids()
     shared = shared_prompts(seqs) if model.shares_prompts else None
     if model.lean:
         return llama.response_logits(params, model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(model.config),
                                      seqs.input_ids, seqs.attention_mask, positions, t, shared)
+    mask = seqs.attention_mask.long()
     if shared is None:
         out = model(params, input_ids=seqs.input_ids, attention_mask=mask, position_ids=positions,
                     use_cache=False, logits_to_keep=t + 1)

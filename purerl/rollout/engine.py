@@ -14,8 +14,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from purerl.batch import Sequences
 from purerl import llama
+from purerl.batch import Sequences
 from purerl.model import CausalLM, Params
 from purerl.rollout import llama_decode
 from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
