@@ -57,7 +57,8 @@ class RunConfig:
 def decode_responses(rollout: Rollout, decode: Callable[[list[int]], str]) -> list[str]:
     """The text of every response (valid tokens only)."""
     seqs = rollout.sequences
-    return [decode(row[mask].tolist()) for row, mask in zip(seqs.responses(), seqs.response_mask)]
+    rows, masks = seqs.responses().tolist(), seqs.response_mask.tolist()  # two conversions, not 2·b
+    return [decode([t for t, keep in zip(row, mask) if keep]) for row, mask in zip(rows, masks)]
 
 
 def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, run: RunConfig,

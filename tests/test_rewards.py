@@ -89,3 +89,15 @@ def test_scoring_threads_are_reused_and_a_hung_one_is_never_handed_new_work():
     assert score_responses(reward, ["a"] * 8, ["1"] * 8, timeout=5.0).values == [1.0] * 8
     assert time.monotonic() - start < 1.0  # the stuck thread was not waited for
     release.set()
+
+
+def test_slow_calls_overlap_after_the_grace_period():
+    # one thread takes the calls in turn; those still waiting after `grace` get threads of their own
+    def slow(response: str, truth: str) -> float:
+        time.sleep(0.3)
+        return 1.0
+
+    start = time.monotonic()
+    scores = score_responses(slow, ["a"] * 8, ["1"] * 8, timeout=1.5, grace=0.05)
+    assert scores.values == [1.0] * 8 and scores.timeouts == 0  # in turn, 8 calls would take 2.4 s
+    assert time.monotonic() - start < 1.2
