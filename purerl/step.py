@@ -291,8 +291,9 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
             skipped, rows = skipped + len(rows) - len(kept), kept
         mini = batch.rows(rows)
         grads, mini_loss = None, None
-        for sl in _chunks(len(rows), config.micro_batch_rows):
-            micro = mini.rows(torch.arange(len(rows))[sl])
+        parts = _chunks(len(rows), config.micro_batch_rows)
+        for sl in parts:
+            micro = mini if len(parts) == 1 else mini.rows(torch.arange(len(rows))[sl])
             loss, aux, g = grad_fn(params, micro, denominator=denominator.clamp_min(1))
             grads = _accumulate(grads, g)
             mini_loss = loss if mini_loss is None else mini_loss + loss
