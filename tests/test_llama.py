@@ -29,7 +29,7 @@ CONFIGS = {
 }
 
 
-def _grouped(seqs: Sequences, n: int) -> Sequences:
+def grouped(seqs: Sequences, n: int) -> Sequences:
     """Rows ``i·n … i·n+n-1`` take row ``i·n``'s prompt columns and keep their own responses."""
     p = seqs.input_ids.shape[1] - seqs.response_length
     source = torch.arange(len(seqs)) // n * n
@@ -46,7 +46,7 @@ def test_logits_and_gradients_equal_the_modules(name, shared):
     assert model.lean
     g = torch.Generator().manual_seed(1)
     params = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in params.items()}  # biases ≠ 0
-    seqs = _grouped(random_sequences(8, 7, 6, config.vocab_size, seed=3), 4) if shared else \
+    seqs = grouped(random_sequences(8, 7, 6, config.vocab_size, seed=3), 4) if shared else \
         random_sequences(8, 7, 6, config.vocab_size, seed=3)
     assert (shared_prompts(seqs) is not None) == shared  # response_logits takes the path under test
     module = AutoModelForCausalLM.from_config(config).eval()

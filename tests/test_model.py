@@ -18,6 +18,7 @@ from purerl.model import (
 )
 from purerl.tiny import random_sequences, tiny_llama_config
 from purerl.tree import assert_trees_close, tree_map
+from tests.test_llama import grouped
 
 
 @pytest.fixture(scope="module", params=["lean", "module"])
@@ -159,24 +160,13 @@ def test_summed_loss_type_is_sumcount(tiny):
     assert isinstance(loss, SumCount)
 
 
-def _grouped(seqs, n):
-    """Each row's prompt columns copied to ``n`` rows that keep their own responses."""
-    from purerl.batch import Sequences
-
-    p = seqs.input_ids.shape[1] - seqs.response_length
-    source = torch.arange(len(seqs)) // n * n  # rows 0..n-1 take row 0's prompt, …
-    ids, mask = seqs.input_ids.clone(), seqs.attention_mask.clone()
-    ids[:, :p], mask[:, :p] = ids[source, :p], mask[source, :p]
-    return Sequences(ids, mask, seqs.response_mask)
-
-
 @pytest.mark.parametrize("path", ["lean", "module"])
 def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(path):
     config = tiny_llama_config()
     model, params = causal_lm_from_config(config, seed=0)
     if path == "module":
         model = attrs.evolve(model, lean=False)  # the path of models purerl.llama does not cover
-    seqs = _grouped(random_sequences(8, 12, 6, config.vocab_size, seed=2), 4)
+    seqs = grouped(random_sequences(8, 12, 6, config.vocab_size, seed=2), 4)
     first, inverse = shared_prompts(seqs)
     assert sorted(first.tolist()) == [0, 4]
     assert torch.equal(first[inverse], torch.tensor([0, 0, 0, 0, 4, 4, 4, 4]))
@@ -200,6 +190,6 @@ def test_prompts_are_shared_only_when_that_saves_enough():
     config = tiny_llama_config()
     distinct = random_sequences(8, 12, 6, config.vocab_size, seed=2)
     assert shared_prompts(distinct) is None
-    short_prompts = _grouped(random_sequences(8, 2, 30, config.vocab_size, seed=2), 4)  # saves 12 of 256 positions
+    short_prompts = grouped(random_sequences(8, 2, 30, config.vocab_size, seed=2), 4)  # saves 12 of 256 positions
     assert shared_prompts(short_prompts) is None
     assert shared_prompts(short_prompts, min_saving=0.04) is not None

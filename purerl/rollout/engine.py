@@ -219,7 +219,7 @@ class TorchEngine:
             params = llama.fused_weights(self._params, layout)
             dtype = params.embed.dtype
             rotary = llama.RotaryTable.build(self.model.buffers["model.rotary_emb.inv_freq"], capacity,
-                                                    dtype=dtype, device=self.device)
+                                             dtype=dtype, device=self.device)
             cache = llama_decode.StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=self.device)
             first = llama_decode.forward_last(params, rotary, layout, ids, mask, positions, cache)
             if n > 1:
