@@ -15,6 +15,7 @@ Pure entry points:
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ __all__ = [
     "Params",
     "CausalLM",
     "Critic",
+    "LayerCheckpoint",
+    "checkpoint_layers",
     "causal_lm_from_config",
     "load_causal_lm",
     "critic_from_causal_lm",
@@ -53,9 +56,13 @@ Params = dict[str, Tensor]
 
 
 def _checkpointed(model: "CausalLM") -> bool:
-    name = ("is_activation_checkpointing" if hasattr(type(model.module), "is_activation_checkpointing")
-            else "is_gradient_checkpointing")  # the name before transformers 5.x
-    return bool(getattr(model.module, name, False))  # a walk over every submodule: read once
+    return any(isinstance(m.__dict__.get("forward"), LayerCheckpoint) for m in model.module.modules())
+
+
+def _cache_keyword(model: "CausalLM") -> str:
+    """The name under which the module's ``forward`` takes a KV cache: ``cache`` from transformers
+    5.24 on, ``past_key_values`` before (still accepted there, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(type(model.module).forward).parameters else "past_key_values"
 
 
 @attrs.frozen(eq=False)
@@ -64,7 +71,8 @@ class CausalLM:
 
     ``aliases`` maps each tied name that is not in the params tree (``lm_head.weight``) to its
     canonical name (``model.embed_tokens.weight``). ``checkpointed``: the module recomputes its
-    layers' activations in the backward. ``lean``: :func:`response_logits` runs
+    layers' activations in the backward (:class:`LayerCheckpoint`). ``cache_keyword``: the
+    ``forward`` keyword of a KV cache in the installed transformers (:meth:`cache_arguments`). ``lean``: :func:`response_logits` runs
     :mod:`purerl.llama`'s forward (a Llama-family model it supports, not checkpointed) instead of
     the HF module; ``attrs.evolve(model, lean=False)`` forces the module.
     """
@@ -76,6 +84,7 @@ class CausalLM:
     checkpointed: bool = attrs.field(default=attrs.Factory(_checkpointed, takes_self=True))
     lean: bool = attrs.field(default=attrs.Factory(lambda self: not self.checkpointed and llama.supports(self),
                                                    takes_self=True))
+    cache_keyword: str = attrs.field(default=attrs.Factory(_cache_keyword, takes_self=True))
 
     def bound(self, params: Params) -> dict[str, Tensor]:
         """The name → tensor map functional_call needs: params, tied aliases, buffers."""
@@ -87,6 +96,10 @@ class CausalLM:
 
     def __call__(self, params: Params, **kwargs: Any) -> Any:
         return torch.func.functional_call(self.module, self.bound(params), (), kwargs, strict=True)
+
+    def cache_arguments(self, cache: Any) -> dict[str, Any]:
+        """The keywords that make the module read and extend the KV cache ``cache``."""
+        return {self.cache_keyword: cache, "use_cache": True}
 
     @contextlib.contextmanager
     def bind(self, params: Params) -> Iterator[nn.Module]:
@@ -103,7 +116,7 @@ class CausalLM:
     @property
     def shares_prompts(self) -> bool:
         """Whether :func:`response_logits` may run a prompt shared by several rows once, through
-        the KV cache (transformers turns the cache off in checkpointed training forwards)."""
+        the KV cache (not when checkpointed: the recomputation would extend the cache again)."""
         return not self.checkpointed
 
 
@@ -146,22 +159,46 @@ def _tie_aliases(module: nn.Module) -> dict[str, str]:
     }
 
 
-def _rebinding_checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
-    """Non-reentrant activation checkpointing that recomputes with the params of the forward.
+class LayerCheckpoint:
+    """A decoder layer's ``forward`` under non-reentrant activation checkpointing.
 
-    functional_call swaps params in only for the duration of the forward; the backward's
-    recomputation runs later, when the skeleton holds meta tensors again. So capture the layer's
-    params at forward time and swap them back in for the recomputation.
+    Installed as the layer's instance attribute ``forward`` (the module's ``__call__``, hooks
+    included, still runs around it), so it depends on no detail of how transformers calls its
+    layers. Forwards without gradients run the layer plainly. ``rebind``: for a skeleton whose
+    params functional_call swaps in only for the duration of the forward, the recomputation in the
+    backward (when the skeleton holds meta tensors again) runs with the params captured at forward
+    time. A real module (FSDP's, whose hooks re-gather the params) needs no rebinding.
     """
-    layer = fn.args[0]  # transformers passes partial(forward, layer, **kwargs)
-    bound = dict(layer.named_parameters())
-    bound.update(layer.named_buffers())
 
-    def run(*inputs: Any) -> Any:
-        with stateless._reparametrize_module(layer, bound):
-            return fn(*inputs)
+    def __init__(self, layer: nn.Module, *, rebind: bool) -> None:
+        self.layer, self.rebind = layer, rebind
 
-    return checkpoint(run, *args, use_reentrant=False)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        layer, forward = self.layer, type(self.layer).forward
+        if not torch.is_grad_enabled():
+            return forward(layer, *args, **kwargs)
+        if not self.rebind:
+            return checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
+        bound = {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with stateless._reparametrize_module(layer, bound):
+                return forward(layer, *args, **kwargs)
+
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_layers(module: nn.Module, *, rebind: bool) -> None:
+    """Checkpoint the activations of every decoder layer of ``module`` (the layers transformers
+    marks as ``GradientCheckpointingLayer``); see :class:`LayerCheckpoint`."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"activation checkpointing: {type(module).__name__} has no decoder layers "
+                         "that transformers marks as checkpointable")
+    for layer in layers:
+        layer.forward = LayerCheckpoint(layer, rebind=rebind)
 
 
 def _adapt(module: nn.Module, activation_checkpointing: bool) -> tuple[CausalLM, Params]:
@@ -171,9 +208,7 @@ def _adapt(module: nn.Module, activation_checkpointing: bool) -> tuple[CausalLM,
     aliases = _tie_aliases(module)
     module.eval()
     if activation_checkpointing:
-        # transformers checkpoints layers only in train mode; purerl configs keep dropout at 0
-        module._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=_rebinding_checkpoint)
-        module.train()
+        checkpoint_layers(module, rebind=True)
     for p in module.parameters():
         p.requires_grad_(False)
     module.to("meta")  # the params tree keeps the only copy of the weights
@@ -313,10 +348,10 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     p = seqs.input_ids.shape[1] - t
     cache = DynamicCache(config=model.config)
     prompt = model(params, input_ids=seqs.input_ids[first, :p], attention_mask=mask[first, :p],
-                   position_ids=positions[first, :p], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                   position_ids=positions[first, :p], logits_to_keep=1, **model.cache_arguments(cache))
     cache.batch_select_indices(inverse)  # one copy of each prompt's keys and values per row
     response = model(params, input_ids=seqs.input_ids[:, p:], attention_mask=mask, position_ids=positions[:, p:],
-                     past_key_values=cache, use_cache=True, logits_to_keep=t)
+                     logits_to_keep=t, **model.cache_arguments(cache))
     return torch.cat([prompt.logits[inverse], response.logits[:, :-1]], 1)
 
 

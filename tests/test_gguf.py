@@ -20,8 +20,8 @@ def test_smollm2_gguf_loads_and_functional_logprobs_match_the_module():
     assert "lm_head.weight" not in params and model.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], tokenize=False,
                                          add_generation_prompt=True)
-    prompt = tokenizer.encode(text)
-    response = tokenizer.encode("2+3 = 5. #### 5")
+    prompt = tokenizer.encode(text, add_special_tokens=False)  # the chat template wrote them (as purerl's data does)
+    response = tokenizer.encode("2+3 = 5. #### 5", add_special_tokens=False)
     ids = torch.tensor([prompt + response])
     seqs = Sequences(ids, torch.ones_like(ids, dtype=torch.bool), torch.ones(1, len(response), dtype=torch.bool))
     got = response_logprobs(model, params, seqs)

@@ -20,11 +20,10 @@ def _qwen2_config():
 
 CONFIGS = {
     "llama tied, GQA": tiny_llama_config(),
-    "llama untied, MHA, llama3 rope": tiny_llama_config(tie_word_embeddings=False, num_key_value_heads=4,
-                                                        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
-                                                                         "factor": 8.0, "low_freq_factor": 1.0,
-                                                                         "high_freq_factor": 4.0,
-                                                                         "original_max_position_embeddings": 64}),
+    "llama untied, MHA, llama3 rope": tiny_llama_config(
+        tie_word_embeddings=False, num_key_value_heads=4, rope_theta=5e5,
+        rope_scaling={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen2 (q/k/v biases)": _qwen2_config(),
 }
 
@@ -81,6 +80,6 @@ def test_padding_positions_stay_finite():
 
 def test_checkpointed_and_unsupported_models_run_the_module():
     checkpointed, _ = causal_lm_from_config(tiny_llama_config(), seed=0, activation_checkpointing=True)
-    yarn, _ = causal_lm_from_config(tiny_llama_config(rope_parameters={
+    yarn, _ = causal_lm_from_config(tiny_llama_config(rope_theta=1e4, rope_scaling={
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}), seed=0)
     assert not checkpointed.lean and not yarn.lean

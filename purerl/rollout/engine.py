@@ -66,18 +66,6 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tenso
     return ids, mask
 
 
-@contextlib.contextmanager
-def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
-    """Eval mode for the block: a skeleton trained with activation checkpointing is in train mode,
-    where transformers silently turns the KV cache off."""
-    training = module.training
-    module.eval()
-    try:
-        yield
-    finally:
-        module.train(training)
-
-
 class TorchEngine:
     """The embedded engine: prefill + KV-cache decode with the policy's own skeleton.
 
@@ -241,20 +229,20 @@ class TorchEngine:
 
         cache = DynamicCache(config=self.model.config)
         attention = mask.long().repeat_interleave(n, 0)
-        with self.model.bind(self._params) as module, _eval_mode(module):
+        with self.model.bind(self._params) as module:
             def step(token: Tensor, position: Tensor) -> Tensor:
                 nonlocal attention
                 attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
                 return module(input_ids=token[:, None], attention_mask=attention, position_ids=position,
-                              past_key_values=cache, use_cache=True).logits[:, -1]
+                              **self.model.cache_arguments(cache)).logits[:, -1]
 
             def keep(rows: Tensor) -> None:
                 nonlocal attention
                 attention = attention[rows]
                 cache.batch_select_indices(rows)
 
-            out = module(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = module(input_ids=ids, attention_mask=mask.long(), position_ids=positions, logits_to_keep=1,
+                         **self.model.cache_arguments(cache))
             if n > 1:
                 cache.batch_repeat_interleave(n)
             yield out.logits[:, -1].repeat_interleave(n, 0), step, keep
