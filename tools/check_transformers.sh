@@ -22,7 +22,7 @@ for version in "$@"; do
         echo "transformers $version: could not be installed ($env_dir/pip.log)"; status=1; continue
     fi
     installed=$("$env_dir/venv/bin/python" -c "import transformers; print(transformers.__version__)")
-    if "$env_dir/venv/bin/python" -m pytest -q "${TESTS[@]}" > "$log" 2>&1; then
+    if "$env_dir/venv/bin/python" -m pytest "${TESTS[@]}" > "$log" 2>&1; then
         echo "transformers $installed: ok ($(tail -n 1 "$log" | tr -d '='))"
         rm -rf "$env_dir"
     else
