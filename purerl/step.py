@@ -15,6 +15,11 @@ Optimizer updates *donate* the old params and optimizer state (they are updated 
 returned): never use a ``TrainState`` after passing it to a step. A step whose loss or gradient
 norm is not finite is rejected: the optimizer is not called, so with one mini-batch per step
 (the default) the returned state equals the input state apart from the RNG counter and step.
+
+Devices: the stages run where the rollout's tensors are (CPU or one GPU). An index tensor is
+built on the device of the data it indexes (torch refuses a CPU index of a CUDA tensor's rows
+when it is combined with a CUDA mask); random draws come from CPU generators, so a seed gives
+the same shuffle on every device. A CPU run cannot see a mix-up: ``tests/test_gpu.py`` can.
 """
 
 import math
@@ -132,7 +137,7 @@ class TrainBatch:
     returns: Float[Tensor, "b t"]
     values: Float[Tensor, "b t"] | None
 
-    def rows(self, index: Tensor) -> "TrainBatch":
+    def rows(self, index: Tensor | slice) -> "TrainBatch":
         return tree_map(lambda x: x[index] if isinstance(x, Tensor) else x, self)
 
 
@@ -213,13 +218,15 @@ def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
     return batch, kl_state, metrics
 
 
-def _minibatches(n: int, rows: int | None, epochs: int, rng: RngState) -> list[Tensor]:
-    """Row index sets for ``epochs`` shuffled passes in mini-batches of ``rows`` (all rows if None)."""
+def _minibatches(n: int, rows: int | None, epochs: int, rng: RngState, device: torch.device) -> list[Tensor]:
+    """Row index sets for ``epochs`` shuffled passes in mini-batches of ``rows`` (all rows if None),
+    on ``device`` (the batch's: indices live beside the data they index). The shuffle is drawn on
+    the CPU, so it is the same whatever the device."""
     size = n if rows is None else min(rows, n)
     g = rng.generator()
     out = []
     for _ in range(epochs):
-        order = torch.randperm(n, generator=g) if size < n else torch.arange(n)
+        order = (torch.randperm(n, generator=g) if size < n else torch.arange(n)).to(device)
         out.extend(order[sl] for sl in _chunks(n, size))
     return out
 
@@ -293,7 +300,7 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
         grads, mini_loss = None, None
         parts = _chunks(len(rows), config.micro_batch_rows)
         for sl in parts:
-            micro = mini if len(parts) == 1 else mini.rows(torch.arange(len(rows))[sl])
+            micro = mini if len(parts) == 1 else mini.rows(sl)
             loss, aux, g = grad_fn(params, micro, denominator=denominator.clamp_min(1))
             grads = _accumulate(grads, g)
             mini_loss = loss if mini_loss is None else mini_loss + loss
@@ -320,7 +327,8 @@ def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: C
                  value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
     """PPO-style policy updates over ``ppo_epochs`` × mini-batches (donates ``params``/``opt_state``);
     rows with all-zero advantages skip forward and backward (see ``StepConfig.skip_zero_advantage_rows``)."""
-    indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng)
+    indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng,
+                           batch.advantages.device)
     skip = config.skip_zero_advantage_rows and config.entropy_coeff == 0 and not config.use_kl_loss
     needed = (batch.advantages != 0).any(-1) if skip else None
     return _update(params, opt_state, optimizer, batch, indices,
@@ -338,7 +346,8 @@ def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: 
                                  clip=config.value_clip, agg=config.loss_agg, norm=config.loss_norm)
         return out.loss, {"vf_loss": out.loss, "vf_clipfrac": out.clipfrac}
 
-    indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng)
+    indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng,
+                           batch.returns.device)
     return _update(params, opt_state, optimizer, batch, indices, loss_fn, config, value_and_grad, "critic")
 
 

@@ -1,27 +1,44 @@
-"""The CUDA paths: fused capturable AdamW, the engine, a GRPO step, an FSDP2 rank over NCCL.
+"""The CUDA paths a user runs: fused capturable AdamW, the engine (eager and CUDA graphs), the lean
+forward, GRPO steps (KL loss; skipped rows, mini- and micro-batches) and a PPO step against the
+same steps on the CPU, an FSDP2 rank over NCCL, the main job in float32 and bfloat16, and the
+Ray executor on the GPU when Ray is installed.
 
-Skipped without a GPU (CI has none); run on a GPU machine with ``python3 -m pytest tests/test_gpu.py``.
+Skipped without a GPU (CI has none): a device mix-up (a CPU index into a CUDA tensor) is
+invisible on a CPU, so run these first on any GPU machine: ``python3 -m pytest tests/test_gpu.py``.
 """
 
 import functools
+import json
 import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
 
 import pytest
 import torch
 
 from purerl.algo.kl_control import make_kl_controller
-from purerl.model import causal_lm_from_config, response_logprobs
+from purerl.model import causal_lm_from_config, critic_from_causal_lm, response_logits, response_logprobs, value_and_grad
 from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedule
 from purerl.rollout.engine import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.step import StepConfig, grpo_step
-from purerl.tiny import tiny_llama_config
+from purerl.step import StepConfig, grpo_step, ppo_step
+from purerl.algo.aggregation import SumCount
+from purerl.tiny import random_sequences, tiny_llama_config
 from purerl.tree import tree_clone, tree_map
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+ROOT = Path(__file__).resolve().parents[1]
+STEP_CONFIGS = {
+    "kl loss": StepConfig(use_kl_loss=True, kl_loss_coef=0.1, micro_batch_rows=5),
+    # rows whose advantages are all zero skip the update (the path that once crashed on CUDA)
+    "skipped rows, mini- and micro-batches": StepConfig(micro_batch_rows=3, mini_batch_rows=6, ppo_epochs=2),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -53,12 +70,11 @@ def test_fused_adamw_with_a_schedule_on_cuda_matches_torch_adamw():
         torch.testing.assert_close(ours[k], p.detach(), rtol=1e-5, atol=1e-6)
 
 
-def _setup():
+def _setup(config: StepConfig = STEP_CONFIGS["kl loss"]):
     model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
     kl = make_kl_controller("fixed", coef=0.001)
-    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl,
-                                config=StepConfig(use_kl_loss=True, kl_loss_coef=0.1, micro_batch_rows=5))
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=config)
 
     def fresh():
         p = tree_clone(params)
@@ -70,7 +86,23 @@ def _setup():
     rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1), version=0)
     responses, mask = rollout.sequences.responses(), rollout.sequences.response_mask
     scores = ((responses % 2 == 0) & mask).float().sum(-1) / mask.sum(-1).clamp_min(1)
+    scores[:4] = 0.5  # prompt 0's samples score alike: zero advantages
     return model, params, step_fn, fresh, rollout, scores
+
+
+def _on_cpu(tree):
+    return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _assert_same_step(gpu, cpu, atol=1e-4):
+    """States and metrics of one step on the GPU and on the CPU. One Adam step moves a weight by
+    about lr = 1e-3 whatever the gradient's size, so where a gradient is ~0 the kernels' last-bit
+    differences may move it differently: allow 10 % of lr."""
+    (gpu_state, gpu_metrics), (cpu_state, cpu_metrics) = gpu, cpu
+    for name, value in cpu_state.policy.items():
+        torch.testing.assert_close(gpu_state.policy[name].cpu(), value, rtol=0, atol=atol)
+    for key, value in cpu_metrics.items():
+        assert gpu_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
 def test_engine_behaviour_logprobs_equal_the_trainers_on_cuda():
@@ -92,18 +124,53 @@ def test_cuda_graph_decoding_samples_what_eager_decoding_samples():
     torch.testing.assert_close(rollouts[0].behaviour_logprobs, rollouts[1].behaviour_logprobs, rtol=0, atol=1e-5)
 
 
-def test_a_grpo_step_on_cuda_matches_the_same_step_on_cpu():
-    model, params, step_fn, fresh, rollout, scores = _setup()
-    gpu_state, gpu_metrics = step_fn(fresh(), rollout, scores, policy=model)
-    cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+@pytest.mark.parametrize("config", STEP_CONFIGS.values(), ids=STEP_CONFIGS.keys())
+def test_a_grpo_step_on_cuda_matches_the_same_step_on_cpu(config):
+    model, params, step_fn, fresh, rollout, scores = _setup(config)
+    gpu = step_fn(fresh(), rollout, scores, policy=model)
     cpu_model, _ = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0)
-    cpu_state, cpu_metrics = step_fn(tree_map(cpu, fresh()), tree_map(cpu, rollout), scores.cpu(), policy=cpu_model)
-    # one Adam step moves a weight by about lr = 1e-3 whatever the gradient's size, so where a
-    # gradient is ~0 the kernels' last-bit differences may move it differently: allow 10 % of lr
-    for name, value in cpu_state.policy.items():
-        torch.testing.assert_close(gpu_state.policy[name].cpu(), value, rtol=0, atol=1e-4)
-    for key, value in cpu_metrics.items():
-        assert gpu_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    cpu = step_fn(_on_cpu(fresh()), _on_cpu(rollout), scores.cpu(), policy=cpu_model)
+    _assert_same_step(gpu, cpu)
+    if not config.use_kl_loss:
+        assert gpu[1]["actor/skipped_rows_frac"] > 0
+
+
+def test_a_ppo_step_with_a_critic_on_cuda_matches_the_same_step_on_cpu():
+    model, params, _, _, rollout, scores = _setup()
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3))
+    kl = make_kl_controller("adaptive", coef=0.01, target_kl=0.1, horizon=100)
+    config = StepConfig(adv_estimator="gae", micro_batch_rows=4, mini_batch_rows=6, gamma=1.0, lam=0.95)
+    results = []
+    for device in ("cuda", "cpu"):
+        policy, p = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device=device)
+        critic, c = critic_from_causal_lm(policy, p)
+        state = TrainState(policy=p, policy_opt=optimizer.init(p), kl=kl.init(), rng=RngState(0),
+                           reference=tree_clone(p), critic=c, critic_opt=optimizer.init(c))
+        batch = (rollout, scores) if device == "cuda" else _on_cpu((rollout, scores))
+        results.append(ppo_step(state, *batch, policy=policy, critic=critic, optimizer=optimizer,
+                                critic_optimizer=optimizer, kl_controller=kl, config=config))
+    _assert_same_step(*results)
+    for name, value in results[1][0].critic.items():
+        torch.testing.assert_close(results[0][0].critic[name].cpu(), value, rtol=0, atol=1e-4)
+
+
+def test_the_lean_forward_equals_the_module_on_cuda():
+    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    seqs = tree_map(lambda t: t.cuda(), random_sequences(6, 5, 7, 128, seed=3))
+    module = attrs.evolve(model, lean=False)
+    assert model.lean
+
+    def loss(m):
+        def fn(p):
+            logits = response_logits(m, p, seqs)
+            return SumCount(logits.float().square().mean(-1)[seqs.response_mask].sum(), torch.tensor(1.0)), logits
+        return value_and_grad(fn)(params)
+
+    (_, lean_logits, lean_grads), (_, module_logits, module_grads) = loss(model), loss(module)
+    mask = seqs.response_mask
+    torch.testing.assert_close(lean_logits[mask], module_logits[mask], rtol=1e-5, atol=1e-5)
+    for name, g in module_grads.items():
+        torch.testing.assert_close(lean_grads[name], g, rtol=1e-4, atol=1e-6)
 
 
 def test_an_fsdp2_nccl_rank_matches_the_local_step_on_cuda():
@@ -118,8 +185,11 @@ def test_an_fsdp2_nccl_rank_matches_the_local_step_on_cuda():
         sharded_value_and_grad,
     )
 
-    model, params, step_fn, fresh, rollout, scores = _setup()
-    local_state, local_metrics = step_fn(fresh(), rollout, scores, policy=model)
+    model, params, step_fn, fresh, rollout, scores = _setup(STEP_CONFIGS["skipped rows, mini- and micro-batches"])
+    # against the local step through the HF module, as the FSDP rank runs it: the lean forward's
+    # fused projections round differently on CUDA (last bits, see the test above), and where a
+    # gradient is ~0 one Adam step turns that into a move of up to 2·lr
+    local_state, local_metrics = step_fn(fresh(), rollout, scores, policy=attrs.evolve(model, lean=False))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -143,15 +213,21 @@ def test_an_fsdp2_nccl_rank_matches_the_local_step_on_cuda():
         assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
-def test_the_main_job_runs_on_cuda(tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+def _main_job(out: Path, *flags: str) -> dict:
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--device", "cuda",
+                    "--steps", "3", "--eval-every", "2", "--checkpoint-every", "2", "--eval-size", "8",
+                    "--no-progress", "--out-dir", str(out), *flags], check=True, timeout=600)
+    return json.loads((out / "summary.json").read_text())
 
-    script = Path(__file__).resolve().parents[1] / "experiments" / "grpo_math.py"
-    subprocess.run([sys.executable, str(script), "--tiny", "--device", "cuda", "--steps", "3", "--eval-every", "2",
-                    "--checkpoint-every", "2", "--eval-size", "8", "--no-progress", "--out-dir", str(tmp_path)],
-                   check=True, timeout=600)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_main_job_runs_on_cuda(tmp_path, dtype):
+    summary = _main_job(tmp_path, "--dtype", dtype, "--micro-batch", "3")
     assert summary["steps"] == 3 and (tmp_path / "checkpoints" / "step_00000002").is_dir()
+
+
+def test_the_main_job_runs_on_the_ray_executor_on_cuda(tmp_path):
+    pytest.importorskip("ray")
+    summary = _main_job(tmp_path, "--executor", "ray", "--train-ranks", "1", "--rollout-workers", "1",
+                        "--gpus-per-worker", "0.5")
+    assert summary["steps"] == 3

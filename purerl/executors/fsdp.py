@@ -147,8 +147,8 @@ def map_rows_data_parallel(fn: Callable[[Sequences], Tensor], seqs: Sequences) -
     Every rank runs ``fn`` once (a rank without rows runs row 0 and drops it), so the
     collectives inside a sharded forward stay matched."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = torch.arange(rank, len(seqs), world)
-    out = fn(seqs.rows(rows if len(rows) else torch.zeros(1, dtype=torch.long)))[: len(rows)]
+    rows = torch.arange(rank, len(seqs), world, device=seqs.input_ids.device)
+    out = fn(seqs.rows(rows if len(rows) else slice(0, 1)))[: len(rows)]
     per_rank = -(-len(seqs) // world)
     padded = out.new_zeros((per_rank, *out.shape[1:]))
     padded[: len(out)] = out
@@ -232,9 +232,9 @@ def sharded_value_and_grad(rank: int, world: int) -> Callable:
         @functools.wraps(loss_fn)
         def wrapped(params: Params, batch: Any, *args: Any, denominator: Tensor | float | None = None,
                     **kwargs: Any) -> tuple[SumCount, Any, Params]:
-            rows = torch.arange(rank, len(batch.sequences), world)
+            rows = torch.arange(rank, len(batch.sequences), world, device=batch.sequences.input_ids.device)
             weight = 1.0 if len(rows) else 0.0
-            mine = batch.rows(rows if len(rows) else torch.zeros(1, dtype=torch.long))
+            mine = batch.rows(rows if len(rows) else slice(0, 1))
             with torch.enable_grad():
                 loss, aux = loss_fn(params, mine, *args, **kwargs)
                 if denominator is None:
