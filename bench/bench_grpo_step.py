@@ -35,7 +35,7 @@ from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.driver import RunConfig, Task, rollout_batch  # noqa: E402
 from purerl.model import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
-from purerl.rollout.engine import TorchEngine  # noqa: E402
+from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
 from purerl.step import StepConfig, grpo_step  # noqa: E402

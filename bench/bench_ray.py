@@ -30,7 +30,7 @@ from purerl.executors.local import LocalExecutor  # noqa: E402
 from purerl.executors.ray_executor import RayConfig, RayExecutor  # noqa: E402
 from purerl.model import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
-from purerl.rollout.engine import TorchEngine  # noqa: E402
+from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
 from purerl.step import StepConfig, grpo_step  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from purerl.model import causal_lm_from_config
-from purerl.rollout.engine import TorchEngine, left_pad
+from purerl.rollout.backends.torch import TorchEngine, left_pad
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 from purerl.tiny import tiny_llama_config

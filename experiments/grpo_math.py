@@ -41,7 +41,7 @@ from purerl.metrics_log import MetricsLog  # noqa: E402
 from purerl.model import causal_lm_from_config, load_causal_lm, smollm2_gguf  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedule  # noqa: E402
 from purerl.rewards import lenient_math_reward, math_reward, math_reward_with_format  # noqa: E402
-from purerl.rollout.engine import TorchEngine  # noqa: E402
+from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
 from purerl.step import StepConfig, grpo_step  # noqa: E402

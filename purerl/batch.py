@@ -1,18 +1,23 @@
-"""Token sequences as the trainer sees them: ``[left-padded prompt | right-padded response]``.
+"""Token sequences as the trainer sees them, and the rollouts engines return.
 
 Row ``i`` of a :class:`Sequences` is ``P`` prompt positions (padding first) followed by ``T``
 response positions (padding last), ``s = P + T``. The response tokens are the last ``T`` columns;
 ``response_mask`` says which of them count in losses (it may also hide observation tokens in
-multi-turn rollouts, which still attend).
+multi-turn rollouts, which still attend). A :class:`Rollout` is what every rollout engine
+(:mod:`purerl.rollout.engine`) returns: sequences, the log-probs they were sampled with, why each
+row ended, which prompt it answers and the weights version that produced it.
 """
 
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from purerl.checks import check_bool, check_rank
 from purerl.tree import pytree
 
-__all__ = ["Sequences"]
+__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout", "Sequences"]
+
+FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2
+"""Why a response ended: an EOS token, the length limit, a stop string."""
 
 
 @pytree
@@ -61,3 +66,20 @@ class Sequences:
     def rows(self, index: Tensor | slice) -> "Sequences":
         """The sub-batch of the given rows (a view for slices)."""
         return Sequences(self.input_ids[index], self.attention_mask[index], self.response_mask[index])
+
+
+@pytree
+class Rollout:
+    """Sampled responses. Rows are prompt-major: the ``n`` samples of prompt ``i`` are rows
+    ``i*n … i*n+n-1`` and share ``group[row] = i``.
+
+    ``behaviour_logprobs`` are the log-probs of the sampled tokens under the sampling distribution
+    (0 at masked positions); ``finish_reasons`` holds FINISH_EOS / FINISH_LENGTH / FINISH_STOP;
+    ``version`` is the weights version that sampled them.
+    """
+
+    sequences: Sequences
+    behaviour_logprobs: Float[Tensor, "b t"]
+    finish_reasons: Int[Tensor, " b"]
+    group: Int[Tensor, " b"]
+    version: int

@@ -16,13 +16,14 @@ from pathlib import Path
 import attrs
 import torch
 
+from purerl.batch import Rollout
 from purerl.checkpoint import save_checkpoint
 from purerl.data.cursor import next_indices
 from purerl.data.records import PromptRecord
 from purerl.executors.local import Executor
 from purerl.metrics_log import MetricsLog
 from purerl.rewards import RewardFn, Scores, math_reward, score_responses
-from purerl.rollout.engine import Rollout, RolloutEngine
+from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.tree import replace

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.nn.utils import stateless
 from torch.utils.checkpoint import checkpoint
 
-from purerl import llama
+from purerl import families
 from purerl.algo.aggregation import SumCount
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.batch import Sequences
@@ -71,10 +71,11 @@ class CausalLM:
 
     ``aliases`` maps each tied name that is not in the params tree (``lm_head.weight``) to its
     canonical name (``model.embed_tokens.weight``). ``checkpointed``: the module recomputes its
-    layers' activations in the backward (:class:`LayerCheckpoint`). ``cache_keyword``: the
-    ``forward`` keyword of a KV cache in the installed transformers (:meth:`cache_arguments`). ``lean``: :func:`response_logits` runs
-    :mod:`purerl.llama`'s forward (a Llama-family model it supports, not checkpointed) instead of
-    the HF module; ``attrs.evolve(model, lean=False)`` forces the module.
+    layers' activations in the backward (:class:`LayerCheckpoint`). ``family``: the lean
+    implementation that supports this model (:func:`purerl.families.family_of`), if any. ``lean``:
+    :func:`response_logits` runs the family's forward (not when checkpointed) instead of the HF
+    module; ``attrs.evolve(model, lean=False)`` forces the module. ``cache_keyword``: the
+    ``forward`` keyword of a KV cache in the installed transformers (:meth:`cache_arguments`).
     """
 
     module: nn.Module
@@ -82,7 +83,8 @@ class CausalLM:
     aliases: dict[str, str]
     config: Any
     checkpointed: bool = attrs.field(default=attrs.Factory(_checkpointed, takes_self=True))
-    lean: bool = attrs.field(default=attrs.Factory(lambda self: not self.checkpointed and llama.supports(self),
+    family: families.Family | None = attrs.field(default=attrs.Factory(families.family_of, takes_self=True))
+    lean: bool = attrs.field(default=attrs.Factory(lambda self: not self.checkpointed and self.family is not None,
                                                    takes_self=True))
     cache_keyword: str = attrs.field(default=attrs.Factory(_cache_keyword, takes_self=True))
 
@@ -329,15 +331,13 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     enough (:func:`shared_prompts`): one forward over the distinct prompts fills a KV cache, which
     is indexed out to every row, and a second forward runs the responses against it. The values
     are the single forward's (to float rounding), and so are the gradients: autograd adds the
-    gradients of a shared prompt's keys and values over its rows. Llama-family models run
-    :mod:`purerl.llama`'s lean forward (:attr:`CausalLM.lean`), the others the HF module.
+    gradients of a shared prompt's keys and values over its rows. Models of a lean family run its
+    forward (:attr:`CausalLM.lean`), the others the HF module.
     """
-    t, positions = seqs.response_length, seqs.position_ids()
     shared = shared_prompts(seqs) if model.shares_prompts else None
     if model.lean:
-        return llama.response_logits(params, model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(model.config),
-                                     seqs.input_ids, seqs.attention_mask, positions, t, shared)
-    mask = seqs.attention_mask.long()
+        return model.family.response_logits(model, params, seqs, shared)
+    t, positions, mask = seqs.response_length, seqs.position_ids(), seqs.attention_mask.long()
     if shared is None:
         out = model(params, input_ids=seqs.input_ids, attention_mask=mask, position_ids=positions,
                     use_cache=False, logits_to_keep=t + 1)

@@ -1,15 +1,16 @@
-"""Named registries: config strings select pure functions (advantage estimators, losses, ...)."""
+"""Named registries: config strings select pure functions (advantage estimators, losses, ...),
+rollout engines and model families."""
 
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-F = TypeVar("F", bound=Callable)
+F = TypeVar("F")
 
 __all__ = ["Registry"]
 
 
 class Registry(Generic[F]):
-    """A mapping from names (and aliases) to functions of one kind.
+    """A mapping from names (and aliases) to entries of one kind (functions, classes, records).
 
     ``REG.register("gae")`` decorates a function; ``REG["gae"]`` returns it and raises a
     ``ValueError`` listing the known names for an unknown one.

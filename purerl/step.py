@@ -38,10 +38,9 @@ from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.algo.masked import masked_mean
 from purerl.algo.policy_loss import POLICY_LOSSES, PolicyLossConfig
 from purerl.algo.value_loss import clipped_value_loss
-from purerl.batch import Sequences
+from purerl.batch import FINISH_LENGTH, Rollout, Sequences
 from purerl.model import CausalLM, Critic, Params, response_logits, response_values
 from purerl.model import value_and_grad as pure_value_and_grad
-from purerl.rollout.engine import FINISH_LENGTH, Rollout
 from purerl.state import RngState, TrainState
 from purerl.tree import pytree, tree_leaves, tree_map
 

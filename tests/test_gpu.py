@@ -15,18 +15,23 @@ import sys
 from pathlib import Path
 
 import attrs
-
 import pytest
 import torch
 
+from purerl.algo.aggregation import SumCount
 from purerl.algo.kl_control import make_kl_controller
-from purerl.model import causal_lm_from_config, critic_from_causal_lm, response_logits, response_logprobs, value_and_grad
+from purerl.model import (
+    causal_lm_from_config,
+    critic_from_causal_lm,
+    response_logits,
+    response_logprobs,
+    value_and_grad,
+)
 from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedule
-from purerl.rollout.engine import TorchEngine
+from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.step import StepConfig, grpo_step, ppo_step
-from purerl.algo.aggregation import SumCount
 from purerl.tiny import random_sequences, tiny_llama_config
 from purerl.tree import tree_clone, tree_map
 

@@ -6,7 +6,7 @@ import torch
 from purerl import llama
 from purerl.model import causal_lm_from_config
 from purerl.rollout import llama_decode
-from purerl.rollout.engine import TorchEngine, left_pad
+from purerl.rollout.backends.torch import TorchEngine, left_pad
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 from purerl.tiny import tiny_llama_config

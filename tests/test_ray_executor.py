@@ -27,7 +27,7 @@ from purerl.metrics_log import MetricsLog
 from purerl.model import causal_lm_from_config, critic_from_causal_lm
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rewards import score_responses
-from purerl.rollout.engine import TorchEngine
+from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.step import StepConfig, grpo_step, ppo_step

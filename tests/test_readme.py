@@ -10,7 +10,7 @@ from purerl.algo.kl_control import make_kl_controller
 from purerl.executors import LocalExecutor
 from purerl.model import causal_lm_from_config
 from purerl.optim import adamw
-from purerl.rollout.engine import TorchEngine
+from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.tiny import tiny_llama_config

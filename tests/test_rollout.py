@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from purerl.model import causal_lm_from_config, response_logprobs
-from purerl.rollout.engine import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, TorchEngine
+from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
 from purerl.state import RngState
 from purerl.tiny import char_tokenizer, tiny_llama_config

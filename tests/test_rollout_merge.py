@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from purerl.model import causal_lm_from_config, response_logprobs
-from purerl.rollout.engine import TorchEngine
+from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState

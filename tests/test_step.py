@@ -6,10 +6,17 @@ import torch
 from purerl.algo.kl_control import make_kl_controller
 from purerl.model import causal_lm_from_config, critic_from_causal_lm
 from purerl.optim import adamw, chain, clip_by_global_norm
-from purerl.rollout.engine import TorchEngine
+from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.step import StepConfig, grpo_step, make_experience, ppo_step, shape_rewards, token_level_scores
+from purerl.step import (
+    StepConfig,
+    grpo_step,
+    make_experience,
+    ppo_step,
+    shape_rewards,
+    token_level_scores,
+)
 from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_equal
 

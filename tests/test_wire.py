@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from purerl.batch import Rollout
 from purerl.executors.wire import (
     WeightSyncError,
     from_wire,
@@ -11,7 +12,6 @@ from purerl.executors.wire import (
     to_wire,
     weight_buckets,
 )
-from purerl.rollout.engine import Rollout
 from purerl.tiny import random_sequences
 from purerl.tree import tree_equal
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run purerl's HF-touching tests against given transformers releases, each in a throwaway
-# environment (a venv over this Python's packages, with only transformers and what it needs
-# installed on top), pytest's warnings-as-errors policy on.
+# environment (a venv that sees the packages of the `python3` on PATH, a venv's included, with
+# only transformers and what it needs installed on top), pytest's warnings-as-errors policy on.
 #
 #   tools/check_transformers.sh 4.56.2 5.17.0 newest
 #
@@ -17,7 +17,10 @@ for version in "$@"; do
     env_dir=$(mktemp -d "${TMPDIR:-/tmp}/purerl-tf.XXXXXX")
     log="$env_dir/pytest.log"
     spec="transformers==$version"; [ "$version" = newest ] && spec="transformers"
-    if ! { python3 -m venv --system-site-packages "$env_dir/venv" &&
+    if ! { python3 -m venv "$env_dir/venv" &&
+           # the venv's own packages come first, then those of the environment under test
+           python3 -c "import sys; [print(f'import site; site.addsitedir({p!r})') for p in sys.path if p.endswith('-packages')]" \
+               > "$("$env_dir/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/parent.pth" &&
            "$env_dir/venv/bin/python" -m pip install -q --upgrade "$spec" > "$env_dir/pip.log" 2>&1; }; then
         echo "transformers $version: could not be installed ($env_dir/pip.log)"; status=1; continue
     fi

@@ -17,10 +17,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from purerl.batch import Rollout
 from purerl.model import CausalLM, Critic
 from purerl.model import value_and_grad as pure_value_and_grad
 from purerl.rewards import RewardFn, Scores, score_responses
-from purerl.rollout.engine import Rollout, RolloutEngine
+from purerl.rollout.engine import RolloutEngine
 from purerl.state import TrainState
 
 __all__ = ["Executor", "ExecutorError", "LocalExecutor", "StepFn"]
@@ -79,7 +80,7 @@ class LocalExecutor:
         return score_responses(fn, responses, ground_truths, timeout=timeout, penalty=penalty)
 
     def close(self) -> None:
-        pass
+        self.engine.close()
 
     def __enter__(self) -> "LocalExecutor":
         return self

@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 import torch
 
+from purerl.batch import Rollout
 from purerl.executors.local import ExecutorError, StepFn
 from purerl.executors.wire import (
     from_wire,
@@ -44,7 +45,7 @@ from purerl.executors.wire import (
 )
 from purerl.model import CausalLM, Critic
 from purerl.rewards import RewardFn, Scores, score_responses
-from purerl.rollout.engine import Rollout, TorchEngine
+from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
@@ -260,6 +261,9 @@ class _RemoteEngine:
                  for i, (w, sl) in enumerate(zip(ex.rollout, shards))]
         parts = ex.wait(calls, ex.config.step_timeout, "generate")
         return concat_rollouts([from_wire(p) for p in parts], self.pad_token_id)
+
+    def close(self) -> None:
+        """Nothing of its own: the workers it drives are the executor's, stopped by its ``close``."""
 
 
 class RayExecutor:

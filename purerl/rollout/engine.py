@@ -1,262 +1,53 @@
-"""Rollout engines: turn prompts into sampled responses with their behaviour log-probs.
+"""The rollout-engine interface: what every backend gives the trainer, and how one is chosen.
 
 An engine is an effect: it owns a model copy (or shares the trainer's, when colocated), is told
-about new weights through :meth:`RolloutEngine.sync` with a version number, and refuses to
-generate for a version it was not told about. :class:`TorchEngine` is the embedded engine:
-batched left-padded prefill and KV-cache decoding in the trainer's process, on CPU or one GPU.
+about new weights through :meth:`RolloutEngine.sync` with a version number, refuses to generate
+for a version it was not told about, and returns token ids, never re-tokenised text: a
+:class:`~purerl.batch.Rollout` with the behaviour log-probs (of the distribution that actually
+sampled) and finish reasons. Backends live in :mod:`purerl.rollout.backends` and register a
+constructor ``(model, **options) -> RolloutEngine`` in :data:`ENGINES` under their name;
+:func:`make_engine` imports a built-in backend the first time it is named.
 """
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol, runtime_checkable
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
-import torch
-from jaxtyping import Float, Int
-from torch import Tensor
-
-from purerl import llama
-from purerl.batch import Sequences
-from purerl.model import CausalLM, Params
-from purerl.rollout import llama_decode
-from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
+from purerl.batch import Rollout
+from purerl.registry import Registry
+from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
-from purerl.tree import pytree
 
-__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout", "RolloutEngine", "TorchEngine"]
-
-FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2
-
-
-@pytree
-class Rollout:
-    """Sampled responses. Rows are prompt-major: the ``n`` samples of prompt ``i`` are rows
-    ``i*n … i*n+n-1`` and share ``group[row] = i``.
-
-    ``behaviour_logprobs`` are the log-probs of the sampled tokens under the sampling distribution
-    (0 at masked positions); ``finish_reasons`` holds FINISH_EOS / FINISH_LENGTH / FINISH_STOP.
-    """
-
-    sequences: Sequences
-    behaviour_logprobs: Float[Tensor, "b t"]
-    finish_reasons: Int[Tensor, " b"]
-    group: Int[Tensor, " b"]
-    version: int
+__all__ = ["ENGINES", "RolloutEngine", "make_engine"]
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    def sync(self, params: Params, version: int) -> None:
-        """Make ``params`` the weights of version ``version``."""
+    version: int | None
+    """The weights version the engine holds (None before the first sync)."""
+
+    def sync(self, params: Any, version: int) -> None:
+        """Make ``params`` (the trainer's params tree) the weights of version ``version``."""
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
                  *, version: int | None = None) -> Rollout:
-        """Sample ``sampling.n`` responses per prompt (token ids), reproducibly from ``rng``."""
+        """Sample ``sampling.n`` responses per prompt (token ids), reproducibly from ``rng``.
+        Raises ``RuntimeError`` when ``version`` is given and is not the one held."""
+
+    def close(self) -> None:
+        """Release the engine's memory and processes (idempotent)."""
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
-    """``[b, P]`` ids and bool attention mask with every prompt right-aligned."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("left_pad: every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[i, width - len(p):] = True
-    return ids, mask
+ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
+_BUILT_IN = ("torch",)
 
 
-class TorchEngine:
-    """The embedded engine: prefill + KV-cache decode with the policy's own skeleton.
-
-    Colocated with the trainer: :meth:`sync` keeps a reference to the params (no copy), so the
-    donated optimizer update and the engine share buffers; the version tag records which update
-    they hold. ``decode`` (token ids → text) is needed only for stop strings. Llama-family models
-    decode through :mod:`purerl.rollout.llama_decode` (a static KV cache, no module dispatch);
-    ``lean=False`` forces the HF module path, which every other model takes. On CUDA the lean
-    decoding step is captured once per generate call and replayed as a CUDA graph
-    (``cuda_graphs=False`` turns that off). Rows that finish early leave the decoding batch
-    (``drop_finished=False`` keeps them; not with CUDA graphs, whose shapes are fixed).
-    """
-
-    def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
-                 decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
-                 lean: bool = True, cuda_graphs: bool = True, drop_finished: bool = True) -> None:
-        if not eos_token_ids:
-            raise ValueError("TorchEngine: at least one EOS token id is needed")
-        self.model = model
-        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
-        self.pad_token_id = pad_token_id
-        self.decode = decode
-        self.device = torch.device(device)
-        self._params: Params | None = None
-        self.version: int | None = None
-        self.lean = lean and llama.supports(model)
-        """True when decoding runs :mod:`purerl.rollout.llama_decode` (not the HF module)."""
-        self.cuda_graphs = cuda_graphs
-        self.drop_finished = drop_finished
-
-    def sync(self, params: Params, version: int) -> None:
-        self._params = params
-        self.version = version
-
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
-                 *, version: int | None = None) -> Rollout:
-        if self._params is None:
-            raise RuntimeError("TorchEngine: generate called before any sync(params, version)")
-        if version is not None and version != self.version:
-            raise RuntimeError(f"TorchEngine: asked to generate with weights version {version}, "
-                               f"but holds version {self.version}")
-        if sampling.stop and self.decode is None:
-            raise ValueError("TorchEngine: stop strings need a decode function")
-        prompt_ids, prompt_mask = (x.to(self.device) for x in left_pad(prompts, self.pad_token_id))
-        # inference mode: ~10 % less overhead per op than no_grad; its tensors are cloned out of
-        # it, as autograd may not save them
-        with torch.inference_mode():
-            decoded = self._decode(prompt_ids, prompt_mask, sampling, rng)
-        tokens, logprobs, alive, reasons = (x.clone() for x in decoded)
-        n = sampling.n
-        sequences = Sequences(torch.cat([prompt_ids.repeat_interleave(n, 0), tokens], 1),
-                              torch.cat([prompt_mask.repeat_interleave(n, 0), alive], 1), alive)
-        group = torch.arange(len(prompts), device=self.device).repeat_interleave(sampling.n)
-        return Rollout(sequences, logprobs, reasons, group, self.version)
-
-    def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState):
-        """Sample ``sampling.n`` responses for each of the ``[g, P]`` left-padded prompts: rows
-        ``i·n … i·n+n-1`` continue prompt ``i``, whose prefill runs once for all of them.
-
-        Rows that finish stop costing compute: once a quarter of the rows still in the batch have
-        finished, the batch (and its KV cache) is cut down to the open rows.
-        """
-        rows = ids.shape[0] * sampling.n
-        # one uniform draw per output row and step, whether or not the row is still in the batch
-        uniforms = None if sampling.greedy else torch.rand((sampling.max_new_tokens, rows), device=self.device,
-                                                             generator=rng.generator(self.device))
-        eos = int(self.eos[0]) if len(self.eos) == 1 else self.eos
-        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        active = torch.arange(rows, device=self.device)  # the batch's rows, as rows of the output
-        batch = rows  # len(active)
-        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)  # of the batch's rows
-        ended = torch.zeros(rows, dtype=torch.bool, device=self.device)  # of the output rows, once dropped
-        stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)  # by a stop string (rows never drop)
-        steps: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # (active, finished before, token, log-prob)
-        capacity = ids.shape[1] + sampling.max_new_tokens
-        with self._model_steps(ids, mask, positions, sampling.n, capacity) as (logits, advance, keep):
-            position = positions[:, -1:].repeat_interleave(sampling.n, 0) + 1
-            for step in range(sampling.max_new_tokens):
-                lp = sampling_logprobs(logits, temperature=sampling.temperature,
-                                       top_k=sampling.top_k, top_p=sampling.top_p)
-                uniform = None if uniforms is None else uniforms[step]
-                if uniform is not None and batch < rows:
-                    uniform = uniform[active]
-                token = sample_tokens(lp, uniform)
-                steps.append((active, finished, token, lp.gather(-1, token[:, None]).squeeze(-1)))
-                hit = token == eos if isinstance(eos, int) else torch.isin(token, eos)
-                if sampling.stop:
-                    now = self._stop_hits([t for _, _, t, _ in steps], finished | hit, sampling.stop)
-                    stopped, hit = stopped | now, hit | now
-                finished = finished | hit  # a finished row's later tokens are padding, EOS or not
-                still_open = batch - int(finished.sum())
-                if still_open == 0 or step + 1 == sampling.max_new_tokens:
-                    break
-                if (self.drop_finished and keep is not None and not sampling.stop
-                        and still_open <= 0.75 * batch):
-                    kept = (~finished).nonzero().squeeze(-1)
-                    ended[active] = finished
-                    active, finished, batch = active[kept], finished[kept], still_open
-                    token, position = token[kept], position[kept]
-                    keep(kept)
-                logits = advance(token, position)
-                position = position + 1
-        ended[active] = finished
-        reasons = torch.where(stopped, FINISH_STOP, torch.where(ended, FINISH_EOS, FINISH_LENGTH))
-        return (*self._assemble(steps, rows), reasons)
-
-    def _assemble(self, steps: list[tuple[Tensor, Tensor, Tensor, Tensor]], rows: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``[b, T]`` tokens (padding after a row finished), log-probs (0 there) and alive masks from
-        the per-step values of the rows decoded at each step: ``(rows, finished before the step,
-        token, log-prob)``."""
-        shape = (rows, len(steps))
-        tokens = torch.full(shape, self.pad_token_id, dtype=torch.long, device=self.device)
-        logps = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        alive = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        start = 0
-        while start < len(steps):  # one write per stretch of steps with the same rows
-            stop = start + 1
-            while stop < len(steps) and steps[stop][0] is steps[start][0]:
-                stop += 1
-            rows_at = steps[start][0]
-            live = ~torch.stack([steps[i][1] for i in range(start, stop)], 1)
-            alive[rows_at, start:stop] = live
-            for out, field, fill in ((tokens, 2, self.pad_token_id), (logps, 3, 0.0)):
-                values = torch.stack([steps[i][field] for i in range(start, stop)], 1)
-                out[rows_at, start:stop] = torch.where(live, values, fill)
-            start = stop
-        return tokens, logps, alive
-
-    @contextlib.contextmanager
-    def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor, n: int, capacity: int,
-                     ) -> Iterator[tuple[Tensor, Callable[[Tensor, Tensor], Tensor], Callable[[Tensor], None] | None]]:
-        """Prefill the ``[g, P]`` prompts, then give each ``n`` rows: the prompts' last-position
-        logits ``[g·n, v]``; ``advance(token[b], position[b, 1])``, which appends one token per
-        row and returns the next logits; and ``keep(rows)``, which cuts the batch down to
-        ``rows`` (None where shapes are fixed: CUDA graphs). Llama-family models run the lean
-        static-cache forward; others the HF module with its dynamic cache."""
-        if self.lean:
-            layout = llama.layout_of(self.model.config)
-            params = llama.fused_weights(self._params, layout)
-            dtype = params.embed.dtype
-            rotary = llama.RotaryTable.build(self.model.buffers["model.rotary_emb.inv_freq"], capacity,
-                                             dtype=dtype, device=self.device)
-            cache = llama_decode.StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=self.device)
-            first = llama_decode.forward_last(params, rotary, layout, ids, mask, positions, cache)
-            if n > 1:
-                cache, first = cache.repeat_rows(n), first.repeat_interleave(n, 0)
-
-            def advance(token: Tensor, position: Tensor) -> Tensor:
-                return llama_decode.forward_last(params, rotary, layout, token[:, None], None, position, cache)
-
-            def keep(rows: Tensor) -> None:
-                nonlocal cache
-                cache = cache.select_rows(rows)
-
-            if self.cuda_graphs and self.device.type == "cuda":
-                yield first, llama_decode.GraphedDecoder(params, rotary, layout, cache).step, None
-            else:
-                yield first, advance, keep
-            return
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        attention = mask.long().repeat_interleave(n, 0)
-        with self.model.bind(self._params) as module:
-            def step(token: Tensor, position: Tensor) -> Tensor:
-                nonlocal attention
-                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-                return module(input_ids=token[:, None], attention_mask=attention, position_ids=position,
-                              **self.model.cache_arguments(cache)).logits[:, -1]
-
-            def keep(rows: Tensor) -> None:
-                nonlocal attention
-                attention = attention[rows]
-                cache.batch_select_indices(rows)
-
-            out = module(input_ids=ids, attention_mask=mask.long(), position_ids=positions, logits_to_keep=1,
-                         **self.model.cache_arguments(cache))
-            if n > 1:
-                cache.batch_repeat_interleave(n)
-            yield out.logits[:, -1].repeat_interleave(n, 0), step, keep
-
-    def _stop_hits(self, tokens: list[Tensor], finished: Tensor, stop: tuple[str, ...]) -> Tensor:
-        """Rows (not yet finished) whose response text now contains a stop string."""
-        window = torch.stack(tokens[-32:], 1).tolist()
-        longest = max(len(s) for s in stop)
-        hits = torch.zeros_like(finished)
-        for row in (~finished).nonzero().flatten().tolist():
-            last = self.decode(window[row][-1:])
-            text = self.decode(window[row])
-            # only a match that the newest token completed: the tail ending at this token
-            tail = text[-(longest + len(last)):]
-            if any(s in tail and not s in tail[: len(tail) - len(last)] for s in stop):
-                hits[row] = True
-        return hits
+def make_engine(name: str, model: Any, **options: Any) -> RolloutEngine:
+    """The engine ``name`` for ``model`` (a :class:`~purerl.model.CausalLM`), built with ``options``
+    (the backend's keyword arguments). Raises ``ValueError`` naming the known engines."""
+    if name not in ENGINES and name in _BUILT_IN:
+        importlib.import_module(f"purerl.rollout.backends.{name}")
+    if name not in ENGINES:
+        known = ", ".join(sorted({*ENGINES.names(), *_BUILT_IN}))
+        raise ValueError(f"unknown rollout engine {name!r}; known: {known}")
+    return ENGINES[name](model, **options)

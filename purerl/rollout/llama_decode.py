@@ -4,12 +4,17 @@ Decoding through the HF module costs per token: a growing ``DynamicCache`` (one 
 layer and token, so O(T²) copying), mask construction and module dispatch, which dominate for
 small models and on GPUs. Here a decoding step is :mod:`purerl.llama`'s lean decoder stack with
 attention over a cache written in place; its logits equal the module's (fp32: to ~1e-6;
-``tests/test_llama_decode.py``). Models :func:`purerl.llama.supports` does not cover go through
-the HF module.
+``tests/test_llama_decode.py``). :func:`decoding` is the ``llama`` family's decoder for the
+embedded engine (:mod:`purerl.families`); models :func:`purerl.llama.supports` does not cover go
+through the HF module.
 
 Shapes: ``b`` rows, ``s`` new positions, ``t`` cache capacity (prompt width + max new tokens),
 ``H`` query heads, ``K`` key/value heads, ``D`` head size.
 """
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import attrs
 import torch
@@ -17,9 +22,18 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from purerl.llama import FusedWeights, LlamaLayout, RotaryTable, attention_mask, decoder_stack, logits_of
+from purerl.llama import (
+    FusedWeights,
+    LlamaLayout,
+    RotaryTable,
+    attention_mask,
+    decoder_stack,
+    fused_weights,
+    layout_of,
+    logits_of,
+)
 
-__all__ = ["StaticCache", "GraphedDecoder", "forward_last", "decode_step_static"]
+__all__ = ["StaticCache", "GraphedDecoder", "decoding", "forward_last", "decode_step_static"]
 
 
 @attrs.define
@@ -157,3 +171,32 @@ class GraphedDecoder:
         self.graph.replay()
         self.cache.length += 1
         return self.logits.clone()
+
+
+@contextlib.contextmanager
+def decoding(model: Any, params: dict[str, Tensor], ids: Int[Tensor, "g P"], mask: Bool[Tensor, "g P"],
+             positions: Int[Tensor, "g P"], n: int, capacity: int, *, cuda_graphs: bool = True) -> Iterator[Any]:
+    """Decode ``n`` samples of each left-padded prompt with a static cache of ``capacity`` positions
+    (see :data:`purerl.families.Decoding`). Each prompt is prefilled once and its cache repeated
+    ``n`` times. On CUDA with ``cuda_graphs`` the decoding step is one CUDA graph captured for this
+    call (fixed shapes: no ``keep``)."""
+    layout = layout_of(model.config)
+    weights = fused_weights(params, layout)
+    dtype, device = weights.embed.dtype, ids.device
+    rotary = RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], capacity, dtype=dtype, device=device)
+    cache = StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=device)
+    first = forward_last(weights, rotary, layout, ids, mask, positions, cache)
+    if n > 1:
+        cache, first = cache.repeat_rows(n), first.repeat_interleave(n, 0)
+    if cuda_graphs and device.type == "cuda":
+        yield first, GraphedDecoder(weights, rotary, layout, cache).step, None
+        return
+
+    def advance(token: Tensor, position: Tensor) -> Tensor:
+        return forward_last(weights, rotary, layout, token[:, None], None, position, cache)
+
+    def keep(rows: Tensor) -> None:
+        nonlocal cache
+        cache = cache.select_rows(rows)
+
+    yield first, advance, keep

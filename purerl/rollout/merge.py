@@ -4,8 +4,7 @@ from collections.abc import Sequence
 
 import torch
 
-from purerl.batch import Sequences
-from purerl.rollout.engine import Rollout
+from purerl.batch import Rollout, Sequences
 
 __all__ = ["concat_rollouts", "prompt_shards"]
 

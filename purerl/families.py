@@ -1,0 +1,76 @@
+"""Model families with a lean forward: the models purerl computes without the HF module.
+
+A :class:`Family` says which models it covers and gives two functions of the params tree: the
+training and scoring forward (``response_logits``) and KV-cache decoding for the embedded engine
+(``decoding``). :func:`family_of` picks the first registered family that supports a model; a model
+that none supports runs its HF module (same values, more overhead per call), and the log says so.
+
+Registered: ``llama`` (Llama, Qwen2, SmolLM2; :mod:`purerl.llama`, :mod:`purerl.rollout.llama_decode`).
+A new family registers a :class:`Family` under its name: ``FAMILIES.register("name")(Family(...))``.
+"""
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from torch import Tensor
+
+from purerl import llama
+from purerl.registry import Registry
+from purerl.rollout import llama_decode
+
+if TYPE_CHECKING:
+    from purerl.batch import Sequences
+    from purerl.model import CausalLM, Params
+
+__all__ = ["Decoding", "FAMILIES", "Family", "family_of"]
+
+_log = logging.getLogger(__name__)
+
+Decoding = tuple[Tensor, Callable[[Tensor, Tensor], Tensor], Callable[[Tensor], None] | None]
+"""What a decoding context yields for ``g`` prompts and ``n`` samples each: the prompts' last-position
+logits ``[g·n, v]`` (each prompt prefilled once); ``advance(token[b], position[b, 1])``, which
+appends one token per row and returns the next logits ``[b, v]``; and ``keep(rows)``, which cuts the
+batch down to ``rows`` (None where shapes are fixed, as in a CUDA graph)."""
+
+
+@attrs.frozen
+class Family:
+    """A lean implementation of one family of architectures.
+
+    - ``supports(model) -> bool``: whether it computes exactly what ``model``'s HF module does.
+    - ``response_logits(model, params, seqs, shared) -> [b, t, v]``: as
+      :func:`purerl.model.response_logits` (``shared``: its ``(first, inverse)`` rows sharing a prompt).
+    - ``decoding(model, params, ids, mask, positions, n, capacity, cuda_graphs=…)``: a context
+      manager yielding :data:`Decoding` for ``[g, P]`` left-padded prompts on their device,
+      ``capacity`` positions per row.
+    """
+
+    supports: Callable[["CausalLM"], bool]
+    response_logits: Callable[["CausalLM", "Params", "Sequences", tuple[Tensor, Tensor] | None], Tensor]
+    decoding: Callable[..., AbstractContextManager[Decoding]]
+
+
+FAMILIES: Registry[Any] = Registry("model family")
+
+
+def family_of(model: "CausalLM") -> Family | None:
+    """The first registered family that supports ``model``; None (and a log line) when none does."""
+    for name in FAMILIES.names():
+        if FAMILIES[name].supports(model):
+            return FAMILIES[name]
+    _log.info("%s (model_type %r): no lean family supports it; it runs through its HF module",
+              type(model.module).__name__, getattr(model.config, "model_type", None))
+    return None
+
+
+def _llama_response_logits(model: "CausalLM", params: "Params", seqs: "Sequences",
+                           shared: tuple[Tensor, Tensor] | None) -> Tensor:
+    return llama.response_logits(params, model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(model.config),
+                                 seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
+                                 shared)
+
+
+FAMILIES.register("llama")(Family(llama.supports, _llama_response_logits, llama_decode.decoding))

@@ -1,0 +1,217 @@
+"""The embedded engine: batched prefill and KV-cache decoding in the trainer's process, CPU or one GPU.
+
+Registered as rollout engine ``torch`` (:func:`purerl.rollout.engine.make_engine`). Models of a
+family with a lean decoder (:mod:`purerl.families`) decode through it (a static KV cache, CUDA
+graphs on GPU); every other model through its HF module and a dynamic cache.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, Sequences
+from purerl.families import Decoding
+from purerl.model import CausalLM, Params
+from purerl.rollout.engine import ENGINES
+from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
+from purerl.state import RngState
+
+__all__ = ["TorchEngine", "left_pad"]
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """``[b, P]`` ids and bool attention mask with every prompt right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("left_pad: every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = True
+    return ids, mask
+
+
+@ENGINES.register("torch")
+class TorchEngine:
+    """The embedded engine: prefill + KV-cache decode with the policy's own skeleton.
+
+    Colocated with the trainer: :meth:`sync` keeps a reference to the params (no copy), so the
+    donated optimizer update and the engine share buffers; the version tag records which update
+    they hold. ``decode`` (token ids → text) is needed only for stop strings. Models of a family
+    with a lean decoder (``model.family``: Llama, Qwen2, SmolLM2) decode through it (a static KV
+    cache, no module dispatch); ``lean=False`` forces the HF module path, which every other model
+    takes. On CUDA the lean decoding step is captured once per generate call and replayed as a
+    CUDA graph (``cuda_graphs=False`` turns that off). Rows that finish early leave the decoding
+    batch (``drop_finished=False`` keeps them; not with CUDA graphs, whose shapes are fixed).
+    """
+
+    def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
+                 decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
+                 lean: bool = True, cuda_graphs: bool = True, drop_finished: bool = True) -> None:
+        if not eos_token_ids:
+            raise ValueError("TorchEngine: at least one EOS token id is needed")
+        self.model = model
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
+        self.pad_token_id = pad_token_id
+        self.decode = decode
+        self.device = torch.device(device)
+        self._params: Params | None = None
+        self.version: int | None = None
+        self.lean = lean and model.family is not None
+        """True when decoding runs the model family's lean decoder (not the HF module)."""
+        self.cuda_graphs = cuda_graphs
+        self.drop_finished = drop_finished
+
+    def sync(self, params: Params, version: int) -> None:
+        self._params = params
+        self.version = version
+
+    def close(self) -> None:
+        self._params, self.version = None, None  # the trainer's params: nothing else to release
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
+                 *, version: int | None = None) -> Rollout:
+        if self._params is None:
+            raise RuntimeError("TorchEngine: generate called before any sync(params, version)")
+        if version is not None and version != self.version:
+            raise RuntimeError(f"TorchEngine: asked to generate with weights version {version}, "
+                               f"but holds version {self.version}")
+        if sampling.stop and self.decode is None:
+            raise ValueError("TorchEngine: stop strings need a decode function")
+        prompt_ids, prompt_mask = (x.to(self.device) for x in left_pad(prompts, self.pad_token_id))
+        # inference mode: ~10 % less overhead per op than no_grad; its tensors are cloned out of
+        # it, as autograd may not save them
+        with torch.inference_mode():
+            decoded = self._decode(prompt_ids, prompt_mask, sampling, rng)
+        tokens, logprobs, alive, reasons = (x.clone() for x in decoded)
+        n = sampling.n
+        sequences = Sequences(torch.cat([prompt_ids.repeat_interleave(n, 0), tokens], 1),
+                              torch.cat([prompt_mask.repeat_interleave(n, 0), alive], 1), alive)
+        group = torch.arange(len(prompts), device=self.device).repeat_interleave(sampling.n)
+        return Rollout(sequences, logprobs, reasons, group, self.version)
+
+    def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState):
+        """Sample ``sampling.n`` responses for each of the ``[g, P]`` left-padded prompts: rows
+        ``i·n … i·n+n-1`` continue prompt ``i``, whose prefill runs once for all of them.
+
+        Rows that finish stop costing compute: once a quarter of the rows still in the batch have
+        finished, the batch (and its KV cache) is cut down to the open rows.
+        """
+        rows = ids.shape[0] * sampling.n
+        # one uniform draw per output row and step, whether or not the row is still in the batch
+        uniforms = None if sampling.greedy else torch.rand((sampling.max_new_tokens, rows), device=self.device,
+                                                             generator=rng.generator(self.device))
+        eos = int(self.eos[0]) if len(self.eos) == 1 else self.eos
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        active = torch.arange(rows, device=self.device)  # the batch's rows, as rows of the output
+        batch = rows  # len(active)
+        finished = torch.zeros(rows, dtype=torch.bool, device=self.device)  # of the batch's rows
+        ended = torch.zeros(rows, dtype=torch.bool, device=self.device)  # of the output rows, once dropped
+        stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)  # by a stop string (rows never drop)
+        steps: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # (active, finished before, token, log-prob)
+        capacity = ids.shape[1] + sampling.max_new_tokens
+        with self._model_steps(ids, mask, positions, sampling.n, capacity) as (logits, advance, keep):
+            position = positions[:, -1:].repeat_interleave(sampling.n, 0) + 1
+            for step in range(sampling.max_new_tokens):
+                lp = sampling_logprobs(logits, temperature=sampling.temperature,
+                                       top_k=sampling.top_k, top_p=sampling.top_p)
+                uniform = None if uniforms is None else uniforms[step]
+                if uniform is not None and batch < rows:
+                    uniform = uniform[active]
+                token = sample_tokens(lp, uniform)
+                steps.append((active, finished, token, lp.gather(-1, token[:, None]).squeeze(-1)))
+                hit = token == eos if isinstance(eos, int) else torch.isin(token, eos)
+                if sampling.stop:
+                    now = self._stop_hits([t for _, _, t, _ in steps], finished | hit, sampling.stop)
+                    stopped, hit = stopped | now, hit | now
+                finished = finished | hit  # a finished row's later tokens are padding, EOS or not
+                still_open = batch - int(finished.sum())
+                if still_open == 0 or step + 1 == sampling.max_new_tokens:
+                    break
+                if (self.drop_finished and keep is not None and not sampling.stop
+                        and still_open <= 0.75 * batch):
+                    kept = (~finished).nonzero().squeeze(-1)
+                    ended[active] = finished
+                    active, finished, batch = active[kept], finished[kept], still_open
+                    token, position = token[kept], position[kept]
+                    keep(kept)
+                logits = advance(token, position)
+                position = position + 1
+        ended[active] = finished
+        reasons = torch.where(stopped, FINISH_STOP, torch.where(ended, FINISH_EOS, FINISH_LENGTH))
+        return (*self._assemble(steps, rows), reasons)
+
+    def _assemble(self, steps: list[tuple[Tensor, Tensor, Tensor, Tensor]], rows: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``[b, T]`` tokens (padding after a row finished), log-probs (0 there) and alive masks from
+        the per-step values of the rows decoded at each step: ``(rows, finished before the step,
+        token, log-prob)``."""
+        shape = (rows, len(steps))
+        tokens = torch.full(shape, self.pad_token_id, dtype=torch.long, device=self.device)
+        logps = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        alive = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        start = 0
+        while start < len(steps):  # one write per stretch of steps with the same rows
+            stop = start + 1
+            while stop < len(steps) and steps[stop][0] is steps[start][0]:
+                stop += 1
+            rows_at = steps[start][0]
+            live = ~torch.stack([steps[i][1] for i in range(start, stop)], 1)
+            alive[rows_at, start:stop] = live
+            for out, field, fill in ((tokens, 2, self.pad_token_id), (logps, 3, 0.0)):
+                values = torch.stack([steps[i][field] for i in range(start, stop)], 1)
+                out[rows_at, start:stop] = torch.where(live, values, fill)
+            start = stop
+        return tokens, logps, alive
+
+    def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor, n: int,
+                     capacity: int) -> contextlib.AbstractContextManager[Decoding]:
+        """Prefill the ``[g, P]`` prompts and decode ``n`` rows from each (:data:`~purerl.families.Decoding`):
+        the family's lean decoder, or the HF module with its dynamic cache."""
+        if self.lean:
+            return self.model.family.decoding(self.model, self._params, ids, mask, positions, n, capacity,
+                                              cuda_graphs=self.cuda_graphs)
+        return _module_decoding(self.model, self._params, ids, mask, positions, n)
+
+    def _stop_hits(self, tokens: list[Tensor], finished: Tensor, stop: tuple[str, ...]) -> Tensor:
+        """Rows (not yet finished) whose response text now contains a stop string."""
+        window = torch.stack(tokens[-32:], 1).tolist()
+        longest = max(len(s) for s in stop)
+        hits = torch.zeros_like(finished)
+        for row in (~finished).nonzero().flatten().tolist():
+            last = self.decode(window[row][-1:])
+            text = self.decode(window[row])
+            # only a match that the newest token completed: the tail ending at this token
+            tail = text[-(longest + len(last)):]
+            if any(s in tail and not s in tail[: len(tail) - len(last)] for s in stop):
+                hits[row] = True
+        return hits
+
+
+@contextlib.contextmanager
+def _module_decoding(model: CausalLM, params: Params, ids: Tensor, mask: Tensor, positions: Tensor,
+                     n: int) -> Iterator[Decoding]:
+    """:data:`~purerl.families.Decoding` through the HF module and its dynamic cache (any causal LM)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    attention = mask.long().repeat_interleave(n, 0)
+    with model.bind(params) as module:
+        def step(token: Tensor, position: Tensor) -> Tensor:
+            nonlocal attention
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+            return module(input_ids=token[:, None], attention_mask=attention, position_ids=position,
+                          **model.cache_arguments(cache)).logits[:, -1]
+
+        def keep(rows: Tensor) -> None:
+            nonlocal attention
+            attention = attention[rows]
+            cache.batch_select_indices(rows)
+
+        out = module(input_ids=ids, attention_mask=mask.long(), position_ids=positions, logits_to_keep=1,
+                     **model.cache_arguments(cache))
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        yield out.logits[:, -1].repeat_interleave(n, 0), step, keep
