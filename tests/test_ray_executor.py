@@ -8,9 +8,11 @@ the run with an error naming the worker, quickly.
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -236,11 +238,12 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path):
     """experiments/grpo_math.py --executor ray: SIGKILL one training rank after the first step."""
     pytest.importorskip("ray")
     out = tmp_path / "run"
+    ray_temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 107 bytes
     cmd = [sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--executor", "ray",
            "--steps", "500", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
            "--eval-size", "2", "--train-size", "40", "--eval-every", "0", "--checkpoint-every", "0",
            "--no-progress", "--threads", "1", "--out-dir", str(out),
-           "--ray-temp-dir", str(ROOT / "runs" / "ray" / f"kill-{os.getpid()}")]
+           "--ray-temp-dir", ray_temp]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -259,6 +262,7 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+        shutil.rmtree(ray_temp, ignore_errors=True)
     assert proc.returncode != 0, output
     assert "train rank 1 died" in output, output
     assert "Traceback" not in output.split("train rank 1 died")[-1]
