@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from purerl.algo.correction import IS_CORRECTIONS, CorrectionConfig  # noqa: E402
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
 from purerl.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
@@ -76,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="with --strict-answers: extra reward for any '####' answer, right or wrong")
     ap.add_argument("--clip-high", type=float, default=0.28, help="upper clip ratio (DAPO clip-higher)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward")
+    ap.add_argument("--rollout-correction", default="none", choices=IS_CORRECTIONS.names(),
+                    help="importance weights from the engine's log-probs to the trainer's recomputed ones on the "
+                         "policy loss: truncated IS per token or sequence, or masking tokens outside "
+                         "[1/cap, cap] (purerl.algo.correction)")
+    ap.add_argument("--correction-cap", type=float, default=2.0, help="largest importance weight (> 0)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
@@ -98,7 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ray.add_argument("--sync-checksum", action="store_true", help="verify every weight sync by sha256")
     ray.add_argument("--step-timeout", type=float, default=3600.0, help="seconds before a silent rank ends the run")
     ray.add_argument("--ray-temp-dir", help="temp/log folder of a locally started Ray (default: Ray's)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not args.correction_cap > 0:
+        ap.error(f"--correction-cap must be > 0, got {args.correction_cap}")
+    return args
 
 
 def make_executor(args: argparse.Namespace, step_fn, model, engine_kwargs: dict):
@@ -211,7 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     config = StepConfig(adv_estimator="grpo", clip_high=args.clip_high, use_kl_loss=args.kl_coef > 0,
                         kl_loss_coef=args.kl_coef, micro_batch_rows=args.micro_batch, temperature=args.temperature,
-                        recompute_old_logprobs=args.top_p < 1.0)  # the engine's log-probs are π_old when exact
+                        # the engine's log-probs are π_old when exact; a correction needs the trainer's
+                        recompute_old_logprobs=args.top_p < 1.0 or args.rollout_correction != "none",
+                        rollout_correction=args.rollout_correction, correction=CorrectionConfig(cap=args.correction_cap))
     schedule = warmup_cosine_schedule(args.lr, min(args.warmup_steps, args.steps - 1), args.steps,
                                       final_lr=args.lr * 0.1)
     optimizer = chain(clip_by_global_norm(1.0), adamw(schedule, weight_decay=0.0))

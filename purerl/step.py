@@ -33,6 +33,7 @@ from torch import Tensor
 
 from purerl.algo.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
 from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, loss_denominator
+from purerl.algo.correction import IS_CORRECTIONS, CorrectionConfig, importance_weights
 from purerl.algo.kl import apply_kl_penalty, kl_loss
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.algo.masked import masked_mean
@@ -92,6 +93,13 @@ class StepConfig:
     """False: use the rollout's behaviour log-probs as π_old (verl's bypass mode). Exact when the
     engine samples from the trainer's distribution (embedded engine, fp32, no top-p/top-k) and
     saves one forward pass over the batch."""
+    rollout_correction: str = "none"
+    """Importance weights from the behaviour policy (the engine's log-probs) to the proximal one (the
+    recomputed old log-probs), multiplying the per-token policy loss (:mod:`purerl.algo.correction`):
+    ``none``, ``token-tis``, ``seq-tis``, ``token-mask``. For stale rollouts this is the decoupled
+    PPO objective; for an engine that computes differently from the trainer, truncated IS."""
+    correction: CorrectionConfig = CorrectionConfig()
+    """The cap (and ``token-mask``'s lower bound) of ``rollout_correction``."""
     skip_zero_advantage_rows: bool = True
     """Leave rows whose advantages are all 0 (GRPO groups whose samples scored alike) out of the
     actor's forward and backward. Every registered policy loss is ``−A·f(ratio)`` per token, so
@@ -106,6 +114,9 @@ class StepConfig:
             raise ValueError(f"StepConfig: unknown loss_agg {self.loss_agg!r}; known: {LOSS_AGGREGATIONS.names()}")
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"StepConfig: unknown policy_loss {self.policy_loss!r}; known: {POLICY_LOSSES.names()}")
+        if self.rollout_correction not in IS_CORRECTIONS:
+            raise ValueError(f"StepConfig: unknown rollout_correction {self.rollout_correction!r}; "
+                             f"known: {IS_CORRECTIONS.names()}")
         if self.ppo_epochs < 1 or self.micro_batch_rows < 1:
             raise ValueError("StepConfig: ppo_epochs and micro_batch_rows must be ≥ 1")
         if self.mini_batch_rows is not None and self.mini_batch_rows < 1:
@@ -127,7 +138,8 @@ class Experience:
 
 @pytree
 class TrainBatch:
-    """What the actor and critic updates consume."""
+    """What the actor and critic updates consume. ``is_weights``: the off-policy correction's
+    per-token weights of the policy loss (None: uncorrected; see ``StepConfig.rollout_correction``)."""
 
     sequences: Sequences
     old_logprobs: Float[Tensor, "b t"]
@@ -135,6 +147,7 @@ class TrainBatch:
     advantages: Float[Tensor, "b t"]
     returns: Float[Tensor, "b t"]
     values: Float[Tensor, "b t"] | None
+    is_weights: Float[Tensor, "b t"] | None = None
 
     def rows(self, index: Tensor | slice) -> "TrainBatch":
         return tree_map(lambda x: x[index] if isinstance(x, Tensor) else x, self)
@@ -190,7 +203,8 @@ def make_experience(state: TrainState, rollout: Rollout, scores: Float[Tensor, "
 
 def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
                   config: StepConfig) -> tuple[TrainBatch, Any, Metrics]:
-    """Token rewards (with the KL penalty when ``use_kl_in_reward``) and advantages."""
+    """Token rewards (with the KL penalty when ``use_kl_in_reward``), advantages and the
+    off-policy correction's weights (``rollout_corr/*`` metrics)."""
     mask = experience.sequences.response_mask
     rewards = token_level_scores(experience.scores, mask)
     metrics: Metrics = {}
@@ -212,8 +226,11 @@ def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
         "critic/advantages/min": float(torch.where(mask, advantages, math.inf).min()) if mask.any() else 0.0,
         "critic/returns/mean": float(masked_mean(returns, mask)),
     })
+    is_weights, correction = importance_weights(config.rollout_correction, experience.old_logprobs,
+                                                experience.behaviour_logprobs, mask, config.correction)
+    metrics.update({f"rollout_corr/{name}": float(value.value()) for name, value in correction.items()})
     batch = TrainBatch(experience.sequences, experience.old_logprobs, experience.ref_logprobs,
-                       advantages, returns, experience.values)
+                       advantages, returns, experience.values, is_weights)
     return batch, kl_state, metrics
 
 
@@ -255,7 +272,8 @@ def _actor_loss(policy: CausalLM, config: StepConfig) -> Callable:
         mask = batch.sequences.response_mask
         logits = response_logits(policy, params, batch.sequences)
         logp = logprobs_from_logits(logits, batch.sequences.responses(), temperature=config.temperature)
-        out = POLICY_LOSSES[config.policy_loss](logp, batch.old_logprobs, batch.advantages, mask, loss_config)
+        out = POLICY_LOSSES[config.policy_loss](logp, batch.old_logprobs, batch.advantages, mask, loss_config,
+                                                is_weights=batch.is_weights)
         total = out.loss
         aux = {"pg_loss": out.loss, "pg_clipfrac": out.clipfrac, "pg_clipfrac_lower": out.clipfrac_lower,
                "ppo_kl": out.ppo_kl}

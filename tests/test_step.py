@@ -158,3 +158,36 @@ def test_an_entropy_bonus_keeps_zero_advantage_rows_in_the_update():
     _, metrics = grpo_step(state, rollout, scores, policy=model, optimizer=optimizer, kl_controller=kl_controller,
                            config=StepConfig(entropy_coeff=1e-3))
     assert "actor/skipped_rows_frac" not in metrics and metrics["actor/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("mode", ["token-tis", "seq-tis"])
+def test_a_behaviour_policy_half_as_likely_doubles_the_loss_and_its_gradient(mode):
+    """Decoupled PPO: the rollout sampled by a policy whose probabilities are half the proximal
+    ones gets importance weight 2 on every token (per token, or as a one-token sequence ratio)."""
+    import math
+
+    import attrs
+
+    from purerl.algo.correction import CorrectionConfig
+    from purerl.model import response_logprobs
+
+    model, optimizer, kl_controller, state, engine, _ = _setup()
+    engine.sync(state.policy, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=1, n=4), RngState(1))
+    mask = rollout.sequences.response_mask
+    old = response_logprobs(model, state.policy, rollout.sequences)
+    stale = attrs.evolve(rollout, behaviour_logprobs=torch.where(mask, old - math.log(2.0), 0.0))
+    metrics = {}
+    for name, config in {"plain": StepConfig(), mode: StepConfig(rollout_correction=mode,
+                                                                correction=CorrectionConfig(cap=4.0))}.items():
+        fresh = TrainState(policy=tree_clone(state.policy), policy_opt=optimizer.init(state.policy),
+                           kl=kl_controller.init(), rng=RngState(0))
+        _, metrics[name] = grpo_step(fresh, stale, _scores(rollout), policy=model, optimizer=optimizer,
+                                     kl_controller=kl_controller, config=config)
+    assert metrics[mode]["rollout_corr/is_weight"] == pytest.approx(2.0, rel=1e-6)
+    assert metrics[mode]["rollout_corr/is_changed_frac"] == 0.0
+    assert metrics[mode]["actor/pg_loss"] == pytest.approx(2 * metrics["plain"]["actor/pg_loss"], rel=1e-5)
+    assert metrics[mode]["actor/grad_norm"] == pytest.approx(2 * metrics["plain"]["actor/grad_norm"], rel=1e-5)
+    assert "rollout_corr/is_weight" not in metrics["plain"]
+    with pytest.raises(ValueError, match="rollout_correction 'tis'"):
+        StepConfig(rollout_correction="tis")
