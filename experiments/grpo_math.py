@@ -19,6 +19,7 @@ naming it.
 """
 
 import argparse
+import copy
 import functools
 import json
 import math
@@ -26,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -36,7 +38,7 @@ from purerl.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.data.math_problems import train_eval_split  # noqa: E402
 from purerl.data.records import encode_prompts, load_records  # noqa: E402
-from purerl.driver import RunConfig, Task, evaluate, train  # noqa: E402
+from purerl.driver import AsyncConfig, RunConfig, Task, evaluate, train, train_async  # noqa: E402
 from purerl.executors.local import ExecutorError, LocalExecutor  # noqa: E402
 from purerl.metrics_log import MetricsLog  # noqa: E402
 from purerl.model import causal_lm_from_config, load_causal_lm, smollm2_gguf  # noqa: E402
@@ -77,10 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="with --strict-answers: extra reward for any '####' answer, right or wrong")
     ap.add_argument("--clip-high", type=float, default=0.28, help="upper clip ratio (DAPO clip-higher)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward")
-    ap.add_argument("--rollout-correction", default="none", choices=IS_CORRECTIONS.names(),
+    ap.add_argument("--rollout-correction", choices=IS_CORRECTIONS.names(),
                     help="importance weights from the engine's log-probs to the trainer's recomputed ones on the "
                          "policy loss: truncated IS per token or sequence, or masking tokens outside "
-                         "[1/cap, cap] (purerl.algo.correction)")
+                         "[1/cap, cap] (purerl.algo.correction); default token-tis with --async, else none")
     ap.add_argument("--correction-cap", type=float, default=2.0, help="largest importance weight (> 0)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--checkpoint-every", type=int, default=10)
@@ -104,9 +106,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ray.add_argument("--sync-checksum", action="store_true", help="verify every weight sync by sha256")
     ray.add_argument("--step-timeout", type=float, default=3600.0, help="seconds before a silent rank ends the run")
     ray.add_argument("--ray-temp-dir", help="temp/log folder of a locally started Ray (default: Ray's)")
+    asyn = ap.add_argument_group("Asynchronous training (local executor)")
+    asyn.add_argument("--async", dest="async_", action="store_true",
+                      help="a generator thread samples with published weights while the trainer updates")
+    asyn.add_argument("--max-staleness", type=int, default=1,
+                      help="a batch sampled with weights v trains the trainer at version <= v + this")
+    asyn.add_argument("--stale-policy", default="wait", choices=["wait", "drop"],
+                      help="wait: generation waits for weights recent enough; drop: too stale batches are dropped")
+    asyn.add_argument("--queue-batches", type=int, default=2, help="scored batches that may wait for the trainer")
     args = ap.parse_args(argv)
     if not args.correction_cap > 0:
         ap.error(f"--correction-cap must be > 0, got {args.correction_cap}")
+    if args.async_:
+        if args.executor != "local":
+            ap.error("--async runs on the local executor (the Ray executor trains synchronously for now)")
+        try:
+            AsyncConfig(args.max_staleness, args.stale_policy, args.queue_batches)
+        except ValueError as err:
+            ap.error(str(err))
+    if args.rollout_correction is None:
+        args.rollout_correction = "token-tis" if args.async_ else "none"
     return args
 
 
@@ -220,8 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     config = StepConfig(adv_estimator="grpo", clip_high=args.clip_high, use_kl_loss=args.kl_coef > 0,
                         kl_loss_coef=args.kl_coef, micro_batch_rows=args.micro_batch, temperature=args.temperature,
-                        # the engine's log-probs are π_old when exact; a correction needs the trainer's
-                        recompute_old_logprobs=args.top_p < 1.0 or args.rollout_correction != "none",
+                        # the engine's log-probs are π_old when exact and fresh; a correction or stale
+                        # rollouts need the trainer's (the proximal policy)
+                        recompute_old_logprobs=args.top_p < 1.0 or args.rollout_correction != "none" or args.async_,
                         rollout_correction=args.rollout_correction, correction=CorrectionConfig(cap=args.correction_cap))
     schedule = warmup_cosine_schedule(args.lr, min(args.warmup_steps, args.steps - 1), args.steps,
                                       final_lr=args.lr * 0.1)
@@ -235,15 +255,20 @@ def main(argv: list[str] | None = None) -> dict:
                                             top_p=args.top_p, n=args.samples_per_prompt),
                     eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
     step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl_controller, config=config)
+    generator = None
+    if args.async_:  # its own engine and skeleton: the generator thread shares no module with the trainer
+        generator = TorchEngine(attrs.evolve(model, module=copy.deepcopy(model.module)), device=args.device,
+                                **engine_kwargs)
     try:
         with make_executor(args, step_fn, model, engine_kwargs) as executor:
-            return run_job(args, executor, state, run, train_task, eval_task, counts, decode, wall_start)
+            return run_job(args, executor, state, run, train_task, eval_task, counts, decode, wall_start, generator)
     except ExecutorError as e:
         raise SystemExit(f"grpo_math: {e}") from None
 
 
-def run_job(args, executor, state, run, train_task, eval_task, counts, decode, wall_start) -> dict:
-    """Baseline eval (or resume), training, final eval, summary and curve."""
+def run_job(args, executor, state, run, train_task, eval_task, counts, decode, wall_start, generator=None) -> dict:
+    """Baseline eval (or resume), training (asynchronous on ``generator``'s engine when given),
+    final eval, summary and curve."""
     run_dir = Path(args.out_dir)
     engine = executor.engine
     log = MetricsLog(run_dir, tuple(args.log), config=vars(args))
@@ -268,8 +293,15 @@ def run_job(args, executor, state, run, train_task, eval_task, counts, decode, w
         print(f"step 0 held-out greedy accuracy {before:.3f} "
               f"(strict {baseline['val/strict_accuracy']:.3f}) on {len(eval_task.records)} problems", flush=True)
 
-    state = train(state, executor=executor, task=train_task, run=run, decode=decode,
-                  run_dir=run_dir, log=log, evaluate_fn=evaluate_fn, progress=not args.no_progress)
+    report = None
+    if generator is None:
+        state = train(state, executor=executor, task=train_task, run=run, decode=decode,
+                      run_dir=run_dir, log=log, evaluate_fn=evaluate_fn, progress=not args.no_progress)
+    else:
+        state, report = train_async(state, executor=executor, engine=generator, task=train_task, run=run,
+                                    decode=decode, run_dir=run_dir, log=log, evaluate_fn=evaluate_fn,
+                                    config=AsyncConfig(args.max_staleness, args.stale_policy, args.queue_batches),
+                                    progress=not args.no_progress)
     log.close()
     records = MetricsLog.read(log.path)
     final = records[-1] if records and "val/accuracy" in records[-1] else evaluate_fn(state)
@@ -284,6 +316,8 @@ def run_job(args, executor, state, run, train_task, eval_task, counts, decode, w
         "strict_accuracy_after": final.get("val/strict_accuracy"),
         "wall_seconds": time.time() - wall_start,
         **counts,
+        **({"async": {**report, "staleness_histogram": {str(k): v for k, v in report["staleness_histogram"].items()}}}
+           if report else {}),
         "args": vars(args),
     }
     summary_path.write_text(json.dumps(summary, indent=1))

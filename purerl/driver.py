@@ -1,34 +1,45 @@
-"""The driver loop: it sequences effects and calls the step function, and does no maths.
+"""The driver loops: they sequence effects and call the step function, and do no maths.
 
     for each step: prompts (data cursor) → rollout (engine, weights version v) → rewards (timeouts)
                    → executor.step (the step function's pure stages) → sync weights (version v+1) → log
                    → evaluate every ``eval_every`` → checkpoint every ``checkpoint_every``
 
+:func:`train` runs that in order. :func:`train_async` runs the first line in a generator thread
+that keeps sampling while the trainer updates: it pulls the newest published weights, and scored
+batches wait in a bounded queue; :class:`AsyncConfig` bounds their staleness.
+
 Everything the loop needs to continue lives in the :class:`~purerl.state.TrainState` (data
 cursor, RNG counter, step), so a run resumed from a checkpoint repeats exactly what the
-uninterrupted run would have done.
+uninterrupted run would have done (asynchronously: batches still queued are discarded, and
+generation restarts from the checkpoint's cursor and weights).
 """
 
+import collections
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
 
 from purerl.batch import Rollout
 from purerl.checkpoint import save_checkpoint
-from purerl.data.cursor import next_indices
+from purerl.data.cursor import DataCursor, next_indices
 from purerl.data.records import PromptRecord
-from purerl.executors.local import Executor
+from purerl.executors.local import Executor, ExecutorError
 from purerl.metrics_log import MetricsLog
 from purerl.rewards import RewardFn, Scores, math_reward, score_responses
 from purerl.rollout.engine import RolloutEngine
+from purerl.rollout.queue import Published, ScoredBatch
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.tree import replace
+from purerl.tree import replace, tree_clone
 
-__all__ = ["Task", "RunConfig", "rollout_batch", "decode_responses", "evaluate", "train"]
+__all__ = ["AsyncConfig", "Task", "RunConfig", "rollout_batch", "rollout_rng", "sample_batch", "decode_responses",
+           "evaluate", "train", "train_async"]
 
 @attrs.frozen
 class Task:
@@ -62,14 +73,25 @@ def decode_responses(rollout: Rollout, decode: Callable[[list[int]], str]) -> li
     return [decode([t for t, keep in zip(row, mask) if keep]) for row, mask in zip(rows, masks)]
 
 
-def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, run: RunConfig,
-                  decode: Callable[[list[int]], str], *, score: Callable[..., Scores] = score_responses,
-                  ) -> tuple[TrainState, Rollout, torch.Tensor, dict[str, float]]:
-    """Draw the next prompts, sample, and score (with ``score``, :func:`~purerl.rewards.score_responses`'s
-    signature): the state comes back with cursor and RNG advanced."""
-    indices, cursor = next_indices(state.data, len(task.records), run.prompts_per_step)
+def rollout_rng(rng: RngState, step: int) -> RngState:
+    """The RNG of the rollout trained on at step ``step + 1``: a stream of its own, a function of
+    the seed and the step alone, so a generator running ahead of the trainer (whose step function
+    advances ``rng``'s counter) draws exactly what the synchronous loop draws."""
+    return RngState(rng.fold_in(_ROLLOUT_STREAM).seed, step)
+
+
+_ROLLOUT_STREAM = 1
+
+
+def sample_batch(engine: RolloutEngine, task: Task, run: RunConfig, decode: Callable[[list[int]], str],
+                 data: DataCursor, rng: RngState, version: int, *, score: Callable[..., Scores] = score_responses,
+                 ) -> tuple[Rollout, torch.Tensor, dict[str, float], DataCursor]:
+    """The next prompts after ``data``, sampled from ``rng`` with weights ``version`` and scored
+    (with ``score``, :func:`~purerl.rewards.score_responses`'s signature). Returns the rollout,
+    its scores, metrics, and the cursor after its prompts."""
+    indices, cursor = next_indices(data, len(task.records), run.prompts_per_step)
     start = time.perf_counter()
-    rollout = engine.generate([task.prompt_ids[i] for i in indices], run.sampling, state.rng, version=state.step)
+    rollout = engine.generate([task.prompt_ids[i] for i in indices], run.sampling, rng, version=version)
     gen_seconds = time.perf_counter() - start
     texts = decode_responses(rollout, decode)
     truths = [task.records[i].ground_truth for i in indices for _ in range(run.sampling.n)]
@@ -83,9 +105,18 @@ def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, run: Run
         "timing/reward_s": time.perf_counter() - start,
         "perf/gen_tokens_per_s": tokens / max(gen_seconds, 1e-9),
     }
-    state = replace(state, data=cursor, rng=state.rng.next())
     device = rollout.sequences.input_ids.device
-    return state, rollout, torch.tensor(scores.values, dtype=torch.float32, device=device), metrics
+    return rollout, torch.tensor(scores.values, dtype=torch.float32, device=device), metrics, cursor
+
+
+def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, run: RunConfig,
+                  decode: Callable[[list[int]], str], *, score: Callable[..., Scores] = score_responses,
+                  ) -> tuple[TrainState, Rollout, torch.Tensor, dict[str, float]]:
+    """:func:`sample_batch` from the state's cursor with weights ``state.step`` and
+    :func:`rollout_rng`: the state comes back with its cursor advanced."""
+    rollout, scores, metrics, cursor = sample_batch(engine, task, run, decode, state.data,
+                                                    rollout_rng(state.rng, state.step), state.step, score=score)
+    return replace(state, data=cursor), rollout, scores, metrics
 
 
 def evaluate(state: TrainState, engine: RolloutEngine, task: Task, decode: Callable[[list[int]], str], *,
@@ -110,12 +141,9 @@ def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,
           progress: bool = True) -> TrainState:
     """Run steps ``state.step + 1 … run.steps`` on ``executor`` (already started with ``state``);
     returns the final (driver's) state. Checkpoints hold the executor's full state."""
-    from tqdm.auto import tqdm
-
     engine = executor.engine
     engine.sync(state.policy, version=state.step)
-    bar = tqdm(total=run.steps, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True)
-    try:
+    with _StepRecorder(state, executor, run, run_dir, log, evaluate_fn, progress) as record:
         while state.step < run.steps:
             step_start = time.perf_counter()
             state, rollout, scores, metrics = rollout_batch(state, engine, task, run, decode, score=executor.score)
@@ -125,19 +153,182 @@ def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,
             engine.sync(state.policy, version=state.step)
             metrics["timing/train_s"] = time.perf_counter() - train_start
             metrics["timing/step_s"] = time.perf_counter() - step_start
-            if evaluate_fn is not None and run.eval_every and state.step % run.eval_every == 0:
-                metrics.update(evaluate_fn(state))
-            log.write(state.step, metrics)
-            if run.checkpoint_every and state.step % run.checkpoint_every == 0:
-                save_checkpoint(Path(run_dir) / "checkpoints", executor.full_state(state), step=state.step,
-                                keep=run.keep_checkpoints)
-            bar.update(1)
-            bar.set_postfix({
-                "reward": f"{metrics.get('critic/score/mean', float('nan')):.3f}",
-                "kl": f"{metrics.get('actor/kl_loss', metrics.get('actor/ppo_kl', float('nan'))):.4f}",
-                "entropy": f"{metrics.get('actor/entropy', float('nan')):.3f}",
-                "tok/s": f"{metrics['perf/gen_tokens_per_s']:.0f}",
-            })
-    finally:
-        bar.close()
+            record(state, metrics)
     return state
+
+
+@attrs.frozen
+class AsyncConfig:
+    """Asynchronous training: a generator samples while the trainer updates.
+
+    ``max_staleness = k``: a batch sampled with weights version ``v`` may be trained on by the
+    trainer at version ``≤ v + k``. ``policy``: ``wait``, a generator does not start the batch of
+    step ``i`` before version ``i − 1 − k`` is published, so no batch is ever too stale (``k = 0``
+    is the synchronous trainer, step for step); ``drop``, generators never wait for weights and
+    the trainer drops (and counts) the batches that are too stale. ``queue_batches``: how many
+    scored batches may wait for the trainer (a generator blocks while the queue is full).
+    """
+
+    max_staleness: int = 1
+    policy: str = "wait"
+    queue_batches: int = 2
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"AsyncConfig: max_staleness must be ≥ 0, got {self.max_staleness}")
+        if self.policy not in ("wait", "drop"):
+            raise ValueError(f"AsyncConfig: policy must be 'wait' or 'drop', got {self.policy!r}")
+        if self.queue_batches < 1:
+            raise ValueError(f"AsyncConfig: queue_batches must be ≥ 1, got {self.queue_batches}")
+
+
+def train_async(state: TrainState, *, executor: Executor, engine: RolloutEngine, task: Task, run: RunConfig,
+                decode: Callable[[list[int]], str], run_dir: str | Path, log: MetricsLog,
+                config: AsyncConfig = AsyncConfig(),
+                evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
+                progress: bool = True) -> tuple[TrainState, dict[str, Any]]:
+    """:func:`train` with generation on a background thread, on ``engine``: the generator's own
+    engine (evaluation keeps the executor's), which receives published snapshots of the weights.
+    Returns the final state and a report: the staleness histogram of the trained batches
+    (``{staleness: steps}``), the number of dropped batches and of batches generated (trained,
+    dropped, or still queued at the end, and then discarded).
+
+    Metrics per step: ``async/staleness`` (trainer version − the batch's), ``async/dropped_batches``
+    (so far), ``async/queue_depth``, ``async/trainer_wait_s`` (waiting for a batch) and
+    ``async/generator_idle_frac`` (the generator's time waiting for weights or queue room, so far).
+    A generator that fails stops the run with :class:`~purerl.executors.local.ExecutorError`.
+    """
+    published, batches = Published(), queue.Queue(maxsize=config.queue_batches)
+    published.publish(tree_clone(state.policy), state.step)
+    executor.engine.sync(state.policy, version=state.step)  # evaluation's engine, as in train()
+    generator = _Generator(engine, task, run, decode, executor.score, config, published, batches,
+                           state.data, state.rng, state.step)
+    dropped, staleness_seen = 0, collections.Counter()
+    with _StepRecorder(state, executor, run, run_dir, log, evaluate_fn, progress) as record, generator:
+        while state.step < run.steps:
+            step_start = time.perf_counter()
+            item = generator.take()
+            wait = time.perf_counter() - step_start
+            staleness = state.step - item.rollout.version
+            if staleness > config.max_staleness:  # only under "drop": "wait" never makes one
+                dropped += 1
+                continue
+            staleness_seen[staleness] += 1
+            state = replace(state, data=item.data)
+            train_start = time.perf_counter()
+            state, step_metrics = executor.step(state, item.rollout, item.scores)
+            published.publish(tree_clone(state.policy), state.step)
+            executor.engine.sync(state.policy, version=state.step)
+            metrics = {**item.metrics, **step_metrics,
+                       "async/staleness": float(staleness), "async/dropped_batches": float(dropped),
+                       "async/queue_depth": float(batches.qsize()), "async/trainer_wait_s": wait,
+                       "async/generator_idle_frac": generator.idle_fraction(),
+                       "timing/train_s": time.perf_counter() - train_start,
+                       "timing/step_s": time.perf_counter() - step_start}
+            record(state, metrics)
+    return state, {"staleness_histogram": dict(sorted(staleness_seen.items())), "dropped_batches": dropped,
+                   "generated": generator.generated}
+
+
+class _Generator:
+    """The generator thread of :func:`train_async`: for each next step, it pulls the newest weights
+    (under ``wait``, at least the version the staleness bound needs), samples and scores the
+    step's prompts, and puts the batch in the queue. ``take`` hands the trainer the next batch, or
+    raises ``ExecutorError`` once the thread has failed."""
+
+    def __init__(self, engine: RolloutEngine, task: Task, run: RunConfig, decode: Callable[[list[int]], str],
+                 score: Callable[..., Scores], config: AsyncConfig, published: Published, batches: queue.Queue,
+                 data: DataCursor, rng: RngState, step: int) -> None:
+        self.engine, self.task, self.run, self.decode, self.score = engine, task, run, decode, score
+        self.config, self.published, self.batches = config, published, batches
+        self.data, self.rng, self.next_step = data, rng, step + 1
+        self.stop, self.error = threading.Event(), None
+        self.idle = self.busy = 0.0
+        self.generated = 0
+        self.thread = threading.Thread(target=self._loop, name="purerl-generator", daemon=True)
+
+    def __enter__(self) -> "_Generator":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def idle_fraction(self) -> float:
+        return self.idle / max(self.idle + self.busy, 1e-9)
+
+    def take(self) -> ScoredBatch:
+        while True:
+            try:
+                return self.batches.get(timeout=0.1)
+            except queue.Empty:
+                if self.error is not None:
+                    raise ExecutorError(f"generator failed: {self.error!r}") from self.error
+                if not self.thread.is_alive():
+                    raise ExecutorError("generator stopped before the run's last step")
+
+    def _loop(self) -> None:
+        try:
+            while not self.stop.is_set():
+                start = time.perf_counter()
+                bound = self.next_step - 1 - self.config.max_staleness if self.config.policy == "wait" else 0
+                newest = self.published.newest(bound, self.stop)
+                if newest is None:
+                    return
+                params, version = newest
+                if version != self.engine.version:
+                    self.engine.sync(params, version)
+                work = time.perf_counter()
+                self.idle += work - start
+                rng = rollout_rng(self.rng, self.next_step - 1)
+                rollout, scores, metrics, self.data = sample_batch(
+                    self.engine, self.task, self.run, self.decode, self.data, rng, version, score=self.score)
+                item = ScoredBatch(self.next_step, rollout, scores, metrics, self.data)
+                queued = time.perf_counter()
+                self.busy += queued - work
+                while not self.stop.is_set():
+                    try:
+                        self.batches.put(item, timeout=0.1)
+                        self.generated += 1
+                        break
+                    except queue.Full:
+                        continue
+                self.idle += time.perf_counter() - queued
+                self.next_step += 1
+        except BaseException as err:  # handed to the trainer by take()
+            self.error = err
+
+
+class _StepRecorder:
+    """After each trained step: evaluate every ``eval_every``, log, checkpoint every
+    ``checkpoint_every``, advance the progress bar."""
+
+    def __init__(self, state: TrainState, executor: Executor, run: RunConfig, run_dir: str | Path, log: MetricsLog,
+                 evaluate_fn: Callable[[TrainState], dict[str, float]] | None, progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.executor, self.run, self.run_dir, self.log, self.evaluate_fn = executor, run, run_dir, log, evaluate_fn
+        self.bar = tqdm(total=run.steps, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True)
+
+    def __enter__(self) -> "_StepRecorder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.close()
+
+    def __call__(self, state: TrainState, metrics: dict[str, float]) -> None:
+        run = self.run
+        if self.evaluate_fn is not None and run.eval_every and state.step % run.eval_every == 0:
+            metrics.update(self.evaluate_fn(state))
+        self.log.write(state.step, metrics)
+        if run.checkpoint_every and state.step % run.checkpoint_every == 0:
+            save_checkpoint(Path(self.run_dir) / "checkpoints", self.executor.full_state(state), step=state.step,
+                            keep=run.keep_checkpoints)
+        self.bar.update(1)
+        self.bar.set_postfix({
+            "reward": f"{metrics.get('critic/score/mean', float('nan')):.3f}",
+            "kl": f"{metrics.get('actor/kl_loss', metrics.get('actor/ppo_kl', float('nan'))):.4f}",
+            "entropy": f"{metrics.get('actor/entropy', float('nan')):.3f}",
+            "tok/s": f"{metrics['perf/gen_tokens_per_s']:.0f}",
+        })

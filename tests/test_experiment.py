@@ -47,3 +47,14 @@ def test_kill_and_resume_continues_with_identical_metrics(tmp_path):
     resumed = _run(tmp_path / "killed", "--resume")
     assert "resumed from" in resumed.stdout
     assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "full")
+
+
+def test_the_main_job_trains_asynchronously_within_its_staleness_bound(tmp_path):
+    _run(tmp_path, "--async", "--max-staleness", "1", "--queue-batches", "1")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["args"]["rollout_correction"] == "token-tis"
+    histogram = summary["async"]["staleness_histogram"]
+    assert set(histogram) <= {"0", "1"} and sum(histogram.values()) == 6
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["async/staleness"] <= 1 and "rollout_corr/is_weight" in r for r in rows)
