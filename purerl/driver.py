@@ -284,7 +284,7 @@ class _Generator:
                 rng = rollout_rng(self.rng, self.next_step - 1)
                 rollout, scores, metrics, self.data = sample_batch(
                     self.engine, self.task, self.run, self.decode, self.data, rng, version, score=self.score)
-                item = ScoredBatch(self.next_step, rollout, scores, metrics, self.data)
+                item = ScoredBatch(rollout, scores, metrics, self.data)
                 queued = time.perf_counter()
                 self.busy += queued - work
                 while not self.stop.is_set():

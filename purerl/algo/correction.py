@@ -66,12 +66,18 @@ IS_CORRECTIONS: Registry[Correction] = Registry("off-policy correction")
 
 
 def _log_ratio(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:
+    """``lp_prox − lp_μ``, detached, 0 where masked (whatever the inputs hold there)."""
     check_rank("importance_weights", 2, proximal=proximal)
     check_same_shape("importance_weights", proximal=proximal, behaviour=behaviour, mask=mask)
     check_floating("importance_weights", proximal=proximal, behaviour=behaviour)
     check_bool("importance_weights", mask=mask)
     diff = (proximal - behaviour).detach()
     return torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
+
+
+def _token_ratio(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:
+    """``exp(clamp(lp_prox − lp_μ, ±20))`` per token, 0 where masked."""
+    return torch.where(mask, torch.exp(_log_ratio(proximal, behaviour, mask).clamp(-20.0, 20.0)), 0.0)
 
 
 def _metrics(raw: Tensor, weights: Tensor, mask: Tensor) -> Metrics:
@@ -92,7 +98,7 @@ def no_correction(proximal: Float[Tensor, "b t"], behaviour: Float[Tensor, "b t"
 def token_tis(proximal: Float[Tensor, "b t"], behaviour: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"],
               config: CorrectionConfig) -> tuple[Float[Tensor, "b t"], Metrics]:
     """``min(exp(lp_prox − lp_μ), cap)`` per token, 0 where masked."""
-    raw = torch.where(mask, torch.exp(_log_ratio(proximal, behaviour, mask).clamp(-20.0, 20.0)), 0.0)
+    raw = _token_ratio(proximal, behaviour, mask)
     weights = raw.clamp(max=config.cap)
     return weights, _metrics(raw, weights, mask)
 
@@ -113,7 +119,7 @@ def token_mask(proximal: Float[Tensor, "b t"], behaviour: Float[Tensor, "b t"], 
     """``exp(lp_prox − lp_μ)`` where it lies in ``[lower, cap]`` (``lower`` defaults to
     ``1/cap``), 0 elsewhere and where masked."""
     lower = 1.0 / config.cap if config.lower is None else config.lower
-    raw = torch.where(mask, torch.exp(_log_ratio(proximal, behaviour, mask).clamp(-20.0, 20.0)), 0.0)
+    raw = _token_ratio(proximal, behaviour, mask)
     weights = torch.where((raw >= lower) & (raw <= config.cap), raw, 0.0)
     return weights, _metrics(raw, weights, mask)
 

@@ -20,11 +20,9 @@ __all__ = ["Published", "ScoredBatch"]
 
 @attrs.frozen(eq=False)
 class ScoredBatch:
-    """One step's scored rollout, made for trainer step ``index`` (1-based) by weights
-    ``rollout.version``; ``data`` is the cursor after its prompts (what a synchronous step would
-    leave in the state)."""
+    """One step's scored rollout, sampled by weights ``rollout.version``; ``data`` is the cursor
+    after its prompts (what a synchronous step would leave in the state)."""
 
-    index: int
     rollout: Rollout
     scores: Tensor
     metrics: dict[str, float]
