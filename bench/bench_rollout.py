@@ -1,4 +1,4 @@
-"""Embedded rollout engine vs Hugging Face ``generate``: new tokens per second, same model and prompts.
+"""Rollout engines vs Hugging Face ``generate``: new tokens per second, same model and prompts.
 
 Both sample (temperature 1) a fixed number of new tokens (EOS disabled so lengths match) from the
 same left-padded prompts; runs are interleaved so machine noise hits both alike. Prints medians
@@ -6,6 +6,10 @@ and the ratio against ``generate``.
 
     python bench/bench_rollout.py [--hidden 256 --layers 4 --vocab 2048 --prompts 16 --n 4 --new 64]
     python bench/bench_rollout.py --device cuda --smollm2-shape     # SmolLM2-135M's shape, random weights
+    python bench/bench_rollout.py --vllm --smollm2-shape --prompts 64 --prompt-len 160 --new 48   # + vLLM
+
+``--vllm`` adds the vLLM engine (``purerl.rollout.backends.vllm``, in this process; run with a
+python that has vLLM, e.g. ``tools/vllm_env.sh``'s environment).
 
 On CUDA the engine replays its decoding step as a CUDA graph; the timings synchronise the device.
 """
@@ -18,7 +22,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from purerl.model import causal_lm_from_config
-from purerl.rollout.backends.torch import TorchEngine, left_pad
+from purerl.batch import left_pad
+from purerl.rollout.backends.torch import TorchEngine
+from purerl.rollout.engine import make_engine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 from purerl.tiny import tiny_llama_config
@@ -36,6 +42,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--smollm2-shape", action="store_true", help="30 layers, hidden 576, 9/3 heads, vocab 49152")
+    ap.add_argument("--vllm", action="store_true", help="also the vLLM engine (needs vLLM installed)")
     args = ap.parse_args()
 
     shape = dict(num_attention_heads=8, num_key_value_heads=4)
@@ -76,6 +83,11 @@ def main() -> None:
         eager.sync(params, 0)
         variants["purerl TorchEngine, no CUDA graph"] = (
             lambda: int(eager.generate(prompts, sampling, RngState(1)).sequences.response_mask.sum()))
+    if args.vllm:
+        vllm_engine = make_engine("vllm", model, eos_token_ids=[no_eos], pad_token_id=0, device=args.device)
+        vllm_engine.sync(params, 0)
+        variants["purerl vllm engine"] = (
+            lambda: int(vllm_engine.generate(prompts, sampling, RngState(1)).sequences.response_mask.sum()))
     rates: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():
         fn()

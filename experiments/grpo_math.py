@@ -11,6 +11,7 @@ steps or bigger batches; ``--resume`` continues from the newest checkpoint in ``
     python experiments/grpo_math.py --model ./Qwen2.5-0.5B-Instruct --data train.parquet \\
         --eval-data test.parquet --device cuda --steps 200 --prompts-per-step 64 --samples-per-prompt 8
     python experiments/grpo_math.py --tiny --executor ray --train-ranks 2 --rollout-workers 1   # Ray, FSDP2
+    python experiments/grpo_math.py --engine vllm        # vLLM generates (README: vLLM)
 
 With ``--executor ray`` the same step function runs on FSDP2 training ranks (Ray actors) and
 generation on rollout workers (``--placement split``) or on the training ranks themselves
@@ -21,6 +22,7 @@ naming it.
 import argparse
 import copy
 import functools
+import importlib.util
 import json
 import math
 import sys
@@ -44,7 +46,7 @@ from purerl.metrics_log import MetricsLog  # noqa: E402
 from purerl.model import causal_lm_from_config, load_causal_lm, smollm2_gguf  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedule  # noqa: E402
 from purerl.rewards import lenient_math_reward, math_reward, math_reward_with_format  # noqa: E402
-from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
+from purerl.rollout.engine import make_engine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
 from purerl.step import StepConfig, grpo_step  # noqa: E402
@@ -92,6 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log", nargs="*", default=[], choices=["tensorboard", "wandb"])
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--engine", default="torch", choices=["torch", "vllm"],
+                    help="rollout engine: torch (embedded, default) or vllm (needs vLLM installed; README: vLLM)")
+    ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an option of the rollout engine, repeatable: e.g. gpu_memory_utilization=0.4, "
+                         "enforce_eager=true for vllm; cuda_graphs=false for torch")
     ray = ap.add_argument_group("Ray executor")
     ray.add_argument("--executor", default="local", choices=["local", "ray"],
                      help="local: one process (default); ray: FSDP2 training ranks + rollout workers")
@@ -124,19 +131,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             AsyncConfig(args.max_staleness, args.stale_policy, args.queue_batches)
         except ValueError as err:
             ap.error(str(err))
+    try:
+        args.engine_options = dict(_engine_option(text) for text in args.engine_option)
+    except ValueError as err:
+        ap.error(str(err))
+    if args.engine == "vllm":
+        from purerl.rollout.backends.vllm import INSTALL_HINT
+
+        if importlib.util.find_spec("vllm") is None:
+            ap.error(INSTALL_HINT)
     if args.rollout_correction is None:
         args.rollout_correction = "token-tis" if args.async_ else "none"
     return args
 
 
+def _engine_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE read as JSON when it parses (numbers, true/false), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise ValueError(f"--engine-option wants KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def make_executor(args: argparse.Namespace, step_fn, model, engine_kwargs: dict):
     """The local executor, or the Ray one (which writes its workers' PIDs to ``workers.json``)."""
     if args.executor == "local":
-        return LocalExecutor(step_fn, model, TorchEngine(model, device=args.device, **engine_kwargs))
+        return LocalExecutor(step_fn, model, make_engine(args.engine, model, device=args.device, **engine_kwargs))
     from purerl.executors.ray_executor import RayConfig, RayExecutor
 
     config = RayConfig(train_ranks=args.train_ranks, rollout_workers=args.rollout_workers,
-                       reward_workers=args.reward_workers, placement=args.placement,
+                       reward_workers=args.reward_workers, placement=args.placement, engine=args.engine,
                        address=args.ray_address, cpus_per_worker=args.cpus_per_worker,
                        gpus_per_worker=args.gpus_per_worker, threads_per_worker=max(1, int(args.cpus_per_worker)),
                        checksum=args.sync_checksum, step_timeout=args.step_timeout)
@@ -235,13 +262,15 @@ def main(argv: list[str] | None = None) -> dict:
     eos = {tokenizer.eos_token_id, *([model.config.eos_token_id] if isinstance(model.config.eos_token_id, int)
                                      else (model.config.eos_token_id or []))}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine_kwargs = dict(eos_token_ids=sorted(e for e in eos if e is not None), pad_token_id=pad, decode=decode)
+    engine_kwargs = dict(eos_token_ids=sorted(e for e in eos if e is not None), pad_token_id=pad, decode=decode,
+                         **args.engine_options)
 
     config = StepConfig(adv_estimator="grpo", clip_high=args.clip_high, use_kl_loss=args.kl_coef > 0,
                         kl_loss_coef=args.kl_coef, micro_batch_rows=args.micro_batch, temperature=args.temperature,
-                        # the engine's log-probs are π_old when exact and fresh; a correction or stale
-                        # rollouts need the trainer's (the proximal policy)
-                        recompute_old_logprobs=args.top_p < 1.0 or args.rollout_correction != "none" or args.async_,
+                        # the engine's log-probs are π_old when exact and fresh; a correction, stale
+                        # rollouts or another engine's numerics need the trainer's (the proximal policy)
+                        recompute_old_logprobs=(args.top_p < 1.0 or args.rollout_correction != "none" or args.async_
+                                                or args.engine != "torch"),
                         rollout_correction=args.rollout_correction, correction=CorrectionConfig(cap=args.correction_cap))
     schedule = warmup_cosine_schedule(args.lr, min(args.warmup_steps, args.steps - 1), args.steps,
                                       final_lr=args.lr * 0.1)
@@ -257,8 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
     step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl_controller, config=config)
     generator = None
     if args.async_:  # its own engine and skeleton: the generator thread shares no module with the trainer
-        generator = TorchEngine(attrs.evolve(model, module=copy.deepcopy(model.module)), device=args.device,
-                                **engine_kwargs)
+        generator = make_engine(args.engine, attrs.evolve(model, module=copy.deepcopy(model.module)),
+                                device=args.device, **engine_kwargs)
     try:
         with make_executor(args, step_fn, model, engine_kwargs) as executor:
             return run_job(args, executor, state, run, train_task, eval_task, counts, decode, wall_start, generator)

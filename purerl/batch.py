@@ -8,13 +8,16 @@ multi-turn rollouts, which still attend). A :class:`Rollout` is what every rollo
 row ended, which prompt it answers and the weights version that produced it.
 """
 
+from collections.abc import Sequence
+
+import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from purerl.checks import check_bool, check_rank
 from purerl.tree import pytree
 
-__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout", "Sequences"]
+__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout", "Sequences", "left_pad"]
 
 FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2
 """Why a response ended: an EOS token, the length limit, a stop string."""
@@ -83,3 +86,16 @@ class Rollout:
     finish_reasons: Int[Tensor, " b"]
     group: Int[Tensor, " b"]
     version: int
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """``[b, P]`` ids and bool attention mask with every prompt right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("left_pad: every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = True
+    return ids, mask

@@ -182,14 +182,21 @@ def load_checkpoint(path: str | Path, template: Any, *, verify_hash: bool = True
 def export_hf(model: Any, params: dict[str, torch.Tensor], out_dir: str | Path, tokenizer: Any = None) -> Path:
     """Write the policy as a Hugging Face model directory that ``from_pretrained`` loads.
 
-    Tied weights are saved once under their canonical name (transformers re-ties on load).
+    Tied weights are saved once under their canonical name (transformers re-ties on load). A model
+    read from a GGUF file is written dequantized: the config loses its ``gguf`` quantization entry.
     """
+    import copy
+
     from purerl.model import full_state_dict
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in full_state_dict(model, params).items()}
-    model.module.config.save_pretrained(out_dir)
+    config = model.module.config
+    if str(getattr(getattr(config, "quantization_config", None), "quant_method", "")).lower().endswith("gguf"):
+        config = copy.deepcopy(config)
+        del config.quantization_config
+    config.save_pretrained(out_dir)
     generation_config = getattr(model.module, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(out_dir)

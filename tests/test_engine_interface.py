@@ -1,6 +1,10 @@
 """The rollout-engine seam: engines by name, the protocol, and model families with a lean path."""
 
+import importlib.util
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from purerl.state import RngState
 from purerl.tiny import tiny_llama_config
 
 PROMPTS = [[5, 6, 7], [8, 9]]
+SCRIPT = str(Path(__file__).resolve().parents[1] / "experiments" / "grpo_math.py")
 
 
 def test_engines_are_made_by_name_and_follow_the_protocol():
@@ -52,3 +57,19 @@ def test_a_model_no_family_supports_runs_its_module_everywhere(caplog):
     mask = rollout.sequences.response_mask
     trainer = response_logprobs(model, params, rollout.sequences)
     torch.testing.assert_close(trainer[mask], rollout.behaviour_logprobs[mask], rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_vllm_engine_without_vllm_stops_with_the_install_line():
+    model, _ = causal_lm_from_config(tiny_llama_config(), seed=0)
+    with pytest.raises(ImportError, match=r"pip install 'purerl\[vllm\]'"):
+        make_engine("vllm", model, eos_token_ids=[1], pad_token_id=0)
+    done = subprocess.run([sys.executable, SCRIPT, "--tiny", "--engine", "vllm"], capture_output=True, text=True)
+    assert done.returncode == 2 and "pip install 'purerl[vllm]'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_engine_options_must_be_key_value():
+    done = subprocess.run([sys.executable, SCRIPT, "--tiny", "--engine-option", "gpu_memory_utilization"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "--engine-option wants KEY=VALUE" in done.stderr

@@ -45,7 +45,7 @@ from purerl.executors.wire import (
 )
 from purerl.model import CausalLM, Critic
 from purerl.rewards import RewardFn, Scores, score_responses
-from purerl.rollout.backends.torch import TorchEngine
+from purerl.rollout.engine import make_engine
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
@@ -71,6 +71,7 @@ class RayConfig:
     rollout_workers: int = 1
     reward_workers: int = 0
     placement: str = "split"
+    engine: str = "torch"
     address: str | None = None
     cpus_per_worker: float = attrs.field(default=1.0, converter=float)
     gpus_per_worker: float = attrs.field(default=0.0, converter=float)
@@ -86,6 +87,9 @@ class RayConfig:
             raise ValueError(f"RayConfig: placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.train_ranks < 1 or (self.placement == "split" and self.rollout_workers < 1):
             raise ValueError("RayConfig: need ≥ 1 training rank and, for 'split', ≥ 1 rollout worker")
+        if self.engine != "torch" and self.placement == "colocated":
+            # vLLM sets up a process group of its own, which clashes with the training ranks' FSDP group
+            raise ValueError(f"RayConfig: the {self.engine!r} engine runs on rollout workers (placement 'split')")
 
 
 _RANK_FIELDS = ("policy", "policy_opt", "reference", "critic", "critic_opt")
@@ -106,11 +110,12 @@ class TrainRank:
     """One training rank (a Ray actor): sharded params, the step function, optionally an engine."""
 
     def __init__(self, rank: int, world: int, policy: CausalLM, critic: Critic | None, step_fn: Callable,
-                 build: bool, threads: int, engine_kwargs: dict[str, Any] | None, device: str) -> None:
+                 build: bool, threads: int, engine_kwargs: dict[str, Any] | None, device: str,
+                 engine: str = "torch") -> None:
         torch.set_num_threads(threads)
         self.rank, self.world, self.skeleton, self.critic_skeleton, self.device = rank, world, policy, critic, device
         self.step_fn = step_fn() if build else step_fn
-        self.engine = TorchEngine(policy, device=device, **engine_kwargs) if engine_kwargs is not None else None
+        self.engine = make_engine(engine, policy, device=device, **engine_kwargs) if engine_kwargs is not None else None
         self.state: TrainState | None = None
 
     def pid(self) -> int:
@@ -204,11 +209,12 @@ class TrainRank:
         return to_wire(self.engine.generate(prompts, sampling, rng, version=version))
 
 class RolloutWorker:
-    """A rollout worker (a Ray actor): an embedded engine fed by weight sync."""
+    """A rollout worker (a Ray actor): a rollout engine (``config.engine``) fed by weight sync."""
 
-    def __init__(self, policy: CausalLM, engine_kwargs: dict[str, Any], threads: int, device: str) -> None:
+    def __init__(self, policy: CausalLM, engine_kwargs: dict[str, Any], threads: int, device: str,
+                 engine: str = "torch") -> None:
         torch.set_num_threads(threads)
-        self.engine = TorchEngine(policy, device=device, **engine_kwargs)
+        self.engine = make_engine(engine, policy, device=device, **engine_kwargs)
         self.device = device
         self.names: set[str] | None = None
 
@@ -269,8 +275,9 @@ class _RemoteEngine:
 class RayExecutor:
     """Runs a step function on FSDP2 training ranks and generates on rollout workers, over Ray.
 
-    ``engine_kwargs`` are the :class:`~purerl.rollout.engine.TorchEngine` arguments for the rollout
-    workers (``eos_token_ids``, ``pad_token_id``, ``decode``); everything passed in must pickle.
+    ``engine_kwargs`` are the keyword arguments of the rollout workers' engine (``config.engine``,
+    built by :func:`~purerl.rollout.engine.make_engine`: ``eos_token_ids``, ``pad_token_id``,
+    ``decode``, backend options); everything passed in must pickle.
     ``step_fn`` may be ``None`` with ``make_step_fn`` given instead: a picklable zero-argument
     function that builds the step function on each rank (for step functions that close over
     objects that do not pickle, e.g. under jaxtyping's import hook in the test suite). With a
@@ -321,7 +328,7 @@ class RayExecutor:
             train_cls = ray.remote(TrainRank)
             self.train = [train_cls.options(**on("train", r)).remote(
                 r, config.train_ranks, policy, critic, step_fn or make_step_fn, step_fn is None,
-                config.threads_per_worker, engine_kwargs if colocated else None, device)
+                config.threads_per_worker, engine_kwargs if colocated else None, device, config.engine)
                 for r in range(config.train_ranks)]
             self.actors += [(a, f"train rank {r}") for r, a in enumerate(self.train)]
             if colocated:
@@ -329,7 +336,8 @@ class RayExecutor:
             else:
                 rollout_cls = ray.remote(RolloutWorker)
                 self.rollout = [rollout_cls.options(**on("rollout", i)).remote(
-                    policy, engine_kwargs, config.threads_per_worker, device) for i in range(config.rollout_workers)]
+                    policy, engine_kwargs, config.threads_per_worker, device, config.engine)
+                    for i in range(config.rollout_workers)]
                 self.actors += [(a, f"rollout worker {i}") for i, a in enumerate(self.rollout)]
             reward_cls = ray.remote(RewardWorker)
             self.reward = [reward_cls.options(**on("reward", i)).remote() for i in range(config.reward_workers)]

@@ -39,7 +39,7 @@ class RolloutEngine(Protocol):
 
 
 ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
-_BUILT_IN = ("torch",)
+_BUILT_IN = ("torch", "vllm")
 
 
 def make_engine(name: str, model: Any, **options: Any) -> RolloutEngine:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, Sequences
+from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, Sequences, left_pad
 from purerl.families import Decoding
 from purerl.model import CausalLM, Params
 from purerl.rollout.engine import ENGINES
@@ -19,19 +19,6 @@ from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logp
 from purerl.state import RngState
 
 __all__ = ["TorchEngine", "left_pad"]
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
-    """``[b, P]`` ids and bool attention mask with every prompt right-aligned."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("left_pad: every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[i, width - len(p):] = True
-    return ids, mask
 
 
 @ENGINES.register("torch")

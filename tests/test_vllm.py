@@ -1,0 +1,168 @@
+"""The vLLM rollout backend against the trainer, on SmolLM2 (fp32).
+
+Runs where vLLM is installed: CI builds a second environment with vLLM's CPU build for these
+tests (``tools/vllm_env.sh``); in the main environment they skip.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+pytest.importorskip("vllm")
+
+from purerl.model import load_causal_lm, response_logits, smollm2_gguf  # noqa: E402
+from purerl.rollout.backends.vllm import VllmEngine  # noqa: E402
+from purerl.rollout.engine import make_engine  # noqa: E402
+from purerl.rollout.sampling import SamplingParams, sampling_logprobs  # noqa: E402
+from purerl.state import RngState  # noqa: E402
+
+# vLLM's own imports and start-up raise deprecation warnings of torch and its dependencies
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = ["What is 2+3?", "Name a colour.", "Tom has 4 apples and eats one. How many are left?"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model, params = load_causal_lm(gguf)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                             add_generation_prompt=True, return_dict=False) for q in QUESTIONS]
+    return model, params, [list(p) for p in prompts], tokenizer.eos_token_id
+
+
+@pytest.fixture(scope="module")
+def long_prompts(smollm2):
+    """The prompts behind a 300-token preamble: vLLM caches only whole blocks of a prefix."""
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    preamble = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).encode(
+        "The quick brown fox jumps over the lazy dog. " * 30, add_special_tokens=False)
+    return [preamble + p for p in smollm2[2]]
+
+
+def _engine(model, eos):
+    return make_engine("vllm", model, eos_token_ids=[eos], pad_token_id=eos)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    model, params, _, eos = smollm2
+    engine = _engine(model, eos)
+    engine.sync(params, 0)
+    yield engine
+    engine.close()
+
+
+def _trainer_logprobs(model, params, rollout, sampling):
+    logits = response_logits(model, params, rollout.sequences)
+    lp = sampling_logprobs(logits.flatten(0, 1), temperature=sampling.temperature, top_k=sampling.top_k,
+                           top_p=sampling.top_p).view(*logits.shape)
+    return lp.gather(-1, rollout.sequences.responses()[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=24, n=2),
+                                      SamplingParams(max_new_tokens=24, n=2, temperature=0.7, top_k=40, top_p=0.9)],
+                         ids=["plain", "tempered-top-k-top-p"])
+def test_engine_logprobs_equal_the_trainers_for_the_same_tokens(smollm2, engine, sampling):
+    model, params, prompts, eos = smollm2
+    assert isinstance(engine, VllmEngine)
+    rollout = engine.generate(prompts, sampling, RngState(0), version=0)
+    mask = rollout.sequences.response_mask
+    assert rollout.group.tolist() == [0, 0, 1, 1, 2, 2] and rollout.version == 0
+    trainer = _trainer_logprobs(model, params, rollout, sampling)
+    gap = (trainer - rollout.behaviour_logprobs)[mask].abs().max().item()
+    assert gap <= 1e-4, gap
+    assert (rollout.behaviour_logprobs[~mask] == 0).all()
+    lengths = mask.sum(1)
+    last = rollout.sequences.responses().gather(1, (lengths - 1)[:, None]).squeeze(1)
+    eos_rows = rollout.finish_reasons == 0
+    assert (last[eos_rows] == eos).all() and (lengths[~eos_rows] == sampling.max_new_tokens).all()
+
+
+def test_samples_are_reproducible_from_the_rng_state(smollm2, engine):
+    _, _, prompts, _ = smollm2
+    sampling = SamplingParams(max_new_tokens=16, n=3)
+    a, b = (engine.generate(prompts, sampling, RngState(7), version=0) for _ in range(2))
+    c = engine.generate(prompts, sampling, RngState(8), version=0)
+    assert torch.equal(a.sequences.input_ids, b.sequences.input_ids)
+    assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    assert not torch.equal(a.sequences.input_ids, c.sequences.input_ids)
+    assert len({tuple(r) for r in a.sequences.responses()[:3].tolist()}) > 1  # one prompt's samples differ
+
+
+def test_a_weight_sync_equals_a_fresh_engine_and_resets_the_prefix_cache(smollm2, long_prompts):
+    model, params, _, eos = smollm2
+    prompts = long_prompts
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.02 * v.std() * torch.randn(v.shape, generator=g) for k, v in params.items()}
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    synced = _engine(model, eos)
+    synced.sync(params, 0)
+    before = synced.generate(prompts, greedy, RngState(0), version=0)  # fills the prefix cache
+    synced.sync(new, 1)
+    after = synced.generate(prompts, greedy, RngState(0), version=1)
+    trainer = _trainer_logprobs(model, new, after, SamplingParams(temperature=1.0))
+    assert (trainer - after.behaviour_logprobs)[after.sequences.response_mask].abs().max() <= 1e-4
+    assert not torch.equal(before.sequences.input_ids, after.sequences.input_ids)
+
+    synced._llm.reset_prefix_cache = lambda: None  # what a sync without the reset would give
+    synced.sync(params, 2)
+    stale = synced.generate(prompts, greedy, RngState(0), version=2)
+    assert not torch.allclose(stale.behaviour_logprobs, before.behaviour_logprobs, atol=1e-3)
+    synced.close()
+
+    fresh = _engine(model, eos)
+    fresh.sync(new, 1)
+    again = fresh.generate(prompts, greedy, RngState(0), version=1)
+    fresh.close()
+    assert torch.equal(again.sequences.input_ids, after.sequences.input_ids)
+    torch.testing.assert_close(again.behaviour_logprobs, after.behaviour_logprobs, rtol=0, atol=1e-5)
+
+
+def test_bad_syncs_and_versions_fail_naming_the_problem(smollm2, engine):
+    model, params, prompts, _ = smollm2
+    with pytest.raises(ValueError, match="model.extra.weight"):
+        engine.sync({**params, "model.extra.weight": torch.zeros(1)}, 1)
+    with pytest.raises(ValueError, match="missing: \\['model.embed_tokens.weight'\\]"):
+        engine.sync({k: v for k, v in params.items() if k != "model.embed_tokens.weight"}, 1)
+    assert engine.version == 0
+    with pytest.raises(RuntimeError, match="version 5"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=4), RngState(0), version=5)
+    with pytest.raises(ValueError, match="stop strings"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=4, stop=("\n",)), RngState(0))
+
+
+JOB = ["--engine", "vllm", "--steps", "3", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+       "--max-new-tokens", "8", "--eval-size", "4", "--train-size", "20", "--eval-every", "3",
+       "--checkpoint-every", "3", "--micro-batch", "4", "--no-progress"]
+
+
+@pytest.mark.parametrize("executor", [["--executor", "local"],
+                                      ["--executor", "ray", "--train-ranks", "1", "--rollout-workers", "1"]],
+                         ids=["local", "ray"])
+def test_a_grpo_loop_runs_three_steps_on_the_vllm_engine(tmp_path, executor):
+    if executor[1] == "ray":
+        pytest.importorskip("ray")
+        executor = [*executor, "--ray-temp-dir", tempfile.mkdtemp(prefix="ray")]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "grpo_math.py"), *JOB, *executor,
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["args"]["engine"] == "vllm"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    if executor[1] == "local":  # engine and trainer agree in fp32
+        assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in rows)
