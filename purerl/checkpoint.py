@@ -183,7 +183,8 @@ def export_hf(model: Any, params: dict[str, torch.Tensor], out_dir: str | Path, 
     """Write the policy as a Hugging Face model directory that ``from_pretrained`` loads.
 
     Tied weights are saved once under their canonical name (transformers re-ties on load). A model
-    read from a GGUF file is written dequantized: the config loses its ``gguf`` quantization entry.
+    read from a GGUF file is written dequantized: the config loses its ``gguf`` quantization entry;
+    a config without ``architectures`` (a model built from a config) gets the module's class.
     """
     import copy
 
@@ -192,10 +193,11 @@ def export_hf(model: Any, params: dict[str, torch.Tensor], out_dir: str | Path, 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in full_state_dict(model, params).items()}
-    config = model.module.config
+    config = copy.deepcopy(model.module.config)
     if str(getattr(getattr(config, "quantization_config", None), "quant_method", "")).lower().endswith("gguf"):
-        config = copy.deepcopy(config)
         del config.quantization_config
+    if not getattr(config, "architectures", None):  # a model built from a config: loaders need the class
+        config.architectures = [type(model.module).__name__]
     config.save_pretrained(out_dir)
     generation_config = getattr(model.module, "generation_config", None)
     if generation_config is not None:

@@ -109,6 +109,7 @@ def test_exported_hf_directory_reloads_with_identical_logits(tmp_path):
     model, params = causal_lm_from_config(config, seed=3)
     params = {k: v + 0.05 * torch.randn_like(v) for k, v in params.items()}  # not the init weights
     export_hf(model, params, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
     seqs = random_sequences(3, 4, 4, config.vocab_size)

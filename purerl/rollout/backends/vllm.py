@@ -5,9 +5,9 @@ in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and speaks token ids only
 as ids, responses come out as ids (vLLM's tokenizer is never loaded, nothing is re-tokenised).
 
 Weights: the first :meth:`VllmEngine.sync` writes the params as an HF folder (config +
-safetensors, a temporary folder) and starts vLLM on it; every later sync loads the params in
-place (``reload_weights``, HF names) and resets the prefix cache, whose entries were computed
-with the old weights. A later sync must carry exactly the names of the first: vLLM itself only
+safetensors, a temporary folder, removed once loaded) and starts vLLM on it; every later sync
+loads the params in place (``reload_weights``, HF names), re-ties tied embeddings and resets the
+prefix cache, whose entries were computed with the old weights. A later sync must carry exactly the names of the first: vLLM itself only
 warns about weights it was not given, which would leave a silently partial update.
 
 Sampling: each of the ``n`` samples of a prompt is its own request with its own seed, drawn from
@@ -78,7 +78,8 @@ class VllmEngine:
     ``llm_options`` go to ``vllm.LLM`` unchanged (``gpu_memory_utilization``,
     ``tensor_parallel_size``, ``enforce_eager``, ``kv_cache_memory_bytes`` …). ``decode`` is
     accepted for interface parity; stop strings are not supported (vLLM holds no tokenizer). On a
-    CPU the defaults are a 1 GiB KV cache and eager mode (``enforce_eager=False`` compiles).
+    CPU the defaults are a 1 GiB KV cache, eager mode (``enforce_eager=False`` compiles) and
+    whole-prompt prefill.
     """
 
     def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
@@ -120,10 +121,13 @@ class VllmEngine:
         export_hf(self.model, params, self._folder)
         dtype = next(iter(params.values())).dtype
         options = {"dtype": dtype, "skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs",
-                   "generation_config": "vllm", "enable_prefix_caching": True,
-                   # a per-request seed with chunked prefill below 8192 tokens crashes vLLM's CPU build
-                   "max_num_batched_tokens": 8192, **self.llm_options}
+                   "generation_config": "vllm", "enable_prefix_caching": True, **self.llm_options}
         if self.device.type == "cpu":
+            # a prompt prefilled in parts rewinds its request's seeded generator, which CPU
+            # generators cannot do ("CPU Generator does not use offset"): prefill prompts whole
+            options.setdefault("enable_chunked_prefill", False)
+            options.setdefault("max_num_batched_tokens",
+                               max(8192, getattr(self.model.config, "max_position_embeddings", 0) or 0))
             if "gpu_memory_utilization" not in options:
                 options.setdefault("kv_cache_memory_bytes", _CPU_KV_CACHE_BYTES)
             # compiling costs a minute at start-up for ~15 % faster decoding (SmolLM2, measured)
@@ -135,6 +139,8 @@ class VllmEngine:
             raise RuntimeError(f"vllm engine: vLLM could not load the model ({self.architecture}): "
                                f"{type(err).__name__}: {err}") from err
         self._names = frozenset(params)
+        shutil.rmtree(self._folder, ignore_errors=True)  # loaded: later syncs come from memory
+        self._folder = None
 
     def _check_names(self, params: Params) -> None:
         unknown, missing = set(params) - self._names, self._names - set(params)
