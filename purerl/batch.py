@@ -17,7 +17,7 @@ from torch import Tensor
 from purerl.checks import check_bool, check_rank
 from purerl.tree import pytree
 
-__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout", "Sequences", "left_pad"]
+__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rollout", "Sequences", "left_pad", "rollout_of"]
 
 FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2
 """Why a response ended: an EOS token, the length limit, a stop string."""
@@ -99,3 +99,14 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tenso
         ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
         mask[i, width - len(p):] = True
     return ids, mask
+
+
+def rollout_of(prompt_ids: Int[Tensor, "g p"], prompt_mask: Bool[Tensor, "g p"], responses: Int[Tensor, "b t"],
+               logprobs: Float[Tensor, "b t"], alive: Bool[Tensor, "b t"], finish_reasons: Int[Tensor, " b"],
+               n: int, version: int) -> Rollout:
+    """The :class:`Rollout` of ``n`` responses per left-padded prompt (``b = g·n``, prompt-major):
+    each prompt row repeated ``n`` times ahead of its responses, ``alive`` the response mask."""
+    sequences = Sequences(torch.cat([prompt_ids.repeat_interleave(n, 0), responses], 1),
+                          torch.cat([prompt_mask.repeat_interleave(n, 0), alive], 1), alive)
+    group = torch.arange(len(prompt_ids), device=responses.device).repeat_interleave(n)
+    return Rollout(sequences, logprobs, finish_reasons, group, version)

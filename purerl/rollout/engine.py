@@ -18,7 +18,7 @@ from purerl.registry import Registry
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 
-__all__ = ["ENGINES", "RolloutEngine", "make_engine"]
+__all__ = ["ENGINES", "RolloutEngine", "make_engine", "check_weights"]
 
 
 @runtime_checkable
@@ -51,3 +51,12 @@ def make_engine(name: str, model: Any, **options: Any) -> RolloutEngine:
         known = ", ".join(sorted({*ENGINES.names(), *_BUILT_IN}))
         raise ValueError(f"unknown rollout engine {name!r}; known: {known}")
     return ENGINES[name](model, **options)
+
+
+def check_weights(engine: str, synced: bool, held: int | None, asked: int | None) -> None:
+    """The contract every backend's ``generate`` keeps: ``RuntimeError`` before any sync, or when
+    the caller names a weights version (``asked``) other than the one held."""
+    if not synced:
+        raise RuntimeError(f"{engine}: generate called before any sync(params, version)")
+    if asked is not None and asked != held:
+        raise RuntimeError(f"{engine}: asked to generate with weights version {asked}, but holds version {held}")

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, Sequences, left_pad
+from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
 from purerl.families import Decoding
 from purerl.model import CausalLM, Params
-from purerl.rollout.engine import ENGINES
+from purerl.rollout.engine import ENGINES, check_weights
 from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
 from purerl.state import RngState
 
@@ -61,11 +61,7 @@ class TorchEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
                  *, version: int | None = None) -> Rollout:
-        if self._params is None:
-            raise RuntimeError("TorchEngine: generate called before any sync(params, version)")
-        if version is not None and version != self.version:
-            raise RuntimeError(f"TorchEngine: asked to generate with weights version {version}, "
-                               f"but holds version {self.version}")
+        check_weights("TorchEngine", self._params is not None, self.version, version)
         if sampling.stop and self.decode is None:
             raise ValueError("TorchEngine: stop strings need a decode function")
         prompt_ids, prompt_mask = (x.to(self.device) for x in left_pad(prompts, self.pad_token_id))
@@ -74,11 +70,7 @@ class TorchEngine:
         with torch.inference_mode():
             decoded = self._decode(prompt_ids, prompt_mask, sampling, rng)
         tokens, logprobs, alive, reasons = (x.clone() for x in decoded)
-        n = sampling.n
-        sequences = Sequences(torch.cat([prompt_ids.repeat_interleave(n, 0), tokens], 1),
-                              torch.cat([prompt_mask.repeat_interleave(n, 0), alive], 1), alive)
-        group = torch.arange(len(prompts), device=self.device).repeat_interleave(sampling.n)
-        return Rollout(sequences, logprobs, reasons, group, self.version)
+        return rollout_of(prompt_ids, prompt_mask, tokens, logprobs, alive, reasons, sampling.n, self.version)
 
     def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState):
         """Sample ``sampling.n`` responses for each of the ``[g, P]`` left-padded prompts: rows

@@ -7,8 +7,9 @@ as ids, responses come out as ids (vLLM's tokenizer is never loaded, nothing is 
 Weights: the first :meth:`VllmEngine.sync` writes the params as an HF folder (config +
 safetensors, a temporary folder, removed once loaded) and starts vLLM on it; every later sync
 loads the params in place (``reload_weights``, HF names), re-ties tied embeddings and resets the
-prefix cache, whose entries were computed with the old weights. A later sync must carry exactly the names of the first: vLLM itself only
-warns about weights it was not given, which would leave a silently partial update.
+prefix cache, whose entries were computed with the old weights. A later sync must carry exactly
+the names of the first: vLLM itself only warns about weights it was not given, which would leave
+a silently partial update.
 
 Sampling: each of the ``n`` samples of a prompt is its own request with its own seed, drawn from
 the rollout's :class:`~purerl.state.RngState`, so the same state gives the same responses;
@@ -28,9 +29,9 @@ from typing import Any
 
 import torch
 
-from purerl.batch import FINISH_EOS, FINISH_LENGTH, Rollout, Sequences, left_pad
+from purerl.batch import FINISH_EOS, FINISH_LENGTH, Rollout, left_pad, rollout_of
 from purerl.model import CausalLM, Params
-from purerl.rollout.engine import ENGINES
+from purerl.rollout.engine import ENGINES, check_weights
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 
@@ -150,11 +151,7 @@ class VllmEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
                  *, version: int | None = None) -> Rollout:
-        if self._llm is None:
-            raise RuntimeError("vllm engine: generate called before any sync(params, version)")
-        if version is not None and version != self.version:
-            raise RuntimeError(f"vllm engine: asked to generate with weights version {version}, "
-                               f"but holds version {self.version}")
+        check_weights("vllm engine", self._llm is not None, self.version, version)
         if sampling.stop:
             raise ValueError("vllm engine: stop strings are not supported (token ids only); use EOS ids")
         n = sampling.n
@@ -183,12 +180,9 @@ class VllmEngine:
             alive[row, :len(ids)] = True
             reasons[row] = FINISH_LENGTH if c.finish_reason == "length" else FINISH_EOS
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
-        ids = torch.cat([prompt_ids.repeat_interleave(n, 0), tokens], 1)
-        mask = torch.cat([prompt_mask.repeat_interleave(n, 0), alive], 1)
-        group = torch.arange(len(prompts)).repeat_interleave(n)
         to = self.device
-        return Rollout(Sequences(ids.to(to), mask.to(to), alive.to(to)), logprobs.to(to), reasons.to(to),
-                       group.to(to), self.version)
+        return rollout_of(prompt_ids.to(to), prompt_mask.to(to), tokens.to(to), logprobs.to(to), alive.to(to),
+                          reasons.to(to), n, self.version)
 
     def close(self) -> None:
         if self._llm is not None:
