@@ -36,11 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from purerl.algo.correction import IS_CORRECTIONS, CorrectionConfig  # noqa: E402
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.asynchronous import AsyncConfig, train_async  # noqa: E402
 from purerl.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.data.math_problems import train_eval_split  # noqa: E402
 from purerl.data.records import encode_prompts, load_records  # noqa: E402
-from purerl.driver import AsyncConfig, RunConfig, Task, evaluate, train, train_async  # noqa: E402
+from purerl.driver import RunConfig, Task, evaluate, train  # noqa: E402
 from purerl.executors.local import ExecutorError, LocalExecutor  # noqa: E402
 from purerl.metrics_log import MetricsLog  # noqa: E402
 from purerl.model import causal_lm_from_config, load_causal_lm, smollm2_gguf  # noqa: E402
@@ -113,9 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ray.add_argument("--sync-checksum", action="store_true", help="verify every weight sync by sha256")
     ray.add_argument("--step-timeout", type=float, default=3600.0, help="seconds before a silent rank ends the run")
     ray.add_argument("--ray-temp-dir", help="temp/log folder of a locally started Ray (default: Ray's)")
-    asyn = ap.add_argument_group("Asynchronous training (local executor)")
+    asyn = ap.add_argument_group("Asynchronous training")
     asyn.add_argument("--async", dest="async_", action="store_true",
-                      help="a generator thread samples with published weights while the trainer updates")
+                      help="a generator samples with published weights while the trainer updates (local: a "
+                           "second engine on a thread; Ray: the rollout workers, while the ranks train)")
     asyn.add_argument("--max-staleness", type=int, default=1,
                       help="a batch sampled with weights v trains the trainer at version <= v + this")
     asyn.add_argument("--stale-policy", default="wait", choices=["wait", "drop"],
@@ -125,8 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.correction_cap > 0:
         ap.error(f"--correction-cap must be > 0, got {args.correction_cap}")
     if args.async_:
-        if args.executor != "local":
-            ap.error("--async runs on the local executor (the Ray executor trains synchronously for now)")
+        if args.executor == "ray" and args.placement != "split":
+            ap.error("--async on the Ray executor needs --placement split (colocated ranks cannot generate "
+                     "while they train)")
         try:
             AsyncConfig(args.max_staleness, args.stale_policy, args.queue_batches)
         except ValueError as err:
@@ -160,7 +163,7 @@ def make_executor(args: argparse.Namespace, step_fn, model, engine_kwargs: dict)
     """The local executor, or the Ray one (which writes its workers' PIDs to ``workers.json``)."""
     if args.executor == "local":
         return LocalExecutor(step_fn, model, make_engine(args.engine, model, device=args.device, **engine_kwargs))
-    from purerl.executors.ray_executor import RayConfig, RayExecutor
+    from purerl.executors.ray import RayConfig, RayExecutor
 
     config = RayConfig(train_ranks=args.train_ranks, rollout_workers=args.rollout_workers,
                        reward_workers=args.reward_workers, placement=args.placement, engine=args.engine,
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
                     eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
     step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl_controller, config=config)
     generator = None
-    if args.async_:  # its own engine and skeleton: the generator thread shares no module with the trainer
+    if args.async_ and args.executor == "local":  # its own engine and skeleton: it shares no module with the trainer
         generator = make_engine(args.engine, attrs.evolve(model, module=copy.deepcopy(model.module)),
                                 device=args.device, **engine_kwargs)
     try:
@@ -296,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run_job(args, executor, state, run, train_task, eval_task, counts, decode, wall_start, generator=None) -> dict:
-    """Baseline eval (or resume), training (asynchronous on ``generator``'s engine when given),
+    """Baseline eval (or resume), training (with --async on ``generator``: the local executor's second engine,
+    or None for the executor's own), final eval, summary and curve.
     final eval, summary and curve."""
     run_dir = Path(args.out_dir)
     engine = executor.engine
@@ -323,7 +327,7 @@ def run_job(args, executor, state, run, train_task, eval_task, counts, decode, w
               f"(strict {baseline['val/strict_accuracy']:.3f}) on {len(eval_task.records)} problems", flush=True)
 
     report = None
-    if generator is None:
+    if not args.async_:
         state = train(state, executor=executor, task=train_task, run=run, decode=decode,
                       run_dir=run_dir, log=log, evaluate_fn=evaluate_fn, progress=not args.no_progress)
     else:

@@ -4,9 +4,8 @@
                    → executor.step (the step function's pure stages) → sync weights (version v+1) → log
                    → evaluate every ``eval_every`` → checkpoint every ``checkpoint_every``
 
-:func:`train` runs that in order. :func:`train_async` runs the first line in a generator thread
-that keeps sampling while the trainer updates: it pulls the newest published weights, and scored
-batches wait in a bounded queue; :class:`AsyncConfig` bounds their staleness.
+:func:`train` runs that in order; :func:`purerl.asynchronous.train_async` runs the first line on a
+generator thread that keeps sampling while the trainer updates.
 
 Everything the loop needs to continue lives in the :class:`~purerl.state.TrainState` (data
 cursor, RNG counter, step), so a run resumed from a checkpoint repeats exactly what the
@@ -14,9 +13,6 @@ uninterrupted run would have done (asynchronously: batches still queued are disc
 generation restarts from the checkpoint's cursor and weights).
 """
 
-import collections
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,17 +25,16 @@ from purerl.batch import Rollout
 from purerl.checkpoint import save_checkpoint
 from purerl.data.cursor import DataCursor, next_indices
 from purerl.data.records import PromptRecord
-from purerl.executors.local import Executor, ExecutorError
+from purerl.executors.local import Executor
 from purerl.metrics_log import MetricsLog
 from purerl.rewards import RewardFn, Scores, math_reward, score_responses
 from purerl.rollout.engine import RolloutEngine
-from purerl.rollout.queue import Published, ScoredBatch
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.tree import replace, tree_clone
+from purerl.tree import replace
 
-__all__ = ["AsyncConfig", "Task", "RunConfig", "rollout_batch", "rollout_rng", "sample_batch", "decode_responses",
-           "evaluate", "train", "train_async"]
+__all__ = ["RunConfig", "StepRecorder", "Task", "decode_responses", "evaluate", "rollout_batch", "rollout_rng",
+           "sample_batch", "train"]
 
 @attrs.frozen
 class Task:
@@ -143,7 +138,7 @@ def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,
     returns the final (driver's) state. Checkpoints hold the executor's full state."""
     engine = executor.engine
     engine.sync(state.policy, version=state.step)
-    with _StepRecorder(state, executor, run, run_dir, log, evaluate_fn, progress) as record:
+    with StepRecorder(state, executor, run, run_dir, log, evaluate_fn, progress) as record:
         while state.step < run.steps:
             step_start = time.perf_counter()
             state, rollout, scores, metrics = rollout_batch(state, engine, task, run, decode, score=executor.score)
@@ -157,150 +152,7 @@ def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,
     return state
 
 
-@attrs.frozen
-class AsyncConfig:
-    """Asynchronous training: a generator samples while the trainer updates.
-
-    ``max_staleness = k``: a batch sampled with weights version ``v`` may be trained on by the
-    trainer at version ``≤ v + k``. ``policy``: ``wait``, a generator does not start the batch of
-    step ``i`` before version ``i − 1 − k`` is published, so no batch is ever too stale (``k = 0``
-    is the synchronous trainer, step for step); ``drop``, generators never wait for weights and
-    the trainer drops (and counts) the batches that are too stale. ``queue_batches``: how many
-    scored batches may wait for the trainer (a generator blocks while the queue is full).
-    """
-
-    max_staleness: int = 1
-    policy: str = "wait"
-    queue_batches: int = 2
-
-    def __attrs_post_init__(self) -> None:
-        if self.max_staleness < 0:
-            raise ValueError(f"AsyncConfig: max_staleness must be ≥ 0, got {self.max_staleness}")
-        if self.policy not in ("wait", "drop"):
-            raise ValueError(f"AsyncConfig: policy must be 'wait' or 'drop', got {self.policy!r}")
-        if self.queue_batches < 1:
-            raise ValueError(f"AsyncConfig: queue_batches must be ≥ 1, got {self.queue_batches}")
-
-
-def train_async(state: TrainState, *, executor: Executor, engine: RolloutEngine, task: Task, run: RunConfig,
-                decode: Callable[[list[int]], str], run_dir: str | Path, log: MetricsLog,
-                config: AsyncConfig = AsyncConfig(),
-                evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
-                progress: bool = True) -> tuple[TrainState, dict[str, Any]]:
-    """:func:`train` with generation on a background thread, on ``engine``: the generator's own
-    engine (evaluation keeps the executor's), which receives published snapshots of the weights.
-    Returns the final state and a report: the staleness histogram of the trained batches
-    (``{staleness: steps}``), the number of dropped batches and of batches generated (trained,
-    dropped, or still queued at the end, and then discarded).
-
-    Metrics per step: ``async/staleness`` (trainer version − the batch's), ``async/dropped_batches``
-    (so far), ``async/queue_depth``, ``async/trainer_wait_s`` (waiting for a batch) and
-    ``async/generator_idle_frac`` (the generator's time waiting for weights or queue room, so far).
-    A generator that fails stops the run with :class:`~purerl.executors.local.ExecutorError`.
-    """
-    published, batches = Published(), queue.Queue(maxsize=config.queue_batches)
-    published.publish(tree_clone(state.policy), state.step)
-    executor.engine.sync(state.policy, version=state.step)  # evaluation's engine, as in train()
-    generator = _Generator(engine, task, run, decode, executor.score, config, published, batches,
-                           state.data, state.rng, state.step)
-    dropped, staleness_seen = 0, collections.Counter()
-    with _StepRecorder(state, executor, run, run_dir, log, evaluate_fn, progress) as record, generator:
-        while state.step < run.steps:
-            step_start = time.perf_counter()
-            item = generator.take()
-            wait = time.perf_counter() - step_start
-            staleness = state.step - item.rollout.version
-            if staleness > config.max_staleness:  # only under "drop": "wait" never makes one
-                dropped += 1
-                continue
-            staleness_seen[staleness] += 1
-            state = replace(state, data=item.data)
-            train_start = time.perf_counter()
-            state, step_metrics = executor.step(state, item.rollout, item.scores)
-            published.publish(tree_clone(state.policy), state.step)
-            executor.engine.sync(state.policy, version=state.step)
-            metrics = {**item.metrics, **step_metrics,
-                       "async/staleness": float(staleness), "async/dropped_batches": float(dropped),
-                       "async/queue_depth": float(batches.qsize()), "async/trainer_wait_s": wait,
-                       "async/generator_idle_frac": generator.idle_fraction(),
-                       "timing/train_s": time.perf_counter() - train_start,
-                       "timing/step_s": time.perf_counter() - step_start}
-            record(state, metrics)
-    return state, {"staleness_histogram": dict(sorted(staleness_seen.items())), "dropped_batches": dropped,
-                   "generated": generator.generated}
-
-
-class _Generator:
-    """The generator thread of :func:`train_async`: for each next step, it pulls the newest weights
-    (under ``wait``, at least the version the staleness bound needs), samples and scores the
-    step's prompts, and puts the batch in the queue. ``take`` hands the trainer the next batch, or
-    raises ``ExecutorError`` once the thread has failed."""
-
-    def __init__(self, engine: RolloutEngine, task: Task, run: RunConfig, decode: Callable[[list[int]], str],
-                 score: Callable[..., Scores], config: AsyncConfig, published: Published, batches: queue.Queue,
-                 data: DataCursor, rng: RngState, step: int) -> None:
-        self.engine, self.task, self.run, self.decode, self.score = engine, task, run, decode, score
-        self.config, self.published, self.batches = config, published, batches
-        self.data, self.rng, self.next_step = data, rng, step + 1
-        self.stop, self.error = threading.Event(), None
-        self.idle = self.busy = 0.0
-        self.generated = 0
-        self.thread = threading.Thread(target=self._loop, name="purerl-generator", daemon=True)
-
-    def __enter__(self) -> "_Generator":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def idle_fraction(self) -> float:
-        return self.idle / max(self.idle + self.busy, 1e-9)
-
-    def take(self) -> ScoredBatch:
-        while True:
-            try:
-                return self.batches.get(timeout=0.1)
-            except queue.Empty:
-                if self.error is not None:
-                    raise ExecutorError(f"generator failed: {self.error!r}") from self.error
-                if not self.thread.is_alive():
-                    raise ExecutorError("generator stopped before the run's last step")
-
-    def _loop(self) -> None:
-        try:
-            while not self.stop.is_set():
-                start = time.perf_counter()
-                bound = self.next_step - 1 - self.config.max_staleness if self.config.policy == "wait" else 0
-                newest = self.published.newest(bound, self.stop)
-                if newest is None:
-                    return
-                params, version = newest
-                if version != self.engine.version:
-                    self.engine.sync(params, version)
-                work = time.perf_counter()
-                self.idle += work - start
-                rng = rollout_rng(self.rng, self.next_step - 1)
-                rollout, scores, metrics, self.data = sample_batch(
-                    self.engine, self.task, self.run, self.decode, self.data, rng, version, score=self.score)
-                item = ScoredBatch(rollout, scores, metrics, self.data)
-                queued = time.perf_counter()
-                self.busy += queued - work
-                while not self.stop.is_set():
-                    try:
-                        self.batches.put(item, timeout=0.1)
-                        self.generated += 1
-                        break
-                    except queue.Full:
-                        continue
-                self.idle += time.perf_counter() - queued
-                self.next_step += 1
-        except BaseException as err:  # handed to the trainer by take()
-            self.error = err
-
-
-class _StepRecorder:
+class StepRecorder:
     """After each trained step: evaluate every ``eval_every``, log, checkpoint every
     ``checkpoint_every``, advance the progress bar."""
 
@@ -311,7 +163,7 @@ class _StepRecorder:
         self.executor, self.run, self.run_dir, self.log, self.evaluate_fn = executor, run, run_dir, log, evaluate_fn
         self.bar = tqdm(total=run.steps, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True)
 
-    def __enter__(self) -> "_StepRecorder":
+    def __enter__(self) -> "StepRecorder":
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from purerl.tree import pytree, replace
 
-__all__ = ["RngState", "TrainState"]
+__all__ = ["PARAM_FIELDS", "RngState", "TrainState", "with_params", "without_params"]
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio increment (splitmix64): decorrelates seeds of nearby counters
 
@@ -63,3 +63,18 @@ class TrainState:
     def advance(self, **changes: Any) -> "TrainState":
         """The state one step later with ``changes`` applied (``step`` + 1)."""
         return replace(self, step=self.step + 1, **changes)
+
+
+PARAM_FIELDS = ("policy", "policy_opt", "reference", "critic", "critic_opt")
+"""The fields that hold params or optimizer states: what an executor may keep on its workers."""
+
+
+def without_params(state: TrainState) -> TrainState:
+    """The small part of ``state`` (step, RNG, data cursor, KL controller): ``policy={}`` and the
+    other :data:`PARAM_FIELDS` None. What a driver keeps while the params live on workers."""
+    return replace(state, policy={}, **{name: None for name in PARAM_FIELDS if name != "policy"})
+
+
+def with_params(state: TrainState, source: TrainState) -> TrainState:
+    """``state`` with the params and optimizer states of ``source``."""
+    return replace(state, **{name: getattr(source, name) for name in PARAM_FIELDS})

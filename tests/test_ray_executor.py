@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from purerl.algo.kl_control import make_kl_controller
+from purerl.asynchronous import AsyncConfig, train_async
 from purerl.data.cursor import DataCursor
 from purerl.data.records import PromptRecord
 from purerl.driver import RunConfig, Task, train
@@ -36,8 +37,8 @@ from purerl.step import StepConfig, grpo_step, ppo_step
 from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_equal, tree_leaves
 
-ray_executor = pytest.importorskip("purerl.executors.ray_executor")
 pytest.importorskip("ray")
+ray_executor = pytest.importorskip("purerl.executors.ray")
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -184,6 +185,73 @@ def test_ppo_with_a_sharded_critic_and_checkpointed_policy_equals_local(ray_clus
         assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+def _tiny_task(prompts: int = 8) -> Task:
+    records = [PromptRecord(({"role": "user", "content": str(i)},), "0") for i in range(prompts)]
+    return Task([[5 + i, 6, 7] for i in range(prompts)], records,
+                lambda text, truth: float(text.count("a")) / max(len(text), 1))
+
+
+def test_async_with_staleness_zero_on_ray_is_the_synchronous_trainer_bit_for_bit(ray_cluster, tmp_path):
+    """Generators on the rollout pool, ranks on the train pool: with k = 0 ("wait") every batch is
+    sampled by the weights the synchronous loop would have used, so weights and metrics agree."""
+    model, _, make_step_fn, fresh = _setup(4)
+    task, run = _tiny_task(), RunConfig(steps=5, prompts_per_step=2, sampling=SamplingParams(max_new_tokens=6, n=3))
+    config = ray_executor.RayConfig(train_ranks=2, rollout_workers=1, placement="split", step_timeout=120)
+    decode = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    results = {}
+    for mode in ("sync", "async"):
+        log = MetricsLog(tmp_path / mode)
+        with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
+                                      make_step_fn=make_step_fn) as executor:
+            state = executor.start(fresh())
+            common = dict(executor=executor, task=task, run=run, decode=decode, run_dir=tmp_path / mode, log=log,
+                          progress=False)
+            if mode == "sync":
+                state, report = train(state, **common), None
+            else:
+                state, report = train_async(state, config=AsyncConfig(max_staleness=0), **common)
+            results[mode] = executor.full_state(state), list(MetricsLog.read(log.path)), report
+        log.close()
+    (sync_state, sync_records, _), (async_state, async_records, report) = results["sync"], results["async"]
+    assert report == {"staleness_histogram": {0: 5}, "trained": 5, "dropped_batches": 0, "discarded": 0,
+                      "generated": 5}
+    assert async_state.step == sync_state.step == 5
+    assert (async_state.rng.seed, async_state.rng.counter) == (sync_state.rng.seed, sync_state.rng.counter)
+    for name, value in sync_state.policy.items():
+        assert torch.equal(async_state.policy[name], value), name
+    for sync_record, async_record in zip(sync_records, async_records, strict=True):
+        for key, value in sync_record.items():
+            if not key.startswith(("timing/", "perf/", "time")):
+                assert async_record[key] == value, key
+
+
+def test_async_on_ray_with_staleness_one_overlaps_and_stays_in_bounds(ray_cluster, tmp_path):
+    model, _, make_step_fn, fresh = _setup(4)
+    run = RunConfig(steps=6, prompts_per_step=2, sampling=SamplingParams(max_new_tokens=6, n=3), eval_every=3)
+    config = ray_executor.RayConfig(train_ranks=1, rollout_workers=1, placement="split", step_timeout=120)
+    log = MetricsLog(tmp_path)
+    evaluated = []
+
+    def evaluate_fn(state):  # runs on the rollout workers between two of the generator's batches
+        rollout = executor.engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), RngState(0), version=state.step)
+        evaluated.append((state.step, rollout.version))
+        return {"val/accuracy": 0.0}
+
+    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
+                                  make_step_fn=make_step_fn) as executor:
+        state, report = train_async(executor.start(fresh()), executor=executor, task=_tiny_task(), run=run,
+                                    decode=lambda ids: "x" * len(ids), run_dir=tmp_path, log=log,
+                                    config=AsyncConfig(max_staleness=1, queue_batches=1), evaluate_fn=evaluate_fn,
+                                    progress=False)
+        assert executor.engine.version == 6  # left holding the final weights, for a final evaluation
+    log.close()
+    records = list(MetricsLog.read(log.path))
+    assert state.step == 6 and [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert set(report["staleness_histogram"]) <= {0, 1} and report["trained"] == report["generated"] == 6
+    assert all(r["async/staleness"] <= 1 and r["async/queue_depth"] <= 1 for r in records)
+    assert evaluated == [(3, 3), (6, 6)]
+
+
 def _sleeping_step(state, rollout, scores, **effects):
     time.sleep(60)
 
@@ -234,16 +302,41 @@ def test_the_job_joins_a_running_cluster_with_ray_address_and_leaves_it_running(
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
 
 
-def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path):
-    """experiments/grpo_math.py --executor ray: SIGKILL one training rank after the first step."""
-    pytest.importorskip("ray")
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``text`` (Ray's daemons name their
+    session folder)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"  # a zombie is gone
+
+
+@pytest.mark.parametrize("mode, victim", [("sync", "train rank 1"), ("async", "rollout worker 0"),
+                                          ("async", "train rank 0")])
+def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim):
+    """experiments/grpo_math.py --executor ray: SIGKILL one worker after the first step (a training
+    rank; in async mode also the generator's rollout worker). The run ends quickly with a one-line
+    message naming it and leaves no Ray process behind; a checkpoint written before loads."""
     out = tmp_path / "run"
     ray_temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 107 bytes
     cmd = [sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--executor", "ray",
            "--steps", "500", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
-           "--eval-size", "2", "--train-size", "40", "--eval-every", "0", "--checkpoint-every", "0",
-           "--no-progress", "--threads", "1", "--out-dir", str(out),
-           "--ray-temp-dir", ray_temp]
+           "--eval-size", "2", "--train-size", "40", "--eval-every", "0", "--checkpoint-every", "1",
+           "--no-progress", "--threads", "1", "--out-dir", str(out), "--ray-temp-dir", ray_temp,
+           *(["--async", "--train-ranks", "1"] if mode == "async" else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -253,18 +346,33 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path):
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "the run did not finish a step"
             time.sleep(0.2)
-        pid = json.loads((out / "workers.json").read_text())["train rank 1"]
-        os.kill(pid, signal.SIGKILL)
+        pids = json.loads((out / "workers.json").read_text())
+        os.kill(pids[victim], signal.SIGKILL)
         killed = time.monotonic()
         output, _ = proc.communicate(timeout=60)
         elapsed = time.monotonic() - killed
+        deadline = time.monotonic() + 10
+        while (left := [p for p in pids.values() if _alive(p)] + _processes_mentioning(ray_temp)):
+            assert time.monotonic() < deadline, f"processes left behind: {left}"
+            time.sleep(0.2)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
         shutil.rmtree(ray_temp, ignore_errors=True)
     assert proc.returncode != 0, output
-    assert "train rank 1 died" in output, output
-    assert "Traceback" not in output.split("train rank 1 died")[-1]
+    assert f"{victim} died" in output, output
+    assert "Traceback" not in output.split(f"{victim} died")[-1]
     assert not (out / "summary.json").exists()  # never a "training complete"
     assert elapsed < 60
+    if victim == "rollout worker 0":  # the newest checkpoint resumes (asynchronously: nothing was queued in it)
+        step = int(max((out / "checkpoints").glob("step_*")).name.removeprefix("step_"))
+        again = [str(step + 1) if i and cmd[i - 1] == "--steps" else arg for i, arg in enumerate(cmd)]
+        again[again.index(ray_temp)] = ray_temp = tempfile.mkdtemp(prefix="ray")
+        try:
+            resumed = subprocess.run([*again, "--resume"], capture_output=True, text=True, env=env, timeout=300)
+        finally:
+            shutil.rmtree(ray_temp, ignore_errors=True)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert f"resumed from {out / 'checkpoints'}" in resumed.stdout
+        assert json.loads((out / "summary.json").read_text())["steps"] == step + 1

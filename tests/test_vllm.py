@@ -163,8 +163,9 @@ JOB = ["--engine", "vllm", "--steps", "3", "--prompts-per-step", "2", "--samples
 
 
 @pytest.mark.parametrize("executor", [["--executor", "local"],
-                                      ["--executor", "ray", "--train-ranks", "1", "--rollout-workers", "1"]],
-                         ids=["local", "ray"])
+                                      ["--executor", "ray", "--train-ranks", "1", "--rollout-workers", "1"],
+                                      ["--executor", "ray", "--train-ranks", "1", "--rollout-workers", "1", "--async"]],
+                         ids=["local", "ray", "ray-async"])
 def test_a_grpo_loop_runs_three_steps_on_the_vllm_engine(tmp_path, executor):
     if executor[1] == "ray":
         pytest.importorskip("ray")
@@ -177,5 +178,7 @@ def test_a_grpo_loop_runs_three_steps_on_the_vllm_engine(tmp_path, executor):
     assert summary["steps"] == 3 and summary["args"]["engine"] == "vllm"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    if "--async" in executor:  # the rollout worker pulled published versions while the rank trained
+        assert summary["async"]["trained"] == 3 and set(summary["async"]["staleness_histogram"]) <= {"0", "1"}
     if executor[1] == "local":  # engine and trainer agree in fp32
         assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in rows)

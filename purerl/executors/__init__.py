@@ -1,7 +1,7 @@
 """Executors: where a run's effects happen. The same step function runs under each.
 
 - :mod:`purerl.executors.local`: the executor interface and the in-process executor (default).
-- :mod:`purerl.executors.ray_executor`: Ray worker groups (FSDP2 training ranks, rollout and
+- :mod:`purerl.executors.ray`: Ray worker groups (FSDP2 training ranks, rollout and
   reward workers); imports Ray only when used.
 - :mod:`purerl.executors.fsdp`: the sharded model, the data-parallel ``value_and_grad``.
 - :mod:`purerl.executors.wire`: numpy transfer of pytrees, versioned checksummed weight buckets.

@@ -23,6 +23,7 @@ from purerl.model import value_and_grad as pure_value_and_grad
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rollout.engine import RolloutEngine
 from purerl.state import TrainState
+from purerl.tree import tree_clone
 
 __all__ = ["Executor", "ExecutorError", "LocalExecutor", "StepFn"]
 
@@ -43,6 +44,10 @@ class Executor(Protocol):
 
     def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor) -> tuple[TrainState, dict[str, float]]:
         """One step of the step function (donates ``state``)."""
+
+    def publish(self, state: TrainState) -> Any:
+        """The policy at ``state.step`` as weights a generator's engine can ``sync`` to while the
+        trainer goes on updating (asynchronous training)."""
 
     def full_state(self, state: TrainState) -> TrainState:
         """The complete state, params and optimizer state included (for checkpoints and export)."""
@@ -71,6 +76,11 @@ class LocalExecutor:
 
     def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor) -> tuple[TrainState, dict[str, float]]:
         return self.step_fn(state, rollout, scores, **self.effects)
+
+    def publish(self, state: TrainState) -> dict[str, torch.Tensor]:
+        """A copy of the policy params: the trainer's own are replaced, not updated in place, but a
+        copy keeps the published version independent of what any step function does."""
+        return tree_clone(state.policy)
 
     def full_state(self, state: TrainState) -> TrainState:
         return state

@@ -32,7 +32,8 @@ class ScoredBatch:
 class Published:
     """The newest published weights and their version (thread-safe).
 
-    ``publish`` stores a reference: give it a snapshot that nobody updates in place afterwards.
+    ``publish`` stores a reference: give it a snapshot that nobody updates in place afterwards
+(:meth:`~purerl.executors.local.Executor.publish` makes one).
     """
 
     def __init__(self) -> None:
@@ -47,11 +48,11 @@ class Published:
             self._params, self.version = params, version
             self._changed.notify_all()
 
-    def newest(self, at_least: int, stop: threading.Event, poll: float = 0.1) -> tuple[Any, int] | None:
+    def newest(self, at_least: int, stop: threading.Event | None = None, poll: float = 0.1) -> tuple[Any, int] | None:
         """The newest ``(params, version)`` once ``version ≥ at_least``; None if ``stop`` is set first."""
         with self._changed:
             while self.version < at_least:
-                if stop.is_set():
+                if stop is not None and stop.is_set():
                     return None
                 self._changed.wait(poll)
             return self._params, self.version

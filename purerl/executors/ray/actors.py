@@ -1,0 +1,176 @@
+"""The Ray executor's actors: a training rank, a rollout worker, a reward worker.
+
+Each is a plain class made remote by the executor (``ray.remote(cls)``), so it can also be
+built and tested in-process. Everything they receive or return crosses a process boundary as
+numpy (:mod:`purerl.executors.wire`).
+"""
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from purerl.executors.wire import (
+    from_wire,
+    load_weight_buckets,
+    params_digest,
+    to_wire,
+    weight_buckets,
+)
+from purerl.model import CausalLM, Critic
+from purerl.rewards import RewardFn, Scores, score_responses
+from purerl.rollout.engine import make_engine
+from purerl.rollout.sampling import SamplingParams
+from purerl.state import RngState, TrainState, with_params, without_params
+from purerl.tree import replace, tree_map
+
+__all__ = ["RewardWorker", "RolloutWorker", "TrainRank"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainRank:
+    """One training rank: sharded params, the step function, optionally an engine (colocated)."""
+
+    def __init__(self, rank: int, world: int, policy: CausalLM, critic: Critic | None, step_fn: Callable,
+                 build: bool, threads: int, engine_kwargs: dict[str, Any] | None, device: str,
+                 engine: str = "torch") -> None:
+        torch.set_num_threads(threads)
+        self.rank, self.world, self.skeleton, self.critic_skeleton, self.device = rank, world, policy, critic, device
+        self.step_fn = step_fn() if build else step_fn
+        self.engine = make_engine(engine, policy, device=device, **engine_kwargs) if engine_kwargs is not None else None
+        self.state: TrainState | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def init_process_group(self, host: str, port: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                world_size=self.world, timeout=timedelta(seconds=timeout_s))
+        self.mesh = init_device_mesh(self.device, (self.world,))
+
+    def load(self, wire_state: Any) -> None:
+        """Shard a full state: policy, reference and critic through FSDP2, each optimizer state
+        like its params."""
+        from purerl.executors.fsdp import (
+            ShardedCausalLM,
+            ShardedCritic,
+            shard_causal_lm,
+            shard_like,
+            shard_module,
+            sharded_value_and_grad,
+        )
+
+        state = from_wire(wire_state)
+        module, params = shard_causal_lm(self.skeleton, state.policy, mesh=self.mesh)
+        modules = [(module, params)]
+        reference = None
+        if state.reference is not None:
+            ref_module, reference = shard_causal_lm(self.skeleton, state.reference, mesh=self.mesh, trainable=False)
+            modules.append((ref_module, reference))
+        self.model = ShardedCausalLM.of(self.skeleton, modules)
+        changes = dict(policy=params, policy_opt=shard_like(state.policy_opt, params), reference=reference)
+        self.critic = None
+        if state.critic is not None:
+            if self.critic_skeleton is None:
+                raise ValueError("the state has critic params but the executor was given no critic model")
+            critic_module, critic = shard_module(self.critic_skeleton.module, state.critic, mesh=self.mesh,
+                                                 buffers=self.critic_skeleton.buffers)
+            self.critic = ShardedCritic.of(self.critic_skeleton, [(critic_module, critic)])
+            changes.update(critic=critic, critic_opt=shard_like(state.critic_opt, critic))
+        self.state = replace(state, **changes)
+        self.value_and_grad = sharded_value_and_grad(self.rank, self.world)
+
+    def step(self, small: Any, batch: Any) -> tuple[Any, dict[str, float]]:
+        """``small``: the driver's state; ``batch``: ``(rollout, scores)``, the same on every rank."""
+        to_device = lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        small, (rollout, scores) = tree_map(to_device, from_wire((small, batch)))
+        effects = dict(policy=self.model, value_and_grad=self.value_and_grad)
+        if self.critic is not None:
+            effects["critic"] = self.critic
+        self.state, metrics = self.step_fn(with_params(small, self.state), rollout, scores, **effects)
+        return to_wire(without_params(self.state)), metrics
+
+    def full_state(self) -> Any:
+        """The whole state with full tensors (all ranks must call it; rank 0 returns it)."""
+        from purerl.executors.fsdp import is_sharded
+
+        full = tree_map(lambda x: x.full_tensor() if is_sharded(x) else x, self.state)
+        full = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, full)
+        return to_wire(full) if self.rank == 0 else None
+
+    def publish_weights(self, version: int, bucket_bytes: int, checksum: bool) -> list[Any] | None:
+        """Gather the policy and put it in Ray's object store as weight buckets (all ranks must
+        call it). Rank 0 returns ``[ref]``: a reference the driver passes on without fetching."""
+        import ray
+
+        from purerl.executors.fsdp import full_params
+
+        full = full_params(self.state.policy)
+        if self.rank != 0:
+            return None
+        return [ray.put(weight_buckets(full, version, bucket_bytes=bucket_bytes, checksum=checksum))]
+
+    def sync_engine(self, version: int, checksum: bool) -> str | None:
+        """Colocated: the local engine gets the gathered weights (all ranks call it); with
+        ``checksum``, returns their sha256."""
+        from purerl.executors.fsdp import full_params
+
+        full = full_params(self.state.policy)
+        self.engine.sync(full, version)
+        return params_digest(full) if checksum else None
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int) -> Any:
+        return to_wire(self.engine.generate(prompts, sampling, rng, version=version))
+
+
+class RolloutWorker:
+    """A rollout worker: a rollout engine (built by name) fed by weight sync."""
+
+    def __init__(self, policy: CausalLM, engine_kwargs: dict[str, Any], threads: int, device: str,
+                 engine: str = "torch") -> None:
+        torch.set_num_threads(threads)
+        self.engine = make_engine(engine, policy, device=device, **engine_kwargs)
+        self.device = device
+        self.names: set[str] | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def load_weights(self, version: int, buckets: list[Any]) -> str | None:
+        """Load synced weights (each bucket's checksum verified when it has one); returns the
+        sha256 of all of them in checksum mode."""
+        params = load_weight_buckets(buckets, version, self.names, device=self.device)
+        self.names = set(params)
+        self.engine.sync(params, version)
+        return params_digest(params) if buckets[0].sha256 is not None else None
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int) -> Any:
+        return to_wire(self.engine.generate(prompts, sampling, rng, version=version))
+
+
+class RewardWorker:
+    """A reward worker: scores one shard of the responses."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def score(self, fn: RewardFn, responses: list[str], truths: list[str], timeout: float, penalty: float,
+              first_index: int) -> Scores:
+        return score_responses(fn, responses, truths, timeout=timeout, penalty=penalty, first_index=first_index)

@@ -1,0 +1,169 @@
+"""The Ray executor: the executor interface over the worker groups, and the driver's view of the
+rollout workers as one rollout engine."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from purerl.batch import Rollout
+from purerl.executors.local import ExecutorError, StepFn
+from purerl.executors.ray.config import RayConfig
+from purerl.executors.ray.pools import WorkerGroups
+from purerl.executors.ray.weights import PublishedWeights, load_published, publish, sync_colocated
+from purerl.executors.wire import from_wire, to_wire
+from purerl.model import CausalLM, Critic
+from purerl.rewards import RewardFn, Scores, score_responses
+from purerl.rollout.merge import concat_rollouts, prompt_shards
+from purerl.rollout.sampling import SamplingParams
+from purerl.state import RngState, TrainState, with_params, without_params
+
+__all__ = ["RayExecutor"]
+
+
+class RemoteEngine:
+    """The driver's view of the rollout workers, with the :class:`RolloutEngine` interface.
+
+    ``sync(params, version)`` with the driver's placeholder params gathers the training ranks'
+    current weights and loads them (synchronous training); with a :class:`PublishedWeights` it
+    loads that published version (a generator pulling weights)."""
+
+    def __init__(self, executor: "RayExecutor", pad_token_id: int) -> None:
+        self.executor, self.pad_token_id = executor, pad_token_id
+        self.version: int | None = None
+
+    def sync(self, params: Any, version: int) -> None:
+        if isinstance(params, PublishedWeights):
+            if params.version != version:
+                raise ValueError(f"sync: published weights are version {params.version}, not {version}")
+            self.executor.load_weights(params)
+        else:
+            self.executor.sync_weights(version)
+        self.version = version
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
+                 *, version: int | None = None) -> Rollout:
+        ex = self.executor
+        version = self.version if version is None else version
+        shards = prompt_shards(len(prompts), len(ex.rollout))
+        calls = [(w.generate.remote([list(p) for p in prompts[sl]], sampling, rng if len(shards) == 1 else
+                                    rng.fold_in(i), version), ex.groups.rollout_label(i))
+                 for i, (w, sl) in enumerate(zip(ex.rollout, shards))]
+        parts = ex.wait(calls, ex.config.step_timeout, "generate")
+        return concat_rollouts([from_wire(p) for p in parts], self.pad_token_id)
+
+    def close(self) -> None:
+        """Nothing of its own: the workers it drives are the executor's, stopped by its ``close``."""
+
+
+class RayExecutor:
+    """Runs a step function on FSDP2 training ranks and generates on rollout workers, over Ray.
+
+    ``engine_kwargs`` are the keyword arguments of the rollout workers' engine (``config.engine``,
+    built by :func:`~purerl.rollout.engine.make_engine`: ``eos_token_ids``, ``pad_token_id``,
+    ``decode``, backend options); everything passed in must pickle.
+    ``step_fn`` may be ``None`` with ``make_step_fn`` given instead: a picklable zero-argument
+    function that builds the step function on each rank (for step functions that close over
+    objects that do not pickle, e.g. under jaxtyping's import hook in the test suite). With a
+    ``critic`` (PPO), a state with critic params gets a sharded critic, passed to the step
+    function as ``critic=``.
+
+    The driver keeps the small part of the state (:func:`~purerl.state.without_params`); params
+    and optimizer states stay on the ranks. ``engine`` generates on the rollout workers; in
+    ``split`` placement it may be driven from a generator thread while the ranks train
+    (:func:`purerl.asynchronous.train_async`), pulling versions made by :meth:`publish`.
+    """
+
+    def __init__(self, step_fn: StepFn | None, policy: CausalLM, *, engine_kwargs: dict[str, Any],
+                 config: RayConfig = RayConfig(), ray_init: dict[str, Any] | None = None,
+                 make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None) -> None:
+        if (step_fn is None) == (make_step_fn is None):
+            raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
+        self.config = config
+        self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,
+                                   ray_init)
+        self.train, self.rollout, self.reward = self.groups.train, self.groups.rollout, self.groups.reward
+        self.engine = RemoteEngine(self, engine_kwargs["pad_token_id"])
+        self.last_sync_digests: list[str | None] = []  # per rollout engine, in checksum mode
+
+    def wait(self, calls: list[tuple[Any, str]], timeout: float, what: str) -> list[Any]:
+        """:meth:`WorkerGroups.wait`: results, or :class:`ExecutorError` naming the worker."""
+        return self.groups.wait(calls, timeout, what)
+
+    def worker_pids(self) -> dict[str, int]:
+        """``{"train rank 0": pid, …, "rollout worker 0": pid}``."""
+        actors = list(self.groups.actors)
+        pids = self.wait([(a.pid.remote(), label) for a, label in actors], self.config.start_timeout, "pid")
+        return {label: pid for (_, label), pid in zip(actors, pids)}
+
+    def close(self) -> None:
+        """Kill every actor and release the pools (and Ray itself, when this executor started it)."""
+        self.groups.close()
+
+    def __enter__(self) -> "RayExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- the executor interface -----------------------------------------------------------------
+    def start(self, state: TrainState) -> TrainState:
+        """Send the full ``state`` to the training ranks (they shard it); the driver keeps the rest."""
+        import ray
+
+        ref = ray.put(to_wire(state))
+        self.wait([(w.load.remote(ref), f"train rank {r}") for r, w in enumerate(self.train)],
+                  self.config.start_timeout, "load state")
+        return without_params(state)
+
+    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor) -> tuple[TrainState, dict[str, float]]:
+        import ray
+
+        small, batch = ray.put(to_wire(without_params(state))), ray.put(to_wire((rollout, scores)))
+        results = self.wait([(w.step.remote(small, batch), f"train rank {r}")
+                             for r, w in enumerate(self.train)], self.config.step_timeout, "step")
+        new, metrics = from_wire(results[0][0]), results[0][1]
+        for r, (other, _) in enumerate(results[1:], 1):
+            if from_wire(other).step != new.step:
+                self.groups.stop(f"step: train rank {r} is at step {from_wire(other).step}, rank 0 at {new.step}")
+                raise ExecutorError(self.groups.failure)
+        return without_params(new), metrics
+
+    def publish(self, state: TrainState) -> PublishedWeights:
+        """The policy at ``state.step``, gathered from the shards into Ray's object store, for a
+        generator to pull (``engine.sync(published, version)``); split placement only."""
+        if self.config.placement != "split":
+            raise ValueError("RayExecutor: asynchronous generation needs placement 'split' (colocated ranks "
+                             "cannot generate while they train)")
+        return publish(self.groups, state.step)
+
+    def load_weights(self, published: PublishedWeights) -> None:
+        """Load a published version into every rollout worker."""
+        self.last_sync_digests = load_published(self.groups, published)
+
+    def sync_weights(self, version: int) -> None:
+        """Gather the policy from the shards and load it into every rollout engine as ``version``."""
+        if self.config.placement == "colocated":
+            self.last_sync_digests = sync_colocated(self.groups, version)
+        else:
+            self.load_weights(publish(self.groups, version))
+
+    def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
+              timeout: float, penalty: float) -> Scores:
+        """Rewards on the reward workers (contiguous shards), or on the driver when there are none."""
+        if not self.reward:
+            return score_responses(fn, responses, ground_truths, timeout=timeout, penalty=penalty)
+        import ray
+
+        fn_ref = ray.put(fn)
+        shards = prompt_shards(len(responses), len(self.reward))
+        calls = [(w.score.remote(fn_ref, list(responses[sl]), list(ground_truths[sl]), timeout, penalty, sl.start),
+                  f"reward worker {i}") for i, (w, sl) in enumerate(zip(self.reward, shards))]
+        # each worker's threads time out after `timeout`; the margin covers transfer and start-up
+        return Scores.concat(self.wait(calls, 2 * timeout + 30, "reward"))
+
+    def full_state(self, state: TrainState) -> TrainState:
+        """The full state gathered from the ranks, with the driver's step, RNG, cursor and KL."""
+        parts = self.wait([(w.full_state.remote(), f"train rank {r}") for r, w in enumerate(self.train)],
+                          self.config.sync_timeout, "gather state")
+        return with_params(state, from_wire(parts[0]))

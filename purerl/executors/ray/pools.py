@@ -1,0 +1,176 @@
+"""The Ray executor's worker groups on their resource pools, and the one way to wait for them.
+
+Pools are Ray placement groups, one bundle per worker: ``train`` (the FSDP2 ranks, one
+``torch.distributed`` group), ``rollout`` (split placement only) and ``reward``. Waiting fails
+closed: the first dead, failed or silent worker stops every actor (so no rank is left blocked in
+a collective) and its message is the run's error, whichever thread waits next.
+"""
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from purerl.executors.local import ExecutorError
+from purerl.executors.ray.actors import RewardWorker, RolloutWorker, TrainRank
+from purerl.executors.ray.config import RayConfig
+from purerl.model import CausalLM, Critic
+
+__all__ = ["WorkerGroups"]
+
+_GRACE_S = 5.0  # how long, after one worker fails, the others may still report
+
+
+class WorkerGroups:
+    """Starts (or joins) Ray, reserves the pools and starts the actors: ``train`` ranks,
+    ``rollout`` workers (the training ranks themselves when colocated) and ``reward`` workers;
+    ``actors`` lists them all with their labels ("train rank 0", "rollout worker 1", …)."""
+
+    def __init__(self, config: RayConfig, policy: CausalLM, critic: Critic | None, step_fn: Callable,
+                 build_step_fn: bool, engine_kwargs: dict[str, Any], ray_init: dict[str, Any] | None) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.config = config
+        self.actors: list[tuple[Any, str]] = []
+        self.pools: dict[str, Any] = {}
+        self.failure: str | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        colocated = config.placement == "colocated"
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            local = config.address is None
+            # "local" always starts a fresh instance (never joins a cluster some other run left behind)
+            ray.init(address=config.address or "local", include_dashboard=False, log_to_driver=True,
+                     **({"num_cpus": max(os.cpu_count() or 1, int(config.workers * config.cpus_per_worker + 0.999))}
+                        if local else {}), **(ray_init or {}))
+        bundle = {"CPU": config.cpus_per_worker, **({"GPU": config.gpus_per_worker} if config.gpus_per_worker else {})}
+        try:
+            self.pools["train"] = placement_group([bundle] * config.train_ranks, strategy="PACK")
+            if not colocated:
+                self.pools["rollout"] = placement_group([bundle] * config.rollout_workers, strategy="PACK")
+            if config.reward_workers:
+                self.pools["reward"] = placement_group([{"CPU": config.cpus_per_worker}] * config.reward_workers,
+                                                       strategy="SPREAD")
+            for name, pool in self.pools.items():
+                if not pool.wait(config.start_timeout):
+                    raise ExecutorError(f"Ray could not reserve the {name} pool ({len(pool.bundle_specs)} × {bundle}) "
+                                        f"within {config.start_timeout:.0f} s: not enough resources in the cluster")
+
+            def on(pool: str, index: int) -> dict[str, Any]:
+                gpus = 0 if pool == "reward" else config.gpus_per_worker
+                return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pools[pool], index),
+                        "num_cpus": config.cpus_per_worker, "num_gpus": gpus, "max_restarts": 0}
+
+            device, threads = config.device, config.threads_per_worker
+            self.train = [ray.remote(TrainRank).options(**on("train", r)).remote(
+                r, config.train_ranks, policy, critic, step_fn, build_step_fn, threads,
+                engine_kwargs if colocated else None, device, config.engine) for r in range(config.train_ranks)]
+            self.actors += [(a, f"train rank {r}") for r, a in enumerate(self.train)]
+            if colocated:
+                self.rollout = self.train
+            else:
+                self.rollout = [ray.remote(RolloutWorker).options(**on("rollout", i)).remote(
+                    policy, engine_kwargs, threads, device, config.engine) for i in range(config.rollout_workers)]
+                self.actors += [(a, f"rollout worker {i}") for i, a in enumerate(self.rollout)]
+            self.reward = [ray.remote(RewardWorker).options(**on("reward", i)).remote()
+                           for i in range(config.reward_workers)]
+            self.actors += [(a, f"reward worker {i}") for i, a in enumerate(self.reward)]
+            (host, port), = self.wait([(self.train[0].address.remote(), "train rank 0")], config.start_timeout, "start")
+            self.wait([(w.init_process_group.remote(host, port, config.step_timeout), f"train rank {r}")
+                       for r, w in enumerate(self.train)], config.start_timeout, "init_process_group")
+        except BaseException:
+            self.close()
+            raise
+
+    def rollout_label(self, i: int) -> str:
+        return f"train rank {i}" if self.config.placement == "colocated" else f"rollout worker {i}"
+
+    def wait(self, calls: list[tuple[Any, str]], timeout: float, what: str) -> list[Any]:
+        """The results of ``calls`` (``(ObjectRef, label)``), failing closed on the first error or
+        when ``timeout`` seconds pass.
+
+        After a first failure the other calls get a short grace period, so that when one rank dies
+        and its peers then fail in a broken collective, the message names the dead one first. Safe
+        to call from several threads: once one call has failed, every wait raises that failure.
+        """
+        import ray
+
+        if self.failure is not None:
+            raise ExecutorError(self.failure)
+        labels = {ref: label for ref, label in calls}
+        results: dict[Any, Any] = {}
+        pending = list(labels)
+        deadline = time.monotonic() + timeout
+        failures: list[tuple[bool, str]] = []
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for ref in ready:
+                failure = self._result(ref, labels[ref], results)
+                if failure is not None:
+                    failures.append(failure)
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+        if failures or pending:
+            failures.sort(key=lambda f: not f[0])  # deaths first
+            messages = [m for _, m in failures]
+            if pending and not failures:
+                messages.append(f"{', '.join(labels[r] for r in pending)} did not answer within {timeout:.0f} s")
+            self.stop(f"{what}: {'; '.join(messages)}; the run is stopped")
+            raise ExecutorError(self.failure)
+        return [results[ref] for ref, _ in calls]
+
+    @staticmethod
+    def _result(ref: Any, label: str, results: dict[Any, Any]) -> tuple[bool, str] | None:
+        """Store the result of a finished call, or return ``(died, message)``."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            results[ref] = ray.get(ref)
+            return None
+        except RayActorError as e:
+            return True, f"{label} died ({type(e).__name__})"
+        except RayTaskError as e:
+            cause = e.cause if e.cause is not None else e
+            return False, f"{label} failed: {type(cause).__name__}: {cause}"
+
+    def stop(self, failure: str) -> None:
+        """Record the run's first failure and kill every actor (Ray itself stays up until
+        :meth:`close`: another thread may still be waiting on it)."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = failure
+        self._kill()
+
+    def _kill(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        with self._lock:
+            actors, pools, self.actors, self.pools = self.actors, self.pools, [], {}
+        for actor, _ in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # an actor that is already gone
+                pass
+        for pool in pools.values():
+            try:
+                remove_placement_group(pool)
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        """Kill every actor and release the pools (and Ray itself, when these groups started it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._kill()
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()

@@ -1,0 +1,46 @@
+"""Weight publishing on the Ray executor: the training ranks gather the policy into Ray's object
+store as a numbered version; rollout engines load a version when they are told (synchronous
+training) or when they pull it (asynchronous training).
+
+A :class:`PublishedWeights` is a reference, not a copy: the driver never fetches the weights, it
+hands the reference to the rollout workers, and the object store frees the buckets once no one
+holds the reference.
+"""
+
+from typing import Any
+
+import attrs
+
+from purerl.executors.ray.pools import WorkerGroups
+
+__all__ = ["PublishedWeights", "load_published", "publish", "sync_colocated"]
+
+
+@attrs.frozen(eq=False)
+class PublishedWeights:
+    """The policy at ``version``: ``buckets`` refers to a list of
+    :class:`~purerl.executors.wire.WeightBucket` in Ray's object store."""
+
+    version: int
+    buckets: Any
+
+
+def publish(groups: WorkerGroups, version: int) -> PublishedWeights:
+    """Gather the policy from the training ranks' shards as ``version``."""
+    c = groups.config
+    answers = groups.wait([(w.publish_weights.remote(version, c.bucket_bytes, c.checksum), f"train rank {r}")
+                           for r, w in enumerate(groups.train)], c.sync_timeout, "weight sync")
+    return PublishedWeights(version, answers[0][0])
+
+
+def load_published(groups: WorkerGroups, published: PublishedWeights) -> list[str | None]:
+    """Load ``published`` into every rollout worker; their sha256 digests in checksum mode."""
+    return groups.wait([(w.load_weights.remote(published.version, published.buckets), f"rollout worker {i}")
+                        for i, w in enumerate(groups.rollout)], groups.config.sync_timeout, "weight sync")
+
+
+def sync_colocated(groups: WorkerGroups, version: int) -> list[str | None]:
+    """Colocated placement: every training rank's own engine gets the gathered policy."""
+    c = groups.config
+    return groups.wait([(w.sync_engine.remote(version, c.checksum), f"train rank {r}")
+                        for r, w in enumerate(groups.train)], c.sync_timeout, "weight sync")
