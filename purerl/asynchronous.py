@@ -70,7 +70,7 @@ def train_async(state: TrainState, *, executor: Executor, engine: RolloutEngine 
                 run: RunConfig, decode: Callable[[list[int]], str], run_dir: str | Path, log: MetricsLog,
                 config: AsyncConfig = AsyncConfig(),
                 evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
-                progress: bool = True) -> tuple[TrainState, dict[str, Any]]:
+                progress: bool = True, stop: threading.Event | None = None) -> tuple[TrainState, dict[str, Any]]:
     """Run steps ``state.step + 1 … run.steps`` with generation on a background thread.
 
     ``engine``: the generator's engine. On the local executor give it one of its own (the
@@ -83,7 +83,8 @@ def train_async(state: TrainState, *, executor: Executor, engine: RolloutEngine 
     (so far), ``async/queue_depth``, ``async/trainer_wait_s`` (waiting for a batch),
     ``async/trainer_idle_frac`` and ``async/generator_idle_frac`` (time waiting, so far: the
     trainer for batches, the generator for weights or queue room). A generator that fails stops
-    the run with :class:`~purerl.executors.local.ExecutorError`.
+    the run with :class:`~purerl.executors.local.ExecutorError`; ``stop`` as in
+    :func:`~purerl.driver.train` (queued batches are discarded).
     """
     if engine is None:
         if isinstance(executor, LocalExecutor):
@@ -102,7 +103,9 @@ def train_async(state: TrainState, *, executor: Executor, engine: RolloutEngine 
 
     dropped, staleness_seen, waited = 0, collections.Counter(), 0.0
     start = time.perf_counter()
-    with StepRecorder(state, executor, run, run_dir, log, evaluate_fn and evaluate, progress) as record, generator:
+    with StepRecorder(state, executor, run, run_dir, log, evaluate_fn and evaluate, progress, stop) as record, \
+            generator:
+        record.check(state)
         while state.step < run.steps:
             step_start = time.perf_counter()
             item = generator.take()
@@ -125,6 +128,7 @@ def train_async(state: TrainState, *, executor: Executor, engine: RolloutEngine 
                        "timing/train_s": time.perf_counter() - train_start,
                        "timing/step_s": time.perf_counter() - step_start}
             record(state, metrics)
+        record.finish(state)
     executor.engine.sync(published.newest(state.step)[0], version=state.step)  # for a final evaluation
     trained = sum(staleness_seen.values())
     return state, {"staleness_histogram": dict(sorted(staleness_seen.items())), "trained": trained,

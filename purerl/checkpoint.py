@@ -35,6 +35,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "export_hf",
+    "remove_partial_checkpoints",
 ]
 
 FORMAT = "purerl-checkpoint/1"
@@ -78,6 +79,15 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest checkpoint directory under ``root``, or None."""
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def remove_partial_checkpoints(root: str | Path) -> list[Path]:
+    """Delete the temporary folders of checkpoint writes that never finished (a killed run leaves
+    them; they never load, but they hold disk space). Returns what was removed."""
+    removed = sorted(Path(root).glob(".tmp_step_*")) if Path(root).is_dir() else []
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def save_checkpoint(root: str | Path, state: Any, *, step: int, keep: int | None = 3,

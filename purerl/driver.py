@@ -13,6 +13,8 @@ uninterrupted run would have done (asynchronously: batches still queued are disc
 generation restarts from the checkpoint's cursor and weights).
 """
 
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,7 +35,7 @@ from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.tree import replace
 
-__all__ = ["RunConfig", "StepRecorder", "Task", "decode_responses", "evaluate", "rollout_batch", "rollout_rng",
+__all__ = ["Interrupted", "RunConfig", "StepRecorder", "StopRequest", "Task", "decode_responses", "evaluate", "rollout_batch", "rollout_rng",
            "sample_batch", "train"]
 
 @attrs.frozen
@@ -51,6 +53,9 @@ class Task:
 
 @attrs.frozen
 class RunConfig:
+    """``final_checkpoint``: also checkpoint the last step (and, on a stop request, the step
+    stopped after) when ``checkpoint_every`` does not fall on it."""
+
     steps: int
     prompts_per_step: int
     sampling: SamplingParams
@@ -59,6 +64,40 @@ class RunConfig:
     keep_checkpoints: int = 2
     reward_timeout: float = 10.0
     reward_penalty: float = 0.0
+    final_checkpoint: bool = True
+
+
+class Interrupted(Exception):
+    """A stop was requested (:class:`StopRequest`): the loop stopped after ``step``, with its
+    checkpoint at ``checkpoint`` (None when no step had been trained)."""
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        super().__init__(f"interrupted after step {step}" + (f"; checkpoint {checkpoint}" if checkpoint else ""))
+        self.step, self.checkpoint = step, checkpoint
+
+
+class StopRequest:
+    """While entered, SIGINT and SIGTERM set :attr:`event` instead of killing the process: the
+    training loops finish the step in flight, checkpoint it and raise :class:`Interrupted`. A
+    second signal interrupts at once (``KeyboardInterrupt``). Main thread only."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+
+    def __enter__(self) -> "StopRequest":
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def decode_responses(rollout: Rollout, decode: Callable[[list[int]], str]) -> list[str]:
@@ -133,12 +172,15 @@ def evaluate(state: TrainState, engine: RolloutEngine, task: Task, decode: Calla
 def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,
           decode: Callable[[list[int]], str], run_dir: str | Path, log: MetricsLog,
           evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
-          progress: bool = True) -> TrainState:
+          progress: bool = True, stop: threading.Event | None = None) -> TrainState:
     """Run steps ``state.step + 1 … run.steps`` on ``executor`` (already started with ``state``);
-    returns the final (driver's) state. Checkpoints hold the executor's full state."""
+    returns the final (driver's) state. Checkpoints hold the executor's full state. ``stop``
+    (e.g. :attr:`StopRequest.event`): once set, the loop checkpoints the step it finished and
+    raises :class:`Interrupted`."""
     engine = executor.engine
     engine.sync(state.policy, version=state.step)
-    with StepRecorder(state, executor, run, run_dir, log, evaluate_fn, progress) as record:
+    with StepRecorder(state, executor, run, run_dir, log, evaluate_fn, progress, stop) as record:
+        record.check(state)
         while state.step < run.steps:
             step_start = time.perf_counter()
             state, rollout, scores, metrics = rollout_batch(state, engine, task, run, decode, score=executor.score)
@@ -149,19 +191,41 @@ def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,
             metrics["timing/train_s"] = time.perf_counter() - train_start
             metrics["timing/step_s"] = time.perf_counter() - step_start
             record(state, metrics)
+        record.finish(state)
     return state
 
 
 class StepRecorder:
     """After each trained step: evaluate every ``eval_every``, log, checkpoint every
-    ``checkpoint_every``, advance the progress bar."""
+    ``checkpoint_every``, advance the progress bar; then, if ``stop`` is set, checkpoint and raise
+    :class:`Interrupted`. :meth:`finish` writes the final checkpoint."""
 
     def __init__(self, state: TrainState, executor: Executor, run: RunConfig, run_dir: str | Path, log: MetricsLog,
-                 evaluate_fn: Callable[[TrainState], dict[str, float]] | None, progress: bool) -> None:
+                 evaluate_fn: Callable[[TrainState], dict[str, float]] | None, progress: bool,
+                 stop: threading.Event | None = None) -> None:
         from tqdm.auto import tqdm
 
         self.executor, self.run, self.run_dir, self.log, self.evaluate_fn = executor, run, run_dir, log, evaluate_fn
+        self.stop, self.saved, self.first_step = stop, None, state.step
         self.bar = tqdm(total=run.steps, initial=state.step, disable=not progress, unit="step", dynamic_ncols=True)
+
+    def _save(self, state: TrainState) -> Path:
+        if self.saved is None or self.saved[0] != state.step:
+            path = save_checkpoint(Path(self.run_dir) / "checkpoints", self.executor.full_state(state),
+                                   step=state.step, keep=self.run.keep_checkpoints)
+            self.saved = state.step, path
+        return self.saved[1]
+
+    def check(self, state: TrainState) -> None:
+        """Raise :class:`Interrupted` if a stop was requested (checkpointing a step trained here)."""
+        if self.stop is not None and self.stop.is_set():
+            trained = state.step > self.first_step
+            raise Interrupted(state.step, self._save(state) if trained and self.run.final_checkpoint else None)
+
+    def finish(self, state: TrainState) -> None:
+        """The end of the run: the final checkpoint."""
+        if self.run.final_checkpoint and state.step > self.first_step:
+            self._save(state)
 
     def __enter__(self) -> "StepRecorder":
         return self
@@ -175,8 +239,7 @@ class StepRecorder:
             metrics.update(self.evaluate_fn(state))
         self.log.write(state.step, metrics)
         if run.checkpoint_every and state.step % run.checkpoint_every == 0:
-            save_checkpoint(Path(self.run_dir) / "checkpoints", self.executor.full_state(state), step=state.step,
-                            keep=run.keep_checkpoints)
+            self._save(state)
         self.bar.update(1)
         self.bar.set_postfix({
             "reward": f"{metrics.get('critic/score/mean', float('nan')):.3f}",
@@ -184,3 +247,4 @@ class StepRecorder:
             "entropy": f"{metrics.get('actor/entropy', float('nan')):.3f}",
             "tok/s": f"{metrics['perf/gen_tokens_per_s']:.0f}",
         })
+        self.check(state)

@@ -55,9 +55,20 @@ class MetricsLog:
 
     @staticmethod
     def read(path: str | Path) -> list[dict[str, Any]]:
-        """All records of a metrics.jsonl file."""
-        with Path(path).open() as f:
-            return [json.loads(line) for line in f if line.strip()]
+        """All records of a metrics.jsonl file. A torn last line (a run killed while writing it)
+        is skipped; a bad line elsewhere raises ``ValueError`` naming the file and line."""
+        lines = Path(path).read_text(errors="replace").splitlines()
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                if number == len(lines):
+                    break
+                raise ValueError(f"{path}: line {number} is not a JSON record ({err.msg})") from None
+        return records
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` (on resume, the steps after the checkpoint are redone)."""

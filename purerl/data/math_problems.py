@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from purerl.data.records import PromptRecord
 
-__all__ = ["INSTRUCTION", "math_problem", "math_problems", "train_eval_split"]
+__all__ = ["DIFFICULTIES", "INSTRUCTION", "math_problem", "math_problems", "train_eval_split"]
 
 INSTRUCTION = "Give a short answer. End with '#### <number>'."
 _NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Maya", "Ben", "Ivy", "Raj", "Zoe", "Eli", "Nia"]
@@ -59,6 +59,8 @@ def _level4(r: random.Random) -> tuple[str, int]:
 
 
 _LEVELS: dict[int, Callable[[random.Random], tuple[str, int]]] = {1: _level1, 2: _level2, 3: _level3, 4: _level4}
+DIFFICULTIES = tuple(sorted(_LEVELS))
+"""The procedural difficulty levels."""
 
 
 def math_problem(r: random.Random, difficulty: int) -> PromptRecord:

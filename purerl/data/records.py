@@ -60,19 +60,29 @@ def record_from_row(row: Any, where: str) -> PromptRecord:
         truth = truth.tolist()
     if truth is None or (isinstance(truth, str) and not truth.strip()):
         raise DataError(f"{where}: field 'reward_model.ground_truth' is empty")
+    if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
+        # str() of a list or dict would be graded as one answer, and never match
+        raise DataError(f"{where}: field 'reward_model.ground_truth' is a {type(truth).__name__}; "
+                        "the math rewards compare one answer: give a string or a number")
     source = row.get("data_source", "unknown")
     return PromptRecord(tuple(messages), str(truth), str(source))
 
 
-def _rows(path: Path) -> list[Any]:
+def _rows(path: Path) -> list[tuple[int, Any]]:
+    """``(row number, row)`` pairs: line numbers for jsonl (blank lines skipped), indices for parquet."""
     if path.suffix in (".jsonl", ".json"):
         rows = []
-        with path.open() as f:
-            for lineno, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise DataError(f"{path}: row {lineno}: not UTF-8 text (byte {err.start}: "
+                                    f"{raw[err.start:err.start + 1]!r}); save the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:
-                    rows.append(json.loads(line))
+                    rows.append((lineno, json.loads(line)))
                 except json.JSONDecodeError as err:
                     raise DataError(f"{path}: row {lineno}: invalid JSON ({err.msg})") from err
         return rows
@@ -81,7 +91,10 @@ def _rows(path: Path) -> list[Any]:
             import pyarrow.parquet as pq
         except ImportError as err:
             raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from err
-        return pq.read_table(path).to_pylist()
+        try:
+            return list(enumerate(pq.read_table(path).to_pylist()))
+        except Exception as err:  # pyarrow's errors for a file that is not parquet
+            raise DataError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})") from None
     raise DataError(f"{path}: unsupported file type {path.suffix!r} (use .parquet or .jsonl)")
 
 
@@ -97,12 +110,13 @@ def load_records(paths: str | Path | Sequence[str | Path]) -> list[PromptRecord]
     for p in map(Path, paths):
         if not p.exists():
             raise DataError(f"{p}: no such data file")
+        if not p.is_file():
+            raise DataError(f"{p}: not a file")
         rows = _rows(p)
         if not rows:
             raise DataError(f"{p}: no rows")
-        line_numbered = p.suffix in (".jsonl", ".json")
-        for i, row in enumerate(rows):
-            records.append(record_from_row(row, f"{p}: row {i + 1 if line_numbered else i}"))
+        for number, row in rows:
+            records.append(record_from_row(row, f"{p}: row {number}"))
     return records
 
 

@@ -1,0 +1,222 @@
+"""A user's ordinary mistakes and interruptions: nothing is lost or mixed, errors are one line.
+
+Each test names the fault it covers: a reused output folder, an interrupt and resume, a torn
+metrics file, missing or unreadable inputs, settings that would silently train nothing, and the
+HF export at the end of a run.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "grpo_math.py"
+TINY = ["--tiny", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
+        "--eval-size", "4", "--train-size", "40", "--eval-every", "0", "--no-progress", "--threads", "1"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _job(out_dir, *extra, steps=4, checkpoint_every=2, check=True):
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--steps", str(steps), "--checkpoint-every", str(checkpoint_every),
+           "--out-dir", str(out_dir), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_line_error(done, status=1) -> str:
+    assert done.returncode == status, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("grpo_math: "), done.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "run"
+    _job(out)
+    return out
+
+
+# 1. an output folder belongs to one run
+def test_reusing_an_out_dir_is_refused_and_loses_nothing(finished_run, tmp_path):
+    before = _snapshot(finished_run)
+    message = _one_line_error(_job(finished_run, steps=2, checkpoint_every=1, check=False))
+    assert "already holds a run" in message and "--resume" in message and "--overwrite" in message
+    assert _snapshot(finished_run) == before
+
+    stranger = tmp_path / "photos"
+    stranger.mkdir()
+    (stranger / "cat.jpg").write_bytes(b"\xff\xd8")
+    message = _one_line_error(_job(stranger, "--overwrite", check=False))
+    assert "holds no purerl run" in message and (stranger / "cat.jpg").exists()
+
+
+def test_overwrite_replaces_the_run_entirely(tmp_path):
+    out = tmp_path / "run"
+    _job(out, steps=4, checkpoint_every=2)
+    _job(out, "--overwrite", steps=2, checkpoint_every=1)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_resume_refuses_changed_settings_naming_them(finished_run):
+    before = _snapshot(finished_run)
+    message = _one_line_error(_job(finished_run, "--resume", "--lr", "1e-3", "--seed", "7", steps=6, check=False))
+    assert "--lr was 2e-05, now 0.001" in message and "--seed was 0, now 7" in message
+    assert _snapshot(finished_run) == before
+
+
+# 3. a final checkpoint and an HF export at the end; interrupts checkpoint and resume exactly
+def test_the_export_loads_with_from_pretrained_and_answers_like_the_final_checkpoint(finished_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from grpo_math import load_policy, parse_args
+
+    from purerl.rollout.backends.torch import TorchEngine
+    from purerl.rollout.sampling import SamplingParams
+    from purerl.state import RngState
+
+    summary = json.loads((finished_run / "summary.json").read_text())
+    assert summary["export"] == str(finished_run / "export") and summary["steps"] == 4
+    hf = AutoModelForCausalLM.from_pretrained(finished_run / "export")
+    tokenizer = AutoTokenizer.from_pretrained(finished_run / "export")
+    model, _, _ = load_policy(parse_args(["--tiny"]))
+    final = load_file(finished_run / "checkpoints" / "step_00000004" / "tensors.safetensors")
+    params = {k[len(".policy['"):-2]: v for k, v in final.items() if k.startswith(".policy[")}
+    engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    engine.sync(params, 4)
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("user: 2+3?\nassistant: ", "7 - 4 = ")]
+    ours = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0), RngState(0))
+    assert ours.sequences.response_mask.sum() >= 8  # something to compare
+    for row, prompt in enumerate(prompts):
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        mask = ours.sequences.response_mask[row]
+        assert ours.sequences.responses()[row][mask].tolist() == theirs[0, len(prompt):].tolist()[: int(mask.sum())]
+
+
+def _interrupt(cmd, when) -> tuple[int, str]:
+    """Run ``cmd``, send SIGINT once ``when()`` is true; its exit status and output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    deadline = time.monotonic() + 300
+    while not when() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=300)
+    return proc.returncode, output
+
+
+def test_interrupts_checkpoint_and_resume_ends_like_an_uninterrupted_run(tmp_path):
+    """SIGINT mid-training finishes the step, checkpoints it and exits 130 saying how to resume;
+    SIGINT at a random moment (start-up included) may end the run anyhow. Either way, --resume
+    ends with exactly the weights and optimizer state of an uninterrupted run."""
+    start = time.monotonic()
+    _job(tmp_path / "whole", steps=40, checkpoint_every=15)  # 40 is no multiple of 15: the final checkpoint
+    duration = time.monotonic() - start
+    whole = load_file(tmp_path / "whole" / "checkpoints" / "step_00000040" / "tensors.safetensors")
+    rng = random.Random(os.getpid())
+    for case in ("mid-training", "random"):
+        out = tmp_path / case
+        cmd = [sys.executable, str(SCRIPT), *TINY, "--steps", "40", "--checkpoint-every", "15", "--out-dir", str(out)]
+        if case == "mid-training":
+            status, output = _interrupt(cmd, (out / "checkpoints" / "step_00000015").exists)
+            assert status == 130, output
+            line = output.strip().splitlines()[-1]
+            assert line.startswith("grpo_math: interrupted after step ") and line.endswith("with --resume"), output
+            step = int(line.split("after step ")[1].split(";")[0])
+            assert 15 <= step < 40 and (out / "checkpoints" / f"step_{step:08d}").is_dir()
+        else:
+            at = time.monotonic() + rng.uniform(0.0, duration)
+            status, output = _interrupt(cmd, lambda: time.monotonic() >= at)  # noqa: B023
+            assert status in (0, 1, 130, -signal.SIGINT), output
+        _job(out, "--resume", steps=40, checkpoint_every=15)
+        cut = load_file(out / "checkpoints" / "step_00000040" / "tensors.safetensors")
+        assert whole.keys() == cut.keys()
+        for name, value in whole.items():
+            assert torch.equal(cut[name], value), (case, name)
+
+
+# 7. resume after a torn metrics line, without baseline.json, with a leftover temporary checkpoint
+def test_resume_survives_a_torn_metrics_line_a_missing_baseline_and_partial_checkpoint_writes(tmp_path):
+    out = tmp_path / "run"
+    _job(out, steps=2, checkpoint_every=2)
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "actor/pg_lo')  # killed mid-write
+    (out / "baseline.json").unlink()
+    partial = out / "checkpoints" / ".tmp_step_00000003_4242"
+    partial.mkdir()
+    (partial / "tensors.safetensors").write_bytes(b"\0" * 1024)
+    done = _job(out, "--resume", steps=4, checkpoint_every=2)
+    assert "unfinished checkpoint write" in done.stdout and not partial.exists()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["accuracy_before"] is None and summary["accuracy_gain_points"] is None
+
+
+# 4, 6. inputs: one line naming the file, the row, the field
+def test_unreadable_data_is_one_line_naming_file_and_row(tmp_path):
+    good = {"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes((json.dumps(good) + "\n").encode() + '{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    message = _one_line_error(_job(tmp_path / "a", "--data", str(latin), check=False))
+    assert f"{latin}: row 2: not UTF-8" in message
+    lists = tmp_path / "lists.jsonl"
+    lists.write_text(json.dumps(good) + "\n" + json.dumps({**good, "reward_model": {"ground_truth": ["2", "3"]}}))
+    message = _one_line_error(_job(tmp_path / "b", "--data", str(lists), check=False))
+    assert f"{lists}: row 2: field 'reward_model.ground_truth' is a list" in message
+
+
+def test_data_without_eval_data_holds_rows_out_of_training(tmp_path):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from grpo_math import load_task_records, parse_args
+
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1?"}], "reward_model": {"ground_truth": str(i + 1)}}
+            for i in range(20)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(map(json.dumps, rows)))
+    train, held_out, counts = load_task_records(parse_args(["--data", str(data), "--eval-size", "5"]))
+    assert len(train) == 15 and len(held_out) == 5 and counts == {"eval_rows_held_out_of_data": 5}
+    assert not {r.ground_truth for r in train} & {r.ground_truth for r in held_out}
+
+
+# 5, 6. settings that would silently do nothing, or fail deep inside a library
+@pytest.mark.parametrize("argv, message", [
+    (["--samples-per-prompt", "1"], "--samples-per-prompt 1: GRPO compares samples"),
+    (["--temperature", "0"], "--temperature 0.0: GRPO needs sampling"),
+    (["--kl-coef", "-0.1"], "--kl-coef must be ≥ 0"),
+    (["--steps", "-1"], "--steps must be ≥ 1, got -1"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such file or folder"),
+    (["--model", "README.md"], "--model README.md: a file that is not .gguf"),
+    (["--model", "purerl"], "--model purerl: folder without config.json"),
+    (["--data", "missing.jsonl"], "--data missing.jsonl: no such file"),
+    (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+    (["--difficulty", "9"], "--difficulty levels are 1, 2, 3, 4"),
+])
+def test_bad_settings_are_refused_in_one_line_before_anything_loads(argv, message, capsys, monkeypatch):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from grpo_math import parse_args
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("grpo_math: error: ") and message in err[0], err
