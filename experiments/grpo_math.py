@@ -418,7 +418,8 @@ def run_job(args, executor, state, run, train_task, eval_task, counts, decode, w
     engine = executor.engine
     log = MetricsLog(run_dir, tuple(args.log), config=vars(args))
     evaluate_fn = functools.partial(evaluate, engine=engine, task=eval_task, decode=decode,
-                                    max_new_tokens=args.max_new_tokens)
+                                    max_new_tokens=args.max_new_tokens, score=executor.score,
+                                    reward_timeout=run.reward_timeout)
 
     if args.resume and (checkpoint := latest_checkpoint(run_dir / "checkpoints")) is not None:
         state = executor.start(load_checkpoint(checkpoint, state))

@@ -154,19 +154,25 @@ def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, run: Run
 
 
 def evaluate(state: TrainState, engine: RolloutEngine, task: Task, decode: Callable[[list[int]], str], *,
-             max_new_tokens: int, batch_prompts: int = 32) -> dict[str, float]:
+             max_new_tokens: int, batch_prompts: int = 32, score: Callable[..., Scores] = score_responses,
+             reward_timeout: float = 10.0) -> dict[str, float]:
     """Greedy accuracy on ``task``: ``val/accuracy`` with the task's reward (score ≥ 1 counts as
-    correct) and ``val/strict_accuracy`` counting only answers written after ``####`` or boxed."""
+    correct) and ``val/strict_accuracy`` counting only answers written after ``####`` or boxed.
+    Rewards are scored like training's (``score``, under ``reward_timeout``): an answer whose
+    check hangs or fails counts as wrong (``val/reward_timeouts``, ``val/reward_errors``)."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    correct = strict = 0
+    texts = []
     for start in range(0, len(task.records), batch_prompts):
         ids = task.prompt_ids[start:start + batch_prompts]
-        rollout = engine.generate(ids, sampling, RngState(0), version=state.step)
-        for text, record in zip(decode_responses(rollout, decode), task.records[start:start + batch_prompts]):
-            correct += task.reward_fn(text, record.ground_truth) >= 1.0
-            strict += math_reward(text, record.ground_truth) >= 1.0
+        texts += decode_responses(engine.generate(ids, sampling, RngState(0), version=state.step), decode)
+    truths = [record.ground_truth for record in task.records]
+    lenient = score(task.reward_fn, texts, truths, timeout=reward_timeout, penalty=0.0)
+    strict = score(math_reward, texts, truths, timeout=reward_timeout, penalty=0.0)
     n = len(task.records)
-    return {"val/accuracy": correct / n, "val/strict_accuracy": strict / n}
+    return {"val/accuracy": sum(v >= 1.0 for v in lenient.values) / n,
+            "val/strict_accuracy": sum(v >= 1.0 for v in strict.values) / n,
+            "val/reward_timeouts": float(lenient.timeouts + strict.timeouts),
+            "val/reward_errors": float(lenient.errors + strict.errors)}
 
 
 def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,

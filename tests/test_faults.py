@@ -220,3 +220,64 @@ def test_bad_settings_are_refused_in_one_line_before_anything_loads(argv, messag
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("grpo_math: error: ") and message in err[0], err
+
+
+# 2. a reward that never returns costs a sample its timeout, in training and in evaluation
+def reward_that_spins_on_odd_lengths(response: str, truth: str) -> float:
+    """Module level, so it is scored in a reward process; loops forever in pure Python (holding
+    the GIL) on responses of odd length."""
+    while len(response) % 2:
+        pass
+    return 1.0
+
+
+def test_a_reward_spinning_forever_costs_samples_their_timeout_and_the_run_finishes(tmp_path):
+    import functools
+
+    from purerl.algo.kl_control import make_kl_controller
+    from purerl.data.cursor import DataCursor
+    from purerl.data.records import PromptRecord
+    from purerl.driver import RunConfig, Task, evaluate, train
+    from purerl.executors.local import LocalExecutor
+    from purerl.metrics_log import MetricsLog
+    from purerl.model import causal_lm_from_config
+    from purerl.optim import adamw
+    from purerl.rollout.backends.torch import TorchEngine
+    from purerl.rollout.sampling import SamplingParams
+    from purerl.state import RngState, TrainState
+    from purerl.step import StepConfig, grpo_step
+    from purerl.tiny import tiny_llama_config
+
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    optimizer, kl = adamw(1e-3), make_kl_controller("fixed")
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=StepConfig())
+    task = Task([[5 + i, 6, 7] for i in range(6)], [PromptRecord(({"role": "user", "content": "q"},), "0")] * 6,
+                reward_that_spins_on_odd_lengths)
+    executor = LocalExecutor(step_fn, model, TorchEngine(model, eos_token_ids=[1], pad_token_id=0))
+    decode = lambda ids: "x" * len(ids)  # noqa: E731 - response length = token count
+    evaluate_fn = functools.partial(evaluate, engine=executor.engine, task=task, decode=decode, max_new_tokens=5,
+                                    reward_timeout=0.5)
+    run = RunConfig(steps=2, prompts_per_step=2, sampling=SamplingParams(max_new_tokens=5, n=4), eval_every=2,
+                    reward_timeout=0.5, reward_penalty=-1.0)
+    state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
+                       data=DataCursor(0))
+    log = MetricsLog(tmp_path)
+    start = time.monotonic()
+    state = train(state, executor=executor, task=task, run=run, decode=decode, run_dir=tmp_path, log=log,
+                  evaluate_fn=evaluate_fn, progress=False)
+    log.close()
+    records = MetricsLog.read(log.path)
+    assert state.step == 2 and time.monotonic() - start < 120
+    assert sum(r["reward/timeouts"] for r in records) >= 1 and records[-1]["val/reward_timeouts"] >= 1
+    assert 0.0 <= records[-1]["val/accuracy"] < 1.0
+
+
+# 9. every runtime dependency is declared: math-verify grades LaTeX answers, tqdm draws progress
+def test_runtime_dependencies_are_declared_and_math_verify_grades_latex():
+    from importlib.metadata import requires
+
+    from purerl.rewards import math_reward
+
+    declared = {r.split(";")[0].split(">")[0].split("=")[0].strip().lower() for r in requires("purerl")}
+    assert {"math-verify", "tqdm", "torch", "attrs"} <= declared
+    assert math_reward("so \\boxed{\\frac{1}{2}}", "1/2") == 1.0

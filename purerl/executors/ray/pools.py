@@ -116,10 +116,13 @@ class WorkerGroups:
                     failures.append(failure)
                     deadline = min(deadline, time.monotonic() + _GRACE_S)
         if failures or pending:
-            failures.sort(key=lambda f: not f[0])  # deaths first
-            messages = [m for _, m in failures]
-            if pending and not failures:
-                messages.append(f"{', '.join(labels[r] for r in pending)} did not answer within {timeout:.0f} s")
+            # deaths first, then the silent (a stopped or hung rank makes its peers fail in a
+            # collective: the silent one is the cause), then the other failures
+            deaths = [m for died, m in failures if died]
+            silent = ([f"{', '.join(labels[r] for r in pending)} did not answer within {timeout:.0f} s"]
+                      if pending and not failures else
+                      [f"{', '.join(labels[r] for r in pending)} did not answer (stopped or hung?)"] if pending else [])
+            messages = deaths + silent + [m for died, m in failures if not died]
             self.stop(f"{what}: {'; '.join(messages)}; the run is stopped")
             raise ExecutorError(self.failure)
         return [results[ref] for ref, _ in calls]

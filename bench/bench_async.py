@@ -1,0 +1,144 @@
+"""Asynchronous against synchronous training on the Ray executor's split placement, in one run.
+
+One FSDP2 training rank and one rollout worker, each on its own resource pool with one CPU
+thread, train the same GRPO job (a small random Llama, a reward counting one token class) twice: synchronously
+(generate → score → step → sync, each waiting for the other) and asynchronously with
+``max_staleness`` (the rollout worker generates the next batch with published weights while the
+rank trains). Each mode uses its natural step: the synchronous one takes the engine's log-probs
+as π_old; the asynchronous one recomputes them and corrects with token-level truncated IS.
+
+Throughput = trained samples per second of wall time after ``--warmup`` steps. The synchronous
+run's phase medians show how balanced generation and training are (async can at best hide the
+shorter one: ≤ 2× when they are equal).
+
+    python bench/bench_async.py [--steps 40 --warmup 2 --hidden 128 --layers 4 --prompts 4 --n 3 --new 96 --repeats 3]
+
+The defaults balance generation and training on a 2-core CPU; on other machines, pick sizes
+where the synchronous run's gen and train medians are close.
+"""
+
+import argparse
+import functools
+import os
+import statistics
+import tempfile
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import torch  # noqa: E402
+
+from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.asynchronous import AsyncConfig, train_async  # noqa: E402
+from purerl.data.cursor import DataCursor  # noqa: E402
+from purerl.data.records import PromptRecord  # noqa: E402
+from purerl.driver import RunConfig, Task, train  # noqa: E402
+from purerl.executors.ray import RayConfig, RayExecutor  # noqa: E402
+from purerl.metrics_log import MetricsLog  # noqa: E402
+from purerl.model import causal_lm_from_config  # noqa: E402
+from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
+from purerl.rollout.sampling import SamplingParams  # noqa: E402
+from purerl.state import RngState, TrainState  # noqa: E402
+from purerl.step import StepConfig, grpo_step  # noqa: E402
+from purerl.tiny import tiny_llama_config  # noqa: E402
+
+ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
+
+
+def reward(text: str, truth: str) -> float:
+    return float(text.count("a")) / max(len(text), 1)
+
+
+def decode(ids: list[int]) -> str:
+    return "".join("a" if t % 3 == 0 else "b" for t in ids)
+
+
+def run_mode(mode: str, args: argparse.Namespace, model, params, task: Task, run: RunConfig) -> dict:
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-4, weight_decay=0.0))
+    kl = make_kl_controller("fixed", coef=0.0)
+    step_config = (StepConfig(micro_batch_rows=args.micro_batch, compute_entropy=False) if mode == "sync" else
+                   StepConfig(micro_batch_rows=args.micro_batch, compute_entropy=False, recompute_old_logprobs=True,
+                              rollout_correction="token-tis"))
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=step_config)
+    state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
+                       data=DataCursor(0))
+    config = RayConfig(train_ranks=1, rollout_workers=1, placement="split", threads_per_worker=1)
+    with tempfile.TemporaryDirectory() as run_dir, RayExecutor(step_fn, model, engine_kwargs=ENGINE,
+                                                                config=config) as executor:
+        log = MetricsLog(run_dir)
+        state = executor.start(state)
+        report = None
+        if mode == "sync":
+            train(state, executor=executor, task=task, run=run, decode=decode, run_dir=run_dir, log=log,
+                  progress=False)
+        else:
+            _, report = train_async(state, executor=executor, task=task, run=run, decode=decode, run_dir=run_dir,
+                                    log=log, config=AsyncConfig(max_staleness=args.max_staleness), progress=False)
+        log.close()
+        records = MetricsLog.read(log.path)
+    timed = records[args.warmup:]
+    seconds = timed[-1]["time"] - records[args.warmup - 1]["time"]
+    samples = len(timed) * args.prompts * args.n
+    med = lambda key: statistics.median(r[key] for r in timed) if key in timed[0] else float("nan")  # noqa: E731
+    return {"samples_per_s": samples / seconds, "seconds": seconds, "gen_s": med("timing/gen_s"),
+            "train_s": med("timing/train_s"), "step_s": med("timing/step_s"),
+            "trainer_idle": timed[-1].get("async/trainer_idle_frac", float("nan")),
+            "generator_idle": timed[-1].get("async/generator_idle_frac", float("nan")), "report": report}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=2, help="first steps not timed (start-up, first sync)")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n", type=int, default=3)
+    ap.add_argument("--new", type=int, default=96, help="max new tokens")
+    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--max-staleness", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="sync/async pairs, alternating (this box is noisy)")
+    args = ap.parse_args()
+    if not 1 <= args.warmup < args.steps:
+        ap.error("need 1 ≤ --warmup < --steps")
+
+    import ray
+
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+             _temp_dir=tempfile.mkdtemp(prefix="ray"))
+    config = tiny_llama_config(vocab_size=128, hidden_size=args.hidden, layers=args.layers,
+                               intermediate_size=3 * args.hidden, max_position_embeddings=512)
+    model, params = causal_lm_from_config(config, seed=0)
+    records = [PromptRecord(({"role": "user", "content": str(i)},), "0") for i in range(256)]
+    task = Task([[5 + i % 100, 6, 7, 8, 9, 10, 11, 12] for i in range(256)], records, reward)
+    run = RunConfig(steps=args.steps, prompts_per_step=args.prompts,
+                    sampling=SamplingParams(max_new_tokens=args.new, n=args.n))
+    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    for _ in range(args.repeats):
+        for mode in ("sync", "async"):
+            results[mode].append(run_mode(mode, args, model, params, task, run))
+    ray.shutdown()
+
+    count = sum(p.numel() for p in params.values())
+    print("\n## Async vs sync, Ray split placement: 1 training rank + 1 rollout worker, 1 thread each\n")
+    print(f"Llama h{args.hidden}×{args.layers} ({count / 1e6:.1f} M params), {args.prompts} prompts × {args.n} "
+          f"samples, ≤ {args.new} new tokens, {args.steps} steps ({args.warmup} not timed), "
+          f"async max_staleness {args.max_staleness}, {args.repeats} pair(s)\n")
+    print("| mode | samples/s | timed s | gen s (median) | train s (median) | step s (median) | "
+          "trainer idle | generator idle |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, runs in results.items():
+        for r in runs:
+            print(f"| {mode} | {r['samples_per_s']:.2f} | {r['seconds']:.1f} | {r['gen_s']:.2f} | {r['train_s']:.2f} "
+                  f"| {r['step_s']:.2f} | {r['trainer_idle']:.0%} | {r['generator_idle']:.0%} |")
+    ratios = [a["samples_per_s"] / s["samples_per_s"] for s, a in zip(results["sync"], results["async"])]
+    sync = results["sync"]
+    gen, trn = statistics.median(r["gen_s"] for r in sync), statistics.median(r["train_s"] for r in sync)
+    print(f"\nasync / sync throughput: {', '.join(f'{x:.2f}×' for x in ratios)} (median {statistics.median(ratios):.2f}×); "
+          f"perfect overlap would give (gen + train) / max(gen, train) = {(gen + trn) / max(gen, trn):.2f}×")
+    print(f"async staleness: {results['async'][-1]['report']['staleness_histogram']}")
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, ray {ray.__version__}")
+
+
+if __name__ == "__main__":
+    main()
