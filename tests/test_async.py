@@ -66,14 +66,15 @@ def _run_async(tmp_path, config, slow_step=0.0, run=RUN):
 def test_staleness_zero_is_the_synchronous_trainer_bit_for_bit(tmp_path):
     state, executor, _ = _setup()
     log = MetricsLog(tmp_path / "sync")
-    sync_state = train(state, executor=executor, task=TASK, run=RUN, decode=decode, run_dir=tmp_path / "sync",
+    run = attrs.evolve(RUN, steps=5)
+    sync_state = train(state, executor=executor, task=TASK, run=run, decode=decode, run_dir=tmp_path / "sync",
                        log=log, progress=False)
     log.close()
     sync_records = list(MetricsLog.read(log.path))
-    async_state, report, async_records = _run_async(tmp_path / "async", AsyncConfig(max_staleness=0))
-    assert report == {"staleness_histogram": {0: 4}, "trained": 4, "dropped_batches": 0, "discarded": 0,
-                      "generated": 4}
-    assert async_state.step == sync_state.step == 4
+    async_state, report, async_records = _run_async(tmp_path / "async", AsyncConfig(max_staleness=0), run=run)
+    assert report == {"staleness_histogram": {0: 5}, "trained": 5, "dropped_batches": 0, "discarded": 0,
+                      "generated": 5}
+    assert async_state.step == sync_state.step == 5
     assert attrs.astuple(async_state.data) == attrs.astuple(sync_state.data)
     assert attrs.astuple(async_state.rng) == attrs.astuple(sync_state.rng)
     for name, value in sync_state.policy.items():
@@ -91,6 +92,8 @@ def test_a_slow_trainer_trains_on_batches_one_version_old_never_older(tmp_path):
     assert set(report["staleness_histogram"]) <= {0, 1} and report["staleness_histogram"].get(1, 0) >= 2
     assert all(r["async/staleness"] <= 1 and r["async/queue_depth"] <= 1 for r in records)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
+    versions = [r["step"] - 1 - r["async/staleness"] for r in records]  # the weights each batch was sampled with
+    assert versions == sorted(versions)
     assert (tmp_path / "checkpoints" / "step_00000004").is_dir()
 
 

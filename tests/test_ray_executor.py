@@ -249,6 +249,8 @@ def test_async_on_ray_with_staleness_one_overlaps_and_stays_in_bounds(ray_cluste
     assert state.step == 6 and [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert set(report["staleness_histogram"]) <= {0, 1} and report["trained"] == report["generated"] == 6
     assert all(r["async/staleness"] <= 1 and r["async/queue_depth"] <= 1 for r in records)
+    versions = [r["step"] - 1 - r["async/staleness"] for r in records]  # the weights each batch was sampled with
+    assert versions == sorted(versions)
     assert evaluated == [(3, 3), (6, 6)]
 
 

@@ -20,6 +20,10 @@ from purerl.model import CausalLM, Critic
 __all__ = ["WorkerGroups"]
 
 _GRACE_S = 5.0  # how long, after one worker fails, the others may still report
+# A rank waiting in a collective for a stopped or hung peer gives up (torch.distributed's timeout)
+# before the driver's step deadline, so the driver hears its failure and names the silent peer
+# rather than reporting both ranks as silent.
+_COLLECTIVE_SHARE = 0.8
 
 
 class WorkerGroups:
@@ -80,7 +84,8 @@ class WorkerGroups:
                            for i in range(config.reward_workers)]
             self.actors += [(a, f"reward worker {i}") for i, a in enumerate(self.reward)]
             (host, port), = self.wait([(self.train[0].address.remote(), "train rank 0")], config.start_timeout, "start")
-            self.wait([(w.init_process_group.remote(host, port, config.step_timeout), f"train rank {r}")
+            collective_timeout = _COLLECTIVE_SHARE * config.step_timeout
+            self.wait([(w.init_process_group.remote(host, port, collective_timeout), f"train rank {r}")
                        for r, w in enumerate(self.train)], config.start_timeout, "init_process_group")
         except BaseException:
             self.close()
