@@ -5,8 +5,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from purerl.algo.aggregation import LOSS_AGGREGATIONS, aggregate_loss
 from property_tests.strategies import token_batches
+from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, aggregate_loss, loss_denominator
 
 MODES = LOSS_AGGREGATIONS.names()
 
@@ -66,7 +66,47 @@ def test_unknown_mode_and_bad_shapes_are_named():
 @pytest.mark.parametrize("mode", MODES)
 @given(batch=token_batches())
 def test_loss_denominator_equals_the_aggregation_count(mode, batch):
-    from purerl.algo.aggregation import loss_denominator
+    out = aggregate_loss(batch.values, batch.mask, mode, norm=7.0)
+    denominator = loss_denominator(batch.mask, mode)
+    if mode == "token-sum":  # a plain sum: count 0, divided by 1
+        assert out.count.item() == 0.0 and denominator.item() == 1.0
+    else:
+        assert denominator.item() == out.count.item()
+    # what _update backpropagates (total / denominator, clamped for empty batches) is the value
+    torch.testing.assert_close(out.total / denominator.clamp_min(1).to(out.total.dtype), out.value(),
+                               rtol=1e-12, atol=0.0)
 
-    expected = aggregate_loss(batch.values, batch.mask, mode, norm=7.0).count
-    assert loss_denominator(batch.mask, mode).item() == expected.item()
+
+@given(batch=token_batches())
+def test_token_sum_is_the_plain_masked_sum(batch):
+    loss, mask = batch.values, batch.mask
+    out = aggregate_loss(loss, mask, "token-sum")
+    expected = torch.where(mask, loss, torch.zeros_like(loss)).sum()
+    torch.testing.assert_close(out.value(), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.value(), aggregate_loss(loss, mask, "token-mean").total)
+
+
+@given(batch=token_batches(min_rows=2), data=st.data())
+def test_token_sum_of_micro_batches_is_the_sum_not_the_mean_of_their_sums(batch, data):
+    loss, mask = batch.values, batch.mask
+    cut = data.draw(st.integers(1, loss.shape[0] - 1))
+    a = aggregate_loss(loss[:cut], mask[:cut], "token-sum")
+    b = aggregate_loss(loss[cut:], mask[cut:], "token-sum")
+    torch.testing.assert_close((a + b).value(), a.value() + b.value(), rtol=1e-12, atol=1e-12)
+
+
+@given(batch=token_batches())
+def test_row_mean_counts_every_row_and_averages_row_token_means(batch):
+    loss, mask = batch.values, batch.mask
+    out = aggregate_loss(loss, mask, "row-mean")
+    assert out.count.item() == loss.shape[0]
+    rows = [loss[i][mask[i]].sum() / (mask[i].sum().double() + 1e-8) for i in range(loss.shape[0])]
+    torch.testing.assert_close(out.value(), torch.stack(rows).mean(), rtol=1e-12, atol=1e-12)
+    seq = aggregate_loss(loss, mask, "seq-mean-token-mean")
+    torch.testing.assert_close(out.total, seq.total)  # empty rows add 0 to the total, 1 to the count
+
+
+def test_sum_count_value_is_the_total_when_the_count_is_zero():
+    s = SumCount(torch.tensor(3.5), torch.tensor(0.0))
+    assert s.value().item() == 3.5
+    assert SumCount(torch.tensor(3.0), torch.tensor(2.0)).value().item() == 1.5

@@ -1,7 +1,9 @@
-"""Properties of the PPO clip (vanilla, dual clip, clip-higher) and GSPO policy losses."""
+"""Properties of the policy losses: PPO clip (vanilla, dual clip, clip-higher), GSPO, and the other verl
+0.9.1 losses (gpg, reinforce, cispo, sapo, geo_mean, clip_cov, kl_cov, dppo_tv/kl, dro, bypass_mode)."""
 
 import math
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -9,16 +11,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from purerl.algo.aggregation import LOSS_AGGREGATIONS
+from property_tests.strategies import finite_floats, token_batches
+from purerl.algo.aggregation import LOSS_AGGREGATIONS, loss_denominator
 from purerl.algo.policy_loss import (
     POLICY_LOSSES,
     PolicyLossConfig,
     PolicyLossOutput,
     gspo_loss,
+    loss_aggregation,
     ppo_clip_loss,
+    vanishes_at_zero_advantage,
 )
 from purerl.tree import assert_trees_close, tree_equal, tree_leaves
-from property_tests.strategies import finite_floats, token_batches
 
 MODES = LOSS_AGGREGATIONS.names()
 clip_ranges = st.floats(0.01, 0.5)
@@ -300,3 +304,460 @@ def test_invalid_settings_and_shapes_raise_named_errors():
         _unchecked(gspo_loss)(x, x, x, mask, is_weights=torch.ones(3, 3, dtype=torch.float64))
     with pytest.raises(TypeError, match="mask must be a bool mask"):
         _unchecked(ppo_clip_loss)(x, x, x, mask.int())
+
+
+# ---------------------------------------------------------------------------------------------
+# The other verl 0.9.1 losses: gpg, reinforce, cispo, sapo, geo_mean, clip_cov, kl_cov, dppo_tv,
+# dppo_kl, dro, bypass_mode; the registry-wide contracts (masking, additivity, denominators,
+# zero-advantage rows).
+
+ALL_LOSSES = POLICY_LOSSES.names()
+BATCH_DEPENDENT = {"clip_cov", "kl_cov"}  # token selection over the whole batch given
+
+
+@st.composite
+def loss_configs(draw, agg=None, batch_normalize=None):
+    """Any valid config: random clip settings, aggregation and per-loss settings."""
+    lb = draw(st.floats(-2.0, 1.0))
+    low = draw(st.one_of(st.none(), st.floats(0.0, 1.0)))
+    return PolicyLossConfig(
+        clip_low=draw(clip_ranges), clip_high=draw(clip_ranges), clip_c=draw(st.one_of(st.none(), clip_cs)),
+        agg=draw(st.sampled_from(MODES)) if agg is None else agg, norm=draw(st.sampled_from([None, 5.0])),
+        tau_pos=draw(st.floats(0.1, 3.0)), tau_neg=draw(st.floats(0.1, 3.0)),
+        clip_cov_ratio=draw(st.sampled_from([1e-4, 0.1, 0.5, 1.0])), clip_cov_lb=lb,
+        clip_cov_ub=lb + draw(st.floats(0.5, 10.0)), kl_cov_ratio=draw(st.sampled_from([1e-4, 0.3, 1.0])),
+        ppo_kl_coef=draw(st.floats(0.0, 1.0)), dro_beta=draw(st.floats(0.01, 2.0)),
+        bypass_loss_type=draw(st.sampled_from(["ppo_clip", "reinforce"])),
+        bypass_level=draw(st.sampled_from(["token", "sequence"])),
+        bypass_threshold=draw(st.floats(1.0, 5.0)), bypass_threshold_low=low,
+        bypass_batch_normalize=draw(st.booleans()) if batch_normalize is None else batch_normalize,
+    )
+
+
+@st.composite
+def loss_inputs(draw, **batch_kwargs):
+    """(logp, old_logp, advantages, mask, is_weights): log-probs in [−3, 0], advantages in [−5, 5]."""
+    batch = draw(token_batches(bound=5.0, **batch_kwargs))
+    adv, mask = batch.values, batch.mask
+    logp, old = -_like(draw, adv, 3.0).abs(), -_like(draw, adv, 3.0).abs()
+    weights = draw(st.one_of(st.none(), st.just(_like(draw, adv, 2.0).abs())))
+    return logp, old, adv, mask, weights
+
+
+def _run(name, logp, old, adv, mask, config, weights=None, seed=0, of="total"):
+    """The loss output and the gradient of its total (or value) w.r.t. ``logp``."""
+    leaf = logp.clone().requires_grad_()
+    generator = torch.Generator().manual_seed(seed)
+    out = POLICY_LOSSES[name](leaf, old, adv, mask, config, is_weights=weights, generator=generator)
+    target = out.loss.total if of == "total" else out.loss.value()
+    (grad,) = torch.autograd.grad(target, leaf, allow_unused=True)
+    return out, torch.zeros_like(logp) if grad is None else grad
+
+
+def _masked_sum(x, mask):
+    return torch.where(mask, x, torch.zeros_like(x)).sum()
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+@given(inputs=loss_inputs(), config=loss_configs(), junk=st.sampled_from([float("nan"), float("inf"), -1e6]))
+def test_every_loss_ignores_what_masked_positions_hold(name, inputs, config, junk):
+    logp, old, adv, mask, weights = inputs
+
+    def spoil(x):
+        return None if x is None else torch.where(mask, x, torch.full_like(x, junk))
+
+    out, grad = _run(name, logp, old, adv, mask, config, weights)
+    out_junk, grad_junk = _run(name, spoil(logp), spoil(old), spoil(adv), mask, config, spoil(weights))
+    assert_trees_close(out, out_junk, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_junk, grad, rtol=1e-12, atol=1e-12)
+    assert bool((grad_junk[~mask] == 0).all())
+
+
+@pytest.mark.parametrize("name", sorted(set(ALL_LOSSES) - BATCH_DEPENDENT))
+@given(inputs=loss_inputs(min_rows=2), config=loss_configs(batch_normalize=False), data=st.data())
+def test_losses_of_micro_batches_add_up_to_the_whole_batch(name, inputs, config, data):
+    logp, old, adv, mask, weights = inputs
+    cut = data.draw(st.integers(1, adv.shape[0] - 1))
+
+    def part(sl):
+        w = None if weights is None else weights[sl]
+        return _run(name, logp[sl], old[sl], adv[sl], mask[sl], config, w)
+
+    (first, g1), (second, g2), (whole, g) = part(slice(0, cut)), part(slice(cut, None)), part(slice(None))
+    for a, b, full in zip(tree_leaves(first), tree_leaves(second), tree_leaves(whole)):
+        torch.testing.assert_close(a + b, full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat([g1, g2]), g, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+@given(inputs=loss_inputs(), config=loss_configs())
+def test_loss_aggregation_names_the_denominator_of_every_loss(name, inputs, config):
+    logp, old, adv, mask, weights = inputs
+    out, _ = _run(name, logp, old, adv, mask, config, weights)
+    mode = loss_aggregation(name, config.agg)
+    denominator = loss_denominator(mask, mode).to(out.loss.total.dtype)
+    # what purerl.step._update backpropagates for the whole mini-batch
+    torch.testing.assert_close(out.loss.total / denominator.clamp_min(1), out.loss.value(), rtol=1e-12, atol=0.0)
+    if mode == "token-sum":
+        assert out.loss.count.item() == 0.0 and denominator.item() == 1.0
+    else:
+        assert out.loss.count.item() == denominator.item()
+
+
+def test_loss_aggregation_overrides_only_where_verl_ignores_loss_agg_mode():
+    for mode in MODES:
+        assert loss_aggregation("sapo", mode) == "seq-mean-token-mean"
+        assert loss_aggregation("geo_mean", mode) == "row-mean"
+        for name in ("vanilla", "ppo", "gspo", "gpg", "reinforce", "cispo", "clip_cov", "kl_cov", "dppo_tv",
+                     "dppo_kl", "dro", "bypass_mode"):
+            assert loss_aggregation(name, mode) == mode
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        loss_aggregation("ppo2", "token-mean")
+    with pytest.raises(ValueError, match="unknown loss aggregation mode"):
+        loss_aggregation("vanilla", "token_mean")
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+@given(inputs=loss_inputs(min_rows=2), config=loss_configs(), data=st.data())
+def test_vanishes_at_zero_advantage_is_honest(name, inputs, config, data):
+    """Where it says True, leaving the zero-advantage rows out changes neither total nor gradient."""
+    assert not vanishes_at_zero_advantage(name) or vanishes_at_zero_advantage(name, config)
+    if not vanishes_at_zero_advantage(name, config):
+        return
+    logp, old, adv, mask, weights = inputs
+    b = adv.shape[0]
+    zero = torch.tensor([False] + data.draw(st.lists(st.booleans(), min_size=b - 1, max_size=b - 1)))
+    adv = torch.where(zero[:, None], torch.zeros_like(adv), adv)
+    kept = ~zero
+    out, grad = _run(name, logp, old, adv, mask, config, weights)
+    w = None if weights is None else weights[kept]
+    out_kept, grad_kept = _run(name, logp[kept], old[kept], adv[kept], mask[kept], config, w)
+    torch.testing.assert_close(out_kept.loss.total, out.loss.total, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad_kept, grad[kept], rtol=1e-10, atol=1e-12)
+    assert bool((grad[zero] == 0).all())
+
+
+def _zero_row_changes_the_loss(name, logp, old, adv, mask, config):
+    """Whether dropping row 0 (all-zero advantages) changes the total or the other rows' gradient."""
+    assert bool((adv[0] == 0).all())
+    out, grad = _run(name, logp, old, adv, mask, config)
+    out_kept, grad_kept = _run(name, logp[1:], old[1:], adv[1:], mask[1:], config)
+    same = torch.allclose(out.loss.total, out_kept.loss.total) and torch.allclose(grad[1:], grad_kept)
+    return not same or bool((grad[0] != 0).any())
+
+
+def test_the_losses_said_not_to_vanish_really_depend_on_zero_advantage_rows():
+    d = dict(dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    # dro: ½β·lr² of the zero row
+    logp, old = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]], **d), torch.tensor([[-2.0, -2.0], [-1.0, -1.0]], **d)
+    adv = torch.tensor([[0.0, 0.0], [1.0, -1.0]], **d)
+    assert _zero_row_changes_the_loss("dro", logp, old, adv, mask, PolicyLossConfig(dro_beta=0.5))
+    # kl_cov: every token penalised (ratio 1), the zero row's |lr| included
+    assert _zero_row_changes_the_loss("kl_cov", logp, old, adv, mask, PolicyLossConfig(kl_cov_ratio=1.0))
+    # clip_cov: the zero row moves mean(A) from 2 to 1, which makes token (1, 0) a candidate (cov 1)
+    logp = torch.tensor([[-2.0, -2.0], [-1.0, -3.0]], **d)
+    adv = torch.tensor([[0.0, 0.0], [2.0, 2.0]], **d)
+    config = PolicyLossConfig(clip_cov_lb=0.5, clip_cov_ub=5.0, clip_cov_ratio=1.0)
+    assert _zero_row_changes_the_loss("clip_cov", logp, logp, adv, mask, config)
+    for name in ("dro", "kl_cov", "clip_cov"):
+        assert not vanishes_at_zero_advantage(name, config)
+    # bypass_mode: batch-normalised REINFORCE weights are a mean over the zero row too
+    normalise = PolicyLossConfig(bypass_loss_type="reinforce", bypass_batch_normalize=True)
+    old = torch.tensor([[-2.0, -2.5], [-1.0, -1.0]], **d)
+    adv = torch.tensor([[0.0, 0.0], [1.0, -2.0]], **d)
+    assert _zero_row_changes_the_loss("bypass_mode", torch.tensor([[-1.0, -1.0], [-1.0, -1.5]], **d), old, adv,
+                                      mask, normalise)
+    assert not vanishes_at_zero_advantage("bypass_mode", normalise)
+    assert not vanishes_at_zero_advantage("bypass_mode")  # unknown settings: the safe answer
+    assert vanishes_at_zero_advantage("bypass_mode", PolicyLossConfig())
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        vanishes_at_zero_advantage("ppo2")
+
+
+@given(inputs=loss_inputs(nonempty=True), config=loss_configs(agg="token-mean"))
+def test_gpg_gradient_is_minus_the_weighted_advantage_over_the_token_count(inputs, config):
+    logp, old, adv, mask, weights = inputs
+    out, grad = _run("gpg", logp, old, adv, mask, config, weights, of="value")
+    w = torch.ones_like(adv) if weights is None else weights
+    torch.testing.assert_close(grad, torch.where(mask, -adv * w / mask.sum(), torch.zeros_like(adv)),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.loss.total, _masked_sum(-logp * adv * w, mask), rtol=1e-12, atol=1e-12)
+
+
+@given(inputs=loss_inputs(), config=loss_configs())
+def test_reinforce_is_gpg_with_detached_weights(inputs, config):
+    logp, old, adv, mask, weights = inputs
+    out_gpg, grad_gpg = _run("gpg", logp, old, adv, mask, config)
+    out_rf, grad_rf = _run("reinforce", logp, old, adv, mask, config)
+    assert_trees_close(out_rf, out_gpg, rtol=1e-15, atol=0.0)
+    torch.testing.assert_close(grad_rf, grad_gpg, rtol=1e-15, atol=0.0)
+    w = (torch.ones_like(adv) if weights is None else weights).clone().requires_grad_()
+    rf = POLICY_LOSSES["reinforce"](logp, old, adv, mask, config, is_weights=w)
+    gpg = POLICY_LOSSES["gpg"](logp, old, adv, mask, config, is_weights=w)
+    torch.testing.assert_close(rf.loss.total, gpg.loss.total, rtol=1e-12, atol=1e-12)
+    assert not rf.loss.total.requires_grad  # nothing but the weights could carry a gradient here
+    assert gpg.loss.total.requires_grad
+
+
+@given(inputs=loss_inputs(nonempty=True), config=loss_configs(agg="token-mean"))
+def test_cispo_gradient_is_minus_the_detached_clipped_ratio_times_the_advantage(inputs, config):
+    logp, old, adv, mask, _ = inputs
+    out, grad = _run("cispo", logp, old, adv, mask, config, of="value")
+    ratio = torch.exp(torch.where(mask, logp - old, torch.zeros_like(adv)))
+    clipped = ratio.clamp(1 - config.clip_low, 1 + config.clip_high)
+    expected = torch.where(mask, -clipped * adv / mask.sum(), torch.zeros_like(adv))
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.loss.total, _masked_sum(-clipped * adv * logp, mask), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.clipfrac.total, _masked_sum((ratio != clipped).double(), mask))
+
+
+@given(inputs=loss_inputs(nonempty=True), config=loss_configs())
+def test_sapo_at_ratio_one_has_the_vanilla_gradient_and_value_two_over_tau(inputs, config):
+    logp, _, adv, mask, _ = inputs
+    out, grad = _run("sapo", logp, logp, adv, mask, config)
+    tau = torch.where(adv > 0, torch.full_like(adv, config.tau_pos), torch.full_like(adv, config.tau_neg))
+    lengths = mask.sum(-1, keepdim=True).double() + 1e-8  # seq-mean-token-mean, whatever config.agg
+    torch.testing.assert_close(grad, torch.where(mask, -adv / lengths, torch.zeros_like(adv)), rtol=1e-12,
+                               atol=1e-12)
+    per_row = torch.where(mask, -2 * adv / tau, torch.zeros_like(adv)).sum(-1, keepdim=True) / lengths
+    torch.testing.assert_close(out.loss.total, per_row.sum(), rtol=1e-12, atol=1e-12)
+    assert out.loss.count.item() == (mask.sum(-1) > 0).sum().item()
+
+
+@given(inputs=loss_inputs(), config=loss_configs(agg="token-sum"))
+def test_sapo_gradient_is_the_derivative_of_the_soft_gate(inputs, config):
+    logp, old, adv, mask, _ = inputs
+    _, grad = _run("sapo", logp, old, adv, mask, config)
+    ratio = torch.exp(torch.where(mask, logp - old, torch.zeros_like(adv)))
+    tau = torch.where(adv > 0, torch.full_like(adv, config.tau_pos), torch.full_like(adv, config.tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1))
+    lengths = mask.sum(-1, keepdim=True).double() + 1e-8
+    expected = -adv * 4 * gate * (1 - gate) * ratio / lengths
+    torch.testing.assert_close(grad, torch.where(mask, expected, torch.zeros_like(adv)), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+@given(inputs=loss_inputs(), config=loss_configs(agg="token-sum"))
+def test_dppo_with_huge_thresholds_is_the_truncated_is_policy_gradient(name, inputs, config):
+    logp, old, adv, mask, _ = inputs
+    config = attrs.evolve(config, clip_low=1e3, clip_high=1e3)
+    out, grad = _run(name, logp, old, adv, mask, config)
+    cap = 20.0 if config.clip_c is None else config.clip_c
+    truncated = torch.exp(torch.where(mask, logp - old, torch.zeros_like(adv))).clamp(max=cap)
+    torch.testing.assert_close(out.loss.value(), _masked_sum(-adv * truncated * logp, mask), rtol=1e-12,
+                               atol=1e-12)
+    torch.testing.assert_close(grad, torch.where(mask, -adv * truncated, torch.zeros_like(adv)), rtol=1e-12,
+                               atol=1e-12)
+    assert out.clipfrac.total.item() == 0.0
+
+
+def test_dppo_drops_tokens_whose_probability_moved_beyond_the_threshold():
+    one = torch.ones(1, 2, dtype=torch.bool)
+    # probabilities 0.5 → 0.8 (up 0.3) and 0.5 → 0.45 (down 0.05); thresholds 0.2 / 0.1
+    logp = torch.tensor([[math.log(0.8), math.log(0.45)]], dtype=torch.float64)
+    old = torch.full((1, 2), math.log(0.5), dtype=torch.float64)
+    config = PolicyLossConfig(clip_low=0.1, clip_high=0.2, agg="token-sum")
+    for adv, expect_valid in (([1.0, 1.0], [0.0, 1.0]), ([-1.0, -1.0], [1.0, 1.0])):
+        a = torch.tensor([adv], dtype=torch.float64)
+        out, grad = _run("dppo_tv", logp, old, a, one, config)
+        ratio = torch.exp(logp - old)
+        torch.testing.assert_close(grad, -a * ratio * torch.tensor([expect_valid], dtype=torch.float64))
+        assert out.clipfrac.total.item() == 2 - sum(expect_valid)
+
+
+@given(inputs=loss_inputs(), config=loss_configs(agg="token-sum"))
+def test_dro_gradient_is_minus_advantage_plus_beta_times_log_ratio(inputs, config):
+    logp, old, adv, mask, _ = inputs
+    out, grad = _run("dro", logp, old, adv, mask, config)
+    lr = torch.where(mask, logp - old, torch.zeros_like(adv))
+    torch.testing.assert_close(grad, torch.where(mask, -adv + config.dro_beta * lr, torch.zeros_like(adv)),
+                               rtol=1e-12, atol=1e-12)
+    expected = _masked_sum(-(logp * adv - 0.5 * config.dro_beta * lr**2), mask)
+    torch.testing.assert_close(out.loss.value(), expected, rtol=1e-12, atol=1e-12)
+
+
+def _cov_reference(logp, adv, mask):
+    a, lp = adv[mask], logp[mask]
+    return (a - a.mean()) * (lp - lp.mean())
+
+
+@given(inputs=loss_inputs(nonempty=True), config=loss_configs(agg="token-sum"), ratio=st.sampled_from([1e-9, 1.0]))
+def test_kl_cov_penalises_the_top_covariance_tokens(inputs, config, ratio):
+    logp, old, adv, mask, _ = inputs
+    config = attrs.evolve(config, kl_cov_ratio=ratio)
+    out, _ = _run("kl_cov", logp, old, adv, mask, config)
+    lr = torch.where(mask, logp - old, torch.zeros_like(adv))
+    base = _masked_sum(-adv * torch.exp(lr), mask)
+    if ratio == 1.0:  # every valid token
+        expected = base + config.ppo_kl_coef * _masked_sum(lr.abs(), mask)
+    else:  # k = max(1, int(N·1e-9)) = 1: the token of largest covariance
+        cov = _cov_reference(logp, adv, mask)
+        top = torch.argmax(cov)
+        if (cov == cov[top]).sum() > 1:
+            return  # a tie: which one topk picks is not specified
+        expected = base + config.ppo_kl_coef * lr[mask][top].abs()
+    torch.testing.assert_close(out.loss.value(), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.ppo_kl.total, _masked_sum(lr.abs(), mask), rtol=1e-12, atol=1e-12)
+
+
+@given(inputs=loss_inputs(), config=loss_configs(), seed=st.integers(0, 2**31))
+def test_clip_cov_detaches_k_random_candidates_reproducibly(inputs, config, seed):
+    logp, old, adv, mask, weights = inputs
+    out, grad = _run("clip_cov", logp, old, adv, mask, config, weights, seed=seed)
+    again, grad_again = _run("clip_cov", logp, old, adv, mask, config, weights, seed=seed)
+    assert tree_equal(out, again) and torch.equal(grad, grad_again)
+    default = POLICY_LOSSES["clip_cov"](logp, old, adv, mask, config, is_weights=weights)
+    assert tree_equal(default, _run("clip_cov", logp, old, adv, mask, config, weights, seed=0)[0])
+    # the number detached: min(max(int(ratio·N), 1), #candidates)
+    lr = torch.where(mask, logp - old, torch.zeros_like(adv))
+    ratio = torch.exp(lr)
+    clipped = (-adv * ratio.clamp(1 - config.clip_low, 1 + config.clip_high)) > -adv * ratio
+    a, lp = torch.where(mask, adv, 0.0), torch.where(mask, logp, 0.0)
+    n = mask.sum().double()
+    cov = (a - a.sum() / (n + 1e-8)) * (lp - lp.sum() / (n + 1e-8))
+    candidates = mask & ~clipped & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)
+    k = min(max(int(config.clip_cov_ratio * int(mask.sum())), 1), int(candidates.sum()))
+    assert out.clipfrac.total.item() == k
+    # detached tokens have zero gradient; the others have PPO's (no dual clip)
+    ppo = ppo_clip_loss(logp, old, adv, mask, clip_low=config.clip_low, clip_high=config.clip_high, clip_c=None,
+                        agg=config.agg, norm=config.norm, is_weights=weights)
+    if k == 0:
+        torch.testing.assert_close(out.loss.total, ppo.loss.total, rtol=1e-12, atol=1e-12)
+
+
+@given(inputs=loss_inputs(), config=loss_configs())
+def test_clip_cov_without_candidates_is_ppo_without_dual_clip(inputs, config):
+    logp, old, adv, mask, weights = inputs
+    config = attrs.evolve(config, clip_cov_lb=1e6, clip_cov_ub=2e6)
+    out, grad = _run("clip_cov", logp, old, adv, mask, config, weights)
+    leaf = logp.clone().requires_grad_()
+    ppo = ppo_clip_loss(leaf, old, adv, mask, clip_low=config.clip_low, clip_high=config.clip_high, clip_c=None,
+                        agg=config.agg, norm=config.norm, is_weights=weights)
+    (grad_ppo,) = torch.autograd.grad(ppo.loss.total, leaf, allow_unused=True)
+    assert_trees_close(out.loss, ppo.loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, torch.zeros_like(grad) if grad_ppo is None else grad_ppo, rtol=1e-12,
+                               atol=1e-12)
+    assert out.clipfrac.total.item() == 0.0
+
+
+def _geo_mean_reference(logp, old, adv, mask, clip_low, clip_high):
+    """GMPO as a per-row loop over Python floats."""
+    rows = []
+    for i in range(adv.shape[0]):
+        n = int(mask[i].sum())
+        acc_lr, acc_a = 0.0, 0.0
+        for t in range(adv.shape[1]):
+            if not mask[i, t]:
+                continue
+            a, lr = float(adv[i, t]), float(logp[i, t] - old[i, t])
+            clamped = min(max(lr, -clip_low), clip_high)
+            acc_lr += (min(lr, clamped) if a > 0 else max(lr, clamped)) if a != 0 else 0.0
+            acc_a += a
+        rows.append(-(acc_a / (n + 1e-8)) * math.exp(acc_lr / (n + 1e-8)))
+    return sum(rows) / len(rows)
+
+
+@given(inputs=loss_inputs(), config=loss_configs())
+def test_geo_mean_matches_a_row_by_row_reference_and_counts_every_row(inputs, config):
+    logp, old, adv, mask, _ = inputs
+    out, _ = _run("geo_mean", logp, old, adv, mask, config)
+    expected = _geo_mean_reference(logp, old, adv, mask, config.clip_low, config.clip_high)
+    torch.testing.assert_close(out.loss.value().item(), expected, rtol=1e-9, atol=1e-12)
+    assert out.loss.count.item() == adv.shape[0]  # empty rows included, whatever config.agg
+
+
+@given(inputs=loss_inputs(), config=loss_configs(), low=st.one_of(st.none(), st.just(0.0)))
+def test_bypass_ppo_clip_that_rejects_nothing_is_vanilla(inputs, config, low):
+    logp, old, adv, mask, weights = inputs
+    threshold = config.bypass_threshold if low is None else 1e9  # exp(±20) stays inside [0, 1e9]
+    config = attrs.evolve(config, bypass_loss_type="ppo_clip", bypass_threshold=threshold,
+                          bypass_threshold_low=low)
+    out, grad = _run("bypass_mode", logp, old, adv, mask, config, weights)
+    vanilla, grad_vanilla = _run("vanilla", logp, old, adv, mask, config)  # bypass ignores is_weights
+    assert_trees_close(out, vanilla, rtol=1e-15, atol=0.0)
+    torch.testing.assert_close(grad, grad_vanilla, rtol=1e-15, atol=0.0)
+
+
+@given(inputs=loss_inputs(), config=loss_configs())
+def test_bypass_reinforce_with_token_tis_is_reinforce_with_truncated_ratios(inputs, config):
+    logp, old, adv, mask, _ = inputs
+    config = attrs.evolve(config, bypass_loss_type="reinforce", bypass_level="token", bypass_threshold_low=None,
+                          bypass_batch_normalize=False)
+    out, grad = _run("bypass_mode", logp, old, adv, mask, config)
+    weights = torch.exp(torch.where(mask, logp - old, torch.zeros_like(adv))).clamp(max=config.bypass_threshold)
+    expected, grad_expected = _run("reinforce", logp, old, adv, mask, config, weights)
+    assert_trees_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_expected, rtol=1e-12, atol=1e-12)
+
+
+@given(inputs=loss_inputs(), config=loss_configs(agg="token-sum"))
+def test_bypass_sequence_weights_are_one_ratio_per_row(inputs, config):
+    logp, old, adv, mask, _ = inputs
+    config = attrs.evolve(config, bypass_loss_type="reinforce", bypass_level="sequence",
+                          bypass_threshold_low=None, bypass_batch_normalize=False)
+    _, grad = _run("bypass_mode", logp, old, adv, mask, config)
+    row = torch.exp(torch.where(mask, logp - old, torch.zeros_like(adv)).sum(-1, keepdim=True).clamp(-20, 20))
+    expected = -adv * row.clamp(max=config.bypass_threshold)
+    torch.testing.assert_close(grad, torch.where(mask, expected, torch.zeros_like(adv)), rtol=1e-12, atol=1e-12)
+
+
+@given(inputs=loss_inputs(), config=loss_configs(), loss_type=st.sampled_from(["ppo_clip", "reinforce"]))
+def test_bypass_rejects_tokens_outside_the_bounds_but_keeps_them_in_the_count(inputs, config, loss_type):
+    logp, old, adv, mask, _ = inputs
+    config = attrs.evolve(config, bypass_loss_type=loss_type, bypass_level="token", bypass_threshold=1.5,
+                          bypass_threshold_low=0.75, bypass_batch_normalize=False)
+    out, grad = _run("bypass_mode", logp, old, adv, mask, config)
+    ratio = torch.exp(torch.where(mask, logp - old, torch.zeros_like(adv)))
+    rejected = mask & ((ratio < 0.75) | (ratio > 1.5))
+    assert bool((grad[rejected] == 0).all())
+    assert out.loss.count.item() == loss_denominator(mask, config.agg).item() or config.agg == "token-sum"
+    kept = mask & ~rejected
+    inner = "vanilla" if loss_type == "ppo_clip" else "reinforce"
+    weights = None if loss_type == "ppo_clip" else ratio
+    expected, grad_expected = _run(inner, logp, old, adv, kept, config, weights)
+    torch.testing.assert_close(out.loss.total, expected.loss.total, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_expected, rtol=1e-12, atol=1e-12)
+
+
+@given(inputs=loss_inputs(nonempty=True), config=loss_configs(), shift=st.floats(-1.0, 1.0))
+def test_bypass_batch_normalised_constant_weights_are_one(inputs, config, shift):
+    logp, _, adv, mask, _ = inputs
+    config = attrs.evolve(config, bypass_loss_type="reinforce", bypass_level="token", bypass_threshold=5.0,
+                          bypass_threshold_low=None, bypass_batch_normalize=True)
+    out, grad = _run("bypass_mode", logp, logp - shift, adv, mask, config)  # every token's ratio is e^shift
+    plain, grad_plain = _run("reinforce", logp, logp - shift, adv, mask, config)
+    torch.testing.assert_close(out.loss.total, plain.loss.total, rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(grad, grad_plain, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_every_loss_takes_a_generator_and_vanilla_and_gspo_ignore_it(name):
+    g = torch.Generator().manual_seed(3)
+    logp, old = (-torch.rand(3, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    adv = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    mask = torch.rand(3, 4, generator=g) > 0.3
+    config = PolicyLossConfig(dro_beta=0.1)
+    out = POLICY_LOSSES[name](logp, old, adv, mask, config, generator=torch.Generator().manual_seed(5))
+    assert isinstance(out, PolicyLossOutput)
+    if name != "clip_cov":
+        assert tree_equal(out, POLICY_LOSSES[name](logp, old, adv, mask, config))
+
+
+def test_new_config_fields_have_verl_defaults_and_named_validation_errors():
+    c = PolicyLossConfig()
+    assert (c.tau_pos, c.tau_neg, c.clip_cov_ratio, c.clip_cov_lb, c.clip_cov_ub) == (1.0, 1.05, 2e-4, 1.0, 5.0)
+    assert (c.kl_cov_ratio, c.ppo_kl_coef, c.dro_beta) == (2e-4, 0.1, None)
+    assert (c.bypass_loss_type, c.bypass_level, c.bypass_threshold) == ("ppo_clip", "token", 2.0)
+    assert (c.bypass_threshold_low, c.bypass_batch_normalize) == (None, False)
+    bad = dict(tau_pos=0.0, tau_neg=-1.0, clip_cov_ratio=0.0, kl_cov_ratio=1.5, ppo_kl_coef=-0.1, dro_beta=0.0,
+               clip_cov_lb=float("nan"), bypass_loss_type="ppo", bypass_level="geometric", bypass_threshold=0.0,
+               bypass_threshold_low=3.0, bypass_batch_normalize="yes")
+    for field, value in bad.items():
+        with pytest.raises(ValueError, match=field):
+            PolicyLossConfig(**{field: value})
+    with pytest.raises(ValueError, match="clip_cov_lb must be <= clip_cov_ub"):
+        PolicyLossConfig(clip_cov_lb=6.0)
+    x = torch.zeros(1, 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="dro_beta"):
+        POLICY_LOSSES["dro"](x, x, x, torch.ones(1, 1, dtype=torch.bool), PolicyLossConfig())

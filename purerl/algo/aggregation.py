@@ -2,27 +2,40 @@
 
 A per-token loss ``L[b, t]`` with mask ``m`` is reduced to a :class:`SumCount`. Adding the
 ``SumCount`` of the parts of a batch (micro-batches, data-parallel ranks) gives the ``SumCount``
-of the whole batch, for every mode; the loss is ``total / count``. To accumulate gradients over
-micro-batches exactly, compute the whole mini-batch's ``count`` first (it depends only on the
-mask) and backpropagate ``part.total / count`` for each part.
+of the whole batch, for every mode; the loss is ``total / count`` (``total`` when ``count == 0``).
+To accumulate gradients over micro-batches exactly, compute the whole mini-batch's denominator
+first with :func:`loss_denominator` (it depends only on the mask) and backpropagate
+``part.total / denominator`` for each part.
 
 Modes (verl 0.9.1 ``agg_loss`` with no global arguments; ``S_i = Σ_t L[i,t]·m[i,t]``,
 ``n_i = Σ_t m[i,t]``, ``e_i = [n_i > 0]``):
 
-=========================  ==============================  =================
-mode                       total                           count
-=========================  ==============================  =================
-token-mean                 ``Σ_i S_i``                     ``Σ_i n_i``
-seq-mean-token-sum         ``Σ_i S_i``                     ``Σ_i e_i``
-seq-mean-token-mean        ``Σ_i S_i / (n_i + 1e-8)``      ``Σ_i e_i``
-seq-mean-token-sum-norm    ``Σ_i S_i / norm``              ``Σ_i e_i``
-=========================  ==============================  =================
+=========================  ==============================  =================  ===========
+mode                       total                           count              denominator
+=========================  ==============================  =================  ===========
+token-mean                 ``Σ_i S_i``                     ``Σ_i n_i``        count
+token-sum                  ``Σ_i S_i``                     ``0``              ``1``
+seq-mean-token-sum         ``Σ_i S_i``                     ``Σ_i e_i``        count
+seq-mean-token-mean        ``Σ_i S_i / (n_i + 1e-8)``      ``Σ_i e_i``        count
+seq-mean-token-sum-norm    ``Σ_i S_i / norm``              ``Σ_i e_i``        count
+row-mean                   ``Σ_i S_i / (n_i + 1e-8)``      ``B`` (all rows)   count
+=========================  ==============================  =================  ===========
+
+``token-sum`` (verl 0.9.1 ``masked_sum(L, m)``) divides by nothing. Its ``count`` is 0, which
+:meth:`SumCount.value` reads as "a plain sum" (``value() = total``), so the ``SumCount`` of the
+parts still adds up to the whole exactly (``0 + 0 = 0``; a count of 1 per part would turn the sum
+of k parts into their mean); :func:`loss_denominator` gives 1 for it, the divisor of
+``total / denominator``. Do not divide a ``token-sum`` total by its ``count``.
+
+``row-mean`` is not a verl ``loss_agg_mode``: it is ``seq-mean-token-mean`` with every row counted,
+empty ones included (verl's value when ``global_batch_size`` is the number of rows). It is the
+aggregation of losses that average over all rows, such as GMPO (``geo_mean``).
 
 Degenerate cases: empty rows never count in a seq-mean (verl's local default); a batch with
-``count == 0`` has loss 0 (verl gives NaN for token-mean). ``norm`` for
-``seq-mean-token-sum-norm`` defaults to the padded length ``T`` as in verl, which makes the
-loss depend on padding; pass a fixed norm (the maximum response length) to make it
-padding-invariant, as Dr.GRPO intends.
+``count == 0`` has loss 0 in the mean modes (verl gives NaN for token-mean), whose totals are then
+0 as well. ``norm`` for ``seq-mean-token-sum-norm`` defaults to the padded length ``T`` as in
+verl, which makes the loss depend on padding; pass a fixed norm (the maximum response length) to
+make it padding-invariant, as Dr.GRPO intends.
 """
 
 from typing import Protocol
@@ -36,14 +49,18 @@ from purerl.checks import check_bool, check_rank, check_same_shape
 from purerl.registry import Registry
 from purerl.tree import pytree
 
-__all__ = ["SumCount", "aggregate_loss", "loss_denominator", "LOSS_AGGREGATIONS", "token_mean"]
+__all__ = [
+    "SumCount", "aggregate_loss", "loss_denominator", "LOSS_AGGREGATIONS", "token_mean", "token_sum", "row_mean",
+]
 
 
 @pytree
 class SumCount:
-    """An unreduced mean: ``value() = total / count`` (0 when ``count == 0``).
+    """An unreduced mean: ``value() = total / count``, or ``total`` when ``count == 0``.
 
-    ``a + b`` is the ``SumCount`` of the union of the batches behind ``a`` and ``b``.
+    ``a + b`` is the ``SumCount`` of the union of the batches behind ``a`` and ``b``. A count of 0
+    means either an empty batch of a mean (whose total is 0, so the value is 0) or a plain sum
+    (``token-sum``), whose value is its total.
     """
 
     total: Float[Tensor, ""]
@@ -51,7 +68,7 @@ class SumCount:
 
     def value(self) -> Float[Tensor, ""]:
         safe = torch.where(self.count > 0, self.count, torch.ones_like(self.count))
-        return torch.where(self.count > 0, self.total / safe, torch.zeros_like(self.total))
+        return torch.where(self.count > 0, self.total / safe, self.total)
 
     def __add__(self, other: "SumCount") -> "SumCount":
         return SumCount(self.total + other.total, self.count + other.count)
@@ -81,6 +98,16 @@ def token_mean(loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: floa
     """Every valid token weighs the same: ``Σ L·m / Σ m``."""
     del norm
     return SumCount(masked_sum(loss, mask), mask.sum().to(loss.dtype))
+
+
+@LOSS_AGGREGATIONS.register("token-sum")
+def token_sum(loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None) -> SumCount:
+    """The plain token sum ``Σ L·m`` (verl 0.9.1), with count 0: ``value()`` is the total.
+
+    Parts add up to the whole exactly; :func:`loss_denominator` gives 1 for this mode.
+    """
+    del norm
+    return SumCount(masked_sum(loss, mask), torch.zeros((), dtype=loss.dtype, device=loss.device))
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum")
@@ -118,6 +145,18 @@ def seq_mean_token_sum_norm(
     return SumCount(sums.sum() / scale, rows)
 
 
+@LOSS_AGGREGATIONS.register("row-mean")
+def row_mean(loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None) -> SumCount:
+    """Mean over all rows, empty ones included (count ``B``), of each row's token mean.
+
+    Not a verl mode: ``seq-mean-token-mean`` with verl's ``global_batch_size`` = the number of rows.
+    """
+    del norm
+    sums, lengths, _ = _row_sums(loss, mask)
+    return SumCount((sums / (lengths + 1e-8)).sum(), torch.full((), loss.shape[0], dtype=loss.dtype,
+                                                                device=loss.device))
+
+
 def aggregate_loss(
     loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], mode: str = "token-mean", norm: float | None = None
 ) -> SumCount:
@@ -133,12 +172,21 @@ def aggregate_loss(
 
 
 def loss_denominator(mask: Bool[Tensor, "b t"], mode: str = "token-mean") -> Float[Tensor, ""]:
-    """The ``count`` the named mode gives for ``mask``, computed from the mask alone.
+    """The divisor of the named mode's total for ``mask``, computed from the mask alone (float32).
 
-    Compute it once over a whole mini-batch and pass it as the denominator of every micro-batch.
+    It is the ``count`` the mode gives for ``mask``, except for ``token-sum`` (count 0, a plain
+    sum), where it is 1. Compute it once over a whole mini-batch and backpropagate
+    ``part.total / denominator`` for every micro-batch (clamp it to ≥ 1 for empty batches).
     """
     if mode not in LOSS_AGGREGATIONS:
         LOSS_AGGREGATIONS[mode]  # raises the ValueError naming the known modes
     if mode == "token-mean":
         return mask.sum().to(torch.float32)
-    return (mask.sum(-1) > 0).sum().to(torch.float32)
+    if mode == "token-sum":
+        return torch.ones((), dtype=torch.float32, device=mask.device)
+    if mode == "row-mean":
+        return torch.full((), mask.shape[0], dtype=torch.float32, device=mask.device)
+    if mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        return (mask.sum(-1) > 0).sum().to(torch.float32)
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return LOSS_AGGREGATIONS[mode](zeros, mask, None).count  # a mode registered elsewhere

@@ -28,7 +28,12 @@ from torch import Tensor
 
 from purerl.checks import check_floating, check_rank
 
-__all__ = ["logprobs_from_logits", "entropy_from_logits", "DEFAULT_CHUNK_ROWS"]
+__all__ = [
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "sum_pi_squared_from_logits",
+    "DEFAULT_CHUNK_ROWS",
+]
 
 DEFAULT_CHUNK_ROWS = 1024
 """Positions upcast at once: 1024 rows of a 152k vocabulary are ~0.6 GiB of float32."""
@@ -85,6 +90,26 @@ def entropy_from_logits(
     _check_options("entropy_from_logits", temperature, chunk_size)
     entropy, _, _ = _ChunkedEntropy.apply(logits, float(temperature), int(chunk_size))
     return entropy
+
+
+def sum_pi_squared_from_logits(
+    logits: Float[Tensor, "*rows v"], temperature: float = 1.0
+) -> Float[Tensor, "*rows"]:
+    """``Σ_v softmax(z)_v² = exp(logsumexp(2z) − 2·logsumexp(z))``, ``z = logits / temperature``.
+
+    verl's ``calculate_sum_pi_squared_from_logits`` (the optimal token baseline's ``Σπ²``), in
+    float32 for half-precision logits (the logits' dtype for float32/float64), over the last
+    dimension, with ``max z`` subtracted first (the same value, without the float32 rounding of
+    two large logsumexps). In ``[1/v, 1]``. Not chunked: it upcasts the whole tensor; call it under
+    ``torch.no_grad()`` on blocks of positions for large vocabularies.
+    """
+    check_floating("sum_pi_squared_from_logits", logits=logits)
+    if logits.dim() < 1:
+        raise ValueError("sum_pi_squared_from_logits: logits must have a vocabulary dimension")
+    _check_options("sum_pi_squared_from_logits", temperature, 1)
+    z = logits.to(_compute_dtype(logits.dtype)) / temperature
+    z = z - z.amax(-1, keepdim=True)  # the same value; keeps both logsumexps near 0 (precision)
+    return torch.exp(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
 
 
 def _check_options(where: str, temperature: float, chunk_size: int) -> None:
