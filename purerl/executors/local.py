@@ -13,14 +13,16 @@ controller, config) with ``functools.partial``. :func:`purerl.step.grpo_step` an
 """
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from purerl.batch import Rollout
+from purerl.batch import Rewards, Rollout
 from purerl.model import CausalLM, Critic
 from purerl.model import value_and_grad as pure_value_and_grad
 from purerl.rewards import RewardFn, Scores, score_responses
+from purerl.rewards.model import RewardModel
 from purerl.rollout.engine import RolloutEngine
 from purerl.state import TrainState
 from purerl.tree import tree_clone
@@ -42,7 +44,7 @@ class Executor(Protocol):
     def start(self, state: TrainState) -> TrainState:
         """Take ownership of ``state``; returns the state the driver holds from now on."""
 
-    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor) -> tuple[TrainState, dict[str, float]]:
+    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor | Rewards) -> tuple[TrainState, dict[str, float]]:
         """One step of the step function (donates ``state``)."""
 
     def publish(self, state: TrainState) -> Any:
@@ -53,8 +55,13 @@ class Executor(Protocol):
         """The complete state, params and optimizer state included (for checkpoints and export)."""
 
     def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
-              timeout: float, penalty: float) -> Scores:
+              timeout: float, penalty: float, data_sources: Sequence[str] | None = None,
+              extra_infos: Sequence[dict] | None = None) -> Scores:
         """:func:`~purerl.rewards.score_responses`, wherever the executor runs reward functions."""
+
+    def score_model(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        """The executor's reward model (:meth:`~purerl.rewards.model.RewardModel.score`) on each
+        prompt + response: float32 ``[n]`` in order; a :class:`ValueError` when it has none."""
 
     def close(self) -> None:
         """Release workers and processes (idempotent)."""
@@ -62,11 +69,18 @@ class Executor(Protocol):
 
 class LocalExecutor:
     """Everything in this process: the state holds the params, gradients are the pure
-    ``value_and_grad``, and the engine shares the trainer's params (sync is a no-op copy-free tag)."""
+    ``value_and_grad``, and the engine shares the trainer's params (sync is a no-op copy-free tag).
+
+    ``reward_model``: a local HF reward-model folder (or a loaded
+    :class:`~purerl.rewards.model.RewardModel`) for :meth:`score_model`, loaded on first use in this
+    process on ``reward_model_device`` (default: the engine's device, else the CPU)."""
 
     def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine, *, critic: Critic | None = None,
-                 value_and_grad: Callable = pure_value_and_grad) -> None:
+                 value_and_grad: Callable = pure_value_and_grad, reward_model: str | Path | RewardModel | None = None,
+                 reward_model_device: str | None = None, reward_batch_size: int = 16) -> None:
         self.step_fn, self.policy, self.engine, self.value_and_grad = step_fn, policy, engine, value_and_grad
+        self.reward_model, self.reward_batch_size = reward_model, reward_batch_size
+        self.reward_model_device = reward_model_device
         self.effects = {"policy": policy, "value_and_grad": value_and_grad}
         if critic is not None:
             self.effects["critic"] = critic
@@ -74,7 +88,7 @@ class LocalExecutor:
     def start(self, state: TrainState) -> TrainState:
         return state
 
-    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor) -> tuple[TrainState, dict[str, float]]:
+    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor | Rewards) -> tuple[TrainState, dict[str, float]]:
         return self.step_fn(state, rollout, scores, **self.effects)
 
     def publish(self, state: TrainState) -> dict[str, torch.Tensor]:
@@ -86,8 +100,18 @@ class LocalExecutor:
         return state
 
     def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
-              timeout: float, penalty: float) -> Scores:
-        return score_responses(fn, responses, ground_truths, timeout=timeout, penalty=penalty)
+              timeout: float, penalty: float, data_sources: Sequence[str] | None = None,
+              extra_infos: Sequence[dict] | None = None) -> Scores:
+        return score_responses(fn, responses, ground_truths, timeout=timeout, penalty=penalty,
+                               data_sources=data_sources, extra_infos=extra_infos)
+
+    def score_model(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        if self.reward_model is None:
+            raise ValueError("LocalExecutor.score_model: no reward model (give LocalExecutor(reward_model=path))")
+        if isinstance(self.reward_model, (str, Path)):
+            device = self.reward_model_device or str(getattr(self.engine, "device", "cpu"))
+            self.reward_model = RewardModel(self.reward_model, device=device)
+        return self.reward_model.score(prompts, responses, batch_size=self.reward_batch_size)
 
     def close(self) -> None:
         self.engine.close()

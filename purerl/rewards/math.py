@@ -1,6 +1,8 @@
 """Math answers: extraction and exact checking, as pure functions of text.
 
-A reward function is any callable ``fn(response: str, ground_truth: str) -> float``. These check
+A reward function is any callable ``fn(response: str, ground_truth: str) -> float``, or verl's
+``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict``
+(:mod:`purerl.rewards.scoring` tells them apart and calls each in its form). These check
 a response's final answer (after ``####``, in the last ``\\boxed{}``, or leniently the last number)
 against the ground truth exactly: as rationals when both parse, else with ``math_verify`` when it
 is installed (a declared dependency), else as strings. Running them safely (timeouts, errors) is
@@ -10,6 +12,7 @@ is installed (a declared dependency), else as strings. Running them safely (time
 import re
 from collections.abc import Callable
 from fractions import Fraction
+from typing import Any
 
 __all__ = [
     "RewardFn",
@@ -20,7 +23,9 @@ __all__ = [
     "math_reward_with_format",
 ]
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., float | dict[str, Any]]
+"""``fn(response, ground_truth) -> float`` or verl's ``compute_score(data_source, solution_str,
+ground_truth, extra_info=None) -> float | dict`` (a dict holds the reward as ``"score"``)."""
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
 _HASH = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")

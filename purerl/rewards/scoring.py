@@ -8,10 +8,29 @@ counted error. A process is the only way to stop a reward stuck in pure Python (
 so a thread can never be interrupted). Reward functions that do not pickle (lambdas, closures)
 run on threads instead (:func:`score_in_threads`), with a one-time warning on the ``purerl``
 logger that their timeouts cannot stop them.
+
+Two forms of reward function are accepted (:func:`reward_form` tells which, once per batch in the
+calling process; the worker processes are told the form with the function, so each call costs no
+inspection):
+
+- ``fn(response, ground_truth) -> float`` (``"pair"``);
+- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict``.
+  A function is taken to be verl's when it has parameters named ``data_source``, ``solution_str``
+  and ``ground_truth`` (``"verl"``: called with those keywords, as verl calls it), or else when it
+  has at least three positional parameters without defaults (``"verl-positional"``: called as
+  ``fn(data_source, response, ground_truth[, extra_info])``). ``extra_info`` is passed when the
+  function has room for it (a fourth positional parameter, ``*args``, a parameter named
+  ``extra_info`` or ``**kwargs``). Anything else, including a callable without a signature, is
+  the two-argument form.
+
+Each sample's data source and extra info come from ``data_sources`` / ``extra_infos`` (by default
+``"unknown"`` and ``{}``, :class:`~purerl.data.records.PromptRecord`'s defaults). A dict result must
+hold a ``"score"`` key, which is the reward; its other keys (verl's extra metrics) are dropped.
 """
 
 import functools
 import hashlib
+import inspect
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -32,21 +51,84 @@ import attrs
 
 from purerl.rewards.math import RewardFn
 
-__all__ = ["Scores", "score_in_threads", "score_responses"]
+__all__ = ["Scores", "reward_form", "score_in_threads", "score_responses"]
 
 _log = logging.getLogger("purerl")
 
 
-def _check_lengths(responses: Sequence[str], ground_truths: Sequence[str]) -> None:
+def _check_lengths(responses: Sequence[str], ground_truths: Sequence[str],
+                   data_sources: Sequence[str] | None = None, extra_infos: Sequence[dict] | None = None) -> None:
     if len(responses) != len(ground_truths):
         raise ValueError(f"score_responses: {len(responses)} responses but {len(ground_truths)} ground truths")
+    for name, given in (("data sources", data_sources), ("extra infos", extra_infos)):
+        if given is not None and len(given) != len(responses):
+            raise ValueError(f"score_responses: {len(responses)} responses but {len(given)} {name}")
 
 
-def _reward(fn: RewardFn, response: str, ground_truth: str) -> float:
-    value = float(fn(response, ground_truth))
+_NO_SIGNATURE = ("pair", None)
+Form = tuple[str, str | None]
+"""How to call a reward function: ``(style, extra)``; style ``"pair"``, ``"verl"`` (keywords) or
+``"verl-positional"``; extra (how ``extra_info`` is passed) ``"positional"``, ``"keyword"`` or None."""
+
+
+def _form(fn: Any) -> Form:
+    """:func:`reward_form` with how ``extra_info`` is passed (see the module docstring)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature (some builtins, C callables): today's form
+        return _NO_SIGNATURE
+    kinds = inspect.Parameter
+    positional = [p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    var_positional = any(p.kind is kinds.VAR_POSITIONAL for p in params)
+    var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in params)
+    by_keyword = {p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+    extra_keyword = "extra_info" in by_keyword or var_keyword
+    if {"data_source", "solution_str", "ground_truth"} <= by_keyword:
+        return "verl", "keyword" if extra_keyword else None
+    if len(required) >= 3:
+        if len(positional) >= 4 or var_positional:
+            return "verl-positional", "positional"
+        return "verl-positional", "keyword" if extra_keyword else None
+    return _NO_SIGNATURE
+
+
+def reward_form(fn: Any) -> str:
+    """``"pair"`` for ``fn(response, ground_truth)``; ``"verl"`` or ``"verl-positional"`` for verl's
+    ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` (called with
+    keywords / positionally). The rule is in this module's docstring."""
+    return _form(fn)[0]
+
+
+def _call(fn: Any, form: Form, response: str, ground_truth: str, data_source: str, extra_info: Any) -> Any:
+    style, extra = form
+    if style == "pair":
+        return fn(response, ground_truth)
+    kwargs = {"extra_info": extra_info} if extra == "keyword" else {}
+    if style == "verl":
+        return fn(data_source=data_source, solution_str=response, ground_truth=ground_truth, **kwargs)
+    if extra == "positional":
+        return fn(data_source, response, ground_truth, extra_info)
+    return fn(data_source, response, ground_truth, **kwargs)
+
+
+def _reward(fn: Any, form: Form, response: str, ground_truth: str, data_source: str = "unknown",
+            extra_info: Any = None) -> float:
+    result = _call(fn, form, response, ground_truth, data_source, {} if extra_info is None else extra_info)
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"the reward function returned a dict without a 'score' key (keys: {sorted(result)})")
+        result = result["score"]
+    value = float(result)
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"reward is {value}")
     return value
+
+
+def _extras(n: int, data_sources: Sequence[str] | None,
+            extra_infos: Sequence[dict] | None) -> tuple[Sequence[str], Sequence[Any]]:
+    return (["unknown"] * n if data_sources is None else data_sources,
+            [None] * n if extra_infos is None else extra_infos)
 
 
 @attrs.frozen
@@ -122,7 +204,8 @@ _THREADS = _RewardThreads()
 
 def score_in_threads(fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
                      timeout: float = 10.0, penalty: float = 0.0, first_index: int = 0,
-                     grace: float = 0.05) -> Scores:
+                     grace: float = 0.05, data_sources: Sequence[str] | None = None,
+                     extra_infos: Sequence[dict] | None = None) -> Scores:
     """:func:`score_responses` on daemon threads of this process: for reward functions that do
     not pickle. A call stuck in pure Python holds the GIL, so its timeout cannot stop it.
 
@@ -133,7 +216,9 @@ def score_in_threads(fn: RewardFn, responses: Sequence[str], ground_truths: Sequ
     thread is abandoned, never joined, so a hanging reward function cannot hang the run. Error
     messages number samples from ``first_index`` (for a shard of a larger batch).
     """
-    _check_lengths(responses, ground_truths)
+    _check_lengths(responses, ground_truths, data_sources, extra_infos)
+    form = _form(fn)
+    sources, extras = _extras(len(responses), data_sources, extra_infos)
     results: list[float | BaseException | None] = [None] * len(responses)
     pending = list(range(len(responses)))[::-1]
     unfinished = len(responses)
@@ -142,7 +227,7 @@ def score_in_threads(fn: RewardFn, responses: Sequence[str], ground_truths: Sequ
 
     def run(i: int) -> None:
         try:
-            results[i] = _reward(fn, responses[i], ground_truths[i])
+            results[i] = _reward(fn, form, responses[i], ground_truths[i], sources[i], extras[i])
         except BaseException as err:  # noqa: BLE001 - any failure becomes a recorded penalty
             results[i] = err
 
@@ -200,29 +285,34 @@ def _scores(results: Sequence[tuple[float | None, str | None] | None], timeout: 
 
 
 def score_responses(fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
-                    timeout: float = 10.0, penalty: float = 0.0, first_index: int = 0) -> Scores:
+                    timeout: float = 10.0, penalty: float = 0.0, first_index: int = 0,
+                    data_sources: Sequence[str] | None = None, extra_infos: Sequence[dict] | None = None) -> Scores:
     """``fn`` over every (response, ground truth) pair, each under a hard ``timeout`` (seconds).
 
     The pairs are spread over the worker processes (at most ``PURERL_REWARD_PROCESSES``, default
     min(4, CPUs)); each call's deadline starts when its process takes it. Error messages number
     samples from ``first_index`` (for a shard of a larger batch). ``fn`` must pickle to run in a
-    process; one that does not runs on threads (:func:`score_in_threads`).
+    process; one that does not runs on threads (:func:`score_in_threads`). ``fn`` is either form of
+    reward function (see the module docstring); ``data_sources`` and ``extra_infos`` (one per
+    response) reach the verl form.
     """
-    _check_lengths(responses, ground_truths)
+    _check_lengths(responses, ground_truths, data_sources, extra_infos)
     if not responses:
         return Scores([], 0, 0, [])
+    on_threads = functools.partial(score_in_threads, fn, responses, ground_truths, timeout=timeout, penalty=penalty,
+                                   first_index=first_index, data_sources=data_sources, extra_infos=extra_infos)
     try:
         blob = pickle.dumps(fn)
     except Exception:  # lambdas, closures, local functions
         _warn_threads(fn, "it does not pickle")
-        return score_in_threads(fn, responses, ground_truths, timeout=timeout, penalty=penalty,
-                                first_index=first_index)
+        return on_threads()
+    form = _form(fn)
+    sources, extras = _extras(len(responses), data_sources, extra_infos)
     try:
-        results = _PROCESSES.run(blob, responses, ground_truths, timeout)
+        results = _PROCESSES.run(blob, form, responses, ground_truths, sources, extras, timeout)
     except _Unloadable as err:
         _warn_threads(fn, f"the reward processes cannot load it ({err})")
-        return score_in_threads(fn, responses, ground_truths, timeout=timeout, penalty=penalty,
-                                first_index=first_index)
+        return on_threads()
     return _scores(results, timeout, penalty, first_index)
 
 
@@ -242,8 +332,9 @@ class _Unloadable(Exception):
 
 
 def _serve(fd: int) -> None:
-    """A reward process: load the functions it is sent,
-    score the pairs it is sent, over the socket ``fd``."""
+    """A reward process: load the functions it is sent (with the form to call them in, and the
+    sender's ``sys.path``, which may have grown since this process started; answering whether it
+    could), score the samples it is sent, over the socket ``fd``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     conn = multiprocessing.connection.Connection(fd)
     fns: dict[str, Any] = {}
@@ -254,18 +345,23 @@ def _serve(fd: int) -> None:
         except (EOFError, OSError):
             return
         if message[0] == "fn":
+            _, key, blob, form, paths = message
+            sys.path.extend(p for p in paths if p not in sys.path)
             try:
-                fns = {message[1]: pickle.loads(message[2])}
+                fns = {key: (pickle.loads(blob), form)}
+                conn.send(("loaded", None))
             except Exception as err:  # noqa: BLE001 - reported with every sample of this function
-                fns = {message[1]: err}
+                fns = {key: err}
+                conn.send(("loaded", f"{type(err).__name__}: {err}"))
             continue
-        _, key, i, response, truth = message
-        fn = fns[key]
-        if isinstance(fn, Exception):
-            conn.send((i, None, f"{type(fn).__name__}: {fn}", True))
+        _, key, i, response, truth, source, extra = message
+        loaded = fns[key]
+        if isinstance(loaded, Exception):
+            conn.send((i, None, f"{type(loaded).__name__}: {loaded}", True))
             continue
+        fn, form = loaded
         try:
-            conn.send((i, _reward(fn, response, truth), None, False))
+            conn.send((i, _reward(fn, form, response, truth, source, extra), None, False))
         except BaseException as err:  # noqa: BLE001 - reported as the sample's error
             conn.send((i, None, f"{type(err).__name__}: {err}", False))
 
@@ -318,30 +414,65 @@ class _RewardProcesses:
             p.ready(120.0)
         return started
 
-    def run(self, blob: bytes, responses: Sequence[str], truths: Sequence[str],
-            timeout: float) -> list[tuple[float | None, str | None] | None]:
+    def run(self, blob: bytes, form: Form, responses: Sequence[str], truths: Sequence[str], sources: Sequence[str],
+            extras: Sequence[Any], timeout: float) -> list[tuple[float | None, str | None] | None]:
         with self.lock:
-            return self._run(blob, responses, truths, timeout)
+            return self._run(blob, form, responses, truths, sources, extras, timeout)
 
-    def _run(self, blob: bytes, responses: Sequence[str], truths: Sequence[str],
-             timeout: float) -> list[tuple[float | None, str | None] | None]:
+    def _load(self, ps: list[_Process], key: str, blob: bytes, form: Form, paths: list[str]) -> str | None:
+        """Give ``ps`` the function (those that lack it, loading in parallel) and wait until each
+        has loaded it, so that importing its module never counts against a call's deadline.
+        Returns why one could not load it (None: all did); a process that does not answer within
+        ``_LOAD_TIMEOUT`` is killed and makes the function unloadable."""
+        todo = [p for p in ps if p.fn_key != key]
+        for p in todo:
+            p.conn.send(("fn", key, blob, form, paths))
+            p.fn_key = key
+        error = None
+        for p in todo:
+            try:
+                if not p.conn.poll(_LOAD_TIMEOUT):
+                    raise TimeoutError(f"a reward process did not load it within {_LOAD_TIMEOUT:g} s")
+                _, failed = p.conn.recv()
+            except (EOFError, OSError, TimeoutError) as err:
+                failed = (f"{err}" if isinstance(err, TimeoutError) else
+                          f"the reward process died while loading it (exit code {p.process.poll()})")
+                p.kill()
+                ps.remove(p)
+            if failed is not None:
+                p.fn_key = None  # sent again (and refused again) next time, never scored with
+            error = error or failed
+        return error
+
+    def _run(self, blob: bytes, form: Form, responses: Sequence[str], truths: Sequence[str], sources: Sequence[str],
+             extras: Sequence[Any], timeout: float) -> list[tuple[float | None, str | None] | None]:
         key = hashlib.sha256(blob).hexdigest()
+        paths = [p for p in sys.path if p]
         want = min(max(self.size, 1), len(responses))
         workers = [p for p in self.idle if p.alive][:want]
         workers += self._start(want - len(workers))
         self.idle = []
+        error = self._load(workers, key, blob, form, paths)
+        if error is not None:
+            self.idle = workers
+            raise _Unloadable(error)
         results: list[tuple[float | None, str | None] | None] = [None] * len(responses)
         pending, running = deque(range(len(responses))), {}
 
         def assign(p: _Process) -> None:
+            """The next sample to ``p``, after loading the function where ``p`` is a fresh process."""
             i = pending.popleft()
-            if p.fn_key != key:
-                p.conn.send(("fn", key, blob))
-                p.fn_key = key
-            p.conn.send(("score", key, i, responses[i], truths[i]))
+            error = self._load([p], key, blob, form, paths) if p.fn_key != key else None
+            if error is not None:  # others loaded the same function: this sample alone fails
+                results[i] = (None, f"the reward process could not load the reward function: {error}")
+                if p in workers:
+                    workers.remove(p)
+                    p.kill()
+                return
+            p.conn.send(("score", key, i, responses[i], truths[i], sources[i], extras[i]))
             running[p] = (i, time.monotonic() + timeout)
 
-        for p in workers:
+        for p in workers[:]:
             if pending:
                 assign(p)
         while running:
@@ -352,7 +483,7 @@ class _RewardProcesses:
                 i, _ = running.pop(p)
                 try:
                     _, value, error, unloadable = conn.recv()
-                    if unloadable:
+                    if unloadable:  # not sent once loading failed; kept as a safeguard
                         self.idle = workers
                         raise _Unloadable(error)
                     results[i] = (value, error)
@@ -376,6 +507,9 @@ class _RewardProcesses:
                         assign(fresh)
         self.idle = workers
         return results
+
+
+_LOAD_TIMEOUT = 120.0  # seconds for a reward process to load (import) a reward function
 
 
 _PROCESSES = _RewardProcesses()

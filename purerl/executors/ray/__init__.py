@@ -11,7 +11,9 @@ Worker groups live on resource pools (Ray placement groups, one bundle per worke
   ranks, each with a rollout engine; with ``"colocated"`` (verl's hybrid engine) the training
   ranks generate themselves from gathered weights.
 - ``reward``: ``reward_workers`` CPU actors scoring contiguous shards of the responses with
-  :func:`~purerl.rewards.score_responses` (none: the driver scores).
+  :func:`~purerl.rewards.score_responses` (none: the driver scores) and, with
+  ``RayConfig.reward_model``, each holding the learned reward model (loaded once, at start) for
+  ``score_model`` (none: the driver loads it on first use and scores on its CPU).
 
 Modules: :mod:`~purerl.executors.ray.config` (:class:`RayConfig`), :mod:`~.actors` (the three
 actor classes), :mod:`~.pools` (starting Ray, pools, waiting that fails closed), :mod:`~.weights`

@@ -1,4 +1,5 @@
-"""The Ray executor's actors: a training rank, a rollout worker, a reward worker.
+"""The Ray executor's actors: a training rank, a rollout worker, a reward worker (reward
+functions and the reward model).
 
 Each is a plain class made remote by the executor (``ray.remote(cls)``), so it can also be
 built and tested in-process. Everything they receive or return crosses a process boundary as
@@ -7,10 +8,12 @@ numpy (:mod:`purerl.executors.wire`).
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 
 from purerl.executors.wire import (
@@ -22,12 +25,13 @@ from purerl.executors.wire import (
 )
 from purerl.model import CausalLM, Critic
 from purerl.rewards import RewardFn, Scores, score_responses
+from purerl.rewards.model import RewardModel
 from purerl.rollout.engine import make_engine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState, with_params, without_params
 from purerl.tree import replace, tree_map
 
-__all__ = ["RewardWorker", "RolloutWorker", "TrainRank"]
+__all__ = ["RewardWorker", "RolloutWorker", "ShippedRewardFn", "TrainRank"]
 
 
 def _free_port() -> int:
@@ -166,11 +170,53 @@ class RolloutWorker:
 
 
 class RewardWorker:
-    """A reward worker: scores one shard of the responses."""
+    """A reward worker: scores one shard of the responses with a reward function and, given a
+    reward-model folder, with that model (loaded once, by :meth:`load_reward_model`)."""
+
+    def __init__(self, reward_model: str | None = None, device: str = "cpu", threads: int = 1,
+                 batch_size: int = 16) -> None:
+        torch.set_num_threads(threads)
+        self.reward_model_path, self.device, self.batch_size = reward_model, device, batch_size
+        self.reward_model: RewardModel | None = None
 
     def pid(self) -> int:
         return os.getpid()
 
     def score(self, fn: RewardFn, responses: list[str], truths: list[str], timeout: float, penalty: float,
-              first_index: int) -> Scores:
-        return score_responses(fn, responses, truths, timeout=timeout, penalty=penalty, first_index=first_index)
+              first_index: int, data_sources: list[str] | None = None, extra_infos: list[dict] | None = None) -> Scores:
+        return score_responses(fn, responses, truths, timeout=timeout, penalty=penalty, first_index=first_index,
+                               data_sources=data_sources, extra_infos=extra_infos)
+
+    def load_reward_model(self) -> None:
+        """Load the reward model (once; a no-op after)."""
+        if self.reward_model is None:
+            if self.reward_model_path is None:
+                raise ValueError("this reward worker was given no reward model (RayConfig.reward_model)")
+            self.reward_model = RewardModel(self.reward_model_path, device=self.device)
+
+    def score_model(self, prompts: list[str], responses: list[str]) -> np.ndarray:
+        """:meth:`RewardModel.score` of this shard, as float32 numpy."""
+        self.load_reward_model()
+        return self.reward_model.score(prompts, responses, batch_size=self.batch_size).numpy()
+
+
+class ShippedRewardFn:
+    """A reward function on its way to the reward workers with the driver's ``sys.path``:
+    unpickling adds the paths first, then loads the function, so a function that
+    :func:`~purerl.rewards.load_reward_fn` loaded from a file (a module importable only from its
+    folder) imports on the worker. Unpickles as the function itself."""
+
+    def __init__(self, fn: RewardFn) -> None:
+        self.fn, self.paths = fn, [p for p in sys.path if p]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from ray import cloudpickle
+
+        return _unship, (self.paths, cloudpickle.dumps(self.fn))
+
+
+def _unship(paths: list[str], blob: bytes) -> Any:
+    from ray import cloudpickle
+
+    sys.path.extend(p for p in paths if p not in sys.path)
+    return cloudpickle.loads(blob)

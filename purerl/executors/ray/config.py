@@ -13,7 +13,11 @@ class RayConfig:
 
     ``address``: None starts a local Ray instance (``ray.init()``); ``"auto"`` or ``"host:port"``
     joins a running cluster. ``reward_workers``: 0 scores on the driver, more spreads the reward
-    function calls over that many CPU workers. ``step_timeout``/``sync_timeout`` bound one step /
+    function calls over that many CPU workers. ``reward_model``: a local HF reward-model folder
+    (:class:`~purerl.rewards.model.RewardModel`) for ``score_model``: each reward worker loads it
+    once, when it starts, and scores a contiguous shard (on a GPU when ``reward_gpus_per_worker``
+    > 0); with no reward workers the driver loads it on first use and scores on its CPU (the folder
+    must be at the same path on every node). ``step_timeout``/``sync_timeout`` bound one step /
     one weight sync; a rank that exceeds them ends the run.
     """
 
@@ -31,6 +35,9 @@ class RayConfig:
     step_timeout: float = attrs.field(default=3600.0, converter=float)
     sync_timeout: float = attrs.field(default=600.0, converter=float)
     start_timeout: float = attrs.field(default=300.0, converter=float)
+    reward_model: str | None = attrs.field(default=None, converter=attrs.converters.optional(str))
+    reward_gpus_per_worker: float = attrs.field(default=0.0, converter=float)
+    reward_batch_size: int = 16
 
     def __attrs_post_init__(self) -> None:
         if self.placement not in PLACEMENTS:

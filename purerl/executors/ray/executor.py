@@ -4,16 +4,19 @@ rollout workers as one rollout engine."""
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from purerl.batch import Rollout
+from purerl.batch import Rewards, Rollout
 from purerl.executors.local import ExecutorError, StepFn
+from purerl.executors.ray.actors import ShippedRewardFn
 from purerl.executors.ray.config import RayConfig
 from purerl.executors.ray.pools import WorkerGroups
 from purerl.executors.ray.weights import PublishedWeights, load_published, publish, sync_colocated
 from purerl.executors.wire import from_wire, to_wire
 from purerl.model import CausalLM, Critic
 from purerl.rewards import RewardFn, Scores, score_responses
+from purerl.rewards.model import RewardModel
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState, with_params, without_params
@@ -85,6 +88,7 @@ class RayExecutor:
         self.train, self.rollout, self.reward = self.groups.train, self.groups.rollout, self.groups.reward
         self.engine = RemoteEngine(self, engine_kwargs["pad_token_id"])
         self.last_sync_digests: list[str | None] = []  # per rollout engine, in checksum mode
+        self.driver_reward_model: RewardModel | None = None  # with no reward workers, loaded on first use
 
     def wait(self, calls: list[tuple[Any, str]], timeout: float, what: str) -> list[Any]:
         """:meth:`WorkerGroups.wait`: results, or :class:`ExecutorError` naming the worker."""
@@ -116,7 +120,7 @@ class RayExecutor:
                   self.config.start_timeout, "load state")
         return without_params(state)
 
-    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor) -> tuple[TrainState, dict[str, float]]:
+    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor | Rewards) -> tuple[TrainState, dict[str, float]]:
         import ray
 
         small, batch = ray.put(to_wire(without_params(state))), ray.put(to_wire((rollout, scores)))
@@ -149,18 +153,45 @@ class RayExecutor:
             self.load_weights(publish(self.groups, version))
 
     def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
-              timeout: float, penalty: float) -> Scores:
-        """Rewards on the reward workers (contiguous shards), or on the driver when there are none."""
+              timeout: float, penalty: float, data_sources: Sequence[str] | None = None,
+              extra_infos: Sequence[dict] | None = None) -> Scores:
+        """Rewards on the reward workers (contiguous shards), or on the driver when there are none.
+        The function travels with the driver's ``sys.path`` (:class:`ShippedRewardFn`)."""
         if not self.reward:
-            return score_responses(fn, responses, ground_truths, timeout=timeout, penalty=penalty)
+            return score_responses(fn, responses, ground_truths, timeout=timeout, penalty=penalty,
+                                   data_sources=data_sources, extra_infos=extra_infos)
         import ray
 
-        fn_ref = ray.put(fn)
+        for name, given in (("ground truths", ground_truths), ("data sources", data_sources),
+                            ("extra infos", extra_infos)):
+            if given is not None and len(given) != len(responses):
+                raise ValueError(f"score: {len(responses)} responses but {len(given)} {name}")
+        fn_ref = ray.put(ShippedRewardFn(fn))
         shards = prompt_shards(len(responses), len(self.reward))
-        calls = [(w.score.remote(fn_ref, list(responses[sl]), list(ground_truths[sl]), timeout, penalty, sl.start),
+        part = lambda xs, sl: None if xs is None else list(xs[sl])  # noqa: E731
+        calls = [(w.score.remote(fn_ref, list(responses[sl]), list(ground_truths[sl]), timeout, penalty, sl.start,
+                                 part(data_sources, sl), part(extra_infos, sl)),
                   f"reward worker {i}") for i, (w, sl) in enumerate(zip(self.reward, shards))]
         # each worker's threads time out after `timeout`; the margin covers transfer and start-up
         return Scores.concat(self.wait(calls, 2 * timeout + 30, "reward"))
+
+    def score_model(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
+        """The reward model's scores (float32 ``[n]``, in order): contiguous shards on the reward
+        workers, each holding the model; with no reward workers, on the driver's CPU (loaded on
+        first use)."""
+        if self.config.reward_model is None:
+            raise ValueError("RayExecutor.score_model: no reward model (set RayConfig.reward_model)")
+        if len(prompts) != len(responses):
+            raise ValueError(f"score_model: {len(prompts)} prompts but {len(responses)} responses")
+        if not self.reward:
+            if self.driver_reward_model is None:
+                self.driver_reward_model = RewardModel(self.config.reward_model)
+            return self.driver_reward_model.score(prompts, responses, batch_size=self.config.reward_batch_size)
+        shards = prompt_shards(len(prompts), len(self.reward))
+        calls = [(w.score_model.remote(list(prompts[sl]), list(responses[sl])), f"reward worker {i}")
+                 for i, (w, sl) in enumerate(zip(self.reward, shards))]
+        parts = self.wait(calls, self.config.step_timeout, "reward model")
+        return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0)
 
     def full_state(self, state: TrainState) -> TrainState:
         """The full state gathered from the ranks, with the driver's step, RNG, cursor and KL."""

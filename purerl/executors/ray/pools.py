@@ -1,7 +1,8 @@
 """The Ray executor's worker groups on their resource pools, and the one way to wait for them.
 
 Pools are Ray placement groups, one bundle per worker: ``train`` (the FSDP2 ranks, one
-``torch.distributed`` group), ``rollout`` (split placement only) and ``reward``. Waiting fails
+``torch.distributed`` group), ``rollout`` (split placement only) and ``reward`` (reward functions,
+and the reward model when there is one: each reward worker loads it at start). Waiting fails
 closed: the first dead, failed or silent worker stops every actor (so no rank is left blocked in
 a collective) and its message is the run's error, whichever thread waits next.
 """
@@ -56,16 +57,17 @@ class WorkerGroups:
             self.pools["train"] = placement_group([bundle] * config.train_ranks, strategy="PACK")
             if not colocated:
                 self.pools["rollout"] = placement_group([bundle] * config.rollout_workers, strategy="PACK")
+            reward_bundle = {"CPU": config.cpus_per_worker,
+                             **({"GPU": config.reward_gpus_per_worker} if config.reward_gpus_per_worker else {})}
             if config.reward_workers:
-                self.pools["reward"] = placement_group([{"CPU": config.cpus_per_worker}] * config.reward_workers,
-                                                       strategy="SPREAD")
+                self.pools["reward"] = placement_group([reward_bundle] * config.reward_workers, strategy="SPREAD")
             for name, pool in self.pools.items():
                 if not pool.wait(config.start_timeout):
                     raise ExecutorError(f"Ray could not reserve the {name} pool ({len(pool.bundle_specs)} × {bundle}) "
                                         f"within {config.start_timeout:.0f} s: not enough resources in the cluster")
 
             def on(pool: str, index: int) -> dict[str, Any]:
-                gpus = 0 if pool == "reward" else config.gpus_per_worker
+                gpus = config.reward_gpus_per_worker if pool == "reward" else config.gpus_per_worker
                 return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pools[pool], index),
                         "num_cpus": config.cpus_per_worker, "num_gpus": gpus, "max_restarts": 0}
 
@@ -80,13 +82,18 @@ class WorkerGroups:
                 self.rollout = [ray.remote(RolloutWorker).options(**on("rollout", i)).remote(
                     policy, engine_kwargs, threads, device, config.engine) for i in range(config.rollout_workers)]
                 self.actors += [(a, f"rollout worker {i}") for i, a in enumerate(self.rollout)]
-            self.reward = [ray.remote(RewardWorker).options(**on("reward", i)).remote()
-                           for i in range(config.reward_workers)]
+            reward_device = "cuda" if config.reward_gpus_per_worker > 0 else "cpu"
+            self.reward = [ray.remote(RewardWorker).options(**on("reward", i)).remote(
+                config.reward_model, reward_device, threads, config.reward_batch_size)
+                for i in range(config.reward_workers)]
             self.actors += [(a, f"reward worker {i}") for i, a in enumerate(self.reward)]
             (host, port), = self.wait([(self.train[0].address.remote(), "train rank 0")], config.start_timeout, "start")
             collective_timeout = _COLLECTIVE_SHARE * config.step_timeout
             self.wait([(w.init_process_group.remote(host, port, collective_timeout), f"train rank {r}")
                        for r, w in enumerate(self.train)], config.start_timeout, "init_process_group")
+            if config.reward_model is not None:  # each reward worker loads it once, now: a bad folder fails here
+                self.wait([(w.load_reward_model.remote(), f"reward worker {i}") for i, w in enumerate(self.reward)],
+                          config.start_timeout, "load reward model")
         except BaseException:
             self.close()
             raise
