@@ -94,7 +94,7 @@ def train_async(state: TrainState, *, executor: Executor, engine: RolloutEngine 
     published, batches = Published(), queue.Queue(maxsize=config.queue_batches)
     published.publish(executor.publish(state), state.step)
     generator = _Generator(engine, task, run, decode, executor.score, config, published, batches,
-                           state.data, state.rng, state.step)
+                           state.data, state.rng, state.step, getattr(executor, "score_model", None))
 
     def evaluate(state: TrainState) -> dict[str, float]:  # the weights just published, on the executor's engine
         with generator.engine_turn() if engine is executor.engine else contextlib.nullcontext():
@@ -143,8 +143,10 @@ class _Generator:
 
     def __init__(self, engine: RolloutEngine, task: Task, run: RunConfig, decode: Callable[[list[int]], str],
                  score: Callable[..., Scores], config: AsyncConfig, published: Published, batches: queue.Queue,
-                 data: DataCursor, rng: RngState, step: int) -> None:
+                 data: DataCursor, rng: RngState, step: int,
+                 score_model: Callable[..., Any] | None = None) -> None:
         self.engine, self.task, self.run, self.decode, self.score = engine, task, run, decode, score
+        self.score_model = score_model
         self.config, self.published, self.batches = config, published, batches
         self.data, self.rng, self.next_step = data, rng, step + 1
         self.stop, self.error = threading.Event(), None
@@ -200,7 +202,8 @@ class _Generator:
                         self.engine.sync(params, version)
                     rng = rollout_rng(self.rng, self.next_step - 1)
                     rollout, scores, metrics, self.data = sample_batch(
-                        self.engine, self.task, self.run, self.decode, self.data, rng, version, score=self.score)
+                        self.engine, self.task, self.run, self.decode, self.data, rng, version, score=self.score,
+                        score_model=self.score_model)
                 item = ScoredBatch(rollout, scores, metrics, self.data)
                 queued = time.perf_counter()
                 self.busy += queued - work

@@ -23,7 +23,8 @@ from typing import Any
 import attrs
 import torch
 
-from purerl.batch import Rollout
+from purerl.algo.dapo import overlong_penalty, varied_groups
+from purerl.batch import Rewards, Rollout, concat_rollouts
 from purerl.checkpoint import save_checkpoint
 from purerl.data.cursor import DataCursor, next_indices
 from purerl.data.records import PromptRecord
@@ -35,7 +36,7 @@ from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.tree import replace
 
-__all__ = ["Interrupted", "RunConfig", "StepRecorder", "StopRequest", "Task", "decode_responses", "evaluate", "rollout_batch", "rollout_rng",
+__all__ = ["Interrupted", "RewardMix", "RunConfig", "StepRecorder", "StopRequest", "Task", "decode_responses", "evaluate", "rollout_batch", "rollout_rng",
            "sample_batch", "train"]
 
 @attrs.frozen
@@ -52,9 +53,26 @@ class Task:
 
 
 @attrs.frozen
+class RewardMix:
+    """How a response's reward is made: ``fn_weight·fn + model_weight·model + overlong``, where
+    ``fn`` is the task's reward function, ``model`` the executor's reward model (used when
+    ``model_weight`` ≠ 0) and ``overlong`` DAPO's length penalty (when ``overlong_buffer`` > 0;
+    :func:`~purerl.algo.dapo.overlong_penalty`)."""
+
+    fn_weight: float = 1.0
+    model_weight: float = 0.0
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+
+@attrs.frozen
 class RunConfig:
     """``final_checkpoint``: also checkpoint the last step (and, on a stop request, the step
-    stopped after) when ``checkpoint_every`` does not fall on it."""
+    stopped after) when ``checkpoint_every`` does not fall on it. ``greedy_baseline`` (ReMax):
+    also generate one greedy response per prompt and pass its reward as the rows' baseline.
+    ``dynamic_sampling`` (DAPO): drop groups whose rewards are all equal and sample the next
+    prompts until ``prompts_per_step`` groups are kept, in at most ``max_sampling_rounds``
+    rounds (then train on what was kept, or on the last round if nothing was)."""
 
     steps: int
     prompts_per_step: int
@@ -65,6 +83,10 @@ class RunConfig:
     reward_timeout: float = 10.0
     reward_penalty: float = 0.0
     final_checkpoint: bool = True
+    rewards: RewardMix = RewardMix()
+    greedy_baseline: bool = False
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
 
 
 class Interrupted(Exception):
@@ -119,38 +141,119 @@ _ROLLOUT_STREAM = 1
 
 def sample_batch(engine: RolloutEngine, task: Task, run: RunConfig, decode: Callable[[list[int]], str],
                  data: DataCursor, rng: RngState, version: int, *, score: Callable[..., Scores] = score_responses,
-                 ) -> tuple[Rollout, torch.Tensor, dict[str, float], DataCursor]:
+                 score_model: Callable[..., torch.Tensor] | None = None,
+                 ) -> tuple[Rollout, Rewards, dict[str, float], DataCursor]:
     """The next prompts after ``data``, sampled from ``rng`` with weights ``version`` and scored
-    (with ``score``, :func:`~purerl.rewards.score_responses`'s signature). Returns the rollout,
-    its scores, metrics, and the cursor after its prompts."""
-    indices, cursor = next_indices(data, len(task.records), run.prompts_per_step)
-    start = time.perf_counter()
-    rollout = engine.generate([task.prompt_ids[i] for i in indices], run.sampling, rng, version=version)
-    gen_seconds = time.perf_counter() - start
-    texts = decode_responses(rollout, decode)
-    truths = [task.records[i].ground_truth for i in indices for _ in range(run.sampling.n)]
-    start = time.perf_counter()
-    scores = score(task.reward_fn, texts, truths, timeout=run.reward_timeout, penalty=run.reward_penalty)
+    (``score``: :func:`~purerl.rewards.score_responses`'s signature; ``score_model``: the
+    executor's reward model, for ``run.rewards.model_weight``). With ``run.greedy_baseline`` the
+    rewards carry each prompt's greedy score; with ``run.dynamic_sampling``, rounds of prompts
+    until enough groups have varied rewards. Returns the rollout, its rewards, metrics, and the
+    cursor after its prompts."""
+    metrics: dict[str, float] = {"timing/gen_s": 0.0, "timing/reward_s": 0.0, "reward/errors": 0.0,
+                                 "reward/timeouts": 0.0}
+    kept: list[tuple[Rollout, Rewards]] = []
+    groups, rounds, cursor, n = 0, 0, data, run.sampling.n
+    while True:
+        indices, cursor = next_indices(cursor, len(task.records), run.prompts_per_step)
+        prompts = [task.prompt_ids[i] for i in indices]
+        round_rng = rng if rounds == 0 else rng.fold_in(rounds)
+        rollout, rewards = _scored_rollout(engine, task, run, decode, indices, prompts, round_rng, version, score,
+                                           score_model, metrics, run.sampling)
+        if run.greedy_baseline:
+            greedy = attrs.evolve(run.sampling, temperature=0.0, top_p=1.0, top_k=0, n=1)
+            start = time.perf_counter()
+            _, base = _scored_rollout(engine, task, run, decode, indices, prompts, RngState(0), version, score,
+                                      score_model, metrics, greedy)
+            metrics["timing/baseline_s"] = metrics.get("timing/baseline_s", 0.0) + time.perf_counter() - start
+            rewards = attrs.evolve(rewards, baselines=base.scores.repeat_interleave(n))
+        rounds += 1
+        if not run.dynamic_sampling:
+            kept.append((rollout, rewards))
+            break
+        varied = varied_groups(rewards.scores, rollout.group)
+        groups += int(varied.sum()) // n
+        if varied.any():
+            kept.append((rollout.rows(varied.nonzero().squeeze(1)), rewards.rows(varied.nonzero().squeeze(1))))
+        if groups >= run.prompts_per_step or rounds >= run.max_sampling_rounds:
+            if not kept:  # nothing varied: train on the last round (its advantages are all 0)
+                kept.append((rollout, rewards))
+            break
+    rollout = concat_rollouts([r for r, _ in kept], pad_token_id=_pad_id(kept[0][0]))
+    rewards = Rewards(*(None if parts[0] is None else torch.cat(parts)
+                        for parts in zip(*((w.scores, w.baselines, w.components) for _, w in kept))))
+    if run.dynamic_sampling:
+        rows = min(len(rewards.scores), run.prompts_per_step * n)
+        index = torch.arange(rows, device=rewards.scores.device)
+        rollout, rewards = rollout.rows(index), rewards.rows(index)
+        metrics["sampling/rounds"] = float(rounds)
+        metrics["sampling/varied_groups"] = float(groups)
     tokens = int(rollout.sequences.response_mask.sum())
-    metrics = {
-        "reward/errors": float(scores.errors),
-        "reward/timeouts": float(scores.timeouts),
-        "timing/gen_s": gen_seconds,
-        "timing/reward_s": time.perf_counter() - start,
-        "perf/gen_tokens_per_s": tokens / max(gen_seconds, 1e-9),
-    }
+    metrics["perf/gen_tokens_per_s"] = tokens / max(metrics["timing/gen_s"], 1e-9)
+    return rollout, rewards, metrics, cursor
+
+
+def _pad_id(rollout: Rollout) -> int:
+    """A token id for padding re-padded rows: any id works (attention and masks hide it); reuse one
+    the engine padded with."""
+    ids, attention = rollout.sequences.input_ids, rollout.sequences.attention_mask
+    padded = ids[~attention]
+    return int(padded[0]) if len(padded) else 0
+
+
+def _scored_rollout(engine: RolloutEngine, task: Task, run: RunConfig, decode: Callable[[list[int]], str],
+                    indices: list[int], prompts: list, rng: RngState, version: int, score: Callable[..., Scores],
+                    score_model: Callable[..., torch.Tensor] | None, metrics: dict[str, float],
+                    sampling: SamplingParams) -> tuple[Rollout, Rewards]:
+    """Generate ``sampling.n`` responses per prompt and reward them (:class:`RewardMix`); adds
+    timings and error counts to ``metrics``."""
+    start = time.perf_counter()
+    rollout = engine.generate(prompts, sampling, rng, version=version)
+    metrics["timing/gen_s"] += time.perf_counter() - start
+    texts = decode_responses(rollout, decode)
+    records = [task.records[i] for i in indices for _ in range(sampling.n)]
+    start = time.perf_counter()
+    mix = run.rewards
+    scored = score(task.reward_fn, texts, [r.ground_truth for r in records], timeout=run.reward_timeout,
+                   penalty=run.reward_penalty, data_sources=[r.data_source for r in records],
+                   extra_infos=[r.extra for r in records])
     device = rollout.sequences.input_ids.device
-    return rollout, torch.tensor(scores.values, dtype=torch.float32, device=device), metrics, cursor
+    rule = torch.tensor(scored.values, dtype=torch.float32, device=device)
+    metrics["reward/errors"] += float(scored.errors)
+    metrics["reward/timeouts"] += float(scored.timeouts)
+    columns = [rule]
+    total = mix.fn_weight * rule
+    if mix.model_weight:
+        if score_model is None:
+            raise ValueError("RunConfig.rewards.model_weight needs an executor with a reward model")
+        learned = score_model([_prompt_text(r) for r in records], texts).to(device=device, dtype=torch.float32)
+        metrics["reward/model_mean"] = float(learned.mean())
+        columns.append(learned)
+        total = total + mix.model_weight * learned
+    if mix.overlong_buffer:
+        lengths = rollout.sequences.response_mask.sum(-1)
+        penalty = overlong_penalty(lengths, sampling.max_new_tokens, mix.overlong_buffer, mix.overlong_penalty)
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+        total = total + penalty
+    metrics["timing/reward_s"] += time.perf_counter() - start
+    return rollout, Rewards(total, components=torch.stack(columns, 1) if len(columns) > 1 else None)
+
+
+def _prompt_text(record: PromptRecord) -> str:
+    """What a reward model reads as the prompt: the last user message."""
+    users = [m["content"] for m in record.messages if m.get("role") == "user"]
+    return users[-1] if users else record.messages[-1]["content"]
 
 
 def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, run: RunConfig,
                   decode: Callable[[list[int]], str], *, score: Callable[..., Scores] = score_responses,
-                  ) -> tuple[TrainState, Rollout, torch.Tensor, dict[str, float]]:
+                  score_model: Callable[..., torch.Tensor] | None = None,
+                  ) -> tuple[TrainState, Rollout, Rewards, dict[str, float]]:
     """:func:`sample_batch` from the state's cursor with weights ``state.step`` and
     :func:`rollout_rng`: the state comes back with its cursor advanced."""
-    rollout, scores, metrics, cursor = sample_batch(engine, task, run, decode, state.data,
-                                                    rollout_rng(state.rng, state.step), state.step, score=score)
-    return replace(state, data=cursor), rollout, scores, metrics
+    rollout, rewards, metrics, cursor = sample_batch(engine, task, run, decode, state.data,
+                                                     rollout_rng(state.rng, state.step), state.step, score=score,
+                                                     score_model=score_model)
+    return replace(state, data=cursor), rollout, rewards, metrics
 
 
 def evaluate(state: TrainState, engine: RolloutEngine, task: Task, decode: Callable[[list[int]], str], *,
@@ -189,7 +292,8 @@ def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,
         record.check(state)
         while state.step < run.steps:
             step_start = time.perf_counter()
-            state, rollout, scores, metrics = rollout_batch(state, engine, task, run, decode, score=executor.score)
+            state, rollout, scores, metrics = rollout_batch(state, engine, task, run, decode, score=executor.score,
+                                                            score_model=getattr(executor, "score_model", None))
             train_start = time.perf_counter()
             state, step_metrics = executor.step(state, rollout, scores)
             metrics.update(step_metrics)

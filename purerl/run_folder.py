@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from purerl.checkpoint import remove_partial_checkpoints
+from purerl.config import flatten
 
 __all__ = ["RunFolderError", "check_resume_config", "claim_run_folder", "save_run_config"]
 
@@ -55,21 +56,23 @@ def save_run_config(path: str | Path, config: Mapping[str, Any]) -> None:
 
 def check_resume_config(path: str | Path, config: Mapping[str, Any], may_change: Collection[str]) -> bool:
     """Refuse to resume with settings that differ from the recorded ones in anything but
-    ``may_change``, naming every differing key with both values. Returns False when the folder
-    records no settings (nothing to compare)."""
+    ``may_change``, naming every differing key with both values. Nested settings (sections) are
+    compared key by key (``actor.lr``); a name in ``may_change`` covers its section's keys.
+    Returns False when the folder records no settings (nothing to compare)."""
     recorded_path = Path(path) / CONFIG
     if not recorded_path.exists():
         return False
-    recorded = json.loads(recorded_path.read_text())
-    now = json.loads(json.dumps(dict(config), default=str))  # compare as recorded: JSON values
-    differ = sorted(k for k in set(recorded) | set(now) if k not in may_change and recorded.get(k) != now.get(k))
+    recorded = flatten(json.loads(recorded_path.read_text()))
+    now = flatten(json.loads(json.dumps(dict(config), default=str)))  # compare as recorded: JSON values
+
+    def fixed(key: str) -> bool:
+        return not any(key == name or key.startswith(name + ".") for name in may_change)
+
+    differ = sorted(k for k in set(recorded) | set(now) if fixed(k) and recorded.get(k) != now.get(k))
     if differ:
-        changes = "; ".join(f"{_flag(k)} was {recorded.get(k)!r}, now {now.get(k)!r}" for k in differ)
+        changes = "; ".join(f"{k} was {recorded.get(k)!r}, now {now.get(k)!r}" for k in differ)
         raise RunFolderError(f"--resume: {changes}. A resumed run keeps its settings (those that may change: "
-                             f"{', '.join(_flag(k) for k in sorted(may_change))}); start a new run in another "
+                             f"{', '.join(sorted(may_change))}); start a new run in another "
                              "--out-dir or with --overwrite")
     return True
 
-
-def _flag(key: str) -> str:
-    return "--" + key.rstrip("_").replace("_", "-")

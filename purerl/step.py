@@ -35,11 +35,21 @@ from purerl.algo.advantages import AdvantageConfig, AdvantageInputs, compute_adv
 from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, loss_denominator
 from purerl.algo.correction import IS_CORRECTIONS, CorrectionConfig, importance_weights
 from purerl.algo.kl import apply_kl_penalty, kl_loss
-from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from purerl.algo.logprobs import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    sum_pi_squared_from_logits,
+)
 from purerl.algo.masked import masked_mean
-from purerl.algo.policy_loss import POLICY_LOSSES, PolicyLossConfig
+from purerl.algo.policy_loss import (
+    POLICY_LOSSES,
+    LossOptions,
+    PolicyLossConfig,
+    loss_aggregation,
+    vanishes_at_zero_advantage,
+)
 from purerl.algo.value_loss import clipped_value_loss
-from purerl.batch import FINISH_LENGTH, Rollout, Sequences
+from purerl.batch import FINISH_LENGTH, Rewards, Rollout, Sequences
 from purerl.model import CausalLM, Critic, Params, response_logits, response_values
 from purerl.model import value_and_grad as pure_value_and_grad
 from purerl.state import RngState, TrainState
@@ -100,14 +110,30 @@ class StepConfig:
     PPO objective; for an engine that computes differently from the trainer, truncated IS."""
     correction: CorrectionConfig = CorrectionConfig()
     """The cap (and ``token-mask``'s lower bound) of ``rollout_correction``."""
+    loss_options: LossOptions = LossOptions()
+    """Settings of particular policy losses (SAPO's τ, clip-cov and KL-cov ratios, DRO's β,
+    bypass mode); the clip settings and aggregation above apply to every loss."""
+    gdpo_weights: tuple[float, ...] | None = None
+    """``gdpo``: the weight of each reward component (:class:`~purerl.batch.Rewards`); None: all 1."""
     skip_zero_advantage_rows: bool = True
     """Leave rows whose advantages are all 0 (GRPO groups whose samples scored alike) out of the
-    actor's forward and backward. Every registered policy loss is ``−A·f(ratio)`` per token, so
-    such rows add exactly 0 to the loss and its gradient: the update is the same (the loss is
-    still normalised by the whole mini-batch's tokens). Applies only while no entropy bonus and
-    no KL loss depend on those rows. The actor metrics (``pg_loss``, ``ppo_kl``, ``entropy``, …)
+    actor's forward and backward, for policy losses to which such rows add exactly 0 loss and
+    gradient (:func:`~purerl.algo.policy_loss.vanishes_at_zero_advantage`: ``−A·f(ratio)`` per
+    token; not ``kl_cov``, ``clip_cov``, ``dro``): the update is the same (the loss is still
+    normalised by the whole mini-batch). Applies only while no entropy bonus and no KL loss
+    depend on those rows. The actor metrics (``pg_loss``, ``ppo_kl``, ``entropy``, …)
     then average over the rows that went through the update; ``actor/skipped_rows_frac`` counts
     the others."""
+
+    @property
+    def policy_loss_config(self) -> PolicyLossConfig:
+        return PolicyLossConfig.of(self.loss_options, clip_low=self.clip_low, clip_high=self.clip_high,
+                                   clip_c=self.clip_c, agg=self.loss_agg, norm=self.loss_norm)
+
+    @property
+    def actor_agg(self) -> str:
+        """The aggregation the actor's loss terms share (``loss_agg``, unless the policy loss fixes its own)."""
+        return loss_aggregation(self.policy_loss, self.loss_agg)
 
     def __attrs_post_init__(self) -> None:
         if self.loss_agg not in LOSS_AGGREGATIONS:
@@ -125,7 +151,9 @@ class StepConfig:
 
 @pytree
 class Experience:
-    """A scored rollout with everything the updates need, computed before any update."""
+    """A scored rollout with everything the updates need, computed before any update.
+    ``baselines``/``components``: see :class:`~purerl.batch.Rewards`; ``sum_pi_squared``:
+    ``Σ_v π_old(v)²`` per response position, for the optimal-token-baseline estimators."""
 
     sequences: Sequences
     group: Int[Tensor, " b"]
@@ -134,6 +162,9 @@ class Experience:
     behaviour_logprobs: Float[Tensor, "b t"]
     ref_logprobs: Float[Tensor, "b t"] | None
     values: Float[Tensor, "b t"] | None
+    baselines: Float[Tensor, " b"] | None = None
+    components: Float[Tensor, "b k"] | None = None
+    sum_pi_squared: Float[Tensor, "b t"] | None = None
 
 
 @pytree
@@ -174,6 +205,22 @@ def _batched_logprobs(model: CausalLM, params: Params, seqs: Sequences, rows: in
 
 
 @torch.no_grad()
+def _batched_logprobs_and_sum_pi_squared(model: CausalLM, params: Params, seqs: Sequences, rows: int,
+                                         temperature: float) -> tuple[Tensor, Tensor]:
+    """Log-probs and ``Σ_v π(v)²`` per response position, from one forward pass."""
+    def both(part: Sequences) -> Tensor:
+        logits = response_logits(model, params, part)
+        return torch.stack([logprobs_from_logits(logits, part.responses(), temperature=temperature),
+                            sum_pi_squared_from_logits(logits, temperature=temperature).to(torch.float32)], -1)
+
+    out = torch.cat([model.map_rows(both, seqs.rows(sl)) for sl in _chunks(len(seqs), rows)])
+    return out[..., 0], out[..., 1]
+
+
+_NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
+
+
+@torch.no_grad()
 def _batched_values(critic: Critic, params: Params, seqs: Sequences, rows: int) -> Tensor:
     def values(part: Sequences) -> Tensor:
         return response_values(critic, params, part)
@@ -181,12 +228,23 @@ def _batched_values(critic: Critic, params: Params, seqs: Sequences, rows: int) 
     return torch.cat([critic.map_rows(values, seqs.rows(sl)) for sl in _chunks(len(seqs), rows)])
 
 
-def make_experience(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"], *, policy: CausalLM,
-                    config: StepConfig, critic: Critic | None = None) -> Experience:
-    """Old log-probs (the policy before the update), reference log-probs and values, no gradients."""
+def make_experience(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"] | Rewards, *,
+                    policy: CausalLM, config: StepConfig, critic: Critic | None = None) -> Experience:
+    """Old log-probs (the policy before the update), reference log-probs and values, no gradients.
+    ``scores``: one per row, or :class:`~purerl.batch.Rewards` with ReMax baselines / GDPO
+    components."""
+    rewards = Rewards.of(scores)
     seqs = rollout.sequences
-    old = (_batched_logprobs(policy, state.policy, seqs, config.micro_batch_rows, config.temperature)
-           if config.recompute_old_logprobs else rollout.behaviour_logprobs)
+    sum_pi_squared = None
+    if config.adv_estimator in _NEEDS_SUM_PI_SQUARED:  # of π_old: the recomputed policy, whatever the flag
+        old, sum_pi_squared = _batched_logprobs_and_sum_pi_squared(policy, state.policy, seqs,
+                                                                   config.micro_batch_rows, config.temperature)
+        if not config.recompute_old_logprobs:
+            old = rollout.behaviour_logprobs
+    elif config.recompute_old_logprobs:
+        old = _batched_logprobs(policy, state.policy, seqs, config.micro_batch_rows, config.temperature)
+    else:
+        old = rollout.behaviour_logprobs
     needs_ref = config.use_kl_loss or config.use_kl_in_reward
     if needs_ref and state.reference is None:
         raise ValueError("make_experience: KL to the reference needs TrainState.reference params")
@@ -198,7 +256,8 @@ def make_experience(state: TrainState, rollout: Rollout, scores: Float[Tensor, "
             raise ValueError("make_experience: the 'gae' estimator needs a critic and TrainState.critic params")
         values = _batched_values(critic, state.critic, seqs, config.micro_batch_rows)
         values = torch.where(seqs.response_mask, values, 0.0)
-    return Experience(seqs, rollout.group, scores.to(torch.float32), old, rollout.behaviour_logprobs, ref, values)
+    return Experience(seqs, rollout.group, rewards.scores.to(torch.float32), old, rollout.behaviour_logprobs, ref,
+                      values, rewards.baselines, rewards.components, sum_pi_squared)
 
 
 def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
@@ -215,8 +274,16 @@ def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
         metrics["actor/reward_kl_penalty_coeff"] = float(kl_state.coef)
         kl_state = kl_controller.update(kl_state, penalty.current_kl, len(experience.scores))
         rewards = penalty.rewards
-    inputs = AdvantageInputs(rewards=rewards, mask=mask, values=experience.values, group=experience.group)
-    adv_config = AdvantageConfig(gamma=config.gamma, lam=config.lam, norm_by_std=config.norm_adv_by_std)
+    is_weights, correction = importance_weights(config.rollout_correction, experience.old_logprobs,
+                                                experience.behaviour_logprobs, mask, config.correction)
+    otb = config.adv_estimator in _NEEDS_SUM_PI_SQUARED
+    inputs = AdvantageInputs(rewards=rewards, mask=mask, values=experience.values, group=experience.group,
+                             reward_baselines=experience.baselines, reward_components=experience.components,
+                             old_logprobs=experience.old_logprobs if otb else None,
+                             sum_pi_squared=experience.sum_pi_squared if otb else None,
+                             is_weights=is_weights if otb else None)
+    adv_config = AdvantageConfig(gamma=config.gamma, lam=config.lam, norm_by_std=config.norm_adv_by_std,
+                                 gdpo_weights=config.gdpo_weights)
     advantages, returns = compute_advantages(config.adv_estimator, inputs, adv_config)
     metrics.update({
         "critic/score/mean": float(experience.scores.mean()),
@@ -226,8 +293,6 @@ def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
         "critic/advantages/min": float(torch.where(mask, advantages, math.inf).min()) if mask.any() else 0.0,
         "critic/returns/mean": float(masked_mean(returns, mask)),
     })
-    is_weights, correction = importance_weights(config.rollout_correction, experience.old_logprobs,
-                                                experience.behaviour_logprobs, mask, config.correction)
     metrics.update({f"rollout_corr/{name}": float(value.value()) for name, value in correction.items()})
     batch = TrainBatch(experience.sequences, experience.old_logprobs, experience.ref_logprobs,
                        advantages, returns, experience.values, is_weights)
@@ -263,17 +328,19 @@ def _accumulate(total: Any, grads: Any) -> Any:
     return total
 
 
-def _actor_loss(policy: CausalLM, config: StepConfig) -> Callable:
-    """The actor's loss as a function of (params, micro-batch): policy loss, entropy bonus, KL loss."""
-    loss_config = PolicyLossConfig(clip_low=config.clip_low, clip_high=config.clip_high, clip_c=config.clip_c,
-                                   agg=config.loss_agg, norm=config.loss_norm)
+def _actor_loss(policy: CausalLM, config: StepConfig, rng: RngState) -> Callable:
+    """The actor's loss as a function of (params, micro-batch): policy loss, entropy bonus, KL loss,
+    all aggregated alike (:attr:`StepConfig.actor_agg`). Losses that draw at random (``clip_cov``)
+    draw from one generator seeded by ``rng``, in micro-batch order."""
+    loss_config, agg = config.policy_loss_config, config.actor_agg
+    generator = rng.fold_in(_LOSS_STREAM).generator()
 
     def loss_fn(params: Params, batch: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
         mask = batch.sequences.response_mask
         logits = response_logits(policy, params, batch.sequences)
         logp = logprobs_from_logits(logits, batch.sequences.responses(), temperature=config.temperature)
         out = POLICY_LOSSES[config.policy_loss](logp, batch.old_logprobs, batch.advantages, mask, loss_config,
-                                                is_weights=batch.is_weights)
+                                                is_weights=batch.is_weights, generator=generator)
         total = out.loss
         aux = {"pg_loss": out.loss, "pg_clipfrac": out.clipfrac, "pg_clipfrac_lower": out.clipfrac_lower,
                "ppo_kl": out.ppo_kl}
@@ -281,12 +348,12 @@ def _actor_loss(policy: CausalLM, config: StepConfig) -> Callable:
             with torch.set_grad_enabled(config.entropy_coeff != 0 and torch.is_grad_enabled()):
                 entropy = entropy_from_logits(logits if config.entropy_coeff != 0 else logits.detach(),
                                               temperature=config.temperature)
-            ent = LOSS_AGGREGATIONS[config.loss_agg](entropy, mask, config.loss_norm)
+            ent = LOSS_AGGREGATIONS[agg](entropy, mask, config.loss_norm)
             aux["entropy"] = ent
             if config.entropy_coeff != 0:
                 total = SumCount(total.total - config.entropy_coeff * ent.total, total.count)
         if config.use_kl_loss:
-            kl = kl_loss(logp, batch.ref_logprobs, mask, config.kl_loss_type, config.loss_agg, config.loss_norm)
+            kl = kl_loss(logp, batch.ref_logprobs, mask, config.kl_loss_type, agg, config.loss_norm)
             aux["kl_loss"] = kl
             total = SumCount(total.total + config.kl_loss_coef * kl.total, total.count)
         return total, aux
@@ -294,9 +361,12 @@ def _actor_loss(policy: CausalLM, config: StepConfig) -> Callable:
     return loss_fn
 
 
+_LOSS_STREAM = 2  # the RNG stream of random choices inside losses
+
+
 def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, indices: list[Tensor],
             loss_fn: Callable[[Params, TrainBatch], tuple[SumCount, Any]], config: StepConfig,
-            value_and_grad: ValueAndGrad, prefix: str,
+            value_and_grad: ValueAndGrad, prefix: str, agg: str,
             needed: Bool[Tensor, " b"] | None = None) -> tuple[Params, Any, Metrics]:
     """Mini-batch × micro-batch gradient steps; micro-batch gradients add up to the mini-batch's.
 
@@ -309,7 +379,7 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
     sums: dict[str, SumCount] = {}
     norms, rejected, skipped = [], 0, 0
     for rows in indices:
-        denominator = loss_denominator(batch.sequences.response_mask[rows], config.loss_agg)
+        denominator = loss_denominator(batch.sequences.response_mask[rows], agg)
         if needed is not None:
             kept = rows[needed[rows]]
             skipped, rows = skipped + len(rows) - len(kept), kept
@@ -346,10 +416,11 @@ def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: C
     rows with all-zero advantages skip forward and backward (see ``StepConfig.skip_zero_advantage_rows``)."""
     indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng,
                            batch.advantages.device)
-    skip = config.skip_zero_advantage_rows and config.entropy_coeff == 0 and not config.use_kl_loss
+    skip = (config.skip_zero_advantage_rows and config.entropy_coeff == 0 and not config.use_kl_loss
+            and vanishes_at_zero_advantage(config.policy_loss, config.policy_loss_config))
     needed = (batch.advantages != 0).any(-1) if skip else None
-    return _update(params, opt_state, optimizer, batch, indices,
-                   _actor_loss(policy, config), config, value_and_grad, "actor", needed)
+    return _update(params, opt_state, optimizer, batch, indices, _actor_loss(policy, config, rng), config,
+                   value_and_grad, "actor", config.actor_agg, needed)
 
 
 def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: Critic, optimizer: Any,
@@ -365,7 +436,8 @@ def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: 
 
     indices = _minibatches(len(batch.sequences), config.mini_batch_rows, config.ppo_epochs, rng,
                            batch.returns.device)
-    return _update(params, opt_state, optimizer, batch, indices, loss_fn, config, value_and_grad, "critic")
+    return _update(params, opt_state, optimizer, batch, indices, loss_fn, config, value_and_grad, "critic",
+                   config.loss_agg)
 
 
 def _rollout_metrics(rollout: Rollout, experience: Experience) -> Metrics:
@@ -381,7 +453,7 @@ def _rollout_metrics(rollout: Rollout, experience: Experience) -> Metrics:
     }
 
 
-def grpo_step(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"], *, policy: CausalLM,
+def grpo_step(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"] | Rewards, *, policy: CausalLM,
               optimizer: Any, kl_controller: Any, config: StepConfig,
               value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[TrainState, Metrics]:
     """One GRPO step on a scored rollout: experience, advantages, actor update (no critic)."""
@@ -395,18 +467,23 @@ def grpo_step(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"], 
     return state.advance(policy=params, policy_opt=opt_state, kl=kl_state, rng=state.rng.next()), metrics
 
 
-def ppo_step(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"], *, policy: CausalLM,
+def ppo_step(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"] | Rewards, *, policy: CausalLM,
              critic: Critic, optimizer: Any, critic_optimizer: Any, kl_controller: Any, config: StepConfig,
-             value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[TrainState, Metrics]:
-    """One PPO step: experience with values, GAE, critic update, then actor update."""
+             value_and_grad: ValueAndGrad = pure_value_and_grad, critic_warmup: int = 0) -> tuple[TrainState, Metrics]:
+    """One PPO step: experience with values, GAE, critic update, then actor update. During the
+    first ``critic_warmup`` steps (``state.step < critic_warmup``) only the critic trains (verl's
+    ``trainer.critic_warmup``): the policy and its optimizer state come back unchanged."""
     experience = make_experience(state, rollout, scores, policy=policy, config=config, critic=critic)
     batch, kl_state, metrics = shape_rewards(experience, state.kl, kl_controller, config=config)
     critic_params, critic_opt, critic_metrics = critic_update(
         state.critic, state.critic_opt, batch, critic=critic, optimizer=critic_optimizer, config=config,
         rng=state.rng, value_and_grad=value_and_grad)
-    params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt, batch, policy=policy,
-                                                    optimizer=optimizer, config=config, rng=state.rng.next(),
-                                                    value_and_grad=value_and_grad)
+    if state.step < critic_warmup:
+        params, opt_state, actor_metrics = state.policy, state.policy_opt, {"actor/critic_warmup": 1.0}
+    else:
+        params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt, batch, policy=policy,
+                                                        optimizer=optimizer, config=config, rng=state.rng.next(),
+                                                        value_and_grad=value_and_grad)
     metrics.update(critic_metrics)
     metrics.update(actor_metrics)
     metrics.update(_rollout_metrics(rollout, experience))

@@ -52,7 +52,7 @@ def test_kill_and_resume_continues_with_identical_metrics(tmp_path):
 def test_the_main_job_trains_asynchronously_within_its_staleness_bound(tmp_path):
     _run(tmp_path, "--async", "--max-staleness", "1", "--queue-batches", "1")
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["args"]["rollout_correction"] == "token-tis"
+    assert summary["steps"] == 6 and summary["config"]["algorithm"]["rollout_correction"] == "token-tis"
     histogram = summary["async"]["staleness_histogram"]
     assert set(histogram) <= {"0", "1"} and sum(histogram.values()) == 6
     rows = _metrics(tmp_path)

@@ -78,7 +78,7 @@ def test_overwrite_replaces_the_run_entirely(tmp_path):
 def test_resume_refuses_changed_settings_naming_them(finished_run):
     before = _snapshot(finished_run)
     message = _one_line_error(_job(finished_run, "--resume", "--lr", "1e-3", "--seed", "7", steps=6, check=False))
-    assert "--lr was 2e-05, now 0.001" in message and "--seed was 0, now 7" in message
+    assert "actor.lr was 2e-05, now 0.001" in message and "trainer.seed was 0, now 7" in message
     assert _snapshot(finished_run) == before
 
 
@@ -191,24 +191,29 @@ def test_data_without_eval_data_holds_rows_out_of_training(tmp_path):
             for i in range(20)]
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(map(json.dumps, rows)))
-    train, held_out, counts = load_task_records(parse_args(["--data", str(data), "--eval-size", "5"]))
+    train, held_out, counts = load_task_records(parse_args(["--data", str(data), "--eval-size", "5"]).config)
     assert len(train) == 15 and len(held_out) == 5 and counts == {"eval_rows_held_out_of_data": 5}
     assert not {r.ground_truth for r in train} & {r.ground_truth for r in held_out}
 
 
 # 5, 6. settings that would silently do nothing, or fail deep inside a library
 @pytest.mark.parametrize("argv, message", [
-    (["--samples-per-prompt", "1"], "--samples-per-prompt 1: GRPO compares samples"),
-    (["--temperature", "0"], "--temperature 0.0: GRPO needs sampling"),
-    (["--kl-coef", "-0.1"], "--kl-coef must be ≥ 0"),
-    (["--steps", "-1"], "--steps must be ≥ 1, got -1"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such file or folder"),
-    (["--model", "README.md"], "--model README.md: a file that is not .gguf"),
-    (["--model", "purerl"], "--model purerl: folder without config.json"),
-    (["--data", "missing.jsonl"], "--data missing.jsonl: no such file"),
+    (["--samples-per-prompt", "1"], "rollout.n (--samples-per-prompt) 1: grpo compares samples of a prompt"),
+    (["--temperature", "0"], "rollout.temperature (--temperature) 0.0: training needs sampling"),
+    (["--kl-coef", "-0.1"], "actor.kl_loss_coef (--kl-coef) must be ≥ 0"),
+    (["--steps", "-1"], "trainer.steps (--steps) must be ≥ 1, got -1"),
+    (["--top-p", "0"], "rollout.top_p (--top-p) must be in (0, 1]"),
+    (["--model", "/nonexistent/model"], "model.path (--model) /nonexistent/model: no such file or folder"),
+    (["--model", "README.md"], "model.path (--model) README.md: a file that is not .gguf"),
+    (["--model", "purerl"], "model.path (--model) purerl: folder without config.json"),
+    (["--data", "missing.jsonl"], "data.train_files (--data) missing.jsonl: no such file"),
     (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
-    (["--difficulty", "9"], "--difficulty levels are 1, 2, 3, 4"),
+    (["--difficulty", "9"], "data.difficulty (--difficulty) levels are 1, 2, 3, 4"),
+    (["actor.lrr=1"], "unknown key actor.lrr; did you mean actor.lr?"),
+    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: unknown advantage estimator 'ppo'"),
+    (["--config", "missing.toml"], "config file missing.toml: no such file"),
+    (["--reward-model", "README.md"], "reward.model (--reward-model) README.md: a file that is not an HF model folder"),
+    (["trainer.critic_warmup=2"], "trainer.critic_warmup needs a critic: algorithm.adv_estimator=gae"),
 ])
 def test_bad_settings_are_refused_in_one_line_before_anything_loads(argv, message, capsys, monkeypatch):
     sys.path.insert(0, str(ROOT / "experiments"))

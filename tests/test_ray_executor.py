@@ -146,6 +146,35 @@ def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_p
             executor.engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), RngState(0), version=7)
 
 
+def _verl_reward(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 10.0 * len(data_source) + extra_info.get("w", 0.0) + (solution_str == ground_truth), "n": 1}
+
+
+def test_ray_reward_workers_score_verl_functions_and_the_reward_model(ray_cluster, tmp_path):
+    from purerl.rewards import load_reward_fn
+    from purerl.rewards.model import RewardModel, save_tiny_reward_model
+
+    path = save_tiny_reward_model(tmp_path / "rm")
+    module = tmp_path / "ray_file_reward.py"  # importable only from its folder: the worker gets the driver's sys.path
+    module.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(data_source) + len(solution_str))\n")
+    model, _, make_step_fn, _ = _setup(4)
+    config = ray_executor.RayConfig(train_ranks=1, placement="colocated", reward_workers=1, reward_model=str(path),
+                                    step_timeout=120)
+    prompts = ["what is 2+2?", "hi", "a longer prompt than the others", ""]
+    responses = ["4", "hello there, friend", "y", "#### 12"]
+    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
+                                  make_step_fn=make_step_fn) as executor:
+        torch.testing.assert_close(executor.score_model(prompts, responses),
+                                   RewardModel(path).score(prompts, responses), rtol=0, atol=0)
+        scored = executor.score(_verl_reward, ["4", "5", "4"], ["4", "4", "4"], timeout=10.0, penalty=-1.0,
+                                data_sources=["a", "bb", "ccc"], extra_infos=[{}, {"w": 0.5}, {"w": 2.0}])
+        assert scored.values == [11.0, 20.5, 33.0] and scored.errors == 0
+        from_file = load_reward_fn(f"{module}:compute_score")
+        assert executor.score(from_file, ["x", "yy"], ["0", "0"], timeout=10.0, penalty=-1.0,
+                              data_sources=["abc", "d"]).values == [4.0, 3.0]
+
+
 def _make_ppo_step_fn():
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
     config = StepConfig(adv_estimator="gae", micro_batch_rows=4, mini_batch_rows=6, ppo_epochs=2)
@@ -385,3 +414,26 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         assert f"resumed from {out / 'checkpoints'}" in resumed.stdout
         assert json.loads((out / "summary.json").read_text())["steps"] == step + 1
+
+
+def test_the_job_scores_with_a_reward_model_and_a_user_function_on_reward_workers(ray_cluster, tmp_path):
+    from purerl.rewards.model import save_tiny_reward_model
+
+    (tmp_path / "my_reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, "
+                                           "extra_info=None):\n    return 0.25 if data_source else -5.0\n")
+    reward_model = save_tiny_reward_model(tmp_path / "rm")
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--executor", "ray",
+           "--ray-address", ray_cluster.get_runtime_context().gcs_address, "--placement", "colocated",
+           "--train-ranks", "1", "--reward-workers", "1", "--reward-model", str(reward_model),
+           f"reward.fn={tmp_path / 'my_reward.py'}:compute_score", "reward.model_weight=0.5",
+           "--steps", "2", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4",
+           "--eval-size", "2", "--train-size", "20", "--eval-every", "0", "--no-progress", "--threads", "1",
+           "--out-dir", str(out)]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["critic/score/mean"] == pytest.approx(0.25 + 0.5 * r["reward/model_mean"], abs=1e-5)

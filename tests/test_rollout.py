@@ -166,3 +166,23 @@ def test_dropping_finished_rows_from_the_batch_changes_no_sample(setup, lean, mo
     trainer = response_logprobs(model, params, dropped.sequences)
     mask = dropped.sequences.response_mask
     torch.testing.assert_close(dropped.behaviour_logprobs[mask], trainer[mask], rtol=0, atol=1e-4)
+
+
+def test_concatenated_rollouts_keep_every_row_and_its_log_probs():
+    from purerl.batch import concat_rollouts
+
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
+    engine.sync(params, 0)
+    first = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, n=2), RngState(1), version=0)
+    second = engine.generate(PROMPTS[1:], SamplingParams(max_new_tokens=7, n=2), RngState(2), version=0)
+    both = concat_rollouts([first, second], pad_token_id=0)
+    assert len(both.sequences) == 6 and both.group.tolist() == [0, 0, 1, 1, 2, 2]
+    joined = response_logprobs(model, params, both.sequences)
+    for part, rows in ((first, slice(0, 2)), (second, slice(2, 6))):
+        mask, t = part.sequences.response_mask, part.sequences.response_length
+        assert torch.equal(both.sequences.response_mask[rows, :t], mask)
+        assert not both.sequences.response_mask[rows, t:].any()
+        assert torch.equal(both.behaviour_logprobs[rows, :t][mask], part.behaviour_logprobs[mask])
+        alone = response_logprobs(model, params, part.sequences)
+        torch.testing.assert_close(joined[rows, :t][mask], alone[mask], rtol=0, atol=1e-5)

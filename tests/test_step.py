@@ -191,3 +191,43 @@ def test_a_behaviour_policy_half_as_likely_doubles_the_loss_and_its_gradient(mod
     assert "rollout_corr/is_weight" not in metrics["plain"]
     with pytest.raises(ValueError, match="rollout_correction 'tis'"):
         StepConfig(rollout_correction="tis")
+
+
+def test_critic_warmup_trains_the_critic_alone():
+    model, optimizer, kl_controller, state, engine, critic = _setup(critic=True)
+    engine.sync(state.policy, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    config = StepConfig(adv_estimator="gae", micro_batch_rows=6, lam=0.95)
+    policy_before, critic_before = tree_clone(state.policy), tree_clone(state.critic)
+    step = dict(policy=model, critic=critic, optimizer=optimizer, critic_optimizer=optimizer,
+                kl_controller=kl_controller, config=config, critic_warmup=1)
+    state, metrics = ppo_step(state, rollout, _scores(rollout), **step)
+    assert tree_equal(state.policy, policy_before) and not tree_equal(state.critic, critic_before)
+    assert metrics["actor/critic_warmup"] == 1.0 and "critic/vf_loss" in metrics
+    state, metrics = ppo_step(state, rollout, _scores(rollout), **step)  # step 1: past the warm-up
+    assert not tree_equal(state.policy, policy_before) and "actor/pg_loss" in metrics
+
+
+def test_remax_reads_the_greedy_baselines_and_gdpo_the_reward_components():
+    from purerl.batch import Rewards
+
+    model, optimizer, kl_controller, state, engine, _ = _setup()
+    engine.sync(state.policy, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    scores = _scores(rollout)
+    remax = StepConfig(adv_estimator="remax")
+    bare = make_experience(state, rollout, scores, policy=model, config=remax)
+    with pytest.raises(ValueError, match="reward_baselines"):
+        shape_rewards(bare, state.kl, kl_controller, config=remax)
+    experience = make_experience(state, rollout, Rewards(scores, baselines=scores), policy=model, config=remax)
+    batch, _, _ = shape_rewards(experience, state.kl, kl_controller, config=remax)
+    assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))  # the baseline is the score itself
+    gdpo = StepConfig(adv_estimator="gdpo", gdpo_weights=(1.0, 0.0))
+    two = Rewards(scores, components=torch.stack([scores, torch.randn_like(scores)], 1))
+    one = Rewards(scores, components=scores[:, None])
+    a2, _, _ = shape_rewards(make_experience(state, rollout, two, policy=model, config=gdpo), state.kl,
+                             kl_controller, config=gdpo)
+    a1, _, _ = shape_rewards(make_experience(state, rollout, one, policy=model,
+                                             config=StepConfig(adv_estimator="gdpo")), state.kl, kl_controller,
+                             config=StepConfig(adv_estimator="gdpo"))
+    torch.testing.assert_close(a2.advantages, a1.advantages)  # a zero-weight component changes nothing

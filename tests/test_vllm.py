@@ -175,7 +175,7 @@ def test_a_grpo_loop_runs_three_steps_on_the_vllm_engine(tmp_path, executor):
                            "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["args"]["engine"] == "vllm"
+    assert summary["steps"] == 3 and summary["config"]["rollout"]["engine"] == "vllm"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     if "--async" in executor:  # the rollout worker pulled published versions while the rank trained

@@ -10,9 +10,8 @@ import threading
 from typing import Any
 
 import attrs
-from torch import Tensor
 
-from purerl.batch import Rollout
+from purerl.batch import Rewards, Rollout
 from purerl.data.cursor import DataCursor
 
 __all__ = ["Published", "ScoredBatch"]
@@ -24,7 +23,7 @@ class ScoredBatch:
     after its prompts (what a synchronous step would leave in the state)."""
 
     rollout: Rollout
-    scores: Tensor
+    scores: Rewards
     metrics: dict[str, float]
     data: DataCursor
 

@@ -1,0 +1,157 @@
+"""The typed run configuration: files, overrides, one-line errors naming the key, recipes that run."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from purerl.config import ConfigError, build, load_file, merge, overrides, to_dict
+from purerl.job_config import JobConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml")) + sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def test_files_then_overrides_build_a_typed_tree(tmp_path):
+    toml = tmp_path / "a.toml"
+    toml.write_text('[actor]\nlr = 1e-5\n[algorithm]\nadv_estimator = "rloo"\n[data]\ndifficulty = [1, 2]\n')
+    yaml = tmp_path / "b.yaml"
+    yaml.write_text("actor:\n  clip_high: 0.3\nalgorithm:\n  kl_ctrl:\n    type: adaptive\n")
+    config = build(JobConfig, merge(load_file(toml), load_file(yaml),
+                                    overrides(["actor.lr=3", "rollout.engine_options={cuda_graphs = false}"])))
+    assert config.actor.lr == 3.0 and isinstance(config.actor.lr, float)  # an int widens to the float field
+    assert config.actor.clip_high == 0.3 and config.algorithm.adv_estimator == "rloo"
+    assert config.algorithm.kl_ctrl.type == "adaptive" and config.data.difficulty == (1, 2)
+    assert config.rollout.engine_options == {"cuda_graphs": False}
+    assert build(JobConfig, to_dict(config)) == config  # what a run folder records rebuilds the config
+
+
+@pytest.mark.parametrize("layer, message", [
+    ({"actor": {"lrr": 1}}, "unknown key actor.lrr; did you mean actor.lr?"),
+    ({"algorithm": {"adv_estimator": "rlooo"}}, "algorithm.adv_estimator: unknown advantage estimator 'rlooo'; "
+                                                "did you mean 'rloo'?"),
+    ({"actor": {"policy_loss": "cispoo"}}, "did you mean 'cispo'?"),
+    ({"actor": {"lr": "fast"}}, "actor.lr: expected float, got 'fast' (str)"),
+    ({"trainer": {"steps": 2.5}}, "trainer.steps: expected int, got 2.5 (float)"),
+    ({"actor": {"clip_c": "x"}}, "actor.clip_c: expected float or none"),
+    ({"lr": 1e-6}, "unknown key lr; did you mean actor.lr?"),
+    ({"actor": 3}, "actor: expected a table of keys"),
+])
+def test_a_bad_key_or_value_is_named_with_the_closest_valid_key(layer, message):
+    with pytest.raises(ConfigError) as err:
+        build(JobConfig, layer)
+    assert message in str(err.value)
+
+
+def test_override_syntax_errors_name_the_item():
+    with pytest.raises(ConfigError, match="override 'actor.lr': expected section.key=value"):
+        overrides(["actor.lr"])
+    assert overrides(["model.path=./m", "trainer.log=['wandb']"]) == {"model": {"path": "./m"},
+                                                                      "trainer": {"log": ["wandb"]}}
+
+
+def test_a_config_file_error_names_the_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[actor\nlr = 1")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_file(bad)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_file(tmp_path / "missing.toml")
+
+
+def _parse(argv):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from grpo_math import parse_args
+
+    return parse_args(argv)
+
+
+def test_flags_are_shorthands_and_overrides_win(capsys):
+    inv = _parse(["--tiny", "--lr", "1e-4", "--config", str(ROOT / "examples" / "ppo_gae.toml"), "actor.lr=5e-6",
+                  "--samples-per-prompt", "2"])
+    config = inv.config
+    assert config.model.tiny and config.rollout.n == 2 and config.actor.lr == 5e-6
+    assert config.algorithm.adv_estimator == "gae" and config.trainer.critic_warmup == 2
+    assert config.algorithm.rollout_correction == "none" and config.model.device in ("cpu", "cuda")  # resolved
+    with pytest.raises(SystemExit):
+        _parse(["--tiny", "algorithm.adv_estimatr=gae"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["grpo_math: error: unknown key algorithm.adv_estimatr; did you mean algorithm.adv_estimator?"]
+
+
+def _tiny_job(tmp_path, *extra, steps=3):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from grpo_math import main
+
+    return main(["--tiny", "--steps", str(steps), "--prompts-per-step", "2", "--max-new-tokens", "6",
+                 "--eval-size", "2", "--train-size", "20", "--eval-every", "0", "--checkpoint-every", "0",
+                 "--no-progress", "--out-dir", str(tmp_path / "run"), *extra])
+
+
+@pytest.mark.parametrize("recipe", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_recipe_trains_three_steps_on_the_tiny_model(recipe, tmp_path):
+    extra = ["--config", str(recipe)]
+    if recipe.stem == "dapo":
+        extra.append("reward.overlong_buffer=4")  # within the tiny run's 6-token budget
+    if recipe.stem == "drgrpo":
+        extra.append("actor.loss_norm=6.0")
+    summary = _tiny_job(tmp_path, *extra)
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    expected = build(JobConfig, load_file(recipe))
+    assert summary["steps"] == 3 and recorded["algorithm"]["adv_estimator"] == expected.algorithm.adv_estimator
+    assert recorded["actor"]["policy_loss"] == expected.actor.policy_loss
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    if recipe.stem == "ppo_gae":  # two warm-up steps train the critic alone
+        assert [r.get("actor/critic_warmup", 0.0) for r in rows] == [1.0, 1.0, 0.0]
+        assert all("critic/vf_loss" in r for r in rows) and "actor/pg_loss" in rows[2]
+    if recipe.stem == "remax":
+        assert all("timing/baseline_s" in r for r in rows)
+    if recipe.stem == "dapo":
+        assert all(1 <= r["sampling/rounds"] <= 3 and "reward/overlong_penalty_mean" in r for r in rows)
+
+
+def test_resume_compares_the_resolved_config_key_by_key(tmp_path):
+    _tiny_job(tmp_path, "--config", str(ROOT / "examples" / "rloo.yaml"), steps=2)
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from grpo_math import main
+
+    argv = ["--tiny", "--steps", "3", "--prompts-per-step", "2", "--max-new-tokens", "6", "--eval-size", "2",
+            "--train-size", "20", "--eval-every", "0", "--checkpoint-every", "0", "--no-progress",
+            "--out-dir", str(tmp_path / "run"), "--resume"]
+    with pytest.raises(SystemExit) as err:  # the recipe's estimator is part of the run
+        main(argv)
+    assert "algorithm.adv_estimator was 'rloo', now 'grpo'" in str(err.value)
+    summary = main(argv + ["--config", str(ROOT / "examples" / "rloo.yaml")])  # steps may change
+    assert summary["steps"] == 3
+
+
+USER_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.25 if data_source and isinstance(extra_info, dict) else -5.0
+'''
+
+
+def test_a_reward_model_and_a_user_function_score_together_locally(tmp_path):
+    from purerl.rewards.model import save_tiny_reward_model
+
+    (tmp_path / "my_reward.py").write_text(USER_REWARD)
+    model = save_tiny_reward_model(tmp_path / "rm")
+    _tiny_job(tmp_path, "--reward-model", str(model), f"reward.fn={tmp_path / 'my_reward.py'}:compute_score",
+              "reward.model_weight=0.5", "algorithm.adv_estimator=gdpo", steps=2)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:  # the user's function gave 0.25 to every response: the rest is the model's half
+        assert r["critic/score/mean"] == pytest.approx(0.25 + 0.5 * r["reward/model_mean"], abs=1e-5)
+        assert r["reward/errors"] == 0
+
+
+def test_the_custom_step_example_runs_and_is_under_forty_lines(tmp_path):
+    import subprocess
+
+    script = ROOT / "examples" / "custom_step.py"
+    assert len(script.read_text().splitlines()) < 40
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "custom_step" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all("my/solved_frac" in r for r in rows)
