@@ -1,10 +1,14 @@
 """Composed GRPO and PPO steps on a tiny random model: on-policy invariants and short loops."""
 
+import math
+
 import pytest
 import torch
 
+from purerl.algo.advantages import ADVANTAGE_ESTIMATORS
 from purerl.algo.kl_control import make_kl_controller
-from purerl.model import causal_lm_from_config, critic_from_causal_lm
+from purerl.algo.policy_loss import POLICY_LOSSES
+from purerl.model import causal_lm_from_config, critic_from_causal_lm, response_logits
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
@@ -231,3 +235,35 @@ def test_remax_reads_the_greedy_baselines_and_gdpo_the_reward_components():
                                              config=StepConfig(adv_estimator="gdpo")), state.kl, kl_controller,
                              config=StepConfig(adv_estimator="gdpo"))
     torch.testing.assert_close(a2.advantages, a1.advantages)  # a zero-weight component changes nothing
+
+
+@pytest.mark.parametrize("loss", POLICY_LOSSES.names())
+def test_every_registered_policy_loss_trains_in_a_step(loss):
+    from purerl.algo.policy_loss import LossOptions
+
+    model, optimizer, kl_controller, state, engine, _ = _setup()
+    engine.sync(state.policy, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    before = tree_clone(state.policy)
+    config = StepConfig(policy_loss=loss, micro_batch_rows=5, loss_options=LossOptions(dro_beta=0.1))
+    state, metrics = grpo_step(state, rollout, _scores(rollout), policy=model, optimizer=optimizer,
+                               kl_controller=kl_controller, config=config)
+    assert metrics["actor/rejected_updates"] == 0 and math.isfinite(metrics["actor/pg_loss"])
+    assert not tree_equal(state.policy, before)
+
+
+@pytest.mark.parametrize("estimator", [n for n in ADVANTAGE_ESTIMATORS.names() if n not in ("gae", "remax")])
+def test_every_critic_free_estimator_trains_in_a_step(estimator):
+    model, optimizer, kl_controller, state, engine, _ = _setup()
+    engine.sync(state.policy, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    config = StepConfig(adv_estimator=estimator, micro_batch_rows=5)
+    experience = make_experience(state, rollout, _scores(rollout), policy=model, config=config)
+    if "optimal_token_baseline" in estimator:  # Σπ² of the policy that sampled, from the same forward
+        logits = response_logits(model, state.policy, rollout.sequences)
+        expected = torch.softmax(logits.float(), -1).square().sum(-1)
+        mask = rollout.sequences.response_mask
+        torch.testing.assert_close(experience.sum_pi_squared[mask], expected[mask], rtol=1e-5, atol=1e-6)
+    state, metrics = grpo_step(state, rollout, _scores(rollout), policy=model, optimizer=optimizer,
+                               kl_controller=kl_controller, config=config)
+    assert metrics["actor/rejected_updates"] == 0 and math.isfinite(metrics["critic/advantages/mean"])
