@@ -50,7 +50,7 @@ from purerl.data.math_problems import DIFFICULTIES, train_eval_split  # noqa: E4
 from purerl.data.records import DataError, encode_prompts, load_records  # noqa: E402
 from purerl.driver import Interrupted, RewardMix, RunConfig, StopRequest, Task, evaluate, train  # noqa: E402
 from purerl.executors.local import ExecutorError, LocalExecutor  # noqa: E402
-from purerl.job_config import JobConfig  # noqa: E402
+from purerl.job_config import CriticConfig, JobConfig  # noqa: E402
 from purerl.metrics_log import MetricsLog  # noqa: E402
 from purerl.model import causal_lm_from_config, critic_from_causal_lm, load_causal_lm, smollm2_gguf  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedule  # noqa: E402
@@ -236,7 +236,9 @@ def invalid_settings(config: JobConfig) -> list[str]:
                                  ("reward.overlong_buffer", 0), ("algorithm.max_sampling_rounds", 1),
                                  ("algorithm.kl_ctrl.kl_coef", 0), ("executor.train_ranks", 1),
                                  ("executor.rollout_workers", 1), ("executor.reward_workers", 0),
-                                 ("asynchronous.max_staleness", 0), ("asynchronous.queue_batches", 1))
+                                 ("asynchronous.max_staleness", 0), ("asynchronous.queue_batches", 1),
+                                 ("rollout.n", 1), ("critic.warmup_steps", 0), ("algorithm.kl_ctrl.horizon", 1),
+                                 ("reward.overlong_penalty", 0), ("algorithm.kl_ctrl.target_kl", 0))
                 if flat[key] < low]
     algo, rollout = config.algorithm, config.rollout
     grouped = algo.adv_estimator not in ("gae", "reinforce_plus_plus", "remax")
@@ -248,10 +250,11 @@ def invalid_settings(config: JobConfig) -> list[str]:
                         "greedy samples of a prompt are all alike (evaluation is greedy already)")
     if not 0 < rollout.top_p <= 1:
         problems.append(f"{_named('rollout.top_p')} must be in (0, 1], got {rollout.top_p}")
-    for key in ("actor.lr", "critic.lr", "algorithm.correction_cap", "executor.step_timeout", "reward.timeout"):
+    for key in ("actor.lr", "critic.lr", "algorithm.correction_cap", "executor.step_timeout", "reward.timeout",
+                "actor.grad_clip", "critic.grad_clip"):
         if not flat[key] > 0:
             problems.append(f"{_named(key)} must be > 0, got {flat[key]}")
-    for key in ("algorithm.gamma", "algorithm.lam"):
+    for key in ("algorithm.gamma", "algorithm.lam", "actor.min_lr_ratio"):
         if not 0 <= flat[key] <= 1:
             problems.append(f"{key} must be in [0, 1], got {flat[key]}")
     if config.actor.clip_c is not None and not config.actor.clip_c > 1:
@@ -259,11 +262,31 @@ def invalid_settings(config: JobConfig) -> list[str]:
     if config.reward.overlong_buffer > rollout.max_new_tokens:
         problems.append(f"reward.overlong_buffer {config.reward.overlong_buffer} exceeds rollout.max_new_tokens "
                         f"{rollout.max_new_tokens}")
-    if config.trainer.critic_warmup and algo.adv_estimator != "gae":
-        problems.append("trainer.critic_warmup needs a critic: algorithm.adv_estimator=gae")
+    if config.actor.policy_loss == "dro" and config.actor.loss_options.dro_beta is None:
+        problems.append("actor.policy_loss=dro needs actor.loss_options.dro_beta (> 0)")
+    if config.actor.mini_batch_rows is not None and config.actor.mini_batch_rows < 1:
+        problems.append(f"actor.mini_batch_rows must be ≥ 1 (or none: the whole batch), got "
+                        f"{config.actor.mini_batch_rows}")
+    if algo.adv_estimator != "gae" and (config.trainer.critic_warmup or config.critic != CriticConfig()):
+        problems.append("trainer.critic_warmup and the critic section need a critic: algorithm.adv_estimator=gae")
+    if config.trainer.critic_warmup >= config.trainer.steps:
+        problems.append(f"trainer.critic_warmup {config.trainer.critic_warmup} ≥ trainer.steps "
+                        f"{config.trainer.steps}: the policy would never train")
+    if config.reward.format_bonus and config.reward.fn != "strict":
+        problems.append("reward.format_bonus (--format-bonus) applies to the strict reward: add --strict-answers")
+    if algo.gdpo_weights is not None and algo.adv_estimator != "gdpo":
+        problems.append("algorithm.gdpo_weights applies to algorithm.adv_estimator=gdpo only")
+    if algo.adv_estimator == "gdpo" and algo.use_kl_in_reward:
+        problems.append("gdpo normalises each reward component (rule, model) alone: a KL penalty in the reward "
+                        "would be ignored; use actor.kl_loss_coef (a KL loss) instead")
     if algo.dynamic_sampling and not grouped:
         problems.append(f"algorithm.dynamic_sampling drops groups whose rewards are all equal: it needs a group "
                         f"estimator, not {algo.adv_estimator}")
+    if not problems:  # the step's own checks (loss settings, batch sizes), before anything loads
+        try:
+            step_config(config)
+        except ValueError as err:
+            problems.append(str(err))
     if any(level not in DIFFICULTIES for level in config.data.difficulty):
         problems.append(f"{_named('data.difficulty')} levels are {', '.join(map(str, DIFFICULTIES))}, "
                         f"got {list(config.data.difficulty)}")
@@ -289,7 +312,7 @@ def invalid_settings(config: JobConfig) -> list[str]:
             problems.append("asynchronous training on the Ray executor needs executor.placement=split (colocated "
                             "ranks cannot generate while they train)")
     if algo.adv_estimator == "gdpo" and algo.gdpo_weights is not None:
-        parts = 1 + (config.reward.model is not None)
+        parts = 1 + (config.reward.model is not None and config.reward.model_weight != 0)
         if len(algo.gdpo_weights) != parts:
             problems.append(f"algorithm.gdpo_weights has {len(algo.gdpo_weights)} weights for {parts} reward "
                             "components (the rule reward, then the reward model)")
@@ -372,8 +395,12 @@ def load_critic(cfg: JobConfig, model, params):
     if cfg.algorithm.adv_estimator != "gae":
         return None, None
     if cfg.critic.model:
+        policy_vocab = model.config.vocab_size
         model, params = load_causal_lm(Path(cfg.critic.model), dtype=getattr(torch, cfg.model.dtype),
                                        device=driver_device(cfg))
+        if model.config.vocab_size < policy_vocab:
+            raise DataError(f"critic.model {cfg.critic.model}: vocabulary of {model.config.vocab_size} tokens, "
+                            f"smaller than the policy's {policy_vocab}: it cannot read the policy's token ids")
     return critic_from_causal_lm(model, params)
 
 
@@ -529,10 +556,10 @@ def main(argv: list[str] | None = None) -> dict:
         how = "rerun the same command with --resume" if e.checkpoint else "nothing was trained; rerun to start"
         print(f"grpo_math: {e}; {how}", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
-    except (ExecutorError, DataError, RunFolderError, CheckpointError, OSError) as e:
+    except (ExecutorError, DataError, RunFolderError, CheckpointError, OSError, ValueError) as e:
         if inv.debug:
             raise
-        raise SystemExit(f"grpo_math: {e}") from None
+        raise SystemExit(f"grpo_math: {e} (--debug: the traceback)") from None
 
 
 def job(inv: Invocation, stop) -> dict:

@@ -1,5 +1,9 @@
 """Typed configuration trees: frozen attrs classes built from TOML/YAML files and ``key=value`` overrides.
 
+TOML has no null: for a field that may be None (``X | None``), the string ``"none"`` means None
+(``actor.clip_c=none`` on the command line, ``clip_c = "none"`` in a file), unless the field
+could hold that string itself.
+
 A configuration is a tree of frozen ``attrs`` classes whose fields have plain annotations
 (``bool``, ``int``, ``float``, ``str``, ``X | None``, ``tuple[X, ...]``, ``dict[str, Any]``,
 nested attrs classes). :func:`build` turns nested mappings into such a tree, checking every key
@@ -186,8 +190,8 @@ def _convert(kind: Any, value: Any, key: str) -> Any:
         return build(kind, value, where=key + ".")
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
+        if type(None) in args and (value is None or (value == "none" and str not in args)):
+            return None  # TOML has no null: "none" stands for it where a string could not be meant
         errors = []
         for option in (a for a in args if a is not type(None)):
             try:

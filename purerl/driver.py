@@ -149,22 +149,24 @@ def sample_batch(engine: RolloutEngine, task: Task, run: RunConfig, decode: Call
     rewards carry each prompt's greedy score; with ``run.dynamic_sampling``, rounds of prompts
     until enough groups have varied rewards. Returns the rollout, its rewards, metrics, and the
     cursor after its prompts."""
-    metrics: dict[str, float] = {"timing/gen_s": 0.0, "timing/reward_s": 0.0, "reward/errors": 0.0,
-                                 "reward/timeouts": 0.0}
+    sampled: dict[str, float] = {}  # sums over the sampled rounds
+    baseline_s = errors = timeouts = 0.0
     kept: list[tuple[Rollout, Rewards]] = []
     groups, rounds, cursor, n = 0, 0, data, run.sampling.n
     while True:
         indices, cursor = next_indices(cursor, len(task.records), run.prompts_per_step)
         prompts = [task.prompt_ids[i] for i in indices]
         round_rng = rng if rounds == 0 else rng.fold_in(rounds)
-        rollout, rewards = _scored_rollout(engine, task, run, decode, indices, prompts, round_rng, version, score,
-                                           score_model, metrics, run.sampling)
+        rollout, rewards, sums = _scored_rollout(engine, task, run, decode, indices, prompts, round_rng, version,
+                                                 score, score_model, run.sampling)
+        for key, value in sums.items():
+            sampled[key] = sampled.get(key, 0.0) + value
         if run.greedy_baseline:
             greedy = attrs.evolve(run.sampling, temperature=0.0, top_p=1.0, top_k=0, n=1)
-            start = time.perf_counter()
-            _, base = _scored_rollout(engine, task, run, decode, indices, prompts, RngState(0), version, score,
-                                      score_model, metrics, greedy)
-            metrics["timing/baseline_s"] = metrics.get("timing/baseline_s", 0.0) + time.perf_counter() - start
+            _, base, cost = _scored_rollout(engine, task, run, decode, indices, prompts, RngState(0), version,
+                                            score, score_model, greedy)
+            baseline_s += cost["gen_s"] + cost["reward_s"]
+            errors, timeouts = errors + cost["errors"], timeouts + cost["timeouts"]
             rewards = attrs.evolve(rewards, baselines=base.scores.repeat_interleave(n))
         rounds += 1
         if not run.dynamic_sampling:
@@ -181,14 +183,20 @@ def sample_batch(engine: RolloutEngine, task: Task, run: RunConfig, decode: Call
     rollout = concat_rollouts([r for r, _ in kept], pad_token_id=_pad_id(kept[0][0]))
     rewards = Rewards(*(None if parts[0] is None else torch.cat(parts)
                         for parts in zip(*((w.scores, w.baselines, w.components) for _, w in kept))))
+    metrics = {"reward/errors": sampled["errors"] + errors, "reward/timeouts": sampled["timeouts"] + timeouts,
+               "timing/gen_s": sampled["gen_s"], "timing/reward_s": sampled["reward_s"],
+               "perf/gen_tokens_per_s": sampled["tokens"] / max(sampled["gen_s"], 1e-9)}
+    if run.greedy_baseline:
+        metrics["timing/baseline_s"] = baseline_s
+    for name in ("model", "overlong_penalty"):  # means over every sampled response, kept or not
+        if name in sampled:
+            metrics[f"reward/{name}_mean"] = sampled[name] / max(sampled["rows"], 1.0)
     if run.dynamic_sampling:
         rows = min(len(rewards.scores), run.prompts_per_step * n)
         index = torch.arange(rows, device=rewards.scores.device)
         rollout, rewards = rollout.rows(index), rewards.rows(index)
         metrics["sampling/rounds"] = float(rounds)
         metrics["sampling/varied_groups"] = float(groups)
-    tokens = int(rollout.sequences.response_mask.sum())
-    metrics["perf/gen_tokens_per_s"] = tokens / max(metrics["timing/gen_s"], 1e-9)
     return rollout, rewards, metrics, cursor
 
 
@@ -202,13 +210,16 @@ def _pad_id(rollout: Rollout) -> int:
 
 def _scored_rollout(engine: RolloutEngine, task: Task, run: RunConfig, decode: Callable[[list[int]], str],
                     indices: list[int], prompts: list, rng: RngState, version: int, score: Callable[..., Scores],
-                    score_model: Callable[..., torch.Tensor] | None, metrics: dict[str, float],
-                    sampling: SamplingParams) -> tuple[Rollout, Rewards]:
-    """Generate ``sampling.n`` responses per prompt and reward them (:class:`RewardMix`); adds
-    timings and error counts to ``metrics``."""
+                    score_model: Callable[..., torch.Tensor] | None,
+                    sampling: SamplingParams) -> tuple[Rollout, Rewards, dict[str, float]]:
+    """Generate ``sampling.n`` responses per prompt and reward them (:class:`RewardMix`). Returns
+    the rollout, its rewards and sums: seconds (``gen_s``, ``reward_s``), ``errors``,
+    ``timeouts``, ``rows``, ``tokens`` and the summed ``model`` scores and ``overlong_penalty``.
+    GDPO's components: the rule reward (with the overlong penalty) and the model's score."""
     start = time.perf_counter()
     rollout = engine.generate(prompts, sampling, rng, version=version)
-    metrics["timing/gen_s"] += time.perf_counter() - start
+    sums = {"gen_s": time.perf_counter() - start, "rows": float(len(rollout.group)),
+            "tokens": float(rollout.sequences.response_mask.sum())}
     texts = decode_responses(rollout, decode)
     records = [task.records[i] for i in indices for _ in range(sampling.n)]
     start = time.perf_counter()
@@ -218,24 +229,22 @@ def _scored_rollout(engine: RolloutEngine, task: Task, run: RunConfig, decode: C
                    extra_infos=[r.extra for r in records])
     device = rollout.sequences.input_ids.device
     rule = torch.tensor(scored.values, dtype=torch.float32, device=device)
-    metrics["reward/errors"] += float(scored.errors)
-    metrics["reward/timeouts"] += float(scored.timeouts)
-    columns = [rule]
-    total = mix.fn_weight * rule
+    sums.update(errors=float(scored.errors), timeouts=float(scored.timeouts))
+    total, columns = mix.fn_weight * rule, [rule]
+    if mix.overlong_buffer:
+        lengths = rollout.sequences.response_mask.sum(-1)
+        penalty = overlong_penalty(lengths, sampling.max_new_tokens, mix.overlong_buffer, mix.overlong_penalty)
+        sums["overlong_penalty"] = float(penalty.sum())
+        total, columns = total + penalty, [rule + penalty]
     if mix.model_weight:
         if score_model is None:
             raise ValueError("RunConfig.rewards.model_weight needs an executor with a reward model")
         learned = score_model([_prompt_text(r) for r in records], texts).to(device=device, dtype=torch.float32)
-        metrics["reward/model_mean"] = float(learned.mean())
+        sums["model"] = float(learned.sum())
         columns.append(learned)
         total = total + mix.model_weight * learned
-    if mix.overlong_buffer:
-        lengths = rollout.sequences.response_mask.sum(-1)
-        penalty = overlong_penalty(lengths, sampling.max_new_tokens, mix.overlong_buffer, mix.overlong_penalty)
-        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
-        total = total + penalty
-    metrics["timing/reward_s"] += time.perf_counter() - start
-    return rollout, Rewards(total, components=torch.stack(columns, 1) if len(columns) > 1 else None)
+    sums["reward_s"] = time.perf_counter() - start
+    return rollout, Rewards(total, components=torch.stack(columns, 1) if len(columns) > 1 else None), sums
 
 
 def _prompt_text(record: PromptRecord) -> str:

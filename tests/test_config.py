@@ -44,6 +44,14 @@ def test_a_bad_key_or_value_is_named_with_the_closest_valid_key(layer, message):
     assert message in str(err.value)
 
 
+def test_none_is_spelled_none_where_toml_has_no_null(tmp_path):
+    file = tmp_path / "c.toml"
+    file.write_text('[critic]\nvalue_clip = "none"\n')
+    config = build(JobConfig, merge(load_file(file), overrides(["actor.clip_c=none", "actor.mini_batch_rows=none"])))
+    assert config.critic.value_clip is None and config.actor.clip_c is None and config.actor.mini_batch_rows is None
+    assert build(JobConfig, overrides(["reward.fn=none"])).reward.fn == "none"  # a string field keeps the string
+
+
 def test_override_syntax_errors_name_the_item():
     with pytest.raises(ConfigError, match="override 'actor.lr': expected section.key=value"):
         overrides(["actor.lr"])

@@ -213,7 +213,11 @@ def test_data_without_eval_data_holds_rows_out_of_training(tmp_path):
     (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: unknown advantage estimator 'ppo'"),
     (["--config", "missing.toml"], "config file missing.toml: no such file"),
     (["--reward-model", "README.md"], "reward.model (--reward-model) README.md: a file that is not an HF model folder"),
-    (["trainer.critic_warmup=2"], "trainer.critic_warmup needs a critic: algorithm.adv_estimator=gae"),
+    (["trainer.critic_warmup=2"], "trainer.critic_warmup and the critic section need a critic"),
+    (["--adv-estimator", "gae", "trainer.critic_warmup=30"], "the policy would never train"),
+    (["--format-bonus", "0.1"], "reward.format_bonus (--format-bonus) applies to the strict reward"),
+    (["actor.mini_batch_rows=0"], "actor.mini_batch_rows must be ≥ 1"),
+    (["actor.policy_loss=dro"], "actor.policy_loss=dro needs actor.loss_options.dro_beta"),
 ])
 def test_bad_settings_are_refused_in_one_line_before_anything_loads(argv, message, capsys, monkeypatch):
     sys.path.insert(0, str(ROOT / "experiments"))
