@@ -572,7 +572,7 @@ def job(inv: Invocation, stop) -> dict:
         print(f"removed {leftover}, an unfinished checkpoint write", flush=True)
     recorded = to_dict(cfg)
     if inv.resume and not check_resume_config(run_dir, recorded, MAY_CHANGE_ON_RESUME):
-        print(f"--resume: {run_dir} records no settings (config.json) to check against", flush=True)
+        print(f"--resume: {run_dir} records no settings (config.json) in this layout to check against", flush=True)
     if not inv.resume or not (run_dir / "config.json").exists():
         save_run_config(run_dir, recorded)
     wall_start = time.time()

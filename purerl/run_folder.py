@@ -58,12 +58,15 @@ def check_resume_config(path: str | Path, config: Mapping[str, Any], may_change:
     """Refuse to resume with settings that differ from the recorded ones in anything but
     ``may_change``, naming every differing key with both values. Nested settings (sections) are
     compared key by key (``actor.lr``); a name in ``may_change`` covers its section's keys.
-    Returns False when the folder records no settings (nothing to compare)."""
+    Returns False when the folder records no settings, or settings in another layout with no
+    key in common (nothing to compare)."""
     recorded_path = Path(path) / CONFIG
     if not recorded_path.exists():
         return False
     recorded = flatten(json.loads(recorded_path.read_text()))
     now = flatten(json.loads(json.dumps(dict(config), default=str)))  # compare as recorded: JSON values
+    if not set(recorded) & set(now):  # another layout (a run from before the typed config): nothing to compare
+        return False
 
     def fixed(key: str) -> bool:
         return not any(key == name or key.startswith(name + ".") for name in may_change)

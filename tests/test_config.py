@@ -163,3 +163,16 @@ def test_the_custom_step_example_runs_and_is_under_forty_lines(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in (tmp_path / "runs" / "custom_step" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all("my/solved_frac" in r for r in rows)
+
+
+def test_a_run_recorded_in_the_old_flat_layout_resumes_without_a_comparison(tmp_path):
+    from purerl.run_folder import RunFolderError, check_resume_config, save_run_config
+
+    save_run_config(tmp_path, {"lr": 2e-5, "seed": 0, "steps": 30})  # a run from before the typed config
+    assert check_resume_config(tmp_path, to_dict(JobConfig()), {"trainer.steps"}) is False
+    save_run_config(tmp_path, to_dict(JobConfig()))
+    assert check_resume_config(tmp_path, to_dict(JobConfig()), {"trainer.steps"}) is True
+    changed = build(JobConfig, overrides(["actor.lr=1e-3", "trainer.steps=99", "rollout.engine_options.x=1"]))
+    with pytest.raises(RunFolderError, match=r"actor.lr was 2e-05, now 0.001\. ") as err:
+        check_resume_config(tmp_path, to_dict(changed), {"trainer.steps", "rollout.engine_options"})
+    assert "trainer.steps was" not in str(err.value) and "engine_options" not in str(err.value).split(". A")[0]
