@@ -94,7 +94,7 @@ def train_async(state: TrainState, *, executor: Executor, engine: RolloutEngine 
     published, batches = Published(), queue.Queue(maxsize=config.queue_batches)
     published.publish(executor.publish(state), state.step)
     generator = _Generator(engine, task, run, decode, executor.score, config, published, batches,
-                           state.data, state.rng, state.step, getattr(executor, "score_model", None))
+                           state.data, state.rng, state.step, executor.score_model)
 
     def evaluate(state: TrainState) -> dict[str, float]:  # the weights just published, on the executor's engine
         with generator.engine_turn() if engine is executor.engine else contextlib.nullcontext():

@@ -17,8 +17,8 @@ from torch import Tensor
 from purerl.checks import check_bool, check_rank
 from purerl.tree import pytree
 
-__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rewards", "Rollout", "Sequences", "concat_rollouts",
-           "left_pad", "rollout_of"]
+__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rewards", "Rollout", "Sequences", "left_pad",
+           "rollout_of"]
 
 FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2
 """Why a response ended: an EOS token, the length limit, a stop string."""
@@ -111,30 +111,6 @@ class Rewards:
 
     def rows(self, index: Tensor) -> "Rewards":
         return Rewards(*(None if x is None else x[index] for x in (self.scores, self.baselines, self.components)))
-
-
-def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
-    """One rollout of the rows of ``rollouts`` in order: prompts re-padded on the left and
-    responses on the right to the widest, group ids renumbered so groups stay distinct."""
-    if len(rollouts) == 1:
-        return rollouts[0]
-    prompt_width = max(r.sequences.input_ids.shape[1] - r.sequences.response_length for r in rollouts)
-    response_width = max(r.sequences.response_length for r in rollouts)
-    ids, attention, response_mask, logprobs, groups, offset = [], [], [], [], [], 0
-    for r in rollouts:
-        seqs, t = r.sequences, r.sequences.response_length
-        p = seqs.input_ids.shape[1] - t
-        left, right = prompt_width - p, response_width - t
-        ids.append(torch.nn.functional.pad(seqs.input_ids, (left, right), value=pad_token_id))
-        attention.append(torch.nn.functional.pad(seqs.attention_mask, (left, right), value=False))
-        response_mask.append(torch.nn.functional.pad(seqs.response_mask, (0, right), value=False))
-        logprobs.append(torch.nn.functional.pad(r.behaviour_logprobs, (0, right), value=0.0))
-        _, inverse = torch.unique(r.group, return_inverse=True)
-        groups.append(inverse + offset)
-        offset += int(inverse.max()) + 1 if len(inverse) else 0
-    return Rollout(Sequences(torch.cat(ids), torch.cat(attention), torch.cat(response_mask)), torch.cat(logprobs),
-                   torch.cat([r.finish_reasons for r in rollouts]), torch.cat(groups),
-                   min(r.version for r in rollouts))
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:

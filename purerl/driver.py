@@ -24,7 +24,7 @@ import attrs
 import torch
 
 from purerl.algo.dapo import overlong_penalty, varied_groups
-from purerl.batch import Rewards, Rollout, concat_rollouts
+from purerl.batch import Rewards, Rollout
 from purerl.checkpoint import save_checkpoint
 from purerl.data.cursor import DataCursor, next_indices
 from purerl.data.records import PromptRecord
@@ -32,6 +32,7 @@ from purerl.executors.local import Executor
 from purerl.metrics_log import MetricsLog
 from purerl.rewards import RewardFn, Scores, math_reward, score_responses
 from purerl.rollout.engine import RolloutEngine
+from purerl.rollout.merge import concat_rollouts
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.tree import replace
@@ -302,7 +303,7 @@ def train(state: TrainState, *, executor: Executor, task: Task, run: RunConfig,
         while state.step < run.steps:
             step_start = time.perf_counter()
             state, rollout, scores, metrics = rollout_batch(state, engine, task, run, decode, score=executor.score,
-                                                            score_model=getattr(executor, "score_model", None))
+                                                            score_model=executor.score_model)
             train_start = time.perf_counter()
             state, step_metrics = executor.step(state, rollout, scores)
             metrics.update(step_metrics)

@@ -22,6 +22,7 @@ when it is combined with a CUDA mask); random draws come from CPU generators, so
 the same shuffle on every device. A CPU run cannot see a mix-up: ``tests/test_gpu.py`` can.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -197,35 +198,30 @@ def _chunks(n: int, size: int) -> list[slice]:
 
 
 @torch.no_grad()
-def _batched_logprobs(model: CausalLM, params: Params, seqs: Sequences, rows: int, temperature: float) -> Tensor:
+def _batched(model: CausalLM | Critic, fn: Callable[[Sequences], Tensor], seqs: Sequences, rows: int) -> Tensor:
+    """``fn`` (row-wise) over ``seqs`` in chunks of ``rows``, without gradients, concatenated."""
+    return torch.cat([model.map_rows(fn, seqs.rows(sl)) for sl in _chunks(len(seqs), rows)])
+
+
+def _logprobs_fn(model: CausalLM, params: Params, temperature: float) -> Callable[[Sequences], Tensor]:
     def logprobs(part: Sequences) -> Tensor:
         return logprobs_from_logits(response_logits(model, params, part), part.responses(), temperature=temperature)
 
-    return torch.cat([model.map_rows(logprobs, seqs.rows(sl)) for sl in _chunks(len(seqs), rows)])
+    return logprobs
 
 
-@torch.no_grad()
-def _batched_logprobs_and_sum_pi_squared(model: CausalLM, params: Params, seqs: Sequences, rows: int,
-                                         temperature: float) -> tuple[Tensor, Tensor]:
-    """Log-probs and ``Σ_v π(v)²`` per response position, from one forward pass."""
+def _logprobs_and_sum_pi_squared_fn(model: CausalLM, params: Params,
+                                    temperature: float) -> Callable[[Sequences], Tensor]:
+    """Log-probs and ``Σ_v π(v)²`` per response position, stacked on the last axis, from one forward."""
     def both(part: Sequences) -> Tensor:
         logits = response_logits(model, params, part)
         return torch.stack([logprobs_from_logits(logits, part.responses(), temperature=temperature),
                             sum_pi_squared_from_logits(logits, temperature=temperature).to(torch.float32)], -1)
 
-    out = torch.cat([model.map_rows(both, seqs.rows(sl)) for sl in _chunks(len(seqs), rows)])
-    return out[..., 0], out[..., 1]
+    return both
 
 
 _NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
-
-
-@torch.no_grad()
-def _batched_values(critic: Critic, params: Params, seqs: Sequences, rows: int) -> Tensor:
-    def values(part: Sequences) -> Tensor:
-        return response_values(critic, params, part)
-
-    return torch.cat([critic.map_rows(values, seqs.rows(sl)) for sl in _chunks(len(seqs), rows)])
 
 
 def make_experience(state: TrainState, rollout: Rollout, scores: Float[Tensor, " b"] | Rewards, *,
@@ -235,26 +231,23 @@ def make_experience(state: TrainState, rollout: Rollout, scores: Float[Tensor, "
     components."""
     rewards = Rewards.of(scores)
     seqs = rollout.sequences
-    sum_pi_squared = None
-    if config.adv_estimator in _NEEDS_SUM_PI_SQUARED:  # of π_old: the recomputed policy, whatever the flag
-        old, sum_pi_squared = _batched_logprobs_and_sum_pi_squared(policy, state.policy, seqs,
-                                                                   config.micro_batch_rows, config.temperature)
-        if not config.recompute_old_logprobs:
-            old = rollout.behaviour_logprobs
+    rows, sum_pi_squared, old = config.micro_batch_rows, None, rollout.behaviour_logprobs
+    if config.adv_estimator in _NEEDS_SUM_PI_SQUARED:  # Σπ² of π_old: the recomputed policy, whatever the flag
+        both = _batched(policy, _logprobs_and_sum_pi_squared_fn(policy, state.policy, config.temperature), seqs, rows)
+        sum_pi_squared = both[..., 1]
+        if config.recompute_old_logprobs:
+            old = both[..., 0]
     elif config.recompute_old_logprobs:
-        old = _batched_logprobs(policy, state.policy, seqs, config.micro_batch_rows, config.temperature)
-    else:
-        old = rollout.behaviour_logprobs
+        old = _batched(policy, _logprobs_fn(policy, state.policy, config.temperature), seqs, rows)
     needs_ref = config.use_kl_loss or config.use_kl_in_reward
     if needs_ref and state.reference is None:
         raise ValueError("make_experience: KL to the reference needs TrainState.reference params")
-    ref = (_batched_logprobs(policy, state.reference, seqs, config.micro_batch_rows, config.temperature)
-           if needs_ref else None)
+    ref = _batched(policy, _logprobs_fn(policy, state.reference, config.temperature), seqs, rows) if needs_ref else None
     values = None
     if config.adv_estimator == "gae":
         if critic is None or state.critic is None:
             raise ValueError("make_experience: the 'gae' estimator needs a critic and TrainState.critic params")
-        values = _batched_values(critic, state.critic, seqs, config.micro_batch_rows)
+        values = _batched(critic, functools.partial(response_values, critic, state.critic), seqs, rows)
         values = torch.where(seqs.response_mask, values, 0.0)
     return Experience(seqs, rollout.group, rewards.scores.to(torch.float32), old, rollout.behaviour_logprobs, ref,
                       values, rewards.baselines, rewards.components, sum_pi_squared)

@@ -6,7 +6,6 @@ import time
 
 import attrs
 import pytest
-import torch
 
 from purerl.algo.kl_control import make_kl_controller
 from purerl.asynchronous import AsyncConfig, train_async
@@ -23,6 +22,7 @@ from purerl.state import RngState, TrainState
 from purerl.step import StepConfig, grpo_step
 from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone
+from tests.equivalence import assert_async_k0_equals_sync
 
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
 TASK = Task([[5 + i, 6, 7] for i in range(8)], [PromptRecord(({"role": "user", "content": str(i)},), "0")
@@ -72,17 +72,8 @@ def test_staleness_zero_is_the_synchronous_trainer_bit_for_bit(tmp_path):
     log.close()
     sync_records = list(MetricsLog.read(log.path))
     async_state, report, async_records = _run_async(tmp_path / "async", AsyncConfig(max_staleness=0), run=run)
-    assert report == {"staleness_histogram": {0: 5}, "trained": 5, "dropped_batches": 0, "discarded": 0,
-                      "generated": 5}
-    assert async_state.step == sync_state.step == 5
+    assert_async_k0_equals_sync(sync_state, sync_records, async_state, async_records, report, steps=5)
     assert attrs.astuple(async_state.data) == attrs.astuple(sync_state.data)
-    assert attrs.astuple(async_state.rng) == attrs.astuple(sync_state.rng)
-    for name, value in sync_state.policy.items():
-        assert torch.equal(async_state.policy[name], value), name
-    for sync_record, async_record in zip(sync_records, async_records, strict=True):
-        for key, value in sync_record.items():
-            if not key.startswith(("timing/", "perf/", "time")):
-                assert async_record[key] == value, key
 
 
 def test_a_slow_trainer_trains_on_batches_one_version_old_never_older(tmp_path):

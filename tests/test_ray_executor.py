@@ -36,6 +36,7 @@ from purerl.state import RngState, TrainState
 from purerl.step import StepConfig, grpo_step, ppo_step
 from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_equal, tree_leaves
+from tests.equivalence import assert_async_k0_equals_sync
 
 pytest.importorskip("ray")
 ray_executor = pytest.importorskip("purerl.executors.ray")
@@ -242,16 +243,7 @@ def test_async_with_staleness_zero_on_ray_is_the_synchronous_trainer_bit_for_bit
             results[mode] = executor.full_state(state), list(MetricsLog.read(log.path)), report
         log.close()
     (sync_state, sync_records, _), (async_state, async_records, report) = results["sync"], results["async"]
-    assert report == {"staleness_histogram": {0: 5}, "trained": 5, "dropped_batches": 0, "discarded": 0,
-                      "generated": 5}
-    assert async_state.step == sync_state.step == 5
-    assert (async_state.rng.seed, async_state.rng.counter) == (sync_state.rng.seed, sync_state.rng.counter)
-    for name, value in sync_state.policy.items():
-        assert torch.equal(async_state.policy[name], value), name
-    for sync_record, async_record in zip(sync_records, async_records, strict=True):
-        for key, value in sync_record.items():
-            if not key.startswith(("timing/", "perf/", "time")):
-                assert async_record[key] == value, key
+    assert_async_k0_equals_sync(sync_state, sync_records, async_state, async_records, report, steps=5)
 
 
 def test_async_on_ray_with_staleness_one_overlaps_and_stays_in_bounds(ray_cluster, tmp_path):

@@ -169,7 +169,7 @@ def test_dropping_finished_rows_from_the_batch_changes_no_sample(setup, lean, mo
 
 
 def test_concatenated_rollouts_keep_every_row_and_its_log_probs():
-    from purerl.batch import concat_rollouts
+    from purerl.rollout.merge import concat_rollouts
 
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)

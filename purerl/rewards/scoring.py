@@ -51,13 +51,15 @@ import attrs
 
 from purerl.rewards.math import RewardFn
 
-__all__ = ["Scores", "reward_form", "score_in_threads", "score_responses"]
+__all__ = ["Scores", "check_score_inputs", "reward_form", "score_in_threads", "score_responses"]
 
 _log = logging.getLogger("purerl")
 
 
-def _check_lengths(responses: Sequence[str], ground_truths: Sequence[str],
-                   data_sources: Sequence[str] | None = None, extra_infos: Sequence[dict] | None = None) -> None:
+def check_score_inputs(responses: Sequence[str], ground_truths: Sequence[str],
+                       data_sources: Sequence[str] | None = None, extra_infos: Sequence[dict] | None = None) -> None:
+    """A ``ValueError`` unless there is one ground truth (and data source, extra info, when given)
+    per response."""
     if len(responses) != len(ground_truths):
         raise ValueError(f"score_responses: {len(responses)} responses but {len(ground_truths)} ground truths")
     for name, given in (("data sources", data_sources), ("extra infos", extra_infos)):
@@ -216,7 +218,7 @@ def score_in_threads(fn: RewardFn, responses: Sequence[str], ground_truths: Sequ
     thread is abandoned, never joined, so a hanging reward function cannot hang the run. Error
     messages number samples from ``first_index`` (for a shard of a larger batch).
     """
-    _check_lengths(responses, ground_truths, data_sources, extra_infos)
+    check_score_inputs(responses, ground_truths, data_sources, extra_infos)
     form = _form(fn)
     sources, extras = _extras(len(responses), data_sources, extra_infos)
     results: list[float | BaseException | None] = [None] * len(responses)
@@ -296,7 +298,7 @@ def score_responses(fn: RewardFn, responses: Sequence[str], ground_truths: Seque
     reward function (see the module docstring); ``data_sources`` and ``extra_infos`` (one per
     response) reach the verl form.
     """
-    _check_lengths(responses, ground_truths, data_sources, extra_infos)
+    check_score_inputs(responses, ground_truths, data_sources, extra_infos)
     if not responses:
         return Scores([], 0, 0, [])
     on_threads = functools.partial(score_in_threads, fn, responses, ground_truths, timeout=timeout, penalty=penalty,

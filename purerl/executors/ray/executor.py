@@ -17,6 +17,7 @@ from purerl.executors.wire import from_wire, to_wire
 from purerl.model import CausalLM, Critic
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
+from purerl.rewards.scoring import check_score_inputs
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState, with_params, without_params
@@ -162,10 +163,7 @@ class RayExecutor:
                                    data_sources=data_sources, extra_infos=extra_infos)
         import ray
 
-        for name, given in (("ground truths", ground_truths), ("data sources", data_sources),
-                            ("extra infos", extra_infos)):
-            if given is not None and len(given) != len(responses):
-                raise ValueError(f"score: {len(responses)} responses but {len(given)} {name}")
+        check_score_inputs(responses, ground_truths, data_sources, extra_infos)  # before sharding them
         fn_ref = ray.put(ShippedRewardFn(fn))
         shards = prompt_shards(len(responses), len(self.reward))
         part = lambda xs, sl: None if xs is None else list(xs[sl])  # noqa: E731
