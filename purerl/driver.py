@@ -279,7 +279,8 @@ def evaluate(state: TrainState, engine: RolloutEngine, task: Task, decode: Calla
         ids = task.prompt_ids[start:start + batch_prompts]
         texts += decode_responses(engine.generate(ids, sampling, RngState(0), version=state.step), decode)
     truths = [record.ground_truth for record in task.records]
-    lenient = score(task.reward_fn, texts, truths, timeout=reward_timeout, penalty=0.0)
+    lenient = score(task.reward_fn, texts, truths, timeout=reward_timeout, penalty=0.0,
+                    data_sources=[r.data_source for r in task.records], extra_infos=[r.extra for r in task.records])
     strict = score(math_reward, texts, truths, timeout=reward_timeout, penalty=0.0)
     n = len(task.records)
     return {"val/accuracy": sum(v >= 1.0 for v in lenient.values) / n,

@@ -420,3 +420,27 @@ def test_local_executor_scores_with_its_reward_model_and_passes_data_sources(rew
     torch.testing.assert_close(executor.score_model(PROMPTS, RESPONSES),
                                RewardModel(reward_models[0]).score(PROMPTS, RESPONSES), rtol=0, atol=0)
     assert isinstance(executor.reward_model, RewardModel)
+
+
+def score_by_source(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's form: the reward depends on the data source (module level: it pickles)."""
+    return 1.0 if data_source == "graded" else 0.0
+
+
+def test_evaluation_gives_a_verl_form_function_each_record_s_data_source():
+    from purerl.data.records import PromptRecord
+    from purerl.driver import Task, evaluate
+    from purerl.model import causal_lm_from_config
+    from purerl.rollout.backends.torch import TorchEngine
+    from purerl.state import RngState, TrainState
+    from purerl.tiny import tiny_llama_config
+
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
+    engine.sync(params, 0)
+    records = [PromptRecord(({"role": "user", "content": "q"},), "0", data_source=source)
+               for source in ("graded", "graded", "other", "graded")]
+    task = Task([[5, 6, 7]] * 4, records, score_by_source)
+    metrics = evaluate(TrainState(policy=params, policy_opt=None, kl=None, rng=RngState(0)), engine, task,
+                       decode=lambda ids: "x", max_new_tokens=2)
+    assert metrics["val/accuracy"] == 0.75 and metrics["val/reward_errors"] == 0
