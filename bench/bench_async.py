@@ -34,8 +34,8 @@ from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.data.records import PromptRecord  # noqa: E402
 from purerl.driver import RunConfig, Task, train  # noqa: E402
 from purerl.executors.ray import RayConfig, RayExecutor  # noqa: E402
-from purerl.metrics_log import MetricsLog  # noqa: E402
-from purerl.model import causal_lm_from_config  # noqa: E402
+from purerl.io.metrics import MetricsLog  # noqa: E402
+from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402

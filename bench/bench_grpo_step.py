@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.driver import RunConfig, Task, rollout_batch  # noqa: E402
-from purerl.model import causal_lm_from_config  # noqa: E402
+from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
 from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402

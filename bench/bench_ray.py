@@ -28,7 +28,7 @@ from purerl.data.records import PromptRecord  # noqa: E402
 from purerl.driver import RunConfig, Task, rollout_batch  # noqa: E402
 from purerl.executors.local import LocalExecutor  # noqa: E402
 from purerl.executors.ray import RayConfig, RayExecutor  # noqa: E402
-from purerl.model import causal_lm_from_config  # noqa: E402
+from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
 from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402

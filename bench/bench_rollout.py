@@ -21,8 +21,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from purerl.model import causal_lm_from_config
 from purerl.batch import left_pad
+from purerl.models import causal_lm_from_config
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.engine import make_engine
 from purerl.rollout.sampling import SamplingParams

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from purerl.algo.aggregation import aggregate_loss
-from purerl.model import causal_lm_from_config, response_logprobs, value_and_grad
+from purerl.models import causal_lm_from_config, response_logprobs, value_and_grad
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.tiny import random_sequences, tiny_llama_config
 

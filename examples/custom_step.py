@@ -7,8 +7,8 @@ from purerl.data.math_problems import math_problems
 from purerl.data.records import encode_prompts
 from purerl.driver import RunConfig, Task, train
 from purerl.executors.local import LocalExecutor
-from purerl.metrics_log import MetricsLog
-from purerl.model import causal_lm_from_config
+from purerl.io.metrics import MetricsLog
+from purerl.models import causal_lm_from_config
 from purerl.optim import adamw
 from purerl.rewards import lenient_math_reward
 from purerl.rollout.backends.torch import TorchEngine

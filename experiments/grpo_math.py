@@ -43,21 +43,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from purerl.algo.correction import IS_CORRECTIONS, CorrectionConfig  # noqa: E402
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
 from purerl.asynchronous import AsyncConfig, train_async  # noqa: E402
-from purerl.checkpoint import CheckpointError, export_hf, latest_checkpoint, load_checkpoint  # noqa: E402
-from purerl.config import ConfigError, build, flatten, load_file, merge, nest, overrides, to_dict  # noqa: E402
+from purerl.config.job import CriticConfig, JobConfig  # noqa: E402
+from purerl.config.loading import (  # noqa: E402
+    ConfigError,
+    build,
+    flatten,
+    load_file,
+    merge,
+    nest,
+    overrides,
+    to_dict,
+)
 from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.data.math_problems import DIFFICULTIES, train_eval_split  # noqa: E402
 from purerl.data.records import DataError, encode_prompts, load_records  # noqa: E402
 from purerl.driver import Interrupted, RewardMix, RunConfig, StopRequest, Task, evaluate, train  # noqa: E402
-from purerl.executors.local import ExecutorError, LocalExecutor  # noqa: E402
-from purerl.job_config import CriticConfig, JobConfig  # noqa: E402
-from purerl.metrics_log import MetricsLog  # noqa: E402
-from purerl.model import causal_lm_from_config, critic_from_causal_lm, load_causal_lm, smollm2_gguf  # noqa: E402
+from purerl.executors.base import ExecutorError
+from purerl.executors.local import LocalExecutor  # noqa: E402
+from purerl.io.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint  # noqa: E402
+from purerl.io.export import export_hf  # noqa: E402
+from purerl.io.metrics import MetricsLog  # noqa: E402
+from purerl.io.run_folder import (  # noqa: E402
+    RunFolderError,
+    check_resume_config,
+    claim_run_folder,
+    save_run_config,
+)
+from purerl.models import causal_lm_from_config, critic_from_causal_lm, load_causal_lm, smollm2_gguf  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedule  # noqa: E402
 from purerl.rewards import lenient_math_reward, load_reward_fn, math_reward, math_reward_with_format  # noqa: E402
 from purerl.rollout.engine import make_engine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
-from purerl.run_folder import RunFolderError, check_resume_config, claim_run_folder, save_run_config  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
 from purerl.step import StepConfig, grpo_step, ppo_step  # noqa: E402
 from purerl.tiny import char_tokenizer, tiny_llama_config  # noqa: E402

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from property_tests.strategies import TokenBatch, finite_floats, token_batches
 from purerl.algo.aggregation import LOSS_AGGREGATIONS, aggregate_loss
 from purerl.algo.kl import KL_ESTIMATORS, apply_kl_penalty, kl_estimate, kl_loss
-from property_tests.strategies import TokenBatch, finite_floats, token_batches
 
 BASE_KINDS = KL_ESTIMATORS.names()
 ALL_KINDS = BASE_KINDS + [k + "+" for k in BASE_KINDS]

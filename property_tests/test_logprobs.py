@@ -11,8 +11,8 @@ from hypothesis.extra.numpy import arrays
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from property_tests.strategies import finite_floats
+from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 temperatures = st.sampled_from([1.0, 0.6, 1.7]) | st.floats(0.25, 4.0)

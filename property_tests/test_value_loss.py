@@ -7,10 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from property_tests.strategies import finite_floats, token_batches
 from purerl.algo.aggregation import LOSS_AGGREGATIONS, aggregate_loss
 from purerl.algo.value_loss import ValueLossOutput, clipped_value_loss
 from purerl.tree import assert_trees_close, tree_equal, tree_leaves
-from property_tests.strategies import finite_floats, token_batches
 
 MODES = LOSS_AGGREGATIONS.names()
 

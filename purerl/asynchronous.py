@@ -30,8 +30,9 @@ import attrs
 
 from purerl.data.cursor import DataCursor
 from purerl.driver import RunConfig, StepRecorder, Task, rollout_rng, sample_batch
-from purerl.executors.local import Executor, ExecutorError, LocalExecutor
-from purerl.metrics_log import MetricsLog
+from purerl.executors.base import Executor, ExecutorError
+from purerl.executors.local import LocalExecutor
+from purerl.io.metrics import MetricsLog
 from purerl.rewards import Scores
 from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.queue import Published, ScoredBatch

@@ -25,11 +25,11 @@ import torch
 
 from purerl.algo.dapo import overlong_penalty, varied_groups
 from purerl.batch import Rewards, Rollout
-from purerl.checkpoint import save_checkpoint
 from purerl.data.cursor import DataCursor, next_indices
 from purerl.data.records import PromptRecord
-from purerl.executors.local import Executor
-from purerl.metrics_log import MetricsLog
+from purerl.executors.base import Executor
+from purerl.io.checkpoint import save_checkpoint
+from purerl.io.metrics import MetricsLog
 from purerl.rewards import RewardFn, Scores, math_reward, score_responses
 from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.merge import concat_rollouts

@@ -2,7 +2,7 @@
 
 ``TrainState`` holds the policy params and optimizer state, optional critic params and optimizer
 state, the frozen reference params, the KL controller state, the RNG position, the data cursor
-and the step. A checkpoint (:mod:`purerl.checkpoint`) writes exactly this tree; resuming from it
+and the step. A checkpoint (:mod:`purerl.io.checkpoint`) writes exactly this tree; resuming from it
 continues bit-identically on CPU because no randomness or position lives anywhere else.
 """
 

@@ -9,7 +9,7 @@ Every stage is a function of explicit inputs that returns new values::
 
 :func:`grpo_step` and :func:`ppo_step` compose them; a user script can compose its own step from
 the same stages (see the README). The one injected effect is ``value_and_grad``: the pure
-``purerl.model.value_and_grad`` here, a sharded ``.backward()`` in distributed executors.
+``purerl.models.value_and_grad`` here, a sharded ``.backward()`` in distributed executors.
 
 Optimizer updates *donate* the old params and optimizer state (they are updated in place and
 returned): never use a ``TrainState`` after passing it to a step. A step whose loss or gradient
@@ -51,8 +51,8 @@ from purerl.algo.policy_loss import (
 )
 from purerl.algo.value_loss import clipped_value_loss
 from purerl.batch import FINISH_LENGTH, Rewards, Rollout, Sequences
-from purerl.model import CausalLM, Critic, Params, response_logits, response_values
-from purerl.model import value_and_grad as pure_value_and_grad
+from purerl.models import CausalLM, Critic, Params, response_logits, response_values
+from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import RngState, TrainState
 from purerl.tree import pytree, tree_leaves, tree_map
 

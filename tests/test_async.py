@@ -12,9 +12,10 @@ from purerl.asynchronous import AsyncConfig, train_async
 from purerl.data.cursor import DataCursor
 from purerl.data.records import PromptRecord
 from purerl.driver import RunConfig, Task, train
-from purerl.executors.local import ExecutorError, LocalExecutor
-from purerl.metrics_log import MetricsLog
-from purerl.model import causal_lm_from_config
+from purerl.executors.base import ExecutorError
+from purerl.executors.local import LocalExecutor
+from purerl.io.metrics import MetricsLog
+from purerl.models import causal_lm_from_config
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams

@@ -6,15 +6,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from purerl.checkpoint import (
+from purerl.io.checkpoint import (
     CheckpointError,
-    export_hf,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from purerl.model import causal_lm_from_config, response_logits
+from purerl.io.export import export_hf
+from purerl.models import causal_lm_from_config, response_logits
 from purerl.state import RngState, TrainState
 from purerl.tiny import random_sequences, tiny_llama_config
 from purerl.tree import pytree, tree_equal, tree_map

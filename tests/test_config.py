@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from purerl.config import ConfigError, build, load_file, merge, overrides, to_dict
-from purerl.job_config import JobConfig
+from purerl.config.job import JobConfig
+from purerl.config.loading import ConfigError, build, load_file, merge, overrides, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml")) + sorted((ROOT / "examples").glob("*.yaml"))
@@ -166,7 +166,7 @@ def test_the_custom_step_example_runs_and_is_under_forty_lines(tmp_path):
 
 
 def test_a_run_recorded_in_the_old_flat_layout_resumes_without_a_comparison(tmp_path):
-    from purerl.run_folder import RunFolderError, check_resume_config, save_run_config
+    from purerl.io.run_folder import RunFolderError, check_resume_config, save_run_config
 
     save_run_config(tmp_path, {"lr": 2e-5, "seed": 0, "steps": 30})  # a run from before the typed config
     assert check_resume_config(tmp_path, to_dict(JobConfig()), {"trainer.steps"}) is False

@@ -11,8 +11,8 @@ import torch
 from transformers import GPT2Config
 
 from purerl.batch import Rollout
-from purerl.families import FAMILIES, family_of
-from purerl.model import causal_lm_from_config, response_logprobs
+from purerl.models import causal_lm_from_config, response_logprobs
+from purerl.models.families import FAMILIES, family_of
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.engine import RolloutEngine, make_engine
 from purerl.rollout.sampling import SamplingParams
@@ -46,7 +46,7 @@ def test_llama_family_models_take_the_lean_path():
 def test_a_model_no_family_supports_runs_its_module_everywhere(caplog):
     config = GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=2,
                         eos_token_id=1, pad_token_id=0)
-    with caplog.at_level(logging.INFO, logger="purerl.families"):
+    with caplog.at_level(logging.INFO, logger="purerl.models.families"):
         model, params = causal_lm_from_config(config, seed=0)
     assert model.family is None and not model.lean
     assert "GPT2LMHeadModel" in caplog.text and "HF module" in caplog.text

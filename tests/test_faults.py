@@ -248,8 +248,8 @@ def test_a_reward_spinning_forever_costs_samples_their_timeout_and_the_run_finis
     from purerl.data.records import PromptRecord
     from purerl.driver import RunConfig, Task, evaluate, train
     from purerl.executors.local import LocalExecutor
-    from purerl.metrics_log import MetricsLog
-    from purerl.model import causal_lm_from_config
+    from purerl.io.metrics import MetricsLog
+    from purerl.models import causal_lm_from_config
     from purerl.optim import adamw
     from purerl.rollout.backends.torch import TorchEngine
     from purerl.rollout.sampling import SamplingParams

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from purerl.batch import Sequences
-from purerl.model import load_causal_lm, response_logprobs, smollm2_gguf
+from purerl.models import load_causal_lm, response_logprobs, smollm2_gguf
 
 try:
     GGUF = smollm2_gguf()
@@ -39,7 +39,7 @@ def test_smollm2_gguf_loads_and_functional_logprobs_match_the_module():
 def test_a_gguf_model_exports_dequantized(tmp_path):
     import json
 
-    from purerl.checkpoint import export_hf
+    from purerl.io.export import export_hf
 
     model, params = load_causal_lm(GGUF)
     export_hf(model, params, tmp_path)

@@ -20,7 +20,7 @@ import torch
 
 from purerl.algo.aggregation import SumCount
 from purerl.algo.kl_control import make_kl_controller
-from purerl.model import (
+from purerl.models import (
     causal_lm_from_config,
     critic_from_causal_lm,
     response_logits,

@@ -1,12 +1,12 @@
-"""purerl.llama's lean training forward computes what the HF module computes: logits and gradients."""
+"""purerl.models.families.llama's lean training forward computes what the HF module computes: logits and gradients."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from purerl import llama
 from purerl.batch import Sequences
-from purerl.model import causal_lm_from_config, response_logits, shared_prompts
+from purerl.models import causal_lm_from_config, response_logits, shared_prompts
+from purerl.models.families import llama
 from purerl.tiny import random_sequences, tiny_llama_config
 
 

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from purerl import llama
-from purerl.model import causal_lm_from_config
-from purerl.rollout import llama_decode
+from purerl.models import causal_lm_from_config
+from purerl.models.families import llama, llama_decode
 from purerl.rollout.backends.torch import TorchEngine, left_pad
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from purerl.algo.aggregation import SumCount, aggregate_loss
-from purerl.model import (
+from purerl.models import (
     causal_lm_from_config,
     critic_from_causal_lm,
     load_causal_lm,
@@ -27,7 +27,7 @@ def tiny(request):
     model, params = causal_lm_from_config(config, seed=0)
     assert model.lean
     if request.param == "module":
-        model = attrs.evolve(model, lean=False)  # the path of models purerl.llama does not cover
+        model = attrs.evolve(model, lean=False)  # the path of models purerl.models.families.llama does not cover
     seqs = random_sequences(4, 6, 5, config.vocab_size, seed=1)
     return config, model, params, seqs
 
@@ -172,7 +172,7 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(pa
     config = tiny_llama_config()
     model, params = causal_lm_from_config(config, seed=0)
     if path == "module":
-        model = attrs.evolve(model, lean=False)  # the path of models purerl.llama does not cover
+        model = attrs.evolve(model, lean=False)  # the path of models purerl.models.families.llama does not cover
     seqs = grouped(random_sequences(8, 12, 6, config.vocab_size, seed=2), 4)
     first, inverse = shared_prompts(seqs)
     assert sorted(first.tolist()) == [0, 4]

@@ -24,10 +24,11 @@ from purerl.asynchronous import AsyncConfig, train_async
 from purerl.data.cursor import DataCursor
 from purerl.data.records import PromptRecord
 from purerl.driver import RunConfig, Task, train
-from purerl.executors.local import ExecutorError, LocalExecutor
+from purerl.executors.base import ExecutorError
+from purerl.executors.local import LocalExecutor
 from purerl.executors.wire import params_digest
-from purerl.metrics_log import MetricsLog
-from purerl.model import causal_lm_from_config, critic_from_causal_lm
+from purerl.io.metrics import MetricsLog
+from purerl.models import causal_lm_from_config, critic_from_causal_lm
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rewards import score_responses
 from purerl.rollout.backends.torch import TorchEngine

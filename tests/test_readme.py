@@ -8,7 +8,7 @@ import torch
 
 from purerl.algo.kl_control import make_kl_controller
 from purerl.executors import LocalExecutor
-from purerl.model import causal_lm_from_config
+from purerl.models import causal_lm_from_config
 from purerl.optim import adamw
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams

@@ -3,8 +3,8 @@
 import torch
 
 from purerl.algo.aggregation import aggregate_loss
-from purerl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from purerl.model import causal_lm_from_config, response_logprobs, value_and_grad
+from purerl.io.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from purerl.models import causal_lm_from_config, response_logprobs, value_and_grad
 from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedule
 from purerl.state import RngState, TrainState
 from purerl.tiny import random_sequences, tiny_llama_config

@@ -401,7 +401,7 @@ def test_local_executor_scores_with_its_reward_model_and_passes_data_sources(rew
     import torch
 
     from purerl.executors.local import LocalExecutor
-    from purerl.model import causal_lm_from_config
+    from purerl.models import causal_lm_from_config
     from purerl.rewards.model import RewardModel
     from purerl.rollout.backends.torch import TorchEngine
     from purerl.tiny import tiny_llama_config
@@ -430,7 +430,7 @@ def score_by_source(data_source, solution_str, ground_truth, extra_info=None):
 def test_evaluation_gives_a_verl_form_function_each_record_s_data_source():
     from purerl.data.records import PromptRecord
     from purerl.driver import Task, evaluate
-    from purerl.model import causal_lm_from_config
+    from purerl.models import causal_lm_from_config
     from purerl.rollout.backends.torch import TorchEngine
     from purerl.state import RngState, TrainState
     from purerl.tiny import tiny_llama_config

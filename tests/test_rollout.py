@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
-from purerl.model import causal_lm_from_config, response_logprobs
+from purerl.models import causal_lm_from_config, response_logprobs
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
 from purerl.state import RngState
@@ -141,7 +141,7 @@ def test_sampled_tokens_follow_the_distribution_and_never_hit_truncated_tokens()
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "hf"])
 def test_dropping_finished_rows_from_the_batch_changes_no_sample(setup, lean, monkeypatch):
     _, model, params, _ = setup
-    from purerl.rollout import llama_decode
+    from purerl.models.families import llama_decode
 
     cuts = []
     select_rows = llama_decode.StaticCache.select_rows

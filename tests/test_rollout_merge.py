@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from purerl.model import causal_lm_from_config, response_logprobs
+from purerl.models import causal_lm_from_config, response_logprobs
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.sampling import SamplingParams

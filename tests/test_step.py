@@ -8,7 +8,7 @@ import torch
 from purerl.algo.advantages import ADVANTAGE_ESTIMATORS
 from purerl.algo.kl_control import make_kl_controller
 from purerl.algo.policy_loss import POLICY_LOSSES
-from purerl.model import causal_lm_from_config, critic_from_causal_lm, response_logits
+from purerl.models import causal_lm_from_config, critic_from_causal_lm, response_logits
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
@@ -173,7 +173,7 @@ def test_a_behaviour_policy_half_as_likely_doubles_the_loss_and_its_gradient(mod
     import attrs
 
     from purerl.algo.correction import CorrectionConfig
-    from purerl.model import response_logprobs
+    from purerl.models import response_logprobs
 
     model, optimizer, kl_controller, state, engine, _ = _setup()
     engine.sync(state.policy, 0)

@@ -17,7 +17,7 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm")
 
-from purerl.model import load_causal_lm, response_logits, smollm2_gguf  # noqa: E402
+from purerl.models import load_causal_lm, response_logits, smollm2_gguf  # noqa: E402
 from purerl.rollout.backends.vllm import VllmEngine  # noqa: E402
 from purerl.rollout.engine import make_engine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams, sampling_logprobs  # noqa: E402

@@ -4,7 +4,7 @@ FSDP2 (``fully_shard``) and ``functional_call`` do not compose: swapped-in param
 ignored and gradients arrive only through ``.backward()`` into sharded ``.grad``. So on a training
 rank:
 
-- :func:`shard_causal_lm` builds a real module from a :class:`~purerl.model.CausalLM` skeleton and
+- :func:`shard_causal_lm` builds a real module from a :class:`~purerl.models.CausalLM` skeleton and
   a full params tree, shards it, and returns its own sharded parameters (``DTensor``) as the params
   tree. Donated optimizer updates modify those very tensors in place, so FSDP keeps seeing them.
 - :class:`ShardedCausalLM` stands in for the skeleton in the pure stages: called with a params
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from purerl.algo.aggregation import SumCount
 from purerl.batch import Sequences
-from purerl.model import CausalLM, Critic, LayerCheckpoint, Params
+from purerl.models import CausalLM, Critic, LayerCheckpoint, Params
 from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [

@@ -43,7 +43,7 @@ _BUILT_IN = ("torch", "vllm")
 
 
 def make_engine(name: str, model: Any, **options: Any) -> RolloutEngine:
-    """The engine ``name`` for ``model`` (a :class:`~purerl.model.CausalLM`), built with ``options``
+    """The engine ``name`` for ``model`` (a :class:`~purerl.models.CausalLM`), built with ``options``
     (the backend's keyword arguments). Raises ``ValueError`` naming the known engines."""
     if name not in ENGINES and name in _BUILT_IN:
         importlib.import_module(f"purerl.rollout.backends.{name}")

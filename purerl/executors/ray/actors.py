@@ -23,7 +23,7 @@ from purerl.executors.wire import (
     to_wire,
     weight_buckets,
 )
-from purerl.model import CausalLM, Critic
+from purerl.models import CausalLM, Critic
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
 from purerl.rollout.engine import make_engine

@@ -8,13 +8,13 @@ import numpy as np
 import torch
 
 from purerl.batch import Rewards, Rollout
-from purerl.executors.local import ExecutorError, StepFn
+from purerl.executors.base import ExecutorError, StepFn
 from purerl.executors.ray.actors import ShippedRewardFn
 from purerl.executors.ray.config import RayConfig
 from purerl.executors.ray.pools import WorkerGroups
 from purerl.executors.ray.weights import PublishedWeights, load_published, publish, sync_colocated
 from purerl.executors.wire import from_wire, to_wire
-from purerl.model import CausalLM, Critic
+from purerl.models import CausalLM, Critic
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
 from purerl.rewards.scoring import check_score_inputs

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from purerl.executors.local import ExecutorError
+from purerl.executors.base import ExecutorError
 from purerl.executors.ray.actors import RewardWorker, RolloutWorker, TrainRank
 from purerl.executors.ray.config import RayConfig
-from purerl.model import CausalLM, Critic
+from purerl.models import CausalLM, Critic
 
 __all__ = ["WorkerGroups"]
 

@@ -1,7 +1,7 @@
 """The embedded engine: batched prefill and KV-cache decoding in the trainer's process, CPU or one GPU.
 
 Registered as rollout engine ``torch`` (:func:`purerl.rollout.engine.make_engine`). Models of a
-family with a lean decoder (:mod:`purerl.families`) decode through it (a static KV cache, CUDA
+family with a lean decoder (:mod:`purerl.models.families`) decode through it (a static KV cache, CUDA
 graphs on GPU); every other model through its HF module and a dynamic cache.
 """
 
@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
-from purerl.families import Decoding
-from purerl.model import CausalLM, Params
+from purerl.models import CausalLM, Params
+from purerl.models.families import Decoding
 from purerl.rollout.engine import ENGINES, check_weights
 from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
 from purerl.state import RngState
@@ -147,7 +147,7 @@ class TorchEngine:
 
     def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor, n: int,
                      capacity: int) -> contextlib.AbstractContextManager[Decoding]:
-        """Prefill the ``[g, P]`` prompts and decode ``n`` rows from each (:data:`~purerl.families.Decoding`):
+        """Prefill the ``[g, P]`` prompts and decode ``n`` rows from each (:data:`~purerl.models.families.Decoding`):
         the family's lean decoder, or the HF module with its dynamic cache."""
         if self.lean:
             return self.model.family.decoding(self.model, self._params, ids, mask, positions, n, capacity,
@@ -172,7 +172,7 @@ class TorchEngine:
 @contextlib.contextmanager
 def _module_decoding(model: CausalLM, params: Params, ids: Tensor, mask: Tensor, positions: Tensor,
                      n: int) -> Iterator[Decoding]:
-    """:data:`~purerl.families.Decoding` through the HF module and its dynamic cache (any causal LM)."""
+    """:data:`~purerl.models.families.Decoding` through the HF module and its dynamic cache (any causal LM)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)

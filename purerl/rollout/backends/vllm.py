@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, Rollout, left_pad, rollout_of
-from purerl.model import CausalLM, Params
+from purerl.models import CausalLM, Params
 from purerl.rollout.engine import ENGINES, check_weights
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
@@ -116,7 +116,7 @@ class VllmEngine:
         self.version = version
 
     def _start(self, params: Params) -> None:
-        from purerl.checkpoint import export_hf
+        from purerl.io.export import export_hf
 
         self._folder = tempfile.mkdtemp(prefix="purerl-vllm-")
         export_hf(self.model, params, self._folder)

@@ -16,8 +16,8 @@ Sections and what they own::
 Names of registered functions are the values: ``algorithm.adv_estimator`` is any name in
 :data:`~purerl.algo.advantages.ADVANTAGE_ESTIMATORS`, ``actor.policy_loss`` any name in
 :data:`~purerl.algo.policy_loss.POLICY_LOSSES`, so a newly registered estimator or loss is
-selectable at once. Build one with :func:`purerl.config.build` from a TOML/YAML file and
-``key=value`` overrides; :func:`purerl.config.to_dict` gives what a run folder records.
+selectable at once. Build one with :func:`purerl.config.loading.build` from a TOML/YAML file and
+``key=value`` overrides; :func:`purerl.config.loading.to_dict` gives what a run folder records.
 """
 
 from typing import Any
@@ -30,7 +30,7 @@ from purerl.algo.correction import IS_CORRECTIONS
 from purerl.algo.kl import KL_ESTIMATORS
 from purerl.algo.kl_control import KL_CONTROLLERS
 from purerl.algo.policy_loss import POLICY_LOSSES, LossOptions
-from purerl.config import one_of
+from purerl.config.loading import one_of
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "AsyncSection", "CriticConfig", "DataConfig", "ExecutorConfig",
            "JobConfig", "KLControlSection", "ModelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig"]

@@ -5,7 +5,7 @@ training and scoring forward (``response_logits``) and KV-cache decoding for the
 (``decoding``). :func:`family_of` picks the first registered family that supports a model; a model
 that none supports runs its HF module (same values, more overhead per call), and the log says so.
 
-Registered: ``llama`` (Llama, Qwen2, SmolLM2; :mod:`purerl.llama`, :mod:`purerl.rollout.llama_decode`).
+Registered: ``llama`` (Llama, Qwen2, SmolLM2; :mod:`.llama`, :mod:`.llama_decode`).
 A new family registers a :class:`Family` under its name: ``FAMILIES.register("name")(Family(...))``.
 """
 
@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch import Tensor
 
-from purerl import llama
+from purerl.models.families import llama, llama_decode
 from purerl.registry import Registry
-from purerl.rollout import llama_decode
 
 if TYPE_CHECKING:
     from purerl.batch import Sequences
-    from purerl.model import CausalLM, Params
+    from purerl.models.base import CausalLM, Params
 
 __all__ = ["Decoding", "FAMILIES", "Family", "family_of"]
 
@@ -42,7 +41,7 @@ class Family:
 
     - ``supports(model) -> bool``: whether it computes exactly what ``model``'s HF module does.
     - ``response_logits(model, params, seqs, shared) -> [b, t, v]``: as
-      :func:`purerl.model.response_logits` (``shared``: its ``(first, inverse)`` rows sharing a prompt).
+      :func:`purerl.models.response_logits` (``shared``: its ``(first, inverse)`` rows sharing a prompt).
     - ``decoding(model, params, ids, mask, positions, n, capacity, cuda_graphs=…)``: a context
       manager yielding :data:`Decoding` for ``[g, P]`` left-padded prompts on their device,
       ``capacity`` positions per row.

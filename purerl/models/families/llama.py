@@ -12,7 +12,7 @@ covers; the others (other architectures, rope variants that rescale attention, s
 go through the HF module.
 
 Users: :func:`response_logits` (the training and scoring forward, through
-:func:`purerl.model.response_logits`) and :mod:`purerl.rollout.llama_decode` (KV-cache decoding).
+:func:`purerl.models.response_logits`) and :mod:`purerl.models.families.llama_decode` (KV-cache decoding).
 
 Shapes: ``b`` rows, ``s`` positions, ``H`` query heads, ``K`` key/value heads, ``D`` head size.
 """
@@ -248,7 +248,7 @@ def response_logits(
     """Logits predicting the last ``t = response_length`` tokens: positions ``s-t-1 … s-2``.
     Differentiable in ``params``; ``valid`` is the attention mask (False on padding).
 
-    ``shared = (first, inverse)`` (see :func:`purerl.model.shared_prompts`): row ``i``'s prompt
+    ``shared = (first, inverse)`` (see :func:`purerl.models.shared_prompts`): row ``i``'s prompt
     (its first ``s - t`` columns) is row ``first[inverse[i]]``'s, so the distinct prompts run
     once, their keys and values are indexed out to every row and the responses run against them.
     Same values (to float rounding), and the same gradients: autograd adds those of a shared

@@ -2,10 +2,10 @@
 
 Decoding through the HF module costs per token: a growing ``DynamicCache`` (one ``torch.cat`` per
 layer and token, so O(T²) copying), mask construction and module dispatch, which dominate for
-small models and on GPUs. Here a decoding step is :mod:`purerl.llama`'s lean decoder stack with
+small models and on GPUs. Here a decoding step is :mod:`purerl.models.families.llama`'s lean decoder stack with
 attention over a cache written in place; its logits equal the module's (fp32: to ~1e-6;
 ``tests/test_llama_decode.py``). :func:`decoding` is the ``llama`` family's decoder for the
-embedded engine (:mod:`purerl.families`); models :func:`purerl.llama.supports` does not cover go
+embedded engine (:mod:`purerl.models.families`); models :func:`purerl.models.families.llama.supports` does not cover go
 through the HF module.
 
 Shapes: ``b`` rows, ``s`` new positions, ``t`` cache capacity (prompt width + max new tokens),
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from purerl.llama import (
+from purerl.models.families.llama import (
     FusedWeights,
     LlamaLayout,
     RotaryTable,
@@ -79,7 +79,7 @@ def forward_last(
     return the logits at the last position.
 
     Each new position attends to the valid cached positions and the valid new positions up to
-    itself (:func:`purerl.llama.attention_mask`).
+    itself (:func:`purerl.models.families.llama.attention_mask`).
     """
     b, s = ids.shape
     start, stop = cache.length, cache.length + s
@@ -177,7 +177,7 @@ class GraphedDecoder:
 def decoding(model: Any, params: dict[str, Tensor], ids: Int[Tensor, "g P"], mask: Bool[Tensor, "g P"],
              positions: Int[Tensor, "g P"], n: int, capacity: int, *, cuda_graphs: bool = True) -> Iterator[Any]:
     """Decode ``n`` samples of each left-padded prompt with a static cache of ``capacity`` positions
-    (see :data:`purerl.families.Decoding`). Each prompt is prefilled once and its cache repeated
+    (see :data:`purerl.models.families.Decoding`). Each prompt is prefilled once and its cache repeated
     ``n`` times. On CUDA with ``cuda_graphs`` the decoding step is one CUDA graph captured for this
     call (fixed shapes: no ``keep``)."""
     layout = layout_of(model.config)

