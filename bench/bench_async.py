@@ -29,17 +29,19 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import torch  # noqa: E402
 
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
-from purerl.asynchronous import AsyncConfig, train_async  # noqa: E402
+from purerl.config.job import ExecutorConfig, JobConfig  # noqa: E402
+from purerl.config.loading import build  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.data.records import PromptRecord  # noqa: E402
-from purerl.driver import RunConfig, Task, train  # noqa: E402
-from purerl.executors.ray import RayConfig, RayExecutor  # noqa: E402
+from purerl.executors.ray import RayExecutor  # noqa: E402
 from purerl.io.metrics import MetricsLog  # noqa: E402
+from purerl.loop.async_train import train_async  # noqa: E402
+from purerl.loop.sampling import Task  # noqa: E402
+from purerl.loop.train import train  # noqa: E402
 from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
-from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
-from purerl.step import StepConfig, grpo_step  # noqa: E402
+from purerl.step import grpo_step  # noqa: E402
 from purerl.tiny import tiny_llama_config  # noqa: E402
 
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
@@ -53,27 +55,35 @@ def decode(ids: list[int]) -> str:
     return "".join("a" if t % 3 == 0 else "b" for t in ids)
 
 
-def run_mode(mode: str, args: argparse.Namespace, model, params, task: Task, run: RunConfig) -> dict:
+def job_config(mode: str, args: argparse.Namespace) -> JobConfig:
+    """The run: the sync loop recomputes nothing it need not; async corrects for staleness."""
+    asynchronous = mode == "async"
+    return build(JobConfig, {
+        "trainer": {"steps": args.steps, "progress": False}, "data": {"prompts_per_step": args.prompts},
+        "rollout": {"max_new_tokens": args.new, "n": args.n, "temperature": 1.0},
+        "actor": {"clip_high": 0.2, "micro_batch_rows": args.micro_batch, "compute_entropy": False,
+                  "recompute_old_logprobs": asynchronous},
+        "algorithm": {"rollout_correction": "token-tis" if asynchronous else "none"},
+        "asynchronous": {"enable": asynchronous, "max_staleness": args.max_staleness}})
+
+
+def run_mode(mode: str, args: argparse.Namespace, model, params, task: Task) -> dict:
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-4, weight_decay=0.0))
     kl = make_kl_controller("fixed", coef=0.0)
-    step_config = (StepConfig(micro_batch_rows=args.micro_batch, compute_entropy=False) if mode == "sync" else
-                   StepConfig(micro_batch_rows=args.micro_batch, compute_entropy=False, recompute_old_logprobs=True,
-                              rollout_correction="token-tis"))
-    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=step_config)
+    config = job_config(mode, args)
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=config)
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
                        data=DataCursor(0))
-    config = RayConfig(train_ranks=1, rollout_workers=1, placement="split", threads_per_worker=1)
+    executor_config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split")
     with tempfile.TemporaryDirectory() as run_dir, RayExecutor(step_fn, model, engine_kwargs=ENGINE,
-                                                                config=config) as executor:
+                                                                config=executor_config) as executor:
         log = MetricsLog(run_dir)
         state = executor.start(state)
         report = None
         if mode == "sync":
-            train(state, executor=executor, task=task, run=run, decode=decode, run_dir=run_dir, log=log,
-                  progress=False)
+            train(state, executor=executor, task=task, config=config, run_dir=run_dir, log=log)
         else:
-            _, report = train_async(state, executor=executor, task=task, run=run, decode=decode, run_dir=run_dir,
-                                    log=log, config=AsyncConfig(max_staleness=args.max_staleness), progress=False)
+            _, report = train_async(state, executor=executor, task=task, config=config, run_dir=run_dir, log=log)
         log.close()
         records = MetricsLog.read(log.path)
     timed = records[args.warmup:]
@@ -110,13 +120,11 @@ def main() -> None:
                                intermediate_size=3 * args.hidden, max_position_embeddings=512)
     model, params = causal_lm_from_config(config, seed=0)
     records = [PromptRecord(({"role": "user", "content": str(i)},), "0") for i in range(256)]
-    task = Task([[5 + i % 100, 6, 7, 8, 9, 10, 11, 12] for i in range(256)], records, reward)
-    run = RunConfig(steps=args.steps, prompts_per_step=args.prompts,
-                    sampling=SamplingParams(max_new_tokens=args.new, n=args.n))
+    task = Task([[5 + i % 100, 6, 7, 8, 9, 10, 11, 12] for i in range(256)], records, reward, decode)
     results: dict[str, list[dict]] = {"sync": [], "async": []}
     for _ in range(args.repeats):
         for mode in ("sync", "async"):
-            results[mode].append(run_mode(mode, args, model, params, task, run))
+            results[mode].append(run_mode(mode, args, model, params, task))
     ray.shutdown()
 
     count = sum(p.numel() for p in params.values())

@@ -31,14 +31,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.config.job import JobConfig  # noqa: E402
+from purerl.config.loading import build  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
-from purerl.driver import RunConfig, Task, rollout_batch  # noqa: E402
+from purerl.loop.sampling import Task, rollout_batch  # noqa: E402
 from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
 from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
-from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
-from purerl.step import StepConfig, grpo_step  # noqa: E402
+from purerl.step import grpo_step  # noqa: E402
 from purerl.tiny import char_tokenizer, tiny_llama_config  # noqa: E402
 
 
@@ -83,15 +84,16 @@ def main() -> None:
     from purerl.data.records import PromptRecord
 
     task = Task([tokenizer.encode(p) for p, _ in pairs],
-                [PromptRecord(({"role": "user", "content": p},), t) for p, t in pairs], reward)
-    run = RunConfig(steps=10**9, prompts_per_step=args.prompts,
-                    sampling=SamplingParams(max_new_tokens=args.new, n=args.n))
-    step_fns = {
-        skip: functools.partial(grpo_step, policy=model, optimizer=optimizer, kl_controller=kl_controller,
-                                config=StepConfig(micro_batch_rows=args.prompts * args.n, recompute_old_logprobs=False,
-                                                  skip_zero_advantage_rows=skip))
-        for skip in (True, False)
-    }
+                [PromptRecord(({"role": "user", "content": p},), t) for p, t in pairs], reward, tokenizer.decode)
+
+    def job(skip: bool) -> JobConfig:
+        return build(JobConfig, {"trainer": {"steps": 10**9}, "data": {"prompts_per_step": args.prompts},
+                                 "rollout": {"max_new_tokens": args.new, "n": args.n, "temperature": 1.0},
+                                 "actor": {"clip_high": 0.2, "micro_batch_rows": args.prompts * args.n,
+                                           "recompute_old_logprobs": False, "skip_zero_advantage_rows": skip}})
+
+    step_fns = {skip: functools.partial(grpo_step, policy=model, optimizer=optimizer, kl_controller=kl_controller,
+                                        config=job(skip)) for skip in (True, False)}
     purerl_times: dict[bool, list[float]] = {True: [], False: []}
     purerl_lengths: list[float] = []
     skipped: list[float] = []
@@ -102,7 +104,7 @@ def main() -> None:
         for _ in range(count):
             start = time.perf_counter()
             engine.sync(state.policy, state.step)
-            state, rollout, scores, _ = rollout_batch(state, engine, task, run, tokenizer.decode)
+            state, rollout, scores, _ = rollout_batch(state, engine, task, step_fns[skip].keywords["config"])
             state, metrics = step_fns[skip](state, rollout, scores)
             sync()
             if record:

@@ -1,6 +1,6 @@
 """The Ray executor's costs against the local executor, measured in one run on the same machine.
 
-1. **Step overhead.** One GRPO step (generate → score → step → weight sync) on a tiny model with
+1. **Step overhead.** One GRPO step (weight load → generate → score → step) on a tiny model with
    the local executor, then with the Ray executor in ``split`` (2 FSDP2 training ranks + 1 rollout
    worker) and ``colocated`` (2 ranks that also generate) placement. Medians per phase and the
    ratio to local are printed. On a small CPU box this is pure overhead: Ray round trips, numpy
@@ -23,18 +23,20 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import torch  # noqa: E402
 
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.config.job import ExecutorConfig, JobConfig  # noqa: E402
+from purerl.config.loading import build  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.data.records import PromptRecord  # noqa: E402
-from purerl.driver import RunConfig, Task, rollout_batch  # noqa: E402
 from purerl.executors.local import LocalExecutor  # noqa: E402
-from purerl.executors.ray import RayConfig, RayExecutor  # noqa: E402
+from purerl.executors.ray import RayExecutor  # noqa: E402
+from purerl.loop.sampling import Task, rollout_batch  # noqa: E402
 from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
 from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
-from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
-from purerl.step import StepConfig, grpo_step  # noqa: E402
+from purerl.step import grpo_step  # noqa: E402
 from purerl.tiny import tiny_llama_config  # noqa: E402
+from purerl.tree import replace  # noqa: E402
 
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
 
@@ -43,28 +45,28 @@ def reward(text: str, truth: str) -> float:
     return float(text.count("a")) / max(len(text), 1)
 
 
-def setup(config):
+def setup(config, job: JobConfig):
     model, params = causal_lm_from_config(config, seed=0)
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-4, weight_decay=0.0))
     kl = make_kl_controller("fixed", coef=0.0)
-    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl,
-                                config=StepConfig(micro_batch_rows=16, compute_entropy=False))
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=job)
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
                        data=DataCursor(0))
     return model, step_fn, state
 
 
-def time_steps(executor, state, task, run, steps: int) -> dict[str, list[float]]:
-    phases: dict[str, list[float]] = {"generate+score": [], "step": [], "sync": [], "total": []}
+def time_steps(executor, state, task, job: JobConfig, steps: int) -> dict[str, list[float]]:
+    """Per step: loading the newest weights into the engine, generating and scoring, and the step
+    (which publishes its weights: under Ray split placement, a gather into the object store)."""
+    phases: dict[str, list[float]] = {"sync": [], "generate+score": [], "step": [], "total": []}
     state = executor.start(state)
-    executor.engine.sync(state.policy, version=state.step)
     for i in range(steps + 1):  # the first step warms up and is not counted
         t0 = time.perf_counter()
-        state, rollout, scores, _ = rollout_batch(state, executor.engine, task, run, lambda ids: "a" * len(ids))
-        t1 = time.perf_counter()
-        state, _ = executor.step(state, rollout, scores)
+        with executor.engine(executor.newest(state.step)) as engine:
+            t1 = time.perf_counter()
+            state, rollout, scores, _ = rollout_batch(state, engine, task, job)
         t2 = time.perf_counter()
-        executor.engine.sync(state.policy, version=state.step)
+        state, _ = executor.step(state, rollout, scores)
         t3 = time.perf_counter()
         if i:
             for name, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
@@ -90,29 +92,30 @@ def main() -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     tiny = tiny_llama_config(vocab_size=128, hidden_size=args.hidden, layers=args.layers)
     records = [PromptRecord(({"role": "user", "content": str(i)},), "0") for i in range(64)]
-    task = Task([[5 + i % 50, 6, 7, 8] for i in range(64)], records, reward)
-    run = RunConfig(steps=10**9, prompts_per_step=args.prompts,
-                    sampling=SamplingParams(max_new_tokens=args.new, n=args.n))
+    task = Task([[5 + i % 50, 6, 7, 8] for i in range(64)], records, reward, lambda ids: "a" * len(ids))
+    job = build(JobConfig, {"trainer": {"steps": 10**9}, "data": {"prompts_per_step": args.prompts},
+                            "rollout": {"max_new_tokens": args.new, "n": args.n, "temperature": 1.0},
+                            "actor": {"clip_high": 0.2, "micro_batch_rows": 16, "compute_entropy": False}})
 
     results = {}
-    model, step_fn, state = setup(tiny)
-    results["local"] = time_steps(LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE)), state, task, run,
+    model, step_fn, state = setup(tiny, job)
+    results["local"] = time_steps(LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE)), state, task, job,
                                   args.steps)
     for placement in ("split", "colocated"):
-        model, step_fn, state = setup(tiny)
-        with RayExecutor(step_fn, model, engine_kwargs=ENGINE,
-                         config=RayConfig(train_ranks=2, rollout_workers=1, placement=placement)) as executor:
-            results[f"ray {placement}"] = time_steps(executor, state, task, run, args.steps)
+        model, step_fn, state = setup(tiny, job)
+        config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, placement=placement)
+        with RayExecutor(step_fn, model, engine_kwargs=ENGINE, config=config) as executor:
+            results[f"ray {placement}"] = time_steps(executor, state, task, job, args.steps)
 
     params = sum(p.numel() for p in causal_lm_from_config(tiny)[1].values())
     print(f"\n## Step overhead: Llama h{args.hidden}×{args.layers} ({params / 1e3:.0f} k params), {args.prompts}×{args.n} samples, "
           f"≤{args.new} new tokens, medians of {args.steps} steps (ms)\n")
-    print("| executor | generate+score | step | weight sync | total | total vs local |")
+    print("| executor | weight load | generate+score | step (publishes) | total | total vs local |")
     print("|---|---|---|---|---|---|")
     base = statistics.median(results["local"]["total"])
     for name, phases in results.items():
         med = {k: statistics.median(v) * 1e3 for k, v in phases.items()}
-        print(f"| {name} | {med['generate+score']:.1f} | {med['step']:.1f} | {med['sync']:.1f} | {med['total']:.1f} "
+        print(f"| {name} | {med['sync']:.1f} | {med['generate+score']:.1f} | {med['step']:.1f} | {med['total']:.1f} "
               f"| {med['total'] / (base * 1e3):.2f}× |")
 
     print(f"\n## Weight sync, split placement (2 ranks → 1 rollout worker), median of {args.sync_repeats}\n")
@@ -122,17 +125,18 @@ def main() -> None:
                                intermediate_size=args.sync_hidden * 3)
     for label, config in (("tiny", tiny), (f"h{args.sync_hidden}×{args.sync_layers}", larger)):
         for checksum in (False, True):
-            model, step_fn, state = setup(config)
+            model, step_fn, state = setup(config, job)
             size = sum(p.nbytes for p in state.policy.values()) / 1e6
             count = sum(p.numel() for p in state.policy.values())
-            with RayExecutor(step_fn, model, engine_kwargs=ENGINE,
-                             config=RayConfig(placement="split", checksum=checksum)) as executor:
-                executor.start(state)
+            ray_config = ExecutorConfig(kind="ray", placement="split", sync_checksum=checksum)
+            with RayExecutor(step_fn, model, engine_kwargs=ENGINE, config=ray_config) as executor:
+                small = executor.start(state)
                 times = []
-                for version in range(args.sync_repeats + 1):
+                for version in range(1, args.sync_repeats + 2):  # gather (publish), then load
                     start = time.perf_counter()
-                    executor.sync_weights(version)
-                    times.append(time.perf_counter() - start)
+                    executor.publish(replace(small, step=version))
+                    with executor.engine(executor.newest(version)):
+                        times.append(time.perf_counter() - start)
                 ms = statistics.median(times[1:]) * 1e3
             print(f"| {label} | {count / 1e6:.2f} M | {size:.1f} | {'sha256' if checksum else 'off'} | {ms:.1f} "
                   f"| {size / (ms / 1e3):.0f} |")

@@ -59,7 +59,7 @@ def main() -> None:
     prompts = [torch.randint(3, args.vocab, (int(torch.randint(args.prompt_len // 2, args.prompt_len + 1, (),
                                                                  generator=g)),), generator=g).tolist()
                for _ in range(args.prompts)]
-    sampling = SamplingParams(max_new_tokens=args.new, n=args.n)
+    sampling = SamplingParams(max_new_tokens=args.new, n=args.n, temperature=1.0)
 
     torch.manual_seed(0)
     module = AutoModelForCausalLM.from_config(config).eval().to(args.device)

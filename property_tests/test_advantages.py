@@ -15,28 +15,27 @@ from hypothesis.extra.numpy import arrays
 
 from property_tests.strategies import finite_floats, group_ids, token_batches
 from purerl.algo.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageConfig,
     AdvantageInputs,
-    compute_advantages,
     gae_advantages,
     gdpo_advantages,
     gpg_advantages,
     grpo_advantages,
     grpo_passk_advantages,
     opo_advantages,
-    optimal_token_baseline_advantages,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
     remax_advantages,
     rloo_advantages,
-    tir_optimal_token_baseline_advantages,
 )
+from purerl.algo.estimators import ADVANTAGE_ESTIMATORS, compute_advantages
 from purerl.algo.logprobs import sum_pi_squared_from_logits
 from purerl.algo.masked import masked_whiten
+from purerl.algo.token_baseline import optimal_token_baseline_advantages, tir_optimal_token_baseline_advantages
+from purerl.config.job import AlgorithmConfig
 from purerl.tree import replace
 
 OTB = ["optimal_token_baseline", "tir_optimal_token_baseline"]
+SETTINGS = AlgorithmConfig()  # the estimators' settings at their defaults
 NAMES = [
     "gae", "grpo", "drgrpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "remax",
     "grpo_passk", "gdpo", "opo", "gpg", *OTB,
@@ -285,7 +284,7 @@ def test_grpo_matches_a_loop_over_groups(norm_by_std, case):
 @pytest.mark.parametrize("name", GROUP_RELATIVE)
 @given(case=outcome_cases())
 def test_group_relative_advantages_have_zero_mean_in_every_group_of_two_or_more(name, case):
-    advantages, _ = compute_advantages(name, case)
+    advantages, _ = compute_advantages(name, case, SETTINGS)
     row_advantages = advantages[:, 0]  # every row's first token is valid
     for rows in _groups(case.group).values():
         expected = 0.0 if len(rows) >= 2 else row_advantages[rows].sum().item()
@@ -295,7 +294,7 @@ def test_group_relative_advantages_have_zero_mean_in_every_group_of_two_or_more(
 @pytest.mark.parametrize("name", GROUP_RELATIVE)
 @given(case=cases())
 def test_singleton_groups_get_zero_advantage(name, case):
-    advantages, _ = compute_advantages(name, case)
+    advantages, _ = compute_advantages(name, case, SETTINGS)
     for rows in _groups(case.group).values():
         if len(rows) == 1:
             assert not advantages[rows].any()
@@ -314,8 +313,8 @@ def test_grpo_is_invariant_to_positive_affine_reward_transforms(case, scale, shi
 def test_drgrpo_and_rloo_are_invariant_to_a_reward_shift(case, shift):
     shifted = _outcome_rewards(_scores(case) + shift, case.mask)
     for name in ("drgrpo", "rloo"):
-        expected, _ = compute_advantages(name, case)
-        actual, _ = compute_advantages(name, AdvantageInputs(shifted, case.mask, group=case.group))
+        expected, _ = compute_advantages(name, case, SETTINGS)
+        actual, _ = compute_advantages(name, AdvantageInputs(shifted, case.mask, group=case.group), SETTINGS)
         close(actual, expected, rtol=1e-9, atol=1e-9)
 
 
@@ -343,7 +342,7 @@ def test_a_group_of_equal_scores_gets_exactly_zero_advantage(dtype, name, data):
     per_group = {g: data.draw(finite_floats(1e4)) for g in labels.tolist()}
     scores = torch.tensor([per_group[g] for g in labels.tolist()], dtype=dtype)
     inputs = AdvantageInputs(_outcome_rewards(scores, batch.mask), batch.mask, group=labels)
-    advantages, _ = compute_advantages(name, inputs)
+    advantages, _ = compute_advantages(name, inputs, SETTINGS)
     assert not advantages.any()
 
 
@@ -375,7 +374,7 @@ def test_grpo_hand_computed_two_group_batch():
     advantages, returns = grpo_advantages(rewards, mask, group)
     close(advantages, expected, rtol=1e-12, atol=1e-12)
     assert torch.equal(advantages, returns)
-    drgrpo, _ = compute_advantages("drgrpo", AdvantageInputs(rewards, mask, group=group))
+    drgrpo, _ = compute_advantages("drgrpo", AdvantageInputs(rewards, mask, group=group), SETTINGS)
     close(drgrpo, torch.tensor(
         [[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5], [1.0, 1.0, 1.0], [-1.0, -1.0, 0.0], [0.0, 0.0, 0.0]],
         dtype=torch.float64,
@@ -409,7 +408,7 @@ def test_rloo_hand_computed_example():
 @given(case=cases())
 def test_outcome_advantage_is_constant_over_each_rows_valid_tokens(name, case):
     case = _fit(name, case)
-    advantages, returns = compute_advantages(name, case)
+    advantages, returns = compute_advantages(name, case, SETTINGS)
     assert torch.equal(advantages, returns)
     first = advantages.gather(1, case.mask.int().argmax(-1, keepdim=True))
     assert torch.equal(advantages, torch.where(case.mask, first.expand(case.mask.shape), 0.0))
@@ -425,8 +424,8 @@ def test_advantages_do_not_depend_on_how_groups_are_labelled(name, case, data):
     )
     relabel = dict(zip(labels, new_labels))
     group = torch.tensor([relabel[g] for g in case.group.tolist()], dtype=torch.int64)
-    expected = compute_advantages(name, case)
-    actual = compute_advantages(name, replace(case, group=group))
+    expected = compute_advantages(name, case, SETTINGS)
+    actual = compute_advantages(name, replace(case, group=group), SETTINGS)
     assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
 
 
@@ -513,7 +512,7 @@ def test_grpo_passk_matches_a_loop_over_groups(norm_by_std, case):
 @given(case=outcome_cases(min_rows=2), data=st.data())
 def test_grpo_passk_gives_at_most_one_row_per_group_a_nonnegative_advantage(case, data):
     case = replace(case, group=_paired(case.group))
-    row_advantages = compute_advantages("grpo_passk", case)[0][:, 0]
+    row_advantages = compute_advantages("grpo_passk", case, SETTINGS)[0][:, 0]
     scores = _scores(case)
     for rows in _groups(case.group).values():
         winners = [i for i in rows if row_advantages[i] != 0]
@@ -532,8 +531,8 @@ def test_adding_a_constant_to_a_groups_scores_changes_nothing(name, case, data):
     shift = torch.tensor([shifts[g] for g in group.tolist()], dtype=torch.float64)
     case = replace(case, group=group, reward_components=None)
     shifted = replace(case, rewards=_outcome_rewards(_scores(case) + shift, case.mask))
-    expected, _ = compute_advantages(name, case)
-    close(compute_advantages(name, shifted)[0], expected, rtol=1e-9, atol=1e-9)
+    expected, _ = compute_advantages(name, case, SETTINGS)
+    close(compute_advantages(name, shifted, SETTINGS)[0], expected, rtol=1e-9, atol=1e-9)
 
 
 def test_grpo_passk_hand_computed_example_and_groups_of_one():
@@ -578,10 +577,10 @@ def test_gdpo_is_the_whitened_weighted_sum_of_grpo_on_each_component(case, data)
 @given(case=cases())
 def test_gdpo_with_one_component_or_none_is_whitened_grpo(case):
     expected = masked_whiten(grpo_advantages(case.rewards, case.mask, case.group)[0], case.mask)
-    fallback = compute_advantages("gdpo", replace(case, reward_components=None))[0]
+    fallback = compute_advantages("gdpo", replace(case, reward_components=None), SETTINGS)[0]
     assert torch.equal(fallback, expected)
     single = replace(case, reward_components=_scores(case)[:, None])
-    assert torch.equal(compute_advantages("gdpo", single)[0], expected)
+    assert torch.equal(compute_advantages("gdpo", single, SETTINGS)[0], expected)
 
 
 @given(case=cases(), data=st.data())
@@ -593,8 +592,8 @@ def test_gdpo_normalises_each_component_within_its_groups(case, data):
     quarters = data.draw(st.lists(st.integers(-40, 40), min_size=k * 6, max_size=k * 6))
     shift = f64(quarters).view(6, k)[case.group] / 4
     shifted = replace(case, reward_components=components + shift)
-    expected, _ = compute_advantages("gdpo", case)
-    close(compute_advantages("gdpo", shifted)[0], expected, rtol=1e-6, atol=1e-6)
+    expected, _ = compute_advantages("gdpo", case, SETTINGS)
+    close(compute_advantages("gdpo", shifted, SETTINGS)[0], expected, rtol=1e-6, atol=1e-6)
 
 
 def test_gdpo_hand_computed_example():
@@ -633,8 +632,8 @@ def test_opo_matches_a_loop_over_groups(case):
 def test_opo_with_equal_lengths_and_gpg_with_nonzero_scores_are_drgrpo(name, case):
     # full rows have equal lengths; GPG's α = B/#nonzero is 1 when no score is 0
     assume(name == "opo" or bool((_scores(case) != 0).all()))
-    drgrpo, _ = compute_advantages("drgrpo", case)
-    advantages, _ = compute_advantages(name, case)
+    drgrpo, _ = compute_advantages("drgrpo", case, SETTINGS)
+    advantages, _ = compute_advantages(name, case, SETTINGS)
     singleton = torch.tensor([len(_groups(case.group)[g]) == 1 for g in case.group.tolist()])
     expected = torch.where(singleton[:, None], _tiled(_scores(case), case.mask), drgrpo)
     close(advantages, expected, rtol=1e-9, atol=1e-9)
@@ -671,9 +670,9 @@ def test_gpg_matches_a_loop_over_groups(case):
 
 @given(case=outcome_cases())
 def test_gpg_has_zero_mean_in_groups_of_two_or_more_and_scales_with_the_zero_count(case):
-    advantages, _ = compute_advantages("gpg", case)
+    advantages, _ = compute_advantages("gpg", case, SETTINGS)
     scores = _scores(case)
-    drgrpo, _ = compute_advantages("drgrpo", case)
+    drgrpo, _ = compute_advantages("drgrpo", case, SETTINGS)
     alpha = len(scores) / max(int((scores != 0).sum()), 1)
     for rows in _groups(case.group).values():
         if len(rows) >= 2:
@@ -915,7 +914,7 @@ def test_outputs_are_zero_at_masked_positions_whatever_sits_there(name, case, da
     dirty = _map_fields(
         case, lambda x: torch.where(case.mask, x, next(junk)), set(TOKEN_FIELDS) - {"mask"}
     )
-    config = AdvantageConfig(gamma=0.9, lam=0.8)
+    config = AlgorithmConfig(gamma=0.9, lam=0.8)
     expected = compute_advantages(name, case, config)
     actual = compute_advantages(name, dirty, config)
     for a, e in zip(actual, expected):
@@ -934,7 +933,7 @@ def test_appended_padding_does_not_change_outputs(name, case, pad):
         return torch.cat([x, torch.full((b, pad), fill, dtype=x.dtype)], 1)
 
     longer = _map_fields(case, padded, TOKEN_FIELDS)
-    config = AdvantageConfig(gamma=0.9, lam=0.8)
+    config = AlgorithmConfig(gamma=0.9, lam=0.8)
     for a, e in zip(compute_advantages(name, longer, config), compute_advantages(name, case, config)):
         close(a[:, :t], e)
         assert not a[:, t:].any()
@@ -946,7 +945,7 @@ def test_advantages_are_equivariant_to_row_permutations(name, case, data):
     case = _fit(name, case)
     order = torch.tensor(data.draw(st.permutations(range(case.mask.shape[0]))))
     permuted = _map_fields(case, lambda x: x[order])
-    config = AdvantageConfig(gamma=0.9, lam=0.8)
+    config = AlgorithmConfig(gamma=0.9, lam=0.8)
     for a, e in zip(compute_advantages(name, permuted, config), compute_advantages(name, case, config)):
         close(a, e[order], rtol=1e-7, atol=1e-7)
 
@@ -965,40 +964,35 @@ def test_outputs_are_detached_and_keep_shape_and_dtype(name, dtype):
         leaf(4, 5), mask, leaf(4, 5), torch.tensor([0, 0, 1, 1]), leaf(4), leaf(4, 2),
         probability.log().requires_grad_(), (probability**2).requires_grad_(), leaf(4, 5),
     )
-    for out in compute_advantages(name, inputs, AdvantageConfig(gamma=0.9, lam=0.8)):
+    for out in compute_advantages(name, inputs, AlgorithmConfig(gamma=0.9, lam=0.8)):
         assert not out.requires_grad and out.grad_fn is None
         assert out.shape == (4, 5) and out.dtype == dtype
 
 
 @given(
-    case=cases(), gamma=unit, lam=unit, norm_by_std=st.booleans(), zero_tail=st.booleans(),
-    weights=st.lists(finite_floats(3.0), min_size=3, max_size=3), eps=st.floats(0.0, 0.1),
+    case=cases(), gamma=unit, lam=unit, norm_by_std=st.booleans(),
+    weights=st.lists(finite_floats(3.0), min_size=3, max_size=3),
 )
-def test_registry_entries_pass_the_config_through(
-    case, gamma, lam, norm_by_std, zero_tail, weights, eps
-):
-    config = AdvantageConfig(gamma=gamma, lam=lam, norm_by_std=norm_by_std, eps=eps)
+def test_registry_entries_pass_their_settings_through(case, gamma, lam, norm_by_std, weights):
+    config = AlgorithmConfig(gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_by_std)
     gae = compute_advantages("gae", case, config)
     expected = gae_advantages(case.rewards, case.values, case.mask, gamma, lam)
     assert torch.equal(gae[0], expected[0]) and torch.equal(gae[1], expected[1])
     grpo = compute_advantages("grpo", case, config)
-    expected_grpo = grpo_advantages(case.rewards, case.mask, case.group, norm_by_std, eps)
+    expected_grpo = grpo_advantages(case.rewards, case.mask, case.group, norm_by_std)
     assert torch.equal(grpo[0], expected_grpo[0])
     reinforce = compute_advantages("reinforce_plus_plus", case, config)
     assert torch.equal(reinforce[0], reinforce_plus_plus_advantages(case.rewards, case.mask, gamma)[0])
     paired = _fit("grpo_passk", case).group
     passk = compute_advantages("grpo_passk", replace(case, group=paired), config)[0]
-    expected_passk = grpo_passk_advantages(case.rewards, case.mask, paired, norm_by_std, eps)
+    expected_passk = grpo_passk_advantages(case.rewards, case.mask, paired, norm_by_std)
     assert torch.equal(passk, expected_passk[0])
     k = case.reward_components.shape[1]
-    config = AdvantageConfig(gdpo_weights=weights[:k], eps=eps, handle_zero_tail=zero_tail)
+    config = AlgorithmConfig(gdpo_weights=tuple(weights[:k]))
     gdpo = compute_advantages("gdpo", case, config)[0]
-    expected_gdpo = gdpo_advantages(
-        case.rewards, case.mask, case.group, case.reward_components, weights[:k], eps
-    )
+    expected_gdpo = gdpo_advantages(case.rewards, case.mask, case.group, case.reward_components, weights[:k])
     assert torch.equal(gdpo, expected_gdpo[0])
-    tokens = (case.rewards, case.mask, case.group, case.old_logprobs, case.sum_pi_squared,
-              case.is_weights, zero_tail)
+    tokens = (case.rewards, case.mask, case.group, case.old_logprobs, case.sum_pi_squared, case.is_weights)
     for name, estimator in zip(
         OTB, (optimal_token_baseline_advantages, tir_optimal_token_baseline_advantages)
     ):
@@ -1029,59 +1023,56 @@ def test_a_missing_input_raises_a_value_error_naming_it(name, missing, message):
         group=torch.tensor([0, 0]), reward_baselines=torch.zeros(2),
         old_logprobs=torch.full((2, 3), -0.5), sum_pi_squared=torch.full((2, 3), 0.5),
     )
-    compute_advantages(name, AdvantageInputs(**full))
+    compute_advantages(name, AdvantageInputs(**full), SETTINGS)
     with pytest.raises(ValueError, match=message):
-        compute_advantages(name, AdvantageInputs(**{**full, missing: None}))
+        compute_advantages(name, AdvantageInputs(**{**full, missing: None}), SETTINGS)
 
 
 def test_bad_shapes_dtypes_names_and_configs_are_reported():
     rewards, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"values has shape \(2, 4\) but rewards has shape \(2, 3\)"):
-        compute_advantages("gae", AdvantageInputs(rewards, mask, values=torch.zeros(2, 4)))
+        compute_advantages("gae", AdvantageInputs(rewards, mask, values=torch.zeros(2, 4)), SETTINGS)
     with pytest.raises(ValueError, match=r"group has shape \(3,\)"):
-        compute_advantages("grpo", AdvantageInputs(rewards, mask, group=torch.tensor([0, 0, 1])))
+        compute_advantages("grpo", AdvantageInputs(rewards, mask, group=torch.tensor([0, 0, 1])), SETTINGS)
     with pytest.raises(ValueError, match=r"reward_baselines has shape \(2, 1\)"):
-        compute_advantages("remax", AdvantageInputs(rewards, mask, reward_baselines=torch.zeros(2, 1)))
+        compute_advantages("remax", AdvantageInputs(rewards, mask, reward_baselines=torch.zeros(2, 1)), SETTINGS)
     with pytest.raises(TypeError, match="group must be an integer tensor"):
-        compute_advantages("grpo", AdvantageInputs(rewards, mask, group=torch.tensor([0.0, 1.0])))
+        compute_advantages("grpo", AdvantageInputs(rewards, mask, group=torch.tensor([0.0, 1.0])), SETTINGS)
     with pytest.raises(TypeError, match="mask must be a bool mask"):
-        compute_advantages("grpo", AdvantageInputs(rewards, mask.float(), group=torch.tensor([0, 1])))
+        compute_advantages("grpo", AdvantageInputs(rewards, mask.float(), group=torch.tensor([0, 1])), SETTINGS)
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
-        compute_advantages("ppo", AdvantageInputs(rewards, mask))
+        compute_advantages("ppo", AdvantageInputs(rewards, mask), SETTINGS)
     with pytest.raises(ValueError, match="gamma must be in"):
-        AdvantageConfig(gamma=1.5)
-    with pytest.raises(ValueError, match="eps must be >= 0"):
-        AdvantageConfig(eps=-1e-6)
+        AlgorithmConfig(gamma=1.5)
     group = torch.tensor([0, 0])
     with pytest.raises(ValueError, match=r"old_logprobs has shape \(2, 2\) but rewards has shape"):
         compute_advantages("optimal_token_baseline", AdvantageInputs(
             rewards, mask, group=group, old_logprobs=torch.zeros(2, 2), sum_pi_squared=rewards,
-        ))
+        ), SETTINGS)
     with pytest.raises(TypeError, match="sum_pi_squared must be a floating tensor"):
         compute_advantages("tir_optimal_token_baseline", AdvantageInputs(
             rewards, mask, group=group, old_logprobs=rewards, sum_pi_squared=mask,
-        ))
+        ), SETTINGS)
     with pytest.raises(TypeError, match="is_weights must be a floating tensor"):
         compute_advantages("optimal_token_baseline", AdvantageInputs(
             rewards, mask, group=group, old_logprobs=rewards, sum_pi_squared=rewards,
             is_weights=torch.ones(2, 3, dtype=torch.int64),
-        ))
+        ), SETTINGS)
     for components in (torch.zeros(3, 2), torch.zeros(2)):
         with pytest.raises(ValueError, match=r"reward_components has shape .* expected \(2, k\)"):
             compute_advantages("gdpo", AdvantageInputs(
                 rewards, mask, group=group, reward_components=components
-            ))
+            ), SETTINGS)
     with pytest.raises(TypeError, match="reward_components must be a floating tensor"):
         compute_advantages("gdpo", AdvantageInputs(
             rewards, mask, group=group, reward_components=torch.zeros(2, 2, dtype=torch.int64)
-        ))
+        ), SETTINGS)
     with pytest.raises(ValueError, match="2 weights for 3 reward components"):
         three = AdvantageInputs(rewards, mask, group=group, reward_components=torch.zeros(2, 3))
-        compute_advantages("gdpo", three, AdvantageConfig(gdpo_weights=(1.0, 2.0)))
+        compute_advantages("gdpo", three, AlgorithmConfig(gdpo_weights=(1.0, 2.0)))
     with pytest.raises(ValueError, match="2 weights for 1 reward components"):
         compute_advantages("gdpo", AdvantageInputs(rewards, mask, group=group),
-                           AdvantageConfig(gdpo_weights=[1.0, 2.0]))
+                           AlgorithmConfig(gdpo_weights=(1.0, 2.0)))
     for weights in ((), (1.0, math.nan), (math.inf,)):
         with pytest.raises(ValueError, match="gdpo_weights must be finite and non-empty"):
-            AdvantageConfig(gdpo_weights=weights)
-    assert AdvantageConfig(gdpo_weights=[1, 2]).gdpo_weights == (1.0, 2.0)
+            AlgorithmConfig(gdpo_weights=weights)

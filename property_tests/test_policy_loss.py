@@ -13,18 +13,23 @@ from hypothesis.extra.numpy import arrays
 
 from property_tests.strategies import finite_floats, token_batches
 from purerl.algo.aggregation import LOSS_AGGREGATIONS, loss_denominator
-from purerl.algo.policy_loss import (
-    POLICY_LOSSES,
-    PolicyLossConfig,
-    PolicyLossOutput,
-    gspo_loss,
-    loss_aggregation,
-    ppo_clip_loss,
-    vanishes_at_zero_advantage,
-)
+from purerl.algo.policy_loss import POLICY_LOSSES, PolicyLossOutput, gspo_loss, ppo_clip_loss
+from purerl.config.job import ActorConfig, LossOptions
 from purerl.tree import assert_trees_close, tree_equal, tree_leaves
 
 MODES = LOSS_AGGREGATIONS.names()
+
+
+@attrs.frozen
+class PolicyLossConfig(LossOptions):
+    """Every policy loss's settings in one flat record (as the actor section and its loss options
+    give them to a loss), with verl's defaults; each loss reads only its own."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float | None = 3.0
+    loss_agg: str = "token-mean"
+    loss_norm: float | None = None
 clip_ranges = st.floats(0.01, 0.5)
 clip_cs = st.floats(1.01, 10.0)
 
@@ -35,8 +40,10 @@ def _like(draw, x: torch.Tensor, bound: float) -> torch.Tensor:
 
 
 def _per_token_loss(logp, old, adv, **kwargs) -> torch.Tensor:
-    """The per-token PPO loss of each entry of 1-d tensors, each evaluated as a 1×1 batch."""
+    """The per-token PPO loss of each entry of 1-d tensors, each evaluated as a 1×1 batch (clip
+    ranges 0.2 unless given)."""
     one = torch.ones(1, 1, dtype=torch.bool)
+    kwargs = {"clip_low": 0.2, "clip_high": 0.2, **kwargs}
     losses = [
         ppo_clip_loss(lp.view(1, 1), o.view(1, 1), a.view(1, 1), one, **kwargs).loss.total
         for lp, o, a in zip(logp, old, adv)
@@ -63,7 +70,7 @@ def test_ppo_clip_fraction_is_zero_when_every_ratio_is_inside_the_smaller_clip_r
     eps = 0.99 * min(clip_low, clip_high)
     ratio = 1 + _like(data.draw, adv, 1.0) * eps
     old = _like(data.draw, adv, 5.0)
-    out = ppo_clip_loss(old + ratio.log(), old, adv, mask, clip_low=clip_low, clip_high=clip_high)
+    out = ppo_clip_loss(old + ratio.log(), old, adv, mask, clip_low=clip_low, clip_high=clip_high, clip_c=3.0)
     assert out.clipfrac.total.item() == 0.0
     assert out.clipfrac_lower.total.item() == 0.0
     assert out.clipfrac.count.item() == mask.sum().item()
@@ -122,7 +129,7 @@ def test_clip_higher_ranges_are_independent():
     def grad_at(ratio, a):
         logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
         adv = torch.tensor([[a]], dtype=torch.float64)
-        out = ppo_clip_loss(logp, torch.zeros_like(adv), adv, one, clip_low=0.1, clip_high=0.3)
+        out = ppo_clip_loss(logp, torch.zeros_like(adv), adv, one, clip_low=0.1, clip_high=0.3, clip_c=3.0)
         return torch.autograd.grad(out.loss.value(), logp)[0].item()
 
     torch.testing.assert_close(grad_at(1.2, 1.0), -1.2)
@@ -150,7 +157,8 @@ def test_policy_loss_and_its_gradient_are_invariant_to_appended_padding(loss_fn,
 
     def run(lp, o, a, m, w):
         leaf = lp.clone().requires_grad_()
-        out = loss_fn(leaf, o, a, m, agg=mode, norm=5.0, is_weights=w)
+        clips = dict(clip_low=0.2, clip_high=0.2, **({"clip_c": 3.0} if loss_fn is ppo_clip_loss else {}))
+        out = loss_fn(leaf, o, a, m, agg=mode, norm=5.0, is_weights=w, **clips)
         (grad,) = torch.autograd.grad(out.loss.total, leaf)
         return out, grad
 
@@ -168,7 +176,7 @@ def test_policy_loss_and_its_gradient_are_invariant_to_appended_padding(loss_fn,
 def test_policy_loss_of_micro_batches_adds_up_to_the_whole_batch(loss_name, mode, batch, data):
     adv, mask = batch.values, batch.mask
     logp, old = _like(data.draw, adv, 1.0), _like(data.draw, adv, 1.0)
-    config = PolicyLossConfig(clip_low=0.2, clip_high=0.28, clip_c=3.0, agg=mode, norm=4.0)
+    config = PolicyLossConfig(clip_low=0.2, clip_high=0.28, clip_c=3.0, loss_agg=mode, loss_norm=4.0)
     loss_fn = POLICY_LOSSES[loss_name]
     cut = data.draw(st.integers(1, adv.shape[0] - 1))
     first = loss_fn(logp[:cut], old[:cut], adv[:cut], mask[:cut], config)
@@ -182,7 +190,7 @@ def test_policy_loss_of_micro_batches_adds_up_to_the_whole_batch(loss_name, mode
 def test_metrics_are_fractions_and_detached(batch, data):
     adv, mask = batch.values, batch.mask
     logp = _like(data.draw, adv, 2.0).requires_grad_()
-    out = ppo_clip_loss(logp, _like(data.draw, adv, 2.0), adv, mask, clip_high=0.28)
+    out = ppo_clip_loss(logp, _like(data.draw, adv, 2.0), adv, mask, clip_high=0.28, clip_low=0.2, clip_c=3.0)
     for metric in (out.clipfrac, out.clipfrac_lower):
         assert 0.0 <= metric.value().item() <= 1.0
     assert out.loss.total.requires_grad
@@ -194,10 +202,10 @@ def test_is_weights_multiply_the_per_token_loss_after_clipping(batch, data, c):
     adv, mask = batch.values, batch.mask
     logp, old = _like(data.draw, adv, 2.0), _like(data.draw, adv, 2.0)
     weights = _like(data.draw, adv, 3.0).abs()
-    out = ppo_clip_loss(logp, old, adv, mask, clip_c=c, is_weights=weights)
+    out = ppo_clip_loss(logp, old, adv, mask, clip_c=c, is_weights=weights, clip_low=0.2, clip_high=0.2)
     per_token = _per_token_loss(logp[mask], old[mask], adv[mask], clip_c=c)
     torch.testing.assert_close(out.loss.total, (weights[mask] * per_token).sum(), rtol=1e-10, atol=1e-10)
-    plain = ppo_clip_loss(logp, old, adv, mask, clip_c=c)
+    plain = ppo_clip_loss(logp, old, adv, mask, clip_c=c, clip_low=0.2, clip_high=0.2)
     assert_trees_close(out.clipfrac, plain.clipfrac)  # metrics ignore the weights, as in verl
 
 
@@ -233,7 +241,7 @@ def test_gspo_uses_the_mean_log_ratio_of_the_row_for_every_token():
     old = torch.tensor([[-0.1, 0.1, 0.0]], dtype=torch.float64)  # log-ratios 0.1, −0.1; third masked
     adv = torch.tensor([[1.0, -1.0, 7.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True, False]])
-    out = gspo_loss(logp, old, adv, mask)
+    out = gspo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
     # ℓ = 0, s = 1 for both tokens: losses −1 and +1, nothing clipped
     assert out.loss.total.item() == 0.0 and out.loss.count.item() == 2.0
     assert out.clipfrac.total.item() == 0.0
@@ -246,12 +254,12 @@ def test_ppo_clip_loss_matches_hand_computed_numbers():
     ratio = torch.tensor([[1.5, 0.5, 1.0, 4.0, 9.0]], dtype=torch.float64)
     adv = torch.tensor([[1.0, -1.0, 2.0, -1.0, 5.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True, True, True, False]])
-    out = ppo_clip_loss(ratio.log(), torch.zeros_like(adv), adv, mask)
+    out = ppo_clip_loss(ratio.log(), torch.zeros_like(adv), adv, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0)
     torch.testing.assert_close(out.loss.value(), torch.tensor(0.15, dtype=torch.float64))
     torch.testing.assert_close(out.clipfrac.value(), torch.tensor(0.5, dtype=torch.float64))
     torch.testing.assert_close(out.clipfrac_lower.value(), torch.tensor(0.25, dtype=torch.float64))
     torch.testing.assert_close(out.ppo_kl.value(), torch.tensor(-math.log(3.0) / 4, dtype=torch.float64))
-    seq = ppo_clip_loss(ratio.log(), torch.zeros_like(adv), adv, mask, agg="seq-mean-token-sum")
+    seq = ppo_clip_loss(ratio.log(), torch.zeros_like(adv), adv, mask, agg="seq-mean-token-sum", clip_low=0.2, clip_high=0.2, clip_c=3.0)
     torch.testing.assert_close(seq.loss.value(), torch.tensor(0.6, dtype=torch.float64))
 
 
@@ -259,7 +267,7 @@ def test_ppo_log_ratio_is_clamped_at_twenty():
     one = torch.ones(1, 1, dtype=torch.bool)
     adv = torch.tensor([[-1.0]], dtype=torch.float64)
     out = ppo_clip_loss(torch.tensor([[50.0]], dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64), adv,
-                        one, clip_c=None)
+                        one, clip_c=None, clip_low=0.2, clip_high=0.2)
     torch.testing.assert_close(out.loss.total, torch.tensor(math.exp(20.0), dtype=torch.float64))
     torch.testing.assert_close(out.ppo_kl.total, torch.tensor(-20.0, dtype=torch.float64))
 
@@ -270,7 +278,7 @@ def test_registry_names_and_config_dispatch():
     g = torch.Generator().manual_seed(0)
     logp, old, adv = (torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.rand(3, 4, generator=g) > 0.3
-    config = PolicyLossConfig(clip_low=0.1, clip_high=0.3, clip_c=2.0, agg="seq-mean-token-mean", norm=None)
+    config = PolicyLossConfig(clip_low=0.1, clip_high=0.3, clip_c=2.0, loss_agg="seq-mean-token-mean", loss_norm=None)
     via_registry = POLICY_LOSSES["vanilla"](logp, old, adv, mask, config)
     kwargs = dict(clip_low=0.1, clip_high=0.3, agg="seq-mean-token-mean")
     direct = ppo_clip_loss(logp, old, adv, mask, clip_c=2.0, **kwargs)
@@ -291,19 +299,21 @@ def test_invalid_settings_and_shapes_raise_named_errors():
     x = torch.zeros(2, 3, dtype=torch.float64)
     mask = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="clip_c"):
-        ppo_clip_loss(x, x, x, mask, clip_c=1.0)
+        ppo_clip_loss(x, x, x, mask, clip_c=1.0, clip_low=0.2, clip_high=0.2)
     with pytest.raises(ValueError, match="clip ranges"):
-        gspo_loss(x, x, x, mask, clip_low=-0.1)
+        gspo_loss(x, x, x, mask, clip_low=-0.1, clip_high=0.2)
     with pytest.raises(ValueError, match="clip_c"):
-        PolicyLossConfig(clip_c=0.5)
-    with pytest.raises(ValueError, match="unknown loss aggregation mode"):
-        PolicyLossConfig(agg="token_mean")
+        ActorConfig(clip_c=0.5)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'token_mean'"):
+        ActorConfig(loss_agg="token_mean")
     with pytest.raises(ValueError, match="old_logp has shape"):
-        _unchecked(ppo_clip_loss)(x, torch.zeros(2, 4, dtype=torch.float64), x, mask)
+        _unchecked(ppo_clip_loss)(x, torch.zeros(2, 4, dtype=torch.float64), x, mask, clip_low=0.2, clip_high=0.2,
+                                  clip_c=3.0)
     with pytest.raises(ValueError, match="is_weights has shape"):
-        _unchecked(gspo_loss)(x, x, x, mask, is_weights=torch.ones(3, 3, dtype=torch.float64))
+        _unchecked(gspo_loss)(x, x, x, mask, is_weights=torch.ones(3, 3, dtype=torch.float64), clip_low=0.2,
+                              clip_high=0.2)
     with pytest.raises(TypeError, match="mask must be a bool mask"):
-        _unchecked(ppo_clip_loss)(x, x, x, mask.int())
+        _unchecked(ppo_clip_loss)(x, x, x, mask.int(), clip_low=0.2, clip_high=0.2, clip_c=3.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +332,7 @@ def loss_configs(draw, agg=None, batch_normalize=None):
     low = draw(st.one_of(st.none(), st.floats(0.0, 1.0)))
     return PolicyLossConfig(
         clip_low=draw(clip_ranges), clip_high=draw(clip_ranges), clip_c=draw(st.one_of(st.none(), clip_cs)),
-        agg=draw(st.sampled_from(MODES)) if agg is None else agg, norm=draw(st.sampled_from([None, 5.0])),
+        loss_agg=draw(st.sampled_from(MODES)) if agg is None else agg, loss_norm=draw(st.sampled_from([None, 5.0])),
         tau_pos=draw(st.floats(0.1, 3.0)), tau_neg=draw(st.floats(0.1, 3.0)),
         clip_cov_ratio=draw(st.sampled_from([1e-4, 0.1, 0.5, 1.0])), clip_cov_lb=lb,
         clip_cov_ub=lb + draw(st.floats(0.5, 10.0)), kl_cov_ratio=draw(st.sampled_from([1e-4, 0.3, 1.0])),
@@ -394,7 +404,7 @@ def test_losses_of_micro_batches_add_up_to_the_whole_batch(name, inputs, config,
 def test_loss_aggregation_names_the_denominator_of_every_loss(name, inputs, config):
     logp, old, adv, mask, weights = inputs
     out, _ = _run(name, logp, old, adv, mask, config, weights)
-    mode = loss_aggregation(name, config.agg)
+    mode = POLICY_LOSSES[name].aggregation_of(config.loss_agg)
     denominator = loss_denominator(mask, mode).to(out.loss.total.dtype)
     # what purerl.step._update backpropagates for the whole mini-batch
     torch.testing.assert_close(out.loss.total / denominator.clamp_min(1), out.loss.value(), rtol=1e-12, atol=0.0)
@@ -406,23 +416,20 @@ def test_loss_aggregation_names_the_denominator_of_every_loss(name, inputs, conf
 
 def test_loss_aggregation_overrides_only_where_verl_ignores_loss_agg_mode():
     for mode in MODES:
-        assert loss_aggregation("sapo", mode) == "seq-mean-token-mean"
-        assert loss_aggregation("geo_mean", mode) == "row-mean"
+        assert POLICY_LOSSES["sapo"].aggregation_of(mode) == "seq-mean-token-mean"
+        assert POLICY_LOSSES["geo_mean"].aggregation_of(mode) == "row-mean"
         for name in ("vanilla", "ppo", "gspo", "gpg", "reinforce", "cispo", "clip_cov", "kl_cov", "dppo_tv",
                      "dppo_kl", "dro", "bypass_mode"):
-            assert loss_aggregation(name, mode) == mode
+            assert POLICY_LOSSES[name].aggregation_of(mode) == mode
     with pytest.raises(ValueError, match="unknown policy loss"):
-        loss_aggregation("ppo2", "token-mean")
-    with pytest.raises(ValueError, match="unknown loss aggregation mode"):
-        loss_aggregation("vanilla", "token_mean")
+        POLICY_LOSSES["ppo2"]
 
 
 @pytest.mark.parametrize("name", ALL_LOSSES)
 @given(inputs=loss_inputs(min_rows=2), config=loss_configs(), data=st.data())
 def test_vanishes_at_zero_advantage_is_honest(name, inputs, config, data):
     """Where it says True, leaving the zero-advantage rows out changes neither total nor gradient."""
-    assert not vanishes_at_zero_advantage(name) or vanishes_at_zero_advantage(name, config)
-    if not vanishes_at_zero_advantage(name, config):
+    if not POLICY_LOSSES[name].vanishes_at_zero_advantage(config):
         return
     logp, old, adv, mask, weights = inputs
     b = adv.shape[0]
@@ -461,18 +468,17 @@ def test_the_losses_said_not_to_vanish_really_depend_on_zero_advantage_rows():
     config = PolicyLossConfig(clip_cov_lb=0.5, clip_cov_ub=5.0, clip_cov_ratio=1.0)
     assert _zero_row_changes_the_loss("clip_cov", logp, logp, adv, mask, config)
     for name in ("dro", "kl_cov", "clip_cov"):
-        assert not vanishes_at_zero_advantage(name, config)
+        assert not POLICY_LOSSES[name].vanishes_at_zero_advantage(config)
     # bypass_mode: batch-normalised REINFORCE weights are a mean over the zero row too
     normalise = PolicyLossConfig(bypass_loss_type="reinforce", bypass_batch_normalize=True)
     old = torch.tensor([[-2.0, -2.5], [-1.0, -1.0]], **d)
     adv = torch.tensor([[0.0, 0.0], [1.0, -2.0]], **d)
     assert _zero_row_changes_the_loss("bypass_mode", torch.tensor([[-1.0, -1.0], [-1.0, -1.5]], **d), old, adv,
                                       mask, normalise)
-    assert not vanishes_at_zero_advantage("bypass_mode", normalise)
-    assert not vanishes_at_zero_advantage("bypass_mode")  # unknown settings: the safe answer
-    assert vanishes_at_zero_advantage("bypass_mode", PolicyLossConfig())
+    assert not POLICY_LOSSES["bypass_mode"].vanishes_at_zero_advantage(normalise)
+    assert POLICY_LOSSES["bypass_mode"].vanishes_at_zero_advantage(PolicyLossConfig())
     with pytest.raises(ValueError, match="unknown policy loss"):
-        vanishes_at_zero_advantage("ppo2")
+        POLICY_LOSSES["ppo2"]
 
 
 @given(inputs=loss_inputs(nonempty=True), config=loss_configs(agg="token-mean"))
@@ -517,7 +523,7 @@ def test_sapo_at_ratio_one_has_the_vanilla_gradient_and_value_two_over_tau(input
     logp, _, adv, mask, _ = inputs
     out, grad = _run("sapo", logp, logp, adv, mask, config)
     tau = torch.where(adv > 0, torch.full_like(adv, config.tau_pos), torch.full_like(adv, config.tau_neg))
-    lengths = mask.sum(-1, keepdim=True).double() + 1e-8  # seq-mean-token-mean, whatever config.agg
+    lengths = mask.sum(-1, keepdim=True).double() + 1e-8  # seq-mean-token-mean, whatever config.loss_agg
     torch.testing.assert_close(grad, torch.where(mask, -adv / lengths, torch.zeros_like(adv)), rtol=1e-12,
                                atol=1e-12)
     per_row = torch.where(mask, -2 * adv / tau, torch.zeros_like(adv)).sum(-1, keepdim=True) / lengths
@@ -557,7 +563,7 @@ def test_dppo_drops_tokens_whose_probability_moved_beyond_the_threshold():
     # probabilities 0.5 → 0.8 (up 0.3) and 0.5 → 0.45 (down 0.05); thresholds 0.2 / 0.1
     logp = torch.tensor([[math.log(0.8), math.log(0.45)]], dtype=torch.float64)
     old = torch.full((1, 2), math.log(0.5), dtype=torch.float64)
-    config = PolicyLossConfig(clip_low=0.1, clip_high=0.2, agg="token-sum")
+    config = PolicyLossConfig(clip_low=0.1, clip_high=0.2, loss_agg="token-sum")
     for adv, expect_valid in (([1.0, 1.0], [0.0, 1.0]), ([-1.0, -1.0], [1.0, 1.0])):
         a = torch.tensor([adv], dtype=torch.float64)
         out, grad = _run("dppo_tv", logp, old, a, one, config)
@@ -621,7 +627,7 @@ def test_clip_cov_detaches_k_random_candidates_reproducibly(inputs, config, seed
     assert out.clipfrac.total.item() == k
     # detached tokens have zero gradient; the others have PPO's (no dual clip)
     ppo = ppo_clip_loss(logp, old, adv, mask, clip_low=config.clip_low, clip_high=config.clip_high, clip_c=None,
-                        agg=config.agg, norm=config.norm, is_weights=weights)
+                        agg=config.loss_agg, norm=config.loss_norm, is_weights=weights)
     if k == 0:
         torch.testing.assert_close(out.loss.total, ppo.loss.total, rtol=1e-12, atol=1e-12)
 
@@ -633,7 +639,7 @@ def test_clip_cov_without_candidates_is_ppo_without_dual_clip(inputs, config):
     out, grad = _run("clip_cov", logp, old, adv, mask, config, weights)
     leaf = logp.clone().requires_grad_()
     ppo = ppo_clip_loss(leaf, old, adv, mask, clip_low=config.clip_low, clip_high=config.clip_high, clip_c=None,
-                        agg=config.agg, norm=config.norm, is_weights=weights)
+                        agg=config.loss_agg, norm=config.loss_norm, is_weights=weights)
     (grad_ppo,) = torch.autograd.grad(ppo.loss.total, leaf, allow_unused=True)
     assert_trees_close(out.loss, ppo.loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, torch.zeros_like(grad) if grad_ppo is None else grad_ppo, rtol=1e-12,
@@ -664,7 +670,7 @@ def test_geo_mean_matches_a_row_by_row_reference_and_counts_every_row(inputs, co
     out, _ = _run("geo_mean", logp, old, adv, mask, config)
     expected = _geo_mean_reference(logp, old, adv, mask, config.clip_low, config.clip_high)
     torch.testing.assert_close(out.loss.value().item(), expected, rtol=1e-9, atol=1e-12)
-    assert out.loss.count.item() == adv.shape[0]  # empty rows included, whatever config.agg
+    assert out.loss.count.item() == adv.shape[0]  # empty rows included, whatever config.loss_agg
 
 
 @given(inputs=loss_inputs(), config=loss_configs(), low=st.one_of(st.none(), st.just(0.0)))
@@ -711,7 +717,7 @@ def test_bypass_rejects_tokens_outside_the_bounds_but_keeps_them_in_the_count(in
     ratio = torch.exp(torch.where(mask, logp - old, torch.zeros_like(adv)))
     rejected = mask & ((ratio < 0.75) | (ratio > 1.5))
     assert bool((grad[rejected] == 0).all())
-    assert out.loss.count.item() == loss_denominator(mask, config.agg).item() or config.agg == "token-sum"
+    assert out.loss.count.item() == loss_denominator(mask, config.loss_agg).item() or config.loss_agg == "token-sum"
     kept = mask & ~rejected
     inner = "vanilla" if loss_type == "ppo_clip" else "reinforce"
     weights = None if loss_type == "ppo_clip" else ratio
@@ -744,8 +750,8 @@ def test_every_loss_takes_a_generator_and_vanilla_and_gspo_ignore_it(name):
         assert tree_equal(out, POLICY_LOSSES[name](logp, old, adv, mask, config))
 
 
-def test_new_config_fields_have_verl_defaults_and_named_validation_errors():
-    c = PolicyLossConfig()
+def test_the_loss_options_have_verl_defaults_and_named_validation_errors():
+    c = LossOptions()
     assert (c.tau_pos, c.tau_neg, c.clip_cov_ratio, c.clip_cov_lb, c.clip_cov_ub) == (1.0, 1.05, 2e-4, 1.0, 5.0)
     assert (c.kl_cov_ratio, c.ppo_kl_coef, c.dro_beta) == (2e-4, 0.1, None)
     assert (c.bypass_loss_type, c.bypass_level, c.bypass_threshold) == ("ppo_clip", "token", 2.0)
@@ -755,9 +761,9 @@ def test_new_config_fields_have_verl_defaults_and_named_validation_errors():
                bypass_threshold_low=3.0, bypass_batch_normalize="yes")
     for field, value in bad.items():
         with pytest.raises(ValueError, match=field):
-            PolicyLossConfig(**{field: value})
+            LossOptions(**{field: value})
     with pytest.raises(ValueError, match="clip_cov_lb must be <= clip_cov_ub"):
-        PolicyLossConfig(clip_cov_lb=6.0)
+        LossOptions(clip_cov_lb=6.0)
     x = torch.zeros(1, 1, dtype=torch.float64)
     with pytest.raises(ValueError, match="dro_beta"):
         POLICY_LOSSES["dro"](x, x, x, torch.ones(1, 1, dtype=torch.bool), PolicyLossConfig())

@@ -2,11 +2,17 @@
 
 jaxtyping checks every annotated call under pytest only; these checks run always, are cheap
 (shape and dtype comparisons, no data reads unless asked) and name the offending argument.
+The attrs validators (:func:`at_least`, :func:`positive`, :func:`in_range`) check settings as
+frozen config classes are built, naming the field.
 """
 
+from typing import Any
+
+import attrs
 import torch
 
-__all__ = ["check_same_shape", "check_floating", "check_bool", "check_rank"]
+__all__ = ["SettingError", "at_least", "check_bool", "check_floating", "check_rank", "check_same_shape", "in_range",
+           "positive"]
 
 
 def _shape(x: torch.Tensor) -> tuple[int, ...]:
@@ -46,3 +52,32 @@ def check_bool(where: str, **tensors: torch.Tensor | None) -> None:
         if value is not None and value.dtype != torch.bool:
             raise TypeError(f"{where}: {name} must be a bool mask, got {value.dtype}")
 
+
+class SettingError(ValueError):
+    """A setting outside its range; the message starts with the setting's name."""
+
+
+def at_least(low: float | int) -> Any:
+    """An attrs validator: the value (when not None) is ``≥ low``."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and not value >= low:
+            raise SettingError(f"{attribute.name} must be ≥ {low}, got {value}")
+
+    return check
+
+
+def positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """An attrs validator: the value (when not None) is ``> 0``."""
+    if value is not None and not value > 0:
+        raise SettingError(f"{attribute.name} must be > 0, got {value}")
+
+
+def in_range(low: float | int, high: float | int, *, open_low: bool = False) -> Any:
+    """An attrs validator: the value is in ``[low, high]`` (``(low, high]`` with ``open_low``)."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not ((low < value) if open_low else (low <= value)) or not value <= high:
+            raise SettingError(f"{attribute.name} must be in {'(' if open_low else '['}{low}, {high}], got {value}")
+
+    return check

@@ -13,8 +13,8 @@ from purerl.io.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from purerl.io.export import export_hf
 from purerl.models import causal_lm_from_config, response_logits
+from purerl.models.hf import export_hf
 from purerl.state import RngState, TrainState
 from purerl.tiny import random_sequences, tiny_llama_config
 from purerl.tree import pytree, tree_equal, tree_map

@@ -28,11 +28,11 @@ def test_engines_are_made_by_name_and_follow_the_protocol():
     engine = make_engine("torch", model, eos_token_ids=[1], pad_token_id=0)
     assert isinstance(engine, TorchEngine) and isinstance(engine, RolloutEngine)
     engine.sync(params, 3)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=2), RngState(0), version=3)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=2, temperature=1.0), RngState(0), version=3)
     assert isinstance(rollout, Rollout) and rollout.version == 3 and rollout.group.tolist() == [0, 0, 1, 1]
     engine.close()
     with pytest.raises(RuntimeError, match="sync"):
-        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), RngState(0))
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=1.0, n=1), RngState(0))
     with pytest.raises(ValueError, match="known: torch"):
         make_engine("no-such-engine", model)
 
@@ -53,7 +53,7 @@ def test_a_model_no_family_supports_runs_its_module_everywhere(caplog):
     engine = make_engine("torch", model, eos_token_ids=[1], pad_token_id=0)
     assert not engine.lean
     engine.sync(params, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=3), RngState(1), version=0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=3, temperature=1.0), RngState(1), version=0)
     mask = rollout.sequences.response_mask
     trainer = response_logprobs(model, params, rollout.sequences)
     torch.testing.assert_close(trainer[mask], rollout.behaviour_logprobs[mask], rtol=0, atol=1e-5)

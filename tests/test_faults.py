@@ -18,6 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.jobs import parse
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "grpo_math.py"
 TINY = ["--tiny", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
@@ -86,24 +88,22 @@ def test_resume_refuses_changed_settings_naming_them(finished_run):
 def test_the_export_loads_with_from_pretrained_and_answers_like_the_final_checkpoint(finished_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from grpo_math import load_policy, parse_args
-
     from purerl.rollout.backends.torch import TorchEngine
     from purerl.rollout.sampling import SamplingParams
+    from purerl.run import load_policy
     from purerl.state import RngState
 
     summary = json.loads((finished_run / "summary.json").read_text())
     assert summary["export"] == str(finished_run / "export") and summary["steps"] == 4
     hf = AutoModelForCausalLM.from_pretrained(finished_run / "export")
     tokenizer = AutoTokenizer.from_pretrained(finished_run / "export")
-    model, _, _ = load_policy(parse_args(["--tiny"]))
+    model, _, _ = load_policy(parse(["--tiny"]).config)
     final = load_file(finished_run / "checkpoints" / "step_00000004" / "tensors.safetensors")
     params = {k[len(".policy['"):-2]: v for k, v in final.items() if k.startswith(".policy[")}
     engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     engine.sync(params, 4)
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("user: 2+3?\nassistant: ", "7 - 4 = ")]
-    ours = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0), RngState(0))
+    ours = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, n=1), RngState(0))
     assert ours.sequences.response_mask.sum() >= 8  # something to compare
     for row, prompt in enumerate(prompts):
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
@@ -184,14 +184,13 @@ def test_unreadable_data_is_one_line_naming_file_and_row(tmp_path):
 
 
 def test_data_without_eval_data_holds_rows_out_of_training(tmp_path):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from grpo_math import load_task_records, parse_args
+    from purerl.run import load_records_of
 
     rows = [{"prompt": [{"role": "user", "content": f"{i}+1?"}], "reward_model": {"ground_truth": str(i + 1)}}
             for i in range(20)]
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(map(json.dumps, rows)))
-    train, held_out, counts = load_task_records(parse_args(["--data", str(data), "--eval-size", "5"]).config)
+    train, held_out, counts = load_records_of(parse(["--data", str(data), "--eval-size", "5"]).config)
     assert len(train) == 15 and len(held_out) == 5 and counts == {"eval_rows_held_out_of_data": 5}
     assert not {r.ground_truth for r in train} & {r.ground_truth for r in held_out}
 
@@ -220,12 +219,9 @@ def test_data_without_eval_data_holds_rows_out_of_training(tmp_path):
     (["actor.policy_loss=dro"], "actor.policy_loss=dro needs actor.loss_options.dro_beta"),
 ])
 def test_bad_settings_are_refused_in_one_line_before_anything_loads(argv, message, capsys, monkeypatch):
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from grpo_math import parse_args
-
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(argv)
+        parse(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("grpo_math: error: ") and message in err[0], err
@@ -241,39 +237,38 @@ def reward_that_spins_on_odd_lengths(response: str, truth: str) -> float:
 
 
 def test_a_reward_spinning_forever_costs_samples_their_timeout_and_the_run_finishes(tmp_path):
-    import functools
-
-    from purerl.algo.kl_control import make_kl_controller
-    from purerl.data.cursor import DataCursor
+    from purerl.config.job import JobConfig
+    from purerl.config.loading import build
     from purerl.data.records import PromptRecord
-    from purerl.driver import RunConfig, Task, evaluate, train
     from purerl.executors.local import LocalExecutor
     from purerl.io.metrics import MetricsLog
+    from purerl.loop.evaluation import evaluate
+    from purerl.loop.sampling import Task
+    from purerl.loop.train import train
     from purerl.models import causal_lm_from_config
-    from purerl.optim import adamw
     from purerl.rollout.backends.torch import TorchEngine
-    from purerl.rollout.sampling import SamplingParams
-    from purerl.state import RngState, TrainState
-    from purerl.step import StepConfig, grpo_step
+    from purerl.run import initial_state
+    from purerl.step import step_function
     from purerl.tiny import tiny_llama_config
 
+    config = build(JobConfig, {"trainer": {"steps": 2, "eval_every": 2, "progress": False},
+                               "data": {"prompts_per_step": 2},
+                               "rollout": {"max_new_tokens": 5, "n": 4, "temperature": 1.0},
+                               "reward": {"timeout": 0.5, "penalty": -1.0}})
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
-    optimizer, kl = adamw(1e-3), make_kl_controller("fixed")
-    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=StepConfig())
     task = Task([[5 + i, 6, 7] for i in range(6)], [PromptRecord(({"role": "user", "content": "q"},), "0")] * 6,
-                reward_that_spins_on_odd_lengths)
-    executor = LocalExecutor(step_fn, model, TorchEngine(model, eos_token_ids=[1], pad_token_id=0))
-    decode = lambda ids: "x" * len(ids)  # noqa: E731 - response length = token count
-    evaluate_fn = functools.partial(evaluate, engine=executor.engine, task=task, decode=decode, max_new_tokens=5,
-                                    reward_timeout=0.5)
-    run = RunConfig(steps=2, prompts_per_step=2, sampling=SamplingParams(max_new_tokens=5, n=4), eval_every=2,
-                    reward_timeout=0.5, reward_penalty=-1.0)
-    state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
-                       data=DataCursor(0))
+                reward_that_spins_on_odd_lengths, lambda ids: "x" * len(ids))  # response length = token count
+    executor = LocalExecutor(step_function(config), model, TorchEngine(model, eos_token_ids=[1], pad_token_id=0))
+
+    def evaluate_fn(state):
+        with executor.engine(executor.newest(state.step), "evaluate") as engine:
+            return evaluate(engine, task, version=state.step, max_new_tokens=5, reward_timeout=0.5)
+
+    state = executor.start(initial_state(config, params))
     log = MetricsLog(tmp_path)
     start = time.monotonic()
-    state = train(state, executor=executor, task=task, run=run, decode=decode, run_dir=tmp_path, log=log,
-                  evaluate_fn=evaluate_fn, progress=False)
+    state = train(state, executor=executor, task=task, config=config, run_dir=tmp_path, log=log,
+                  evaluate_fn=evaluate_fn)
     log.close()
     records = MetricsLog.read(log.path)
     assert state.step == 2 and time.monotonic() - start < 120

@@ -39,7 +39,7 @@ def test_smollm2_gguf_loads_and_functional_logprobs_match_the_module():
 def test_a_gguf_model_exports_dequantized(tmp_path):
     import json
 
-    from purerl.io.export import export_hf
+    from purerl.models.hf import export_hf
 
     model, params = load_causal_lm(GGUF)
     export_hf(model, params, tmp_path)

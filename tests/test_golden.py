@@ -5,9 +5,6 @@ A change that moves a number on purpose re-records them (``python3 -m tests.gold
 says which numbers moved, and why, in its commit."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -36,18 +33,9 @@ def test_every_recipe_reproduces_its_golden_metrics_locally(name):
     _assert_reproduced(name, runs.run(name))
 
 
-def test_every_recipe_reproduces_its_golden_metrics_on_ray():
-    # in a process of its own: step functions pickle to the Ray workers, which they cannot do from
-    # under pytest's jaxtyping import hook
-    pytest.importorskip("ray")
-    names = [n for n in runs.run_names() if n.endswith("/ray")]
-    env = {**os.environ, "PYTHONPATH": str(runs.ROOT)}
-    done = subprocess.run([sys.executable, "-m", "tests.golden.runs", "--print", *names], capture_output=True,
-                          text=True, env=env, cwd=runs.ROOT, timeout=1200)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    for name in names:
-        _assert_reproduced(name, got[name])
+@pytest.mark.parametrize("name", [n for n in runs.run_names() if n.endswith("/ray")])
+def test_every_recipe_reproduces_its_golden_metrics_on_ray(name, ray_cluster):
+    _assert_reproduced(name, runs.run(name))
 
 
 def test_the_custom_step_example_reproduces_its_golden_metrics():

@@ -20,6 +20,7 @@ import torch
 
 from purerl.algo.aggregation import SumCount
 from purerl.algo.kl_control import make_kl_controller
+from purerl.config.job import JobConfig
 from purerl.models import (
     causal_lm_from_config,
     critic_from_causal_lm,
@@ -31,18 +32,19 @@ from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedu
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.step import StepConfig, grpo_step, ppo_step
+from purerl.step import grpo_step, ppo_step
 from purerl.tiny import random_sequences, tiny_llama_config
 from purerl.tree import tree_clone, tree_map
+from tests.jobs import step_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 ROOT = Path(__file__).resolve().parents[1]
 STEP_CONFIGS = {
-    "kl loss": StepConfig(use_kl_loss=True, kl_loss_coef=0.1, micro_batch_rows=5),
+    "kl loss": step_config(kl_loss_coef=0.1, micro_batch_rows=5),
     # rows whose advantages are all zero skip the update (the path that once crashed on CUDA)
-    "skipped rows, mini- and micro-batches": StepConfig(micro_batch_rows=3, mini_batch_rows=6, ppo_epochs=2),
+    "skipped rows, mini- and micro-batches": step_config(micro_batch_rows=3, mini_batch_rows=6, ppo_epochs=2),
 }
 
 
@@ -75,7 +77,7 @@ def test_fused_adamw_with_a_schedule_on_cuda_matches_torch_adamw():
         torch.testing.assert_close(ours[k], p.detach(), rtol=1e-5, atol=1e-6)
 
 
-def _setup(config: StepConfig = STEP_CONFIGS["kl loss"]):
+def _setup(config: JobConfig = STEP_CONFIGS["kl loss"]):
     model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
     kl = make_kl_controller("fixed", coef=0.001)
@@ -88,7 +90,7 @@ def _setup(config: StepConfig = STEP_CONFIGS["kl loss"]):
 
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, device="cuda")
     engine.sync(params, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1), version=0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1), version=0)
     responses, mask = rollout.sequences.responses(), rollout.sequences.response_mask
     scores = ((responses % 2 == 0) & mask).float().sum(-1) / mask.sum(-1).clamp_min(1)
     scores[:4] = 0.5  # prompt 0's samples score alike: zero advantages
@@ -124,7 +126,7 @@ def test_cuda_graph_decoding_samples_what_eager_decoding_samples():
     for graphs in (True, False):
         engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, device="cuda", cuda_graphs=graphs)
         engine.sync(params, 0)
-        rollouts.append(engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, n=3), RngState(2)))
+        rollouts.append(engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, n=3, temperature=1.0), RngState(2)))
     assert torch.equal(rollouts[0].sequences.input_ids, rollouts[1].sequences.input_ids)
     torch.testing.assert_close(rollouts[0].behaviour_logprobs, rollouts[1].behaviour_logprobs, rtol=0, atol=1e-5)
 
@@ -136,7 +138,7 @@ def test_a_grpo_step_on_cuda_matches_the_same_step_on_cpu(config):
     cpu_model, _ = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0)
     cpu = step_fn(_on_cpu(fresh()), _on_cpu(rollout), scores.cpu(), policy=cpu_model)
     _assert_same_step(gpu, cpu)
-    if not config.use_kl_loss:
+    if config.actor.kl_loss_coef == 0:
         assert gpu[1]["actor/skipped_rows_frac"] > 0
 
 
@@ -144,7 +146,7 @@ def test_a_ppo_step_with_a_critic_on_cuda_matches_the_same_step_on_cpu():
     model, params, _, _, rollout, scores = _setup()
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3))
     kl = make_kl_controller("adaptive", coef=0.01, target_kl=0.1, horizon=100)
-    config = StepConfig(adv_estimator="gae", micro_batch_rows=4, mini_batch_rows=6, gamma=1.0, lam=0.95)
+    config = step_config(adv_estimator="gae", micro_batch_rows=4, mini_batch_rows=6, gamma=1.0, lam=0.95)
     results = []
     for device in ("cuda", "cpu"):
         policy, p = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device=device)

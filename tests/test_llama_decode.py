@@ -43,8 +43,8 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(name):
         logits = llama_decode.forward_last(weights, rotary, layout, token, attend, position, cache)
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=10, temperature=0.0),
-                                      SamplingParams(max_new_tokens=10, n=3, top_p=0.9, top_k=20)],
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=10, temperature=0.0, n=1),
+                                      SamplingParams(max_new_tokens=10, n=3, top_p=0.9, top_k=20, temperature=1.0)],
                          ids=["greedy", "top-p/top-k"])
 def test_the_engine_samples_the_same_tokens_on_both_paths(sampling):
     model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0)

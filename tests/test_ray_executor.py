@@ -20,23 +20,26 @@ import pytest
 import torch
 
 from purerl.algo.kl_control import make_kl_controller
-from purerl.asynchronous import AsyncConfig, train_async
+from purerl.config.job import ExecutorConfig, JobConfig
+from purerl.config.loading import build
 from purerl.data.cursor import DataCursor
 from purerl.data.records import PromptRecord
-from purerl.driver import RunConfig, Task, train
 from purerl.executors.base import ExecutorError
 from purerl.executors.local import LocalExecutor
 from purerl.executors.wire import params_digest
 from purerl.io.metrics import MetricsLog
+from purerl.loop.async_train import train_async
+from purerl.loop.sampling import Task
+from purerl.loop.train import train
 from purerl.models import causal_lm_from_config, critic_from_causal_lm
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rewards import score_responses
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.step import StepConfig, grpo_step, ppo_step
+from purerl.step import grpo_step, ppo_step
 from purerl.tiny import tiny_llama_config
-from purerl.tree import tree_clone, tree_equal, tree_leaves
+from purerl.tree import replace, tree_clone, tree_equal, tree_leaves
 from tests.equivalence import assert_async_k0_equals_sync
 
 pytest.importorskip("ray")
@@ -52,10 +55,17 @@ def _even_tokens(rollout):
     return ((responses % 2 == 0) & mask).float().sum(-1) / mask.sum(-1).clamp_min(1)
 
 
+def _job(steps=3, actor=None, **sections) -> JobConfig:
+    """A job config sampling at temperature 1 (the steps' log-probs too), clipping at 0.2."""
+    return build(JobConfig, {"trainer": {"steps": steps, "progress": False}, "data": {"prompts_per_step": 2},
+                             "rollout": {"max_new_tokens": 6, "n": 3, "temperature": 1.0},
+                             "actor": {"clip_high": 0.2, **(actor or {})}, **sections})
+
+
 def _make_step_fn(micro_batch_rows):
     """Built on each rank: under jaxtyping's import hook purerl's closures do not pickle."""
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
-    config = StepConfig(use_kl_loss=True, kl_loss_coef=0.1, micro_batch_rows=micro_batch_rows)
+    config = _job(actor={"kl_loss_coef": 0.1, "micro_batch_rows": micro_batch_rows})
     return functools.partial(grpo_step, optimizer=optimizer, kl_controller=make_kl_controller("fixed", coef=0.001),
                              config=config), optimizer
 
@@ -92,16 +102,17 @@ def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_p
                                                               reward_workers):
     # micro-batches of 1 row leave one rank without rows: it must still join every collective
     model, step_fn, make_step_fn, fresh = _setup(micro_batch_rows)
-    config = ray_executor.RayConfig(train_ranks=2, rollout_workers=1, reward_workers=reward_workers,
-                                    placement=placement, checksum=True, step_timeout=120, sync_timeout=60)
+    config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, reward_workers=reward_workers,
+                            placement=placement, sync_checksum=True, step_timeout=120, sync_timeout=60)
     with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
                                   make_step_fn=make_step_fn) as executor:
         state = executor.start(fresh())
         assert state.policy == {} and state.policy_opt is None  # params live on the ranks
-        executor.engine.sync(state.policy, version=0)
-        # every rollout engine holds exactly the trainer's weights (sha256 over all params)
-        assert set(executor.last_sync_digests) == {params_digest(fresh().policy)}
-        rollout = executor.engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1), version=0)
+        with executor.engine(executor.newest(0)) as engine:
+            # every rollout engine holds exactly the trainer's weights (sha256 over all params)
+            assert set(executor.last_sync_digests) == {params_digest(fresh().policy)}
+            rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1),
+                                      version=0)
         assert rollout.sequences.input_ids.shape[0] == 12
         assert rollout.group.tolist() == [g for g in range(3) for _ in range(4)]
         scores = _even_tokens(rollout)
@@ -124,15 +135,14 @@ def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_p
         # the driver loop on this executor: two more steps, weights synced as versions 1, 2, 3
         records = [PromptRecord(({"role": "user", "content": str(i)},), "0") for i in range(6)]
         task = Task([[5 + i, 6, 7] for i in range(6)], records,
-                    lambda text, truth: float(text.count("a")) / max(len(text), 1))
-        run = RunConfig(steps=3, prompts_per_step=2, sampling=SamplingParams(max_new_tokens=6, n=3),
-                        checkpoint_every=3)
+                    lambda text, truth: float(text.count("a")) / max(len(text), 1), lambda ids: "".join(map(chr, ids)))
         log = MetricsLog(tmp_path)
         before = executor.full_state(state)
-        state = train(state, executor=executor, task=task, run=run, decode=lambda ids: "".join(map(chr, ids)),
-                      run_dir=tmp_path, log=log, progress=False)
+        state = train(state, executor=executor, task=task, config=_job(trainer={"steps": 3, "checkpoint_every": 3,
+                                                                                 "progress": False}),
+                      run_dir=tmp_path, log=log)
         log.close()
-        assert state.step == 3 and executor.engine.version == 3
+        assert state.step == 3 and executor.newest().version == 3
         assert [r["step"] for r in MetricsLog.read(log.path)] == [2, 3]
         assert not tree_equal(executor.full_state(state).policy, before.policy)
         assert (tmp_path / "checkpoints" / "step_00000003").is_dir()
@@ -144,8 +154,9 @@ def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_p
         assert scored.errors == 4 and "sample 9: ValueError" in scored.error_messages[-1]
 
         # generating with weights the engines were never given fails closed, naming the worker
-        with pytest.raises(ExecutorError, match=r"(rollout worker|train rank) \d .*version 7"):
-            executor.engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), RngState(0), version=7)
+        with pytest.raises(ExecutorError, match=r"(rollout worker|train rank) \d .*version 7"), \
+                executor.engine(executor.newest()) as engine:
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=1.0, n=1), RngState(0), version=7)
 
 
 def _verl_reward(data_source, solution_str, ground_truth, extra_info=None):
@@ -161,11 +172,10 @@ def test_ray_reward_workers_score_verl_functions_and_the_reward_model(ray_cluste
     module.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(len(data_source) + len(solution_str))\n")
     model, _, make_step_fn, _ = _setup(4)
-    config = ray_executor.RayConfig(train_ranks=1, placement="colocated", reward_workers=1, reward_model=str(path),
-                                    step_timeout=120)
+    config = ExecutorConfig(kind="ray", train_ranks=1, placement="colocated", reward_workers=1, step_timeout=120)
     prompts = ["what is 2+2?", "hi", "a longer prompt than the others", ""]
     responses = ["4", "hello there, friend", "y", "#### 12"]
-    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
+    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config, reward_model=str(path),
                                   make_step_fn=make_step_fn) as executor:
         torch.testing.assert_close(executor.score_model(prompts, responses),
                                    RewardModel(path).score(prompts, responses), rtol=0, atol=0)
@@ -179,7 +189,8 @@ def test_ray_reward_workers_score_verl_functions_and_the_reward_model(ray_cluste
 
 def _make_ppo_step_fn():
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
-    config = StepConfig(adv_estimator="gae", micro_batch_rows=4, mini_batch_rows=6, ppo_epochs=2)
+    config = _job(algorithm={"adv_estimator": "gae"}, actor={"micro_batch_rows": 4, "mini_batch_rows": 6,
+                                                             "ppo_epochs": 2})
     return functools.partial(ppo_step, optimizer=optimizer, critic_optimizer=optimizer,
                              kl_controller=make_kl_controller("fixed", coef=0.001), config=config), optimizer
 
@@ -196,13 +207,14 @@ def test_ppo_with_a_sharded_critic_and_checkpointed_policy_equals_local(ray_clus
         return TrainState(policy=p, policy_opt=optimizer.init(p), kl=kl.init(), rng=RngState(0),
                           critic=c, critic_opt=optimizer.init(c))
 
-    local = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE), critic=critic)
-    local.engine.sync(params, 0)
-    rollout = local.engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(3), version=0)
+    engine = TorchEngine(model, **ENGINE)
+    local = LocalExecutor(step_fn, model, engine, critic=critic)
+    engine.sync(params, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(3), version=0)
     scores = _even_tokens(rollout)
     local_state, local_metrics = local.step(fresh(), rollout, scores)
 
-    config = ray_executor.RayConfig(train_ranks=2, placement="colocated", step_timeout=120)
+    config = ExecutorConfig(kind="ray", train_ranks=2, placement="colocated", step_timeout=120)
     make = functools.partial(lambda: _make_ppo_step_fn()[0])
     with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config, make_step_fn=make,
                                   critic=critic) as executor:
@@ -219,28 +231,27 @@ def test_ppo_with_a_sharded_critic_and_checkpointed_policy_equals_local(ray_clus
 def _tiny_task(prompts: int = 8) -> Task:
     records = [PromptRecord(({"role": "user", "content": str(i)},), "0") for i in range(prompts)]
     return Task([[5 + i, 6, 7] for i in range(prompts)], records,
-                lambda text, truth: float(text.count("a")) / max(len(text), 1))
+                lambda text, truth: float(text.count("a")) / max(len(text), 1), lambda ids: "".join(map(chr, ids)))
 
 
 def test_async_with_staleness_zero_on_ray_is_the_synchronous_trainer_bit_for_bit(ray_cluster, tmp_path):
     """Generators on the rollout pool, ranks on the train pool: with k = 0 ("wait") every batch is
     sampled by the weights the synchronous loop would have used, so weights and metrics agree."""
     model, _, make_step_fn, fresh = _setup(4)
-    task, run = _tiny_task(), RunConfig(steps=5, prompts_per_step=2, sampling=SamplingParams(max_new_tokens=6, n=3))
-    config = ray_executor.RayConfig(train_ranks=2, rollout_workers=1, placement="split", step_timeout=120)
-    decode = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    task = _tiny_task()
+    config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, placement="split", step_timeout=120)
     results = {}
     for mode in ("sync", "async"):
         log = MetricsLog(tmp_path / mode)
         with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
                                       make_step_fn=make_step_fn) as executor:
             state = executor.start(fresh())
-            common = dict(executor=executor, task=task, run=run, decode=decode, run_dir=tmp_path / mode, log=log,
-                          progress=False)
+            common = dict(executor=executor, task=task, run_dir=tmp_path / mode, log=log)
             if mode == "sync":
-                state, report = train(state, **common), None
+                state, report = train(state, config=_job(steps=5), **common), None
             else:
-                state, report = train_async(state, config=AsyncConfig(max_staleness=0), **common)
+                job = _job(steps=5, asynchronous={"enable": True, "max_staleness": 0})
+                state, report = train_async(state, config=job, **common)
             results[mode] = executor.full_state(state), list(MetricsLog.read(log.path)), report
         log.close()
     (sync_state, sync_records, _), (async_state, async_records, report) = results["sync"], results["async"]
@@ -249,23 +260,24 @@ def test_async_with_staleness_zero_on_ray_is_the_synchronous_trainer_bit_for_bit
 
 def test_async_on_ray_with_staleness_one_overlaps_and_stays_in_bounds(ray_cluster, tmp_path):
     model, _, make_step_fn, fresh = _setup(4)
-    run = RunConfig(steps=6, prompts_per_step=2, sampling=SamplingParams(max_new_tokens=6, n=3), eval_every=3)
-    config = ray_executor.RayConfig(train_ranks=1, rollout_workers=1, placement="split", step_timeout=120)
+    job = _job(trainer={"steps": 6, "eval_every": 3, "progress": False},
+               asynchronous={"enable": True, "max_staleness": 1, "queue_batches": 1})
+    config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split", step_timeout=120)
     log = MetricsLog(tmp_path)
     evaluated = []
 
     def evaluate_fn(state):  # runs on the rollout workers between two of the generator's batches
-        rollout = executor.engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), RngState(0), version=state.step)
+        with executor.engine(executor.newest(state.step), "evaluate") as engine:
+            rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=1.0, n=1), RngState(0),
+                                      version=state.step)
         evaluated.append((state.step, rollout.version))
         return {"val/accuracy": 0.0}
 
     with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
                                   make_step_fn=make_step_fn) as executor:
-        state, report = train_async(executor.start(fresh()), executor=executor, task=_tiny_task(), run=run,
-                                    decode=lambda ids: "x" * len(ids), run_dir=tmp_path, log=log,
-                                    config=AsyncConfig(max_staleness=1, queue_batches=1), evaluate_fn=evaluate_fn,
-                                    progress=False)
-        assert executor.engine.version == 6  # left holding the final weights, for a final evaluation
+        state, report = train_async(executor.start(fresh()), executor=executor, task=_tiny_task(), config=job,
+                                    run_dir=tmp_path, log=log, evaluate_fn=evaluate_fn)
+        assert executor.newest().version == 6  # the final weights, published for a final evaluation
     log.close()
     records = list(MetricsLog.read(log.path))
     assert state.step == 6 and [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -282,11 +294,12 @@ def _sleeping_step(state, rollout, scores, **effects):
 
 def test_a_rank_that_outlives_the_step_timeout_ends_the_run(ray_cluster):
     model, _, _, fresh = _setup(4)
-    config = ray_executor.RayConfig(train_ranks=2, placement="colocated", step_timeout=3)
+    config = ExecutorConfig(kind="ray", train_ranks=2, placement="colocated", step_timeout=3)
     with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config) as executor:
         state = executor.start(fresh())
-        executor.engine.sync(state.policy, version=0)
-        rollout = executor.engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=2), RngState(1), version=0)
+        with executor.engine(executor.newest(0)) as engine:
+            rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=2, temperature=1.0), RngState(1),
+                                      version=0)
         start = time.monotonic()
         with pytest.raises(ExecutorError, match=r"step: train rank 0, train rank 1 did not answer within 3 s"):
             executor.step(state, rollout, _even_tokens(rollout))
@@ -295,14 +308,17 @@ def test_a_rank_that_outlives_the_step_timeout_ends_the_run(ray_cluster):
 
 def test_a_sync_to_a_dead_rollout_worker_fails_closed(ray_cluster):
     model, _, _, fresh = _setup(4)
-    config = ray_executor.RayConfig(train_ranks=2, placement="split", sync_timeout=30)
+    config = ExecutorConfig(kind="ray", train_ranks=2, placement="split", sync_timeout=30)
     with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config) as executor:
         state = executor.start(fresh())
-        executor.engine.sync(state.policy, version=0)
+        with executor.engine(executor.newest(0)):
+            pass
         ray_cluster.kill(executor.rollout[0])
+        executor.publish(replace(state, step=1))
         start = time.monotonic()
-        with pytest.raises(ExecutorError, match=r"weight sync: rollout worker 0 died"):
-            executor.engine.sync(state.policy, version=1)
+        with pytest.raises(ExecutorError, match=r"weight sync: rollout worker 0 died"), \
+                executor.engine(executor.newest(1)):
+            pass
         assert time.monotonic() - start < 20
         with pytest.raises(ExecutorError):  # everything was stopped: nothing runs on half a cluster
             executor.wait([(executor.train[0].pid.remote(), "train rank 0")], 10.0, "ping")

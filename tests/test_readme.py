@@ -32,7 +32,7 @@ def test_readme_custom_step_runs_on_the_local_executor_and_updates_the_policy():
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(), rng=RngState(0))
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(state.policy, 0)
-    rollout = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, n=4), RngState(1))
+    rollout = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, n=4, temperature=1.0), RngState(1))
     scores = torch.arange(8, dtype=torch.float32) % 3
     before = tree_clone(state.policy)
     executor = LocalExecutor(functools.partial(my_step, optimizer=optimizer, kl_controller=kl_controller),

@@ -134,10 +134,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_reward_spinning_in_pure_python_costs_one_sample_its_timeout_in_a_killed_process():
-    from purerl.rewards.scoring import _PROCESSES
+    from purerl.rewards.scoring import reward_processes
 
     score_responses(spinning_reward, ["a", "bb"], ["1", "1"])  # start the processes
-    before = {p.process.pid for p in _PROCESSES.idle}
+    before = reward_processes().pids()
     start = time.monotonic()
     scores = score_responses(spinning_reward, ["spin", "ab", "exit", "boom", "abcd"], ["1"] * 5,
                              timeout=1.0, penalty=-1.0, first_index=10)
@@ -147,7 +147,7 @@ def test_a_reward_spinning_in_pure_python_costs_one_sample_its_timeout_in_a_kill
     assert scores.error_messages[0] == "sample 10: timed out after 1 s"
     assert "sample 12: the reward process died (exit code 3)" in scores.error_messages
     assert "sample 13: RuntimeError: reward server down" in scores.error_messages
-    after = {p.process.pid for p in _PROCESSES.idle}
+    after = reward_processes().pids()
     stopped = before - after
     assert stopped and not any(_alive(pid) for pid in stopped)  # the spinning and the exited ones are gone
     assert score_responses(spinning_reward, ["a"] * 6, ["1"] * 6).values == [1.0] * 6  # the pool goes on
@@ -189,9 +189,9 @@ def pair_pid_reward(response, truth):
 
 
 def _process_pids():
-    from purerl.rewards.scoring import _PROCESSES
+    from purerl.rewards.scoring import reward_processes
 
-    return {p.process.pid for p in _PROCESSES.idle}
+    return reward_processes().pids()
 
 
 @pytest.mark.parametrize("score", [score_responses, score_in_threads], ids=["processes", "threads"])
@@ -291,7 +291,7 @@ def test_load_reward_fn_from_a_module_and_from_a_file_that_runs_in_the_reward_pr
     assert load_reward_fn(f"{path}:compute_score") is fn  # loading again reuses the module
     scored = score_responses(fn, ["pid", "pid", "x"], ["1"] * 3, data_sources=["a", "b", "abcd"])
     assert scored.errors == 0 and scored.values[2] == 4.0
-    # scored in the reward processes (plain `python -c` children importing it by name), not on threads
+    # scored in the reward processes (forked from a server that never imported it: they import it by name)
     assert {int(v) for v in scored.values[:2]} <= _process_pids() and os.getpid() not in scored.values
 
 
@@ -429,10 +429,10 @@ def score_by_source(data_source, solution_str, ground_truth, extra_info=None):
 
 def test_evaluation_gives_a_verl_form_function_each_record_s_data_source():
     from purerl.data.records import PromptRecord
-    from purerl.driver import Task, evaluate
+    from purerl.loop.evaluation import evaluate
+    from purerl.loop.sampling import Task
     from purerl.models import causal_lm_from_config
     from purerl.rollout.backends.torch import TorchEngine
-    from purerl.state import RngState, TrainState
     from purerl.tiny import tiny_llama_config
 
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
@@ -440,7 +440,6 @@ def test_evaluation_gives_a_verl_form_function_each_record_s_data_source():
     engine.sync(params, 0)
     records = [PromptRecord(({"role": "user", "content": "q"},), "0", data_source=source)
                for source in ("graded", "graded", "other", "graded")]
-    task = Task([[5, 6, 7]] * 4, records, score_by_source)
-    metrics = evaluate(TrainState(policy=params, policy_opt=None, kl=None, rng=RngState(0)), engine, task,
-                       decode=lambda ids: "x", max_new_tokens=2)
+    task = Task([[5, 6, 7]] * 4, records, score_by_source, lambda ids: "x")
+    metrics = evaluate(engine, task, version=0, max_new_tokens=2, reward_timeout=10.0)
     assert metrics["val/accuracy"] == 0.75 and metrics["val/reward_errors"] == 0

@@ -37,7 +37,7 @@ def test_behaviour_logprobs_equal_trainer_logprobs(setup, temperature):
 
 def test_generation_is_reproducible_from_the_rng_state(setup):
     *_, engine = setup
-    sampling = SamplingParams(max_new_tokens=10, n=2)
+    sampling = SamplingParams(max_new_tokens=10, n=2, temperature=1.0)
     a = engine.generate(PROMPTS, sampling, RngState(3, counter=4))
     b = engine.generate(PROMPTS, sampling, RngState(3, counter=4))
     c = engine.generate(PROMPTS, sampling, RngState(3, counter=5))
@@ -49,7 +49,7 @@ def test_greedy_decoding_equals_hf_generate(setup):
     config, _, params, engine = setup
     module = AutoModelForCausalLM.from_config(config).eval()
     module.load_state_dict({**params, "lm_head.weight": params["model.embed_tokens.weight"]}, strict=False)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0), RngState(0))
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0, n=1), RngState(0))
     seqs = rollout.sequences
     prompt = seqs.input_ids[:, : -seqs.response_length]
     expected = module.generate(input_ids=prompt, attention_mask=seqs.attention_mask[:, : prompt.shape[1]].long(),
@@ -65,7 +65,7 @@ def test_eos_ends_a_row_and_is_kept_in_the_response(setup):
     # every token counts as EOS: each row must end after its first token, keeping it
     engine = TorchEngine(model, eos_token_ids=range(config.vocab_size), pad_token_id=0)
     engine.sync(params, version=0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=2), RngState(0))
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=2, temperature=1.0), RngState(0))
     seqs = rollout.sequences
     assert seqs.response_length == 1  # every row stopped at once: no wasted decode steps
     assert rollout.finish_reasons.tolist() == [FINISH_EOS] * 6
@@ -80,12 +80,12 @@ def test_length_limit_and_stop_strings():
                          decode=lambda ids: tokenizer.decode(ids))
     engine.sync(params, version=0)
     prompts = [tokenizer.encode("1+1="), tokenizer.encode("2+2=")]
-    free = engine.generate(prompts, SamplingParams(max_new_tokens=30), RngState(0))
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=30, temperature=1.0, n=1), RngState(0))
     assert free.sequences.response_length <= 30
     texts = [tokenizer.decode(r[m].tolist()) for r, m in zip(free.sequences.responses(), free.sequences.response_mask)]
     # the first character sampled in each row becomes a stop string: every row must stop right there
     stop = tuple(sorted({t[0] for t in texts if t}))
-    stopped = engine.generate(prompts, SamplingParams(max_new_tokens=30, stop=stop), RngState(0))
+    stopped = engine.generate(prompts, SamplingParams(max_new_tokens=30, stop=stop, temperature=1.0, n=1), RngState(0))
     assert stopped.sequences.response_length == 1
     assert stopped.finish_reasons.tolist() == [FINISH_STOP, FINISH_STOP]
     lengths = free.sequences.response_mask.sum(1)
@@ -95,10 +95,10 @@ def test_length_limit_and_stop_strings():
 def test_engine_refuses_unknown_weight_versions(setup):
     _, model, params, engine = setup
     with pytest.raises(RuntimeError, match="version 5"):
-        engine.generate(PROMPTS, SamplingParams(max_new_tokens=2), RngState(0), version=5)
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, temperature=1.0, n=1), RngState(0), version=5)
     fresh = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     with pytest.raises(RuntimeError, match="sync"):
-        fresh.generate(PROMPTS, SamplingParams(max_new_tokens=2), RngState(0))
+        fresh.generate(PROMPTS, SamplingParams(max_new_tokens=2, temperature=1.0, n=1), RngState(0))
 
 
 def test_top_k_and_top_p_truncate_and_renormalise():
@@ -120,7 +120,7 @@ def test_a_model_trained_with_activation_checkpointing_samples_with_its_kv_cache
                                               activation_checkpointing=checkpointing)
         engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
         engine.sync(params, 0)
-        rollouts.append(engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=8), RngState(0)))
+        rollouts.append(engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=8, temperature=1.0, n=1), RngState(0)))
         assert model.checkpointed == checkpointing and not model.module.training
     assert torch.equal(rollouts[0].sequences.input_ids, rollouts[1].sequences.input_ids)
     torch.testing.assert_close(rollouts[0].behaviour_logprobs, rollouts[1].behaviour_logprobs)
@@ -147,7 +147,7 @@ def test_dropping_finished_rows_from_the_batch_changes_no_sample(setup, lean, mo
     select_rows = llama_decode.StaticCache.select_rows
     monkeypatch.setattr(llama_decode.StaticCache, "select_rows",
                         lambda self, rows: cuts.append(len(rows)) or select_rows(self, rows))
-    sampling = SamplingParams(max_new_tokens=16, n=4)
+    sampling = SamplingParams(max_new_tokens=16, n=4, temperature=1.0)
     out = []
     for drop in (True, False):
         # a third of the vocabulary ends a response: rows finish at many different steps
@@ -174,8 +174,8 @@ def test_concatenated_rollouts_keep_every_row_and_its_log_probs():
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 0)
-    first = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, n=2), RngState(1), version=0)
-    second = engine.generate(PROMPTS[1:], SamplingParams(max_new_tokens=7, n=2), RngState(2), version=0)
+    first = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, n=2, temperature=1.0), RngState(1), version=0)
+    second = engine.generate(PROMPTS[1:], SamplingParams(max_new_tokens=7, n=2, temperature=1.0), RngState(2), version=0)
     both = concat_rollouts([first, second], pad_token_id=0)
     assert len(both.sequences) == 6 and both.group.tolist() == [0, 0, 1, 1, 2, 2]
     joined = response_logprobs(model, params, both.sequences)

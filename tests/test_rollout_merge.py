@@ -24,9 +24,9 @@ def test_concatenated_shards_keep_tokens_groups_and_behaviour_logprobs():
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 5)
-    sampling = SamplingParams(max_new_tokens=7, n=2)
+    sampling = SamplingParams(max_new_tokens=7, n=2, temperature=1.0)
     parts = [engine.generate([[5, 6, 7, 8, 9]], sampling, RngState(1), version=5),
-             engine.generate([[10], [11, 12]], SamplingParams(max_new_tokens=4, n=2), RngState(2), version=5)]
+             engine.generate([[10], [11, 12]], SamplingParams(max_new_tokens=4, n=2, temperature=1.0), RngState(2), version=5)]
     joined = concat_rollouts(parts, pad_token_id=0)
     assert joined.group.tolist() == [0, 0, 1, 1, 2, 2] and joined.version == 5
     assert joined.sequences.response_length == 7 and joined.sequences.input_ids.shape[1] == 5 + 7
@@ -50,8 +50,8 @@ def test_parts_of_different_versions_are_refused():
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 1)
-    a = engine.generate([[5]], SamplingParams(max_new_tokens=2), RngState(0))
+    a = engine.generate([[5]], SamplingParams(max_new_tokens=2, temperature=1.0, n=1), RngState(0))
     engine.sync(params, 2)
-    b = engine.generate([[5]], SamplingParams(max_new_tokens=2), RngState(0))
+    b = engine.generate([[5]], SamplingParams(max_new_tokens=2, temperature=1.0, n=1), RngState(0))
     with pytest.raises(ValueError, match="different weights versions"):
         concat_rollouts([a, b], pad_token_id=0)

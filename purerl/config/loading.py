@@ -20,6 +20,7 @@ the inverse of :func:`build`: JSON-ready nested dicts, written into run folders.
 
 import difflib
 import json
+import math
 import sys
 import types
 import typing
@@ -29,13 +30,15 @@ from typing import Any, TypeVar
 
 import attrs
 
+from purerl.checks import SettingError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # the same parser, as a package
     import tomli as tomllib
 
 __all__ = ["ConfigError", "build", "flatten", "keys_of", "load_file", "merge", "one_of", "overrides", "parse_value",
-           "to_dict"]
+           "section", "to_dict"]
 
 T = TypeVar("T")
 
@@ -130,7 +133,7 @@ def build(cls: type[T], data: Any, *, where: str = "") -> T:
     values = {name: _convert(hints[name], data[name], f"{where}{name}") for name in fields if name in data}
     try:
         return cls(**values)
-    except ConfigError as err:  # a field validator's: "field: message"
+    except (ConfigError, SettingError) as err:  # a field validator's: "field message"
         raise ConfigError(f"{where}{err}") from None
     except (ValueError, TypeError) as err:
         raise ConfigError(f"{where.rstrip('.') or cls.__name__}: {err}") from None
@@ -165,6 +168,20 @@ def one_of(names: Iterable[str] | Any, what: str) -> Any:
             raise ConfigError(f"{attribute.name}: unknown {what} {value!r}{hint} (known: {', '.join(map(str, known))})")
 
     return check
+
+
+def _widen_ints(cls: type, fields: list[attrs.Attribute]) -> list[attrs.Attribute]:
+    """A field transformer: every ``float`` (or ``float | None``) field converts an int given for it."""
+    def widen(value: Any) -> Any:
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    return [f.evolve(converter=widen) if f.converter is None and f.type in (float, float | None) else f
+            for f in fields]
+
+
+def section(cls: type[T]) -> type[T]:
+    """A frozen attrs config class (a section of a config tree) whose float fields take ints too."""
+    return attrs.frozen(cls, field_transformer=_widen_ints)
 
 
 def _resolved(cls: type) -> dict[str, Any]:
@@ -216,6 +233,8 @@ def _convert(kind: Any, value: Any, key: str) -> Any:
             return value
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # nan passes every bound check (nan < low is False): refuse it here
+                raise ConfigError(f"{key} must be a finite number, got {value}")
             return float(value)
     elif kind is int:
         if isinstance(value, int) and not isinstance(value, bool):

@@ -8,7 +8,7 @@
 - :mod:`purerl.executors.wire`: numpy transfer of pytrees, versioned checksummed weight buckets.
 """
 
-from purerl.executors.base import Executor, ExecutorError, StepFn
+from purerl.executors.base import Executor, ExecutorError
 from purerl.executors.local import LocalExecutor
 
-__all__ = ["Executor", "ExecutorError", "LocalExecutor", "StepFn"]
+__all__ = ["Executor", "ExecutorError", "LocalExecutor"]

@@ -1,30 +1,35 @@
 """The executor interface: what every executor gives the driver loops.
 
-An executor owns the effects of a run: where the weights live, how gradients are taken, how the
-rollout engine gets new weights. The driver loop sees only this interface, and the *same* step
-function runs under every executor. A step function is called as::
+An executor owns the effects of a run: where the weights live, how gradients are taken, which
+engines generate and how they get new weights. The loops see only this interface, and the *same*
+step function runs under every executor. A step function is called as::
 
-    step_fn(state, rollout, scores, *, policy, value_and_grad) -> (state', metrics)
+    step_fn(state, rollout, rewards, *, policy, value_and_grad[, critic]) -> (state', metrics)
 
 where the executor supplies ``policy`` (the model the stages compute with), ``value_and_grad``
-(the gradient effect) and, when it has one, ``critic=``; bind everything else (optimizers, KL
-controller, config) with ``functools.partial``. :func:`purerl.step.grpo_step` and
-:func:`purerl.step.ppo_step` have this shape.
+(the gradient effect) and, when it has one, ``critic``; everything else is bound when the run is
+assembled (:func:`purerl.step.recipes.step_function`).
+
+Weights have one path, owned by the executor: it *publishes* the policy of each state it starts
+or steps as a numbered version (:meth:`Executor.publish`), a loop asks for the newest version at
+or past the one it needs (:meth:`Executor.newest`) and for an engine holding it
+(:meth:`Executor.engine`); it never passes params to an engine itself.
 """
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from purerl.batch import Rewards, Rollout
 from purerl.rewards import RewardFn, Scores
 from purerl.rollout.engine import RolloutEngine
+from purerl.rollout.queue import Weights
 from purerl.state import TrainState
 
-__all__ = ["Executor", "ExecutorError", "StepFn"]
-
-StepFn = Callable[..., tuple[TrainState, dict[str, float]]]
+__all__ = ["EngineSlot", "Executor", "ExecutorError"]
 
 
 class ExecutorError(RuntimeError):
@@ -33,18 +38,25 @@ class ExecutorError(RuntimeError):
 
 @runtime_checkable
 class Executor(Protocol):
-    engine: RolloutEngine
-    """Generates for the driver; ``engine.sync(state.policy, version)`` publishes new weights."""
-
     def start(self, state: TrainState) -> TrainState:
-        """Take ownership of ``state``; returns the state the driver holds from now on."""
+        """Take ownership of ``state`` and publish its policy; returns the state the driver holds
+        from now on."""
 
-    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor | Rewards) -> tuple[TrainState, dict[str, float]]:
-        """One step of the step function (donates ``state``)."""
+    def step(self, state: TrainState, rollout: Rollout, rewards: torch.Tensor | Rewards
+             ) -> tuple[TrainState, dict[str, float]]:
+        """One step of the step function (donates ``state``); the new state's policy is published."""
 
-    def publish(self, state: TrainState) -> Any:
-        """The policy at ``state.step`` as weights a generator's engine can ``sync`` to while the
-        trainer goes on updating (asynchronous training)."""
+    def publish(self, state: TrainState) -> None:
+        """Make the policy of ``state`` the newest version, ``state.step``, for the engines to load
+        while the trainer goes on updating."""
+
+    def newest(self, at_least: int = 0, stop: threading.Event | None = None) -> Weights | None:
+        """The newest published version once it is ``≥ at_least`` (blocks until then; None if
+        ``stop`` is set first)."""
+
+    def engine(self, weights: Weights, purpose: str = "generate") -> contextlib.AbstractContextManager[RolloutEngine]:
+        """Exclusive use of the engine for ``purpose`` (``generate``: training rollouts;
+        ``evaluate``: held-out answers), holding ``weights`` (loaded if it holds another version)."""
 
     def full_state(self, state: TrainState) -> TrainState:
         """The complete state, params and optimizer state included (for checkpoints and export)."""
@@ -62,3 +74,16 @@ class Executor(Protocol):
         """Release workers and processes (idempotent)."""
 
 
+class EngineSlot:
+    """An engine and the lock that gives one user at a time (a generator thread, an evaluation)
+    its use; ``load(engine, weights)`` makes the engine hold a version it does not hold yet."""
+
+    def __init__(self, engine: RolloutEngine, load: Callable[[RolloutEngine, Weights], None]) -> None:
+        self.engine, self._load, self._lock = engine, load, threading.Lock()
+
+    @contextlib.contextmanager
+    def use(self, weights: Weights) -> Iterator[RolloutEngine]:
+        with self._lock:
+            if self.engine.version != weights.version:
+                self._load(self.engine, weights)
+            yield self.engine

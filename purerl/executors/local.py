@@ -1,5 +1,7 @@
 """The in-process executor: the state holds the params, gradients are the pure ``value_and_grad``."""
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -7,46 +9,71 @@ from typing import Any
 import torch
 
 from purerl.batch import Rewards, Rollout
-from purerl.executors.base import StepFn
+from purerl.executors.base import EngineSlot
 from purerl.models import CausalLM, Critic
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
 from purerl.rollout.engine import RolloutEngine
+from purerl.rollout.queue import Published, Weights
 from purerl.state import TrainState
+from purerl.step.recipes import StepFn
 from purerl.tree import tree_clone
 
 __all__ = ["LocalExecutor"]
 
 
+def _load(engine: RolloutEngine, weights: Weights) -> None:
+    engine.sync(weights.payload, weights.version)
+
+
 class LocalExecutor:
     """Everything in this process: the state holds the params, gradients are the pure
-    ``value_and_grad``, and the engine shares the trainer's params (sync is a no-op copy-free tag).
+    ``value_and_grad``, and ``engine`` shares the trainer's params (loading a version is a
+    copy-free tag).
 
-    ``reward_model``: a local HF reward-model folder (or a loaded
-    :class:`~purerl.rewards.model.RewardModel`) for :meth:`score_model`, loaded on first use in this
-    process on ``reward_model_device`` (default: the engine's device, else the CPU)."""
+    ``generator_engine``: an engine of its own (another model copy) for asynchronous generation;
+    the published versions are then snapshots, so the trainer can go on updating in place while
+    it samples. Without one, ``engine`` does everything. ``reward_model``: a local HF reward-model
+    folder (or a loaded :class:`~purerl.rewards.model.RewardModel`) for :meth:`score_model`,
+    loaded on first use in this process on ``reward_model_device`` (default: the engine's device,
+    else the CPU)."""
 
-    def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine, *, critic: Critic | None = None,
+    def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine, *,
+                 generator_engine: RolloutEngine | None = None, critic: Critic | None = None,
                  value_and_grad: Callable = pure_value_and_grad, reward_model: str | Path | RewardModel | None = None,
                  reward_model_device: str | None = None, reward_batch_size: int = 16) -> None:
-        self.step_fn, self.policy, self.engine, self.value_and_grad = step_fn, policy, engine, value_and_grad
+        self.step_fn, self.policy, self.value_and_grad = step_fn, policy, value_and_grad
         self.reward_model, self.reward_batch_size = reward_model, reward_batch_size
         self.reward_model_device = reward_model_device
         self.effects = {"policy": policy, "value_and_grad": value_and_grad}
         if critic is not None:
             self.effects["critic"] = critic
+        self.evaluator = EngineSlot(engine, _load)
+        self.generator = self.evaluator if generator_engine is None else EngineSlot(generator_engine, _load)
+        self._published = Published()
 
     def start(self, state: TrainState) -> TrainState:
+        self.publish(state)
         return state
 
-    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor | Rewards) -> tuple[TrainState, dict[str, float]]:
-        return self.step_fn(state, rollout, scores, **self.effects)
+    def step(self, state: TrainState, rollout: Rollout, rewards: torch.Tensor | Rewards
+             ) -> tuple[TrainState, dict[str, float]]:
+        state, metrics = self.step_fn(state, rollout, rewards, **self.effects)
+        self.publish(state)
+        return state, metrics
 
-    def publish(self, state: TrainState) -> dict[str, torch.Tensor]:
-        """A copy of the policy params: the trainer's own are replaced, not updated in place, but a
-        copy keeps the published version independent of what any step function does."""
-        return tree_clone(state.policy)
+    def publish(self, state: TrainState) -> None:
+        """The policy as version ``state.step``: the params themselves, or (with a generator engine
+        of its own) a copy, independent of what any later step does to the trainer's."""
+        separate = self.generator is not self.evaluator
+        self._published.publish(Weights(state.step, tree_clone(state.policy) if separate else state.policy))
+
+    def newest(self, at_least: int = 0, stop: threading.Event | None = None) -> Weights | None:
+        return self._published.newest(at_least, stop)
+
+    def engine(self, weights: Weights, purpose: str = "generate") -> contextlib.AbstractContextManager[RolloutEngine]:
+        return (self.generator if purpose == "generate" else self.evaluator).use(weights)
 
     def full_state(self, state: TrainState) -> TrainState:
         return state
@@ -61,12 +88,13 @@ class LocalExecutor:
         if self.reward_model is None:
             raise ValueError("LocalExecutor.score_model: no reward model (give LocalExecutor(reward_model=path))")
         if isinstance(self.reward_model, (str, Path)):
-            device = self.reward_model_device or str(getattr(self.engine, "device", "cpu"))
+            device = self.reward_model_device or str(getattr(self.evaluator.engine, "device", "cpu"))
             self.reward_model = RewardModel(self.reward_model, device=device)
         return self.reward_model.score(prompts, responses, batch_size=self.reward_batch_size)
 
     def close(self) -> None:
-        self.engine.close()
+        for slot in {id(self.generator): self.generator, id(self.evaluator): self.evaluator}.values():
+            slot.engine.close()
 
     def __enter__(self) -> "LocalExecutor":
         return self

@@ -1,2 +1,2 @@
-"""What a run writes: checkpoints (:mod:`.checkpoint`), the HF export (:mod:`.export`), metrics
+"""What a run writes: checkpoints (:mod:`.checkpoint`), metrics
 (:mod:`.metrics`) and the run folder (:mod:`.run_folder`)."""

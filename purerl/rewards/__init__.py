@@ -7,7 +7,7 @@ package and stay free of torch)."""
 
 from typing import Any
 
-from purerl.rewards.custom import load_reward_fn
+from purerl.rewards.custom import BUILT_IN_REWARDS, load_reward_fn, reward_function
 from purerl.rewards.math import (
     RewardFn,
     answers_equal,
@@ -19,6 +19,7 @@ from purerl.rewards.math import (
 from purerl.rewards.scoring import Scores, reward_form, score_in_threads, score_responses
 
 __all__ = [
+    "BUILT_IN_REWARDS",
     "RewardFn",
     "RewardModel",
     "Scores",
@@ -29,6 +30,7 @@ __all__ = [
     "math_reward",
     "math_reward_with_format",
     "reward_form",
+    "reward_function",
     "save_tiny_reward_model",
     "score_in_threads",
     "score_responses",

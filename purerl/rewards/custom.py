@@ -10,18 +10,38 @@ or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=No
 :func:`~purerl.rewards.scoring.reward_form`).
 """
 
+import functools
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from purerl.rewards.math import RewardFn
-from purerl.rewards.scoring import _form
+from purerl.registry import Registry
+from purerl.rewards.forms import call_form
+from purerl.rewards.math import RewardFn, lenient_math_reward, math_reward, math_reward_with_format
 
-__all__ = ["load_reward_fn"]
+__all__ = ["BUILT_IN_REWARDS", "load_reward_fn", "reward_function"]
+
+BUILT_IN_REWARDS: Registry[Callable[..., RewardFn]] = Registry("reward function")
+"""The built-in rewards by name: each entry makes the function from its settings (``format_bonus``)."""
+BUILT_IN_REWARDS.register("lenient")(lambda *, format_bonus: lenient_math_reward)
+BUILT_IN_REWARDS.register("strict")(
+    lambda *, format_bonus: functools.partial(math_reward_with_format, format_bonus=format_bonus) if format_bonus
+    else math_reward)
+
+
+def reward_function(spec: str, *, format_bonus: float = 0.0) -> RewardFn:
+    """A built-in reward by name (:data:`BUILT_IN_REWARDS`: ``lenient`` takes the last number,
+    ``strict`` only ``####`` or boxed answers, plus ``format_bonus`` for any such answer), or the
+    user function ``spec`` names (:func:`load_reward_fn`)."""
+    if spec in BUILT_IN_REWARDS:
+        return BUILT_IN_REWARDS[spec](format_bonus=format_bonus)
+    return load_reward_fn(spec)
+
 
 _USAGE = "expected 'package.module:function' or 'path/to/file.py:function'"
 
@@ -105,7 +125,7 @@ def _check_arity(spec: str, fn: object) -> None:
         signature = inspect.signature(fn)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return  # no signature to check (e.g. a builtin): its calls will tell
-    style, extra = _form(fn)
+    style, extra = call_form(fn)
     kwargs = {"extra_info": {}} if extra == "keyword" else {}
     try:
         if style == "pair":

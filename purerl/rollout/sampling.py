@@ -11,33 +11,27 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from purerl.checks import at_least, in_range
+
 __all__ = ["SamplingParams", "sampling_logprobs", "sample_tokens"]
 
 
 @attrs.frozen
 class SamplingParams:
-    """How responses are sampled. ``temperature == 0`` means greedy decoding.
+    """How responses are sampled (the defaults are the main job's). ``temperature == 0`` means
+    greedy decoding.
 
     ``n`` samples are drawn per prompt; generation stops at an EOS token, at any of the ``stop``
-    strings (the token completing it is kept), or after ``max_new_tokens``.
+    strings (the token completing it is kept), or after ``max_new_tokens``. ``top_k = 0`` keeps
+    every token, ``top_p = 1`` the whole mass.
     """
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
+    max_new_tokens: int = attrs.field(default=48, validator=at_least(1))
+    temperature: float = attrs.field(default=0.7, validator=at_least(0))
+    top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, open_low=True))
+    top_k: int = attrs.field(default=0, validator=at_least(0))
+    n: int = attrs.field(default=4, validator=at_least(1))
     stop: tuple[str, ...] = ()
-
-    def __attrs_post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams: max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams: temperature must be ≥ 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 or self.n < 1:
-            raise ValueError(f"SamplingParams: top_k must be ≥ 0 and n ≥ 1, got {self.top_k}, {self.n}")
 
     @property
     def greedy(self) -> bool:

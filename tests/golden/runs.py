@@ -92,11 +92,12 @@ def run_custom_step() -> dict:
 
 
 def job(argv: list[str]) -> None:
-    """The job's command line, run in this process."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from grpo_math import main
+    """The job's command line, run in this process (as ``experiments/grpo_math.py`` runs it, but the plot)."""
+    from purerl.config.command_line import parse_command_line
+    from purerl.run import run
 
-    main(argv)
+    inv = parse_command_line(argv, prog="golden", default_out_dir="")
+    run(inv.config, inv.out_dir)
 
 
 def record(names: list[str] | None = None) -> dict:

@@ -12,22 +12,19 @@ Worker groups live on resource pools (Ray placement groups, one bundle per worke
   ranks generate themselves from gathered weights.
 - ``reward``: ``reward_workers`` CPU actors scoring contiguous shards of the responses with
   :func:`~purerl.rewards.score_responses` (none: the driver scores) and, with
-  ``RayConfig.reward_model``, each holding the learned reward model (loaded once, at start) for
+  a reward model, each holding the learned reward model (loaded once, at start) for
   ``score_model`` (none: the driver loads it on first use and scores on its CPU).
 
-Modules: :mod:`~purerl.executors.ray.config` (:class:`RayConfig`), :mod:`~.actors` (the three
-actor classes), :mod:`~.pools` (starting Ray, pools, waiting that fails closed), :mod:`~.weights`
+Modules: :mod:`~.actors` (the three actor classes), :mod:`~.pools` (starting Ray, pools, waiting that fails closed), :mod:`~.weights`
 (publishing weight versions through the object store), :mod:`~.executor` (:class:`RayExecutor`).
 
 Weights reach the rollout workers as numbered versions gathered from the shards (optionally
 checksummed), and every generate names the version it expects. Failures fail closed: a dead actor,
 an exception in a worker or a call that outlives its timeout raises
-:class:`~purerl.executors.local.ExecutorError` naming the role and rank, after every actor is
+:class:`~purerl.executors.base.ExecutorError` naming the role and rank, after every actor is
 killed (so no rank is left blocked in a collective). Imports Ray only when an executor starts.
 """
 
-from purerl.executors.ray.config import RayConfig
 from purerl.executors.ray.executor import RayExecutor
-from purerl.executors.ray.weights import PublishedWeights
 
-__all__ = ["PublishedWeights", "RayConfig", "RayExecutor"]
+__all__ = ["RayExecutor"]

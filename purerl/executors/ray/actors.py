@@ -191,7 +191,7 @@ class RewardWorker:
         """Load the reward model (once; a no-op after)."""
         if self.reward_model is None:
             if self.reward_model_path is None:
-                raise ValueError("this reward worker was given no reward model (RayConfig.reward_model)")
+                raise ValueError("this reward worker was given no reward model (RayExecutor(reward_model=...))")
             self.reward_model = RewardModel(self.reward_model_path, device=self.device)
 
     def score_model(self, prompts: list[str], responses: list[str]) -> np.ndarray:

@@ -1,6 +1,8 @@
 """The Ray executor: the executor interface over the worker groups, and the driver's view of the
 rollout workers as one rollout engine."""
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -8,42 +10,37 @@ import numpy as np
 import torch
 
 from purerl.batch import Rewards, Rollout
-from purerl.executors.base import ExecutorError, StepFn
+from purerl.config.job import ExecutorConfig
+from purerl.executors.base import EngineSlot, ExecutorError
 from purerl.executors.ray.actors import ShippedRewardFn
-from purerl.executors.ray.config import RayConfig
 from purerl.executors.ray.pools import WorkerGroups
-from purerl.executors.ray.weights import PublishedWeights, load_published, publish, sync_colocated
+from purerl.executors.ray.weights import load_published, publish, sync_colocated
 from purerl.executors.wire import from_wire, to_wire
 from purerl.models import CausalLM, Critic
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
 from purerl.rewards.scoring import check_score_inputs
 from purerl.rollout.merge import concat_rollouts, prompt_shards
+from purerl.rollout.queue import Published, Weights
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState, with_params, without_params
+from purerl.step.recipes import StepFn
 
 __all__ = ["RayExecutor"]
 
 
 class RemoteEngine:
-    """The driver's view of the rollout workers, with the :class:`RolloutEngine` interface.
-
-    ``sync(params, version)`` with the driver's placeholder params gathers the training ranks'
-    current weights and loads them (synchronous training); with a :class:`PublishedWeights` it
-    loads that published version (a generator pulling weights)."""
+    """The driver's view of the rollout workers, with the :class:`RolloutEngine` interface:
+    ``generate`` shards the prompts over the workers, which hold the weights the executor loaded
+    (:meth:`RayExecutor.engine`)."""
 
     def __init__(self, executor: "RayExecutor", pad_token_id: int) -> None:
         self.executor, self.pad_token_id = executor, pad_token_id
         self.version: int | None = None
 
     def sync(self, params: Any, version: int) -> None:
-        if isinstance(params, PublishedWeights):
-            if params.version != version:
-                raise ValueError(f"sync: published weights are version {params.version}, not {version}")
-            self.executor.load_weights(params)
-        else:
-            self.executor.sync_weights(version)
-        self.version = version
+        raise TypeError("RemoteEngine: its weights are loaded by the Ray executor (RayExecutor.engine), "
+                        "never passed in from the driver")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
                  *, version: int | None = None) -> Rollout:
@@ -63,9 +60,11 @@ class RemoteEngine:
 class RayExecutor:
     """Runs a step function on FSDP2 training ranks and generates on rollout workers, over Ray.
 
-    ``engine_kwargs`` are the keyword arguments of the rollout workers' engine (``config.engine``,
-    built by :func:`~purerl.rollout.engine.make_engine`: ``eos_token_ids``, ``pad_token_id``,
-    ``decode``, backend options); everything passed in must pickle.
+    ``engine_kwargs`` are the keyword arguments of the rollout workers' engine (``engine``, built
+    by :func:`~purerl.rollout.engine.make_engine`: ``eos_token_ids``, ``pad_token_id``, ``decode``,
+    backend options); everything passed in must pickle. ``config``: the job's ``executor``
+    section (worker counts, placement, resources, timeouts); ``reward_model``: a local HF
+    reward-model folder each reward worker loads once (with none, the driver loads it on first use).
     ``step_fn`` may be ``None`` with ``make_step_fn`` given instead: a picklable zero-argument
     function that builds the step function on each rank (for step functions that close over
     objects that do not pickle, e.g. under jaxtyping's import hook in the test suite). With a
@@ -73,21 +72,23 @@ class RayExecutor:
     function as ``critic=``.
 
     The driver keeps the small part of the state (:func:`~purerl.state.without_params`); params
-    and optimizer states stay on the ranks. ``engine`` generates on the rollout workers; in
-    ``split`` placement it may be driven from a generator thread while the ranks train
-    (:func:`purerl.asynchronous.train_async`), pulling versions made by :meth:`publish`.
+    and optimizer states stay on the ranks. Its engine generates on the rollout workers; in
+    ``split`` placement a generator thread may drive it while the ranks train
+    (:func:`purerl.loop.async_train.train_async`), pulling versions made by :meth:`publish`.
     """
 
     def __init__(self, step_fn: StepFn | None, policy: CausalLM, *, engine_kwargs: dict[str, Any],
-                 config: RayConfig = RayConfig(), ray_init: dict[str, Any] | None = None,
+                 config: ExecutorConfig = ExecutorConfig(kind="ray"), engine: str = "torch",
+                 reward_model: str | None = None, ray_init: dict[str, Any] | None = None,
                  make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None) -> None:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
-        self.config = config
+        self.config, self.reward_model = config, reward_model
         self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,
-                                   ray_init)
+                                   ray_init, engine=engine, reward_model=reward_model)
         self.train, self.rollout, self.reward = self.groups.train, self.groups.rollout, self.groups.reward
-        self.engine = RemoteEngine(self, engine_kwargs["pad_token_id"])
+        self.slot = EngineSlot(RemoteEngine(self, engine_kwargs["pad_token_id"]), self._load)
+        self._published = Published()
         self.last_sync_digests: list[str | None] = []  # per rollout engine, in checksum mode
         self.driver_reward_model: RewardModel | None = None  # with no reward workers, loaded on first use
 
@@ -113,18 +114,21 @@ class RayExecutor:
 
     # ---- the executor interface -----------------------------------------------------------------
     def start(self, state: TrainState) -> TrainState:
-        """Send the full ``state`` to the training ranks (they shard it); the driver keeps the rest."""
+        """Send the full ``state`` to the training ranks (they shard it) and publish its policy;
+        the driver keeps the rest."""
         import ray
 
         ref = ray.put(to_wire(state))
         self.wait([(w.load.remote(ref), f"train rank {r}") for r, w in enumerate(self.train)],
                   self.config.start_timeout, "load state")
+        self.publish(state)
         return without_params(state)
 
-    def step(self, state: TrainState, rollout: Rollout, scores: torch.Tensor | Rewards) -> tuple[TrainState, dict[str, float]]:
+    def step(self, state: TrainState, rollout: Rollout, rewards: torch.Tensor | Rewards
+             ) -> tuple[TrainState, dict[str, float]]:
         import ray
 
-        small, batch = ray.put(to_wire(without_params(state))), ray.put(to_wire((rollout, scores)))
+        small, batch = ray.put(to_wire(without_params(state))), ray.put(to_wire((rollout, rewards)))
         results = self.wait([(w.step.remote(small, batch), f"train rank {r}")
                              for r, w in enumerate(self.train)], self.config.step_timeout, "step")
         new, metrics = from_wire(results[0][0]), results[0][1]
@@ -132,26 +136,30 @@ class RayExecutor:
             if from_wire(other).step != new.step:
                 self.groups.stop(f"step: train rank {r} is at step {from_wire(other).step}, rank 0 at {new.step}")
                 raise ExecutorError(self.groups.failure)
+        self.publish(new)
         return without_params(new), metrics
 
-    def publish(self, state: TrainState) -> PublishedWeights:
-        """The policy at ``state.step``, gathered from the shards into Ray's object store, for a
-        generator to pull (``engine.sync(published, version)``); split placement only."""
-        if self.config.placement != "split":
-            raise ValueError("RayExecutor: asynchronous generation needs placement 'split' (colocated ranks "
-                             "cannot generate while they train)")
-        return publish(self.groups, state.step)
+    def publish(self, state: TrainState) -> None:
+        """The policy at ``state.step``: with split placement, gathered from the shards into Ray's
+        object store (the driver holds only a reference) for the rollout workers to load, while the
+        ranks go on training; colocated, it stays on the ranks until their engines load it."""
+        payload = publish(self.groups, state.step) if self.config.placement == "split" else None
+        self._published.publish(Weights(state.step, payload))
 
-    def load_weights(self, published: PublishedWeights) -> None:
-        """Load a published version into every rollout worker."""
-        self.last_sync_digests = load_published(self.groups, published)
+    def newest(self, at_least: int = 0, stop: threading.Event | None = None) -> Weights | None:
+        return self._published.newest(at_least, stop)
 
-    def sync_weights(self, version: int) -> None:
-        """Gather the policy from the shards and load it into every rollout engine as ``version``."""
-        if self.config.placement == "colocated":
-            self.last_sync_digests = sync_colocated(self.groups, version)
+    def engine(self, weights: Weights, purpose: str = "generate") -> contextlib.AbstractContextManager[RemoteEngine]:
+        """The rollout workers (or, colocated, the ranks' engines) holding ``weights``: generation
+        and evaluation take turns on them."""
+        return self.slot.use(weights)
+
+    def _load(self, engine: RemoteEngine, weights: Weights) -> None:
+        if weights.payload is None:  # colocated: every rank's own engine gets the gathered policy
+            self.last_sync_digests = sync_colocated(self.groups, weights.version)
         else:
-            self.load_weights(publish(self.groups, version))
+            self.last_sync_digests = load_published(self.groups, weights.payload)
+        engine.version = weights.version
 
     def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
               timeout: float, penalty: float, data_sources: Sequence[str] | None = None,
@@ -177,13 +185,13 @@ class RayExecutor:
         """The reward model's scores (float32 ``[n]``, in order): contiguous shards on the reward
         workers, each holding the model; with no reward workers, on the driver's CPU (loaded on
         first use)."""
-        if self.config.reward_model is None:
-            raise ValueError("RayExecutor.score_model: no reward model (set RayConfig.reward_model)")
+        if self.reward_model is None:
+            raise ValueError("RayExecutor.score_model: no reward model (RayExecutor(reward_model=path))")
         if len(prompts) != len(responses):
             raise ValueError(f"score_model: {len(prompts)} prompts but {len(responses)} responses")
         if not self.reward:
             if self.driver_reward_model is None:
-                self.driver_reward_model = RewardModel(self.config.reward_model)
+                self.driver_reward_model = RewardModel(self.reward_model)
             return self.driver_reward_model.score(prompts, responses, batch_size=self.config.reward_batch_size)
         shards = prompt_shards(len(prompts), len(self.reward))
         calls = [(w.score_model.remote(list(prompts[sl]), list(responses[sl])), f"reward worker {i}")

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from purerl.config.job import ExecutorConfig
 from purerl.executors.base import ExecutorError
 from purerl.executors.ray.actors import RewardWorker, RolloutWorker, TrainRank
-from purerl.executors.ray.config import RayConfig
 from purerl.models import CausalLM, Critic
 
 __all__ = ["WorkerGroups"]
@@ -32,8 +32,9 @@ class WorkerGroups:
     ``rollout`` workers (the training ranks themselves when colocated) and ``reward`` workers;
     ``actors`` lists them all with their labels ("train rank 0", "rollout worker 1", …)."""
 
-    def __init__(self, config: RayConfig, policy: CausalLM, critic: Critic | None, step_fn: Callable,
-                 build_step_fn: bool, engine_kwargs: dict[str, Any], ray_init: dict[str, Any] | None) -> None:
+    def __init__(self, config: ExecutorConfig, policy: CausalLM, critic: Critic | None, step_fn: Callable,
+                 build_step_fn: bool, engine_kwargs: dict[str, Any], ray_init: dict[str, Any] | None, *,
+                 engine: str = "torch", reward_model: str | None = None) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -47,9 +48,9 @@ class WorkerGroups:
         colocated = config.placement == "colocated"
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            local = config.address is None
+            local = config.ray_address is None
             # "local" always starts a fresh instance (never joins a cluster some other run left behind)
-            ray.init(address=config.address or "local", include_dashboard=False, log_to_driver=True,
+            ray.init(address=config.ray_address or "local", include_dashboard=False, log_to_driver=True,
                      **({"num_cpus": max(os.cpu_count() or 1, int(config.workers * config.cpus_per_worker + 0.999))}
                         if local else {}), **(ray_init or {}))
         bundle = {"CPU": config.cpus_per_worker, **({"GPU": config.gpus_per_worker} if config.gpus_per_worker else {})}
@@ -74,24 +75,24 @@ class WorkerGroups:
             device, threads = config.device, config.threads_per_worker
             self.train = [ray.remote(TrainRank).options(**on("train", r)).remote(
                 r, config.train_ranks, policy, critic, step_fn, build_step_fn, threads,
-                engine_kwargs if colocated else None, device, config.engine) for r in range(config.train_ranks)]
+                engine_kwargs if colocated else None, device, engine) for r in range(config.train_ranks)]
             self.actors += [(a, f"train rank {r}") for r, a in enumerate(self.train)]
             if colocated:
                 self.rollout = self.train
             else:
                 self.rollout = [ray.remote(RolloutWorker).options(**on("rollout", i)).remote(
-                    policy, engine_kwargs, threads, device, config.engine) for i in range(config.rollout_workers)]
+                    policy, engine_kwargs, threads, device, engine) for i in range(config.rollout_workers)]
                 self.actors += [(a, f"rollout worker {i}") for i, a in enumerate(self.rollout)]
             reward_device = "cuda" if config.reward_gpus_per_worker > 0 else "cpu"
             self.reward = [ray.remote(RewardWorker).options(**on("reward", i)).remote(
-                config.reward_model, reward_device, threads, config.reward_batch_size)
+                reward_model, reward_device, threads, config.reward_batch_size)
                 for i in range(config.reward_workers)]
             self.actors += [(a, f"reward worker {i}") for i, a in enumerate(self.reward)]
             (host, port), = self.wait([(self.train[0].address.remote(), "train rank 0")], config.start_timeout, "start")
             collective_timeout = _COLLECTIVE_SHARE * config.step_timeout
             self.wait([(w.init_process_group.remote(host, port, collective_timeout), f"train rank {r}")
                        for r, w in enumerate(self.train)], config.start_timeout, "init_process_group")
-            if config.reward_model is not None:  # each reward worker loads it once, now: a bad folder fails here
+            if reward_model is not None:  # each reward worker loads it once, now: a bad folder fails here
                 self.wait([(w.load_reward_model.remote(), f"reward worker {i}") for i, w in enumerate(self.reward)],
                           config.start_timeout, "load reward model")
         except BaseException:

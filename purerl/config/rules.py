@@ -1,0 +1,140 @@
+"""Rules across sections of the job's config, checked before anything loads, and the values a
+run resolves once (what its run folder records).
+
+Single settings are checked where they are defined (:mod:`purerl.config.job`); these rules
+relate settings of several sections, or a setting and the world (files, installed packages).
+What an estimator or loss needs comes from its record (:mod:`purerl.algo.estimators`,
+:mod:`purerl.algo.policy_loss`), never from comparing its name.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import attrs
+import torch
+
+from purerl.config.job import CriticConfig, JobConfig
+from purerl.data.math_problems import DIFFICULTIES
+from purerl.rollout.engine import INSTALL_HINT
+
+__all__ = ["problems", "resolve"]
+
+
+def resolve(config: JobConfig) -> JobConfig:
+    """Automatic values made explicit: ``model.device`` (``auto``: the GPU when there is one),
+    ``algorithm.rollout_correction`` (None: ``token-tis`` when asynchronous, else ``none``) and
+    ``actor.recompute_old_logprobs`` (None: recompute unless the engine's log-probs are exactly
+    the trainer's: the embedded engine, synchronous, no top-p, no correction)."""
+    device = config.model.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    algorithm, actor, rollout = config.algorithm, config.actor, config.rollout
+    correction = algorithm.rollout_correction
+    if correction is None:
+        correction = "token-tis" if config.asynchronous.enable else "none"
+    recompute = actor.recompute_old_logprobs
+    if recompute is None:
+        recompute = (rollout.top_p < 1.0 or correction != "none" or config.asynchronous.enable
+                     or rollout.engine != "torch")
+    return attrs.evolve(config, model=attrs.evolve(config.model, device=device),
+                        algorithm=attrs.evolve(algorithm, rollout_correction=correction),
+                        actor=attrs.evolve(actor, recompute_old_logprobs=recompute))
+
+
+def problems(config: JobConfig) -> list[str]:
+    """What is wrong with ``config`` as a whole, one message per problem, each naming its keys."""
+    algorithm, actor, rollout, reward, trainer = (config.algorithm, config.actor, config.rollout, config.reward,
+                                                  config.trainer)
+    estimator = algorithm.estimator
+    found = []
+    if estimator.grouped and rollout.n < 2:
+        found.append(f"rollout.n {rollout.n}: {algorithm.adv_estimator} compares samples of a prompt, so it needs "
+                     "≥ 2 (with 1, every advantage is 0 and nothing is learned)")
+    if not rollout.temperature > 0:
+        found.append(f"rollout.temperature {rollout.temperature}: training needs sampling (> 0); greedy samples "
+                     "of a prompt are all alike (evaluation is greedy already)")
+    if reward.overlong_buffer > rollout.max_new_tokens:
+        found.append(f"reward.overlong_buffer {reward.overlong_buffer} exceeds rollout.max_new_tokens "
+                     f"{rollout.max_new_tokens}")
+    if "dro_beta" in actor.loss.settings and actor.loss_options.dro_beta is None:
+        found.append(f"actor.policy_loss={actor.policy_loss} needs actor.loss_options.dro_beta (> 0)")
+    if not estimator.needs_values and (trainer.critic_warmup or config.critic != CriticConfig()):
+        found.append("trainer.critic_warmup and the critic section need a critic: an estimator that reads values "
+                     "(algorithm.adv_estimator=gae)")
+    if trainer.critic_warmup >= trainer.steps:
+        found.append(f"trainer.critic_warmup {trainer.critic_warmup} ≥ trainer.steps {trainer.steps}: the policy "
+                     "would never train")
+    if reward.format_bonus and reward.fn != "strict":
+        found.append("reward.format_bonus applies to the strict reward: set reward.fn=strict")
+    if algorithm.gdpo_weights is not None:
+        if "gdpo_weights" not in estimator.settings:
+            found.append(f"algorithm.gdpo_weights: {algorithm.adv_estimator} does not read them")
+        elif len(algorithm.gdpo_weights) != 1 + _uses_reward_model(config):
+            found.append(f"algorithm.gdpo_weights has {len(algorithm.gdpo_weights)} weights for "
+                         f"{1 + _uses_reward_model(config)} reward components (the rule reward, then the reward model)")
+    if "gdpo_weights" in estimator.settings and algorithm.use_kl_in_reward:
+        found.append(f"{algorithm.adv_estimator} normalises each reward component (rule, model) alone: a KL penalty "
+                     "in the reward would be ignored; use actor.kl_loss_coef (a KL loss) instead")
+    if algorithm.dynamic_sampling and not estimator.grouped:
+        found.append(f"algorithm.dynamic_sampling drops groups whose rewards are all equal: it needs an estimator "
+                     f"that compares the samples of a prompt, not {algorithm.adv_estimator}")
+    if any(level not in DIFFICULTIES for level in config.data.difficulty):
+        found.append(f"data.difficulty levels are {', '.join(map(str, DIFFICULTIES))}, got "
+                     f"{list(config.data.difficulty)}")
+    found += _path_problems(config)
+    found += _executor_problems(config)
+    return found
+
+
+def _uses_reward_model(config: JobConfig) -> bool:
+    return config.reward.model is not None and config.reward.model_weight != 0
+
+
+def _path_problems(config: JobConfig) -> list[str]:
+    found = []
+    model = config.model
+    if model.path and model.tiny:
+        found.append("model.path and model.tiny exclude each other")
+    for key, value in (("model.path", model.path), ("critic.model", config.critic.model),
+                       ("reward.model", config.reward.model)):
+        if value:
+            found += _model_path_problems(key, Path(value), gguf=key != "reward.model")
+    if config.critic.model and model.tiny:
+        found.append("critic.model with model.tiny: the tiny policy's critic is its own backbone (leave it unset)")
+    data = config.data
+    for key, files in (("data.train_files", data.train_files), ("data.eval_files", data.eval_files)):
+        for name in files:
+            if not Path(name).is_file():
+                found.append(f"{key} {name}: no such file")
+            elif Path(name).suffix not in (".parquet", ".jsonl", ".json"):
+                found.append(f"{key} {name}: unsupported file type (use .parquet or .jsonl)")
+    if data.eval_files and not data.train_files:
+        found.append("data.eval_files without data.train_files: the procedural problems have their own held-out set")
+    return found
+
+
+def _model_path_problems(key: str, path: Path, gguf: bool = True) -> list[str]:
+    if not path.exists():
+        return [f"{key} {path}: no such file or folder (give a local HF model folder"
+                + (" or a .gguf file" if gguf else "") + "; models are not downloaded)"]
+    if path.is_file() and (path.suffix != ".gguf" or not gguf):
+        return [f"{key} {path}: a file that is not " + (".gguf (give an HF model folder or a .gguf file)" if gguf
+                                                         else "an HF model folder")]
+    if path.is_dir() and not (path / "config.json").is_file():
+        return [f"{key} {path}: folder without config.json, not an HF model folder"]
+    return []
+
+
+def _executor_problems(config: JobConfig) -> list[str]:
+    found = []
+    executor = config.executor
+    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        found.append(f"rollout.engine=vllm: {INSTALL_HINT}")
+    if executor.kind == "ray" and executor.placement == "colocated":
+        if config.asynchronous.enable:
+            found.append("asynchronous training on the Ray executor needs executor.placement=split (colocated "
+                         "ranks cannot generate while they train)")
+        if config.rollout.engine != "torch":
+            # vLLM sets up a process group of its own, which clashes with the training ranks' FSDP group
+            found.append(f"rollout.engine={config.rollout.engine} runs on rollout workers: executor.placement=split")
+    return found

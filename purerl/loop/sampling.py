@@ -1,0 +1,189 @@
+"""Sampling a step's batch: the next prompts, their responses from a rollout engine, their rewards.
+
+:func:`sample_batch` is the one sampling path of both training loops: it generates ``rollout.n``
+responses per prompt, scores them (the task's reward function under its deadline, the executor's
+reward model, DAPO's overlong shaping: :func:`~purerl.rewards.mix.mixed_rewards`), and, as the
+config's estimator and algorithm ask, adds ReMax's greedy baselines or samples further rounds of
+prompts until enough groups have varied rewards (DAPO's dynamic sampling).
+"""
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from purerl.algo.dapo import varied_groups
+from purerl.batch import Rewards, Rollout
+from purerl.config.job import JobConfig
+from purerl.data.cursor import DataCursor, next_indices
+from purerl.data.records import PromptRecord
+from purerl.rewards import RewardFn, Scores, score_responses
+from purerl.rewards.mix import mixed_rewards, uses_reward_model
+from purerl.rollout.engine import RolloutEngine
+from purerl.rollout.merge import concat_rollouts
+from purerl.rollout.sampling import SamplingParams
+from purerl.state import RngState, TrainState
+from purerl.tree import replace
+
+__all__ = ["Task", "decode_responses", "prompt_text", "rollout_batch", "rollout_rng", "sample_batch"]
+
+
+@attrs.frozen
+class Task:
+    """Prompts as token ids, their records (ground truths), the reward function, the tokenizer's
+    ``decode`` (token ids → text) and the held-out metrics: ``val/<name>`` is the fraction of
+    greedy answers that ``eval_fns[name]`` scores ≥ 1 (default: the reward function, as
+    ``accuracy``)."""
+
+    prompt_ids: Sequence[Sequence[int]]
+    records: Sequence[PromptRecord]
+    reward_fn: RewardFn
+    decode: Callable[[list[int]], str]
+    eval_fns: Mapping[str, RewardFn] = attrs.field(default=attrs.Factory(lambda self: {"accuracy": self.reward_fn},
+                                                                         takes_self=True))
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.prompt_ids) != len(self.records) or not self.records:
+            raise ValueError(f"Task: {len(self.prompt_ids)} prompts for {len(self.records)} records")
+
+
+def decode_responses(rollout: Rollout, decode: Callable[[list[int]], str]) -> list[str]:
+    """The text of every response (valid tokens only)."""
+    seqs = rollout.sequences
+    rows, masks = seqs.responses().tolist(), seqs.response_mask.tolist()  # two conversions, not 2·b
+    return [decode([t for t, keep in zip(row, mask) if keep]) for row, mask in zip(rows, masks)]
+
+
+def prompt_text(record: PromptRecord) -> str:
+    """What a reward model reads as the prompt: the last user message."""
+    users = [m["content"] for m in record.messages if m.get("role") == "user"]
+    return users[-1] if users else record.messages[-1]["content"]
+
+
+_ROLLOUT_STREAM = 1
+
+
+def rollout_rng(rng: RngState, step: int) -> RngState:
+    """The RNG of the rollout trained on at step ``step + 1``: a stream of its own, a function of
+    the seed and the step alone, so a generator running ahead of the trainer (whose step function
+    advances ``rng``'s counter) draws exactly what the synchronous loop draws."""
+    return RngState(rng.fold_in(_ROLLOUT_STREAM).seed, step)
+
+
+Score = Callable[..., Scores]
+ScoreModel = Callable[[Sequence[str], Sequence[str]], torch.Tensor]
+
+
+def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: DataCursor, rng: RngState,
+                 version: int, *, score: Score = score_responses,
+                 score_model: ScoreModel | None = None) -> tuple[Rollout, Rewards, dict[str, float], DataCursor]:
+    """The next ``data.prompts_per_step`` prompts after ``data``, sampled from ``rng`` with weights
+    ``version`` and scored (``score``: :func:`~purerl.rewards.score_responses`'s signature;
+    ``score_model``: the executor's reward model, when ``reward.model`` is used). With an
+    estimator that needs baselines, the rewards carry each prompt's greedy score; with
+    ``algorithm.dynamic_sampling``, rounds of prompts until enough groups have varied rewards.
+    Returns the rollout, its rewards, metrics, and the cursor after its prompts."""
+    algorithm, sampling = config.algorithm, config.rollout
+    prompts_per_step, n = config.data.prompts_per_step, sampling.n
+    baselines = algorithm.estimator.needs_baselines
+    sampled: dict[str, float] = {}  # sums over the sampled rounds
+    baseline_s = errors = timeouts = 0.0
+    kept: list[tuple[Rollout, Rewards]] = []
+    groups, rounds, cursor = 0, 0, data
+    while True:
+        indices, cursor = next_indices(cursor, len(task.records), prompts_per_step)
+        round_rng = rng if rounds == 0 else rng.fold_in(rounds)
+        rollout, rewards, sums = _scored_rollout(engine, task, config, indices, round_rng, version, score,
+                                                 score_model, sampling)
+        for key, value in sums.items():
+            sampled[key] = sampled.get(key, 0.0) + value
+        if baselines:
+            greedy = attrs.evolve(sampling, temperature=0.0, top_p=1.0, top_k=0, n=1)
+            _, base, cost = _scored_rollout(engine, task, config, indices, RngState(0), version, score, score_model,
+                                            greedy)
+            baseline_s += cost["gen_s"] + cost["reward_s"]
+            errors, timeouts = errors + cost["errors"], timeouts + cost["timeouts"]
+            rewards = attrs.evolve(rewards, baselines=base.scores.repeat_interleave(n))
+        rounds += 1
+        if not algorithm.dynamic_sampling:
+            kept.append((rollout, rewards))
+            break
+        varied = varied_groups(rewards.scores, rollout.group)
+        groups += int(varied.sum()) // n
+        if varied.any():
+            kept.append((rollout.rows(varied.nonzero().squeeze(1)), rewards.rows(varied.nonzero().squeeze(1))))
+        if groups >= prompts_per_step or rounds >= algorithm.max_sampling_rounds:
+            if not kept:  # nothing varied: train on the last round (its advantages are all 0)
+                kept.append((rollout, rewards))
+            break
+    rollout = concat_rollouts([r for r, _ in kept], pad_token_id=_pad_id(kept[0][0]))
+    rewards = Rewards(*(None if parts[0] is None else torch.cat(parts)
+                        for parts in zip(*((w.scores, w.baselines, w.components) for _, w in kept))))
+    metrics = {"reward/errors": sampled["errors"] + errors, "reward/timeouts": sampled["timeouts"] + timeouts,
+               "timing/gen_s": sampled["gen_s"], "timing/reward_s": sampled["reward_s"],
+               "perf/gen_tokens_per_s": sampled["tokens"] / max(sampled["gen_s"], 1e-9)}
+    if baselines:
+        metrics["timing/baseline_s"] = baseline_s
+    for name in ("model", "overlong_penalty"):  # means over every sampled response, kept or not
+        if name in sampled:
+            metrics[f"reward/{name}_mean"] = sampled[name] / max(sampled["rows"], 1.0)
+    if algorithm.dynamic_sampling:
+        rows = min(len(rewards.scores), prompts_per_step * n)
+        index = torch.arange(rows, device=rewards.scores.device)
+        rollout, rewards = rollout.rows(index), rewards.rows(index)
+        metrics["sampling/rounds"] = float(rounds)
+        metrics["sampling/varied_groups"] = float(groups)
+    return rollout, rewards, metrics, cursor
+
+
+def _pad_id(rollout: Rollout) -> int:
+    """A token id for padding re-padded rows: any id works (attention and masks hide it); reuse one
+    the engine padded with."""
+    ids, attention = rollout.sequences.input_ids, rollout.sequences.attention_mask
+    padded = ids[~attention]
+    return int(padded[0]) if len(padded) else 0
+
+
+def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indices: list[int], rng: RngState,
+                    version: int, score: Score, score_model: ScoreModel | None,
+                    sampling: SamplingParams) -> tuple[Rollout, Rewards, dict[str, float]]:
+    """Generate ``sampling.n`` responses per prompt and reward them. Returns the rollout, its
+    rewards and sums: seconds (``gen_s``, ``reward_s``), ``errors``, ``timeouts``, ``rows``,
+    ``tokens`` and the summed ``model`` scores and ``overlong_penalty``."""
+    reward = config.reward
+    start = time.perf_counter()
+    rollout = engine.generate([task.prompt_ids[i] for i in indices], sampling, rng, version=version)
+    sums: dict[str, Any] = {"gen_s": time.perf_counter() - start, "rows": float(len(rollout.group)),
+                            "tokens": float(rollout.sequences.response_mask.sum())}
+    texts = decode_responses(rollout, task.decode)
+    records = [task.records[i] for i in indices for _ in range(sampling.n)]
+    start = time.perf_counter()
+    scored = score(task.reward_fn, texts, [r.ground_truth for r in records], timeout=reward.timeout,
+                   penalty=reward.penalty, data_sources=[r.data_source for r in records],
+                   extra_infos=[r.extra for r in records])
+    device = rollout.sequences.input_ids.device
+    rule = torch.tensor(scored.values, dtype=torch.float32, device=device)
+    sums.update(errors=float(scored.errors), timeouts=float(scored.timeouts))
+    learned = None
+    if uses_reward_model(reward):
+        if score_model is None:
+            raise ValueError("reward.model is used, but the executor has no reward model")
+        learned = score_model([prompt_text(r) for r in records], texts).to(device=device, dtype=torch.float32)
+    rewards, parts = mixed_rewards(rule, rollout.sequences.response_mask.sum(-1), learned, reward=reward,
+                                   max_new_tokens=sampling.max_new_tokens)
+    sums.update(parts)
+    sums["reward_s"] = time.perf_counter() - start
+    return rollout, rewards, sums
+
+
+def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, config: JobConfig, *,
+                  score: Score = score_responses, score_model: ScoreModel | None = None,
+                  ) -> tuple[TrainState, Rollout, Rewards, dict[str, float]]:
+    """:func:`sample_batch` from the state's cursor with weights ``state.step`` and
+    :func:`rollout_rng`: the state comes back with its cursor advanced."""
+    rollout, rewards, metrics, cursor = sample_batch(engine, task, config, state.data,
+                                                     rollout_rng(state.rng, state.step), state.step, score=score,
+                                                     score_model=score_model)
+    return replace(state, data=cursor), rollout, rewards, metrics

@@ -1,0 +1,80 @@
+"""The two forms of reward function, told apart once and called each in its own form.
+
+- ``fn(response, ground_truth) -> float`` (``"pair"``);
+- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict``.
+  A function is taken to be verl's when it has parameters named ``data_source``, ``solution_str``
+  and ``ground_truth`` (``"verl"``: called with those keywords, as verl calls it), or else when it
+  has at least three positional parameters without defaults (``"verl-positional"``: called as
+  ``fn(data_source, response, ground_truth[, extra_info])``). ``extra_info`` is passed when the
+  function has room for it (a fourth positional parameter, ``*args``, a parameter named
+  ``extra_info`` or ``**kwargs``). Anything else, including a callable without a signature, is
+  the two-argument form.
+
+A dict result must hold a ``"score"`` key, which is the reward; its other keys (verl's extra
+metrics) are dropped. A reward is a finite number.
+"""
+
+import inspect
+from typing import Any
+
+__all__ = ["Form", "call_form", "reward_form", "reward_value"]
+
+Form = tuple[str, str | None]
+"""How to call a reward function: ``(style, extra)``; style ``"pair"``, ``"verl"`` (keywords) or
+``"verl-positional"``; extra (how ``extra_info`` is passed) ``"positional"``, ``"keyword"`` or None."""
+_NO_SIGNATURE: Form = ("pair", None)
+
+
+def call_form(fn: Any) -> Form:
+    """How to call ``fn``: :func:`reward_form`'s style, and how ``extra_info`` is passed (the rule is
+    in this module's docstring)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature (some builtins, C callables): today's form
+        return _NO_SIGNATURE
+    kinds = inspect.Parameter
+    positional = [p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    var_positional = any(p.kind is kinds.VAR_POSITIONAL for p in params)
+    var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in params)
+    by_keyword = {p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+    extra_keyword = "extra_info" in by_keyword or var_keyword
+    if {"data_source", "solution_str", "ground_truth"} <= by_keyword:
+        return "verl", "keyword" if extra_keyword else None
+    if len(required) >= 3:
+        if len(positional) >= 4 or var_positional:
+            return "verl-positional", "positional"
+        return "verl-positional", "keyword" if extra_keyword else None
+    return _NO_SIGNATURE
+
+
+def reward_form(fn: Any) -> str:
+    """``"pair"`` for ``fn(response, ground_truth)``; ``"verl"`` or ``"verl-positional"`` for verl's
+    ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` (called with
+    keywords / positionally). The rule is in this module's docstring."""
+    return call_form(fn)[0]
+
+
+def _call(fn: Any, form: Form, response: str, ground_truth: str, data_source: str, extra_info: Any) -> Any:
+    style, extra = form
+    if style == "pair":
+        return fn(response, ground_truth)
+    kwargs = {"extra_info": extra_info} if extra == "keyword" else {}
+    if style == "verl":
+        return fn(data_source=data_source, solution_str=response, ground_truth=ground_truth, **kwargs)
+    if extra == "positional":
+        return fn(data_source, response, ground_truth, extra_info)
+    return fn(data_source, response, ground_truth, **kwargs)
+
+
+def reward_value(fn: Any, form: Form, response: str, ground_truth: str, data_source: str = "unknown",
+            extra_info: Any = None) -> float:
+    result = _call(fn, form, response, ground_truth, data_source, {} if extra_info is None else extra_info)
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"the reward function returned a dict without a 'score' key (keys: {sorted(result)})")
+        result = result["score"]
+    value = float(result)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"reward is {value}")
+    return value

@@ -1,0 +1,292 @@
+"""A config becomes a run: data, reward, model, state, step function, executor, training, evaluation,
+summary and export, in a run folder that resumes.
+
+:func:`run` is the whole job (``experiments/grpo_math.py`` is its command line); the pieces it
+assembles are importable alone for scripts of their own::
+
+    config = resolve(build(JobConfig, load_file("examples/ppo_gae.toml")))
+    summary = run(config, "runs/ppo")
+"""
+
+import copy
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from purerl.config.job import JobConfig
+from purerl.config.loading import to_dict
+from purerl.data.cursor import DataCursor
+from purerl.data.math_problems import train_eval_split
+from purerl.data.records import DataError, PromptRecord, encode_prompts, load_records
+from purerl.executors.base import Executor
+from purerl.executors.local import LocalExecutor
+from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
+from purerl.io.metrics import MetricsLog
+from purerl.io.run_folder import check_resume_config, claim_run_folder, save_run_config
+from purerl.loop.async_train import train_async
+from purerl.loop.evaluation import evaluate
+from purerl.loop.sampling import Task
+from purerl.loop.train import train
+from purerl.models import (
+    CausalLM,
+    Critic,
+    Params,
+    causal_lm_from_config,
+    critic_from_causal_lm,
+    load_causal_lm,
+    smollm2_gguf,
+)
+from purerl.models.hf import export_hf
+from purerl.rewards import RewardFn, math_reward, reward_function
+from purerl.rollout.engine import make_engine
+from purerl.state import RngState, TrainState
+from purerl.step.recipes import actor_optimizer, critic_optimizer, kl_controller_of, step_function
+from purerl.tiny import char_tokenizer, tiny_llama_config
+from purerl.tree import tree_clone
+
+__all__ = ["MAY_CHANGE_ON_RESUME", "engine_options", "initial_state", "load_critic", "load_policy", "load_tasks",
+           "make_executor", "run"]
+
+MAY_CHANGE_ON_RESUME = {"trainer.steps", "trainer.eval_every", "trainer.checkpoint_every", "trainer.log",
+                        "trainer.progress", "trainer.threads", "model.device", "actor.micro_batch_rows",
+                        "rollout.engine_options", "executor"}
+"""Settings a resumed run may change (a section name covers its keys); all others must equal the
+run's ``config.json``."""
+
+
+def load_records_of(config: JobConfig) -> tuple[list[PromptRecord], list[PromptRecord], dict[str, int]]:
+    """Training and held-out records (before any model loads: data errors come first). With train
+    files and no eval files, the held-out rows are drawn from the train files and not trained on."""
+    data, seed = config.data, config.trainer.seed
+    if not data.train_files:
+        train_records, eval_records = train_eval_split(data.train_size, data.eval_size, seed=seed,
+                                                       difficulties=tuple(data.difficulty))
+        return train_records, eval_records, {}
+    train_records = load_records(list(data.train_files))
+    if data.eval_files:
+        return train_records, load_records(list(data.eval_files))[: data.eval_size], {}
+    if len(train_records) <= data.eval_size:
+        raise DataError(f"data.train_files have {len(train_records)} rows: too few to hold out data.eval_size "
+                        f"{data.eval_size} for evaluation; give data.eval_files or a smaller data.eval_size")
+    order = torch.randperm(len(train_records), generator=torch.Generator().manual_seed(seed)).tolist()
+    held_out = set(order[: data.eval_size])
+    print(f"evaluating on {data.eval_size} rows held out of the training files (not trained on)", flush=True)
+    return ([r for i, r in enumerate(train_records) if i not in held_out],
+            [train_records[i] for i in sorted(held_out)], {"eval_rows_held_out_of_data": data.eval_size})
+
+
+def reward_of(config: JobConfig) -> RewardFn:
+    """``reward.fn``: a built-in reward by name or a user's ``module:function``."""
+    try:
+        return reward_function(config.reward.fn, format_bonus=config.reward.format_bonus)
+    except ValueError as err:
+        raise DataError(f"reward.fn: {err}") from None
+
+
+def load_tasks(config: JobConfig, train_records: list[PromptRecord], eval_records: list[PromptRecord],
+               tokenizer: Any, reward_fn: RewardFn) -> tuple[Task, Task, dict[str, int]]:
+    """The training and held-out tasks (prompts longer than ``data.max_prompt_tokens`` skipped and
+    counted). Held-out metrics: ``accuracy`` by the reward function, ``strict_accuracy`` by the
+    strict math reward."""
+    counts, tasks = {}, []
+    decode = _decoder(tokenizer)
+    for name, records in (("train", train_records), ("eval", eval_records)):
+        encoded = encode_prompts(records, tokenizer, max_prompt_tokens=config.data.max_prompt_tokens)
+        if not encoded.ids:
+            raise DataError(f"every {name} prompt is longer than data.max_prompt_tokens {config.data.max_prompt_tokens}")
+        counts[f"{name}_prompts"] = len(encoded.ids)
+        counts[f"{name}_skipped_overlong"] = encoded.skipped
+        tasks.append(Task(encoded.ids, [records[i] for i in encoded.record_index], reward_fn, decode,
+                          {"accuracy": reward_fn, "strict_accuracy": math_reward}))
+    return tasks[0], tasks[1], counts
+
+
+def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _driver_device(config: JobConfig) -> str:
+    """Where this process keeps the weights: ``model.device`` for the local executor; the CPU under
+    Ray, whose workers take GPUs through ``executor.gpus_per_worker`` (the driver only ships them)."""
+    return config.model.device if config.executor.kind == "local" else "cpu"
+
+
+def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
+    """The policy (``model.path``, the default GGUF, or a tiny random one) and its tokenizer."""
+    dtype = getattr(torch, config.model.dtype)
+    if config.model.tiny:
+        tokenizer = char_tokenizer()
+        model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64),
+                                              seed=config.trainer.seed, dtype=dtype, device=_driver_device(config))
+        return model, params, tokenizer
+    from transformers import AutoTokenizer
+
+    path = Path(config.model.path) if config.model.path else smollm2_gguf()
+    if path.suffix == ".gguf":
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    model, params = load_causal_lm(path, dtype=dtype, device=_driver_device(config))
+    return model, params, tokenizer
+
+
+def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Critic | None, Params | None]:
+    """The value model when the estimator reads values: a zero value head on a copy of the policy's
+    backbone, or on the base of ``critic.model``; (None, None) otherwise."""
+    if not config.algorithm.estimator.needs_values:
+        return None, None
+    if config.critic.model:
+        policy_vocab = model.config.vocab_size
+        model, params = load_causal_lm(Path(config.critic.model), dtype=getattr(torch, config.model.dtype),
+                                       device=_driver_device(config))
+        if model.config.vocab_size < policy_vocab:
+            raise DataError(f"critic.model {config.critic.model}: vocabulary of {model.config.vocab_size} tokens, "
+                            f"smaller than the policy's {policy_vocab}: it cannot read the policy's token ids")
+    return critic_from_causal_lm(model, params)
+
+
+def initial_state(config: JobConfig, params: Params, critic_params: Params | None = None) -> TrainState:
+    """Step 0: the policy and its optimizer state, a frozen reference copy when a KL term reads it,
+    the critic and its optimizer state when there is one, the KL controller, RNG and data cursor."""
+    needs_reference = config.actor.kl_loss_coef > 0 or config.algorithm.use_kl_in_reward
+    state = TrainState(policy=params, policy_opt=actor_optimizer(config).init(params),
+                       kl=kl_controller_of(config).init(), rng=RngState(config.trainer.seed),
+                       data=DataCursor(config.trainer.seed), reference=tree_clone(params) if needs_reference else None)
+    if critic_params is not None:
+        state = attrs.evolve(state, critic=critic_params, critic_opt=critic_optimizer(config).init(critic_params))
+    return state
+
+
+def engine_options(config: JobConfig, model: CausalLM, tokenizer: Any) -> dict[str, Any]:
+    """The rollout engine's keyword arguments: end-of-sequence and padding ids, ``decode``, and
+    ``rollout.engine_options``."""
+    eos_id = model.config.eos_token_id
+    eos = {tokenizer.eos_token_id, *([eos_id] if isinstance(eos_id, int) else (eos_id or []))}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return dict(eos_token_ids=sorted(e for e in eos if e is not None), pad_token_id=pad, decode=_decoder(tokenizer),
+                **config.rollout.engine_options)
+
+
+def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any],
+                  run_dir: Path | None = None) -> Executor:
+    """The local executor (with a generator engine of its own when asynchronous), or the Ray one,
+    which builds the step function on each rank from the config and writes its workers' PIDs to
+    ``workers.json`` in ``run_dir``."""
+    rollout, executor = config.rollout, config.executor
+    if executor.kind == "local":
+        engine = make_engine(rollout.engine, model, device=config.model.device, **options)
+        generator = None
+        if config.asynchronous.enable:  # its own model copy: it shares no module with the trainer
+            own = attrs.evolve(model, module=copy.deepcopy(model.module))
+            generator = make_engine(rollout.engine, own, device=config.model.device, **options)
+        return LocalExecutor(step_function(config), model, engine, generator_engine=generator, critic=critic,
+                             reward_model=config.reward.model)
+    import functools
+
+    from purerl.executors.ray import RayExecutor
+
+    ray_init = {"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir else None
+    ray_executor = RayExecutor(None, model, engine_kwargs=options, config=executor, engine=rollout.engine,
+                               reward_model=config.reward.model, ray_init=ray_init, critic=critic,
+                               make_step_fn=functools.partial(step_function, config))
+    if run_dir is not None:
+        (run_dir / "workers.json").write_text(json.dumps(ray_executor.worker_pids()))
+    return ray_executor
+
+
+def run(config: JobConfig, out_dir: str | Path, *, resume: bool = False, overwrite: bool = False,
+        stop: threading.Event | None = None) -> dict[str, Any]:
+    """The job: claim the run folder, load data, reward and model, build the state, the step and the
+    executor, evaluate (or resume), train, evaluate, export. Returns the summary (also in
+    ``summary.json``), with the metrics records under ``records``. ``config`` must be resolved
+    (:func:`purerl.config.rules.resolve`)."""
+    if config.trainer.threads:
+        torch.set_num_threads(config.trainer.threads)
+    run_dir = Path(out_dir)
+    for leftover in claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
+        print(f"removed {leftover}, an unfinished checkpoint write", flush=True)
+    recorded = to_dict(config)
+    if resume and not check_resume_config(run_dir, recorded, MAY_CHANGE_ON_RESUME):
+        print(f"--resume: {run_dir} records no settings (config.json) in this layout to check against", flush=True)
+    if not resume or not (run_dir / "config.json").exists():
+        save_run_config(run_dir, recorded)
+    wall_start = time.time()
+
+    train_records, eval_records, data_counts = load_records_of(config)
+    reward_fn = reward_of(config)
+    model, params, tokenizer = load_policy(config)
+    train_task, eval_task, counts = load_tasks(config, train_records, eval_records, tokenizer, reward_fn)
+    critic, critic_params = load_critic(config, model, params)
+    state = initial_state(config, params, critic_params)
+    with make_executor(config, model, critic, engine_options(config, model, tokenizer), run_dir) as executor:
+        summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop)
+        state = summary.pop("_state")
+        export = export_hf(model, executor.full_state(state).policy, run_dir / "export", tokenizer)
+    summary.update({**counts, **data_counts, "wall_seconds": time.time() - wall_start, "export": str(export),
+                    "config": recorded})
+    records = summary.pop("records")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return {**summary, "records": records}
+
+
+def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor: Executor, state: TrainState,
+                        train_task: Task, eval_task: Task, stop: threading.Event | None) -> dict[str, Any]:
+    """Baseline evaluation (or resume), training, final evaluation; the summary, with the final
+    (driver's) state under ``_state``."""
+    log = MetricsLog(run_dir, tuple(config.trainer.log), config=to_dict(config))
+
+    def evaluate_fn(state: TrainState) -> dict[str, float]:
+        with executor.engine(executor.newest(state.step), "evaluate") as engine:
+            return evaluate(engine, eval_task, version=state.step, max_new_tokens=config.rollout.max_new_tokens,
+                            reward_timeout=config.reward.timeout, score=executor.score)
+
+    baseline = run_dir / "baseline.json"
+    if resume and (checkpoint := latest_checkpoint(run_dir / "checkpoints")) is not None:
+        state = executor.start(load_checkpoint(checkpoint, state))
+        log.truncate_after(state.step)
+        before = json.loads(baseline.read_text())["val/accuracy"] if baseline.exists() else None
+        print(f"resumed from {checkpoint} at step {state.step}"
+              + ("" if baseline.exists() else f" ({baseline} is missing: no step-0 accuracy to compare with)"),
+              flush=True)
+    else:
+        if resume:
+            print(f"--resume: no checkpoint in {run_dir / 'checkpoints'}, starting fresh", flush=True)
+        log.path.unlink(missing_ok=True)
+        state = executor.start(state)
+        first = evaluate_fn(state)
+        baseline.write_text(json.dumps(first))
+        before = first["val/accuracy"]
+        print(f"step 0 held-out greedy accuracy {before:.3f} (strict {first['val/strict_accuracy']:.3f}) on "
+              f"{len(eval_task.records)} problems", flush=True)
+
+    report = None
+    common = dict(executor=executor, task=train_task, config=config, run_dir=run_dir, log=log,
+                  evaluate_fn=evaluate_fn, stop=stop)
+    if config.asynchronous.enable:
+        state, report = train_async(state, **common)
+    else:
+        state = train(state, **common)
+    log.close()
+    records = MetricsLog.read(log.path)
+    final = records[-1] if records and "val/accuracy" in records[-1] else evaluate_fn(state)
+    after = final["val/accuracy"]
+    gain = None if before is None else 100 * (after - before)
+    print(f"held-out greedy accuracy {'?' if before is None else f'{before:.3f}'} -> {after:.3f}"
+          + ("" if gain is None else f" ({gain:+.1f} points)"), flush=True)
+    async_report = {}
+    if report is not None:
+        histogram = {str(k): v for k, v in report["staleness_histogram"].items()}
+        async_report = {"async": {**report, "staleness_histogram": histogram}}
+    return {"model": "tiny" if config.model.tiny else str(config.model.path or smollm2_gguf()),
+            "algorithm": config.algorithm.adv_estimator, "policy_loss": config.actor.policy_loss,
+            "steps": state.step, "eval_problems": len(eval_task.records), "accuracy_before": before,
+            "accuracy_after": after, "accuracy_gain_points": gain,
+            "strict_accuracy_after": final.get("val/strict_accuracy"), **async_report, "records": records,
+            "_state": state}

@@ -1,0 +1,101 @@
+"""Experience: everything the updates need from a scored rollout, computed before any update and
+without gradients: the old (proximal) log-probs, the reference log-probs, the critic's values and,
+for the optimal-token-baseline estimators, ``Σ_v π_old(v)²``.
+
+Devices: the stages run where the rollout's tensors are (CPU or one GPU).
+"""
+
+import functools
+from collections.abc import Callable
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from purerl.algo.logprobs import logprobs_from_logits, sum_pi_squared_from_logits
+from purerl.batch import Rewards, Rollout, Sequences
+from purerl.config.job import JobConfig
+from purerl.models import CausalLM, Critic, Params, response_logits, response_values
+from purerl.state import TrainState
+from purerl.tree import pytree
+
+__all__ = ["Experience", "chunks", "make_experience"]
+
+
+@pytree
+class Experience:
+    """A scored rollout with everything the updates need, computed before any update.
+    ``baselines``/``components``: see :class:`~purerl.batch.Rewards`; ``sum_pi_squared``:
+    ``Σ_v π_old(v)²`` per response position, for the optimal-token-baseline estimators."""
+
+    sequences: Sequences
+    group: Int[Tensor, " b"]
+    scores: Float[Tensor, " b"]
+    old_logprobs: Float[Tensor, "b t"]
+    behaviour_logprobs: Float[Tensor, "b t"]
+    ref_logprobs: Float[Tensor, "b t"] | None
+    values: Float[Tensor, "b t"] | None
+    baselines: Float[Tensor, " b"] | None = None
+    components: Float[Tensor, "b k"] | None = None
+    sum_pi_squared: Float[Tensor, "b t"] | None = None
+
+
+def chunks(n: int, size: int) -> list[slice]:
+    """``range(n)`` in consecutive slices of at most ``size``."""
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def _batched(model: CausalLM | Critic, fn: Callable[[Sequences], Tensor], seqs: Sequences, rows: int) -> Tensor:
+    """``fn`` (row-wise) over ``seqs`` in chunks of ``rows``, without gradients, concatenated."""
+    return torch.cat([model.map_rows(fn, seqs.rows(sl)) for sl in chunks(len(seqs), rows)])
+
+
+def _logprobs_fn(model: CausalLM, params: Params, temperature: float) -> Callable[[Sequences], Tensor]:
+    def logprobs(part: Sequences) -> Tensor:
+        return logprobs_from_logits(response_logits(model, params, part), part.responses(), temperature=temperature)
+
+    return logprobs
+
+
+def _logprobs_and_sum_pi_squared_fn(model: CausalLM, params: Params,
+                                    temperature: float) -> Callable[[Sequences], Tensor]:
+    """Log-probs and ``Σ_v π(v)²`` per response position, stacked on the last axis, from one forward."""
+    def both(part: Sequences) -> Tensor:
+        logits = response_logits(model, params, part)
+        return torch.stack([logprobs_from_logits(logits, part.responses(), temperature=temperature),
+                            sum_pi_squared_from_logits(logits, temperature=temperature).to(torch.float32)], -1)
+
+    return both
+
+
+def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] | Rewards, *,
+                    policy: CausalLM, config: JobConfig, critic: Critic | None = None) -> Experience:
+    """Old log-probs (the policy before the update; the rollout's behaviour log-probs when
+    ``actor.recompute_old_logprobs`` is False, recomputed otherwise), reference log-probs (when the state holds reference
+    params), values (when given a ``critic``; the state must hold its params) and ``Σπ²`` (when the
+    estimator needs it), all without gradients, at ``rollout.temperature``, in chunks of
+    ``actor.micro_batch_rows``. ``rewards``: one score per row, or :class:`~purerl.batch.Rewards`
+    with ReMax baselines / GDPO components."""
+    rewards = Rewards.of(rewards)
+    seqs, temperature = rollout.sequences, config.rollout.temperature
+    rows, sum_pi_squared, old = config.actor.micro_batch_rows, None, rollout.behaviour_logprobs
+    recompute = config.actor.recompute_old_logprobs is not False  # None (not resolved): the safe choice
+    if config.algorithm.estimator.needs_sum_pi_squared:  # Σπ² of π_old: the recomputed policy, whatever the flag
+        both = _batched(policy, _logprobs_and_sum_pi_squared_fn(policy, state.policy, temperature), seqs, rows)
+        sum_pi_squared = both[..., 1]
+        if recompute:
+            old = both[..., 0]
+    elif recompute:
+        old = _batched(policy, _logprobs_fn(policy, state.policy, temperature), seqs, rows)
+    ref = None
+    if state.reference is not None:
+        ref = _batched(policy, _logprobs_fn(policy, state.reference, temperature), seqs, rows)
+    values = None
+    if critic is not None:
+        if state.critic is None:
+            raise ValueError("make_experience: a critic without TrainState.critic params")
+        values = _batched(critic, functools.partial(response_values, critic, state.critic), seqs, rows)
+        values = torch.where(seqs.response_mask, values, 0.0)
+    return Experience(seqs, rollout.group, rewards.scores.to(torch.float32), old, rollout.behaviour_logprobs, ref,
+                      values, rewards.baselines, rewards.components, sum_pi_squared)

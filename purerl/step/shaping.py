@@ -1,0 +1,90 @@
+"""Reward shaping: token rewards (with the KL penalty in the reward), the off-policy correction's
+importance weights and the advantages, from an :class:`~purerl.step.experience.Experience`."""
+
+import math
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from purerl.algo.advantages import AdvantageInputs
+from purerl.algo.correction import importance_weights
+from purerl.algo.kl import apply_kl_penalty
+from purerl.algo.masked import masked_mean
+from purerl.batch import Sequences
+from purerl.config.job import JobConfig
+from purerl.step.experience import Experience
+from purerl.tree import pytree, tree_map
+
+__all__ = ["Metrics", "TrainBatch", "shape_rewards", "token_level_scores"]
+
+Metrics = dict[str, float]
+
+
+@pytree
+class TrainBatch:
+    """What the actor and critic updates consume. ``is_weights``: the off-policy correction's
+    per-token weights of the policy loss (None: uncorrected; ``algorithm.rollout_correction``)."""
+
+    sequences: Sequences
+    old_logprobs: Float[Tensor, "b t"]
+    ref_logprobs: Float[Tensor, "b t"] | None
+    advantages: Float[Tensor, "b t"]
+    returns: Float[Tensor, "b t"]
+    values: Float[Tensor, "b t"] | None
+    is_weights: Float[Tensor, "b t"] | None = None
+
+    def rows(self, index: Tensor | slice) -> "TrainBatch":
+        return tree_map(lambda x: x[index] if isinstance(x, Tensor) else x, self)
+
+
+def token_level_scores(scores: Float[Tensor, " b"], mask: Bool[Tensor, "b t"]) -> Float[Tensor, "b t"]:
+    """Each sequence's score placed on its last valid token (0 elsewhere, and for empty rows)."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, positions, -1).max(-1).values
+    onehot = (positions[None] == last[:, None]) & mask
+    return torch.where(onehot, scores[:, None].to(torch.float32), 0.0)
+
+
+def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
+                  config: JobConfig) -> tuple[TrainBatch, Any, Metrics]:
+    """Token rewards (minus the KL penalty when ``algorithm.use_kl_in_reward``, whose controller
+    state comes back updated), the importance weights of ``algorithm.rollout_correction``
+    (``rollout_corr/*`` metrics) and the advantages of ``algorithm.adv_estimator`` with its settings."""
+    algorithm = config.algorithm
+    mask = experience.sequences.response_mask
+    rewards = token_level_scores(experience.scores, mask)
+    metrics: Metrics = {}
+    if algorithm.use_kl_in_reward:
+        if experience.ref_logprobs is None:
+            raise ValueError("shape_rewards: a KL penalty in the reward needs reference log-probs "
+                             "(TrainState.reference params)")
+        penalty = apply_kl_penalty(rewards, experience.old_logprobs, experience.ref_logprobs, mask,
+                                   kl_state.coef, algorithm.kl_penalty)
+        metrics["actor/reward_kl_penalty"] = float(penalty.current_kl)
+        metrics["actor/reward_kl_penalty_coeff"] = float(kl_state.coef)
+        kl_state = kl_controller.update(kl_state, penalty.current_kl, len(experience.scores))
+        rewards = penalty.rewards
+    is_weights, correction = importance_weights(algorithm.rollout_correction or "none", experience.old_logprobs,
+                                                experience.behaviour_logprobs, mask, cap=algorithm.correction_cap)
+    estimator = algorithm.estimator
+    otb = estimator.needs_sum_pi_squared
+    inputs = AdvantageInputs(rewards=rewards, mask=mask, values=experience.values, group=experience.group,
+                             reward_baselines=experience.baselines, reward_components=experience.components,
+                             old_logprobs=experience.old_logprobs if otb else None,
+                             sum_pi_squared=experience.sum_pi_squared if otb else None,
+                             is_weights=is_weights if otb else None)
+    advantages, returns = estimator(inputs, algorithm)
+    metrics.update({
+        "critic/score/mean": float(experience.scores.mean()),
+        "critic/rewards/mean": float(rewards.sum(-1).mean()),
+        "critic/advantages/mean": float(masked_mean(advantages, mask)),
+        "critic/advantages/max": float(torch.where(mask, advantages, -math.inf).max()) if mask.any() else 0.0,
+        "critic/advantages/min": float(torch.where(mask, advantages, math.inf).min()) if mask.any() else 0.0,
+        "critic/returns/mean": float(masked_mean(returns, mask)),
+    })
+    metrics.update({f"rollout_corr/{name}": float(value.value()) for name, value in correction.items()})
+    batch = TrainBatch(experience.sequences, experience.old_logprobs, experience.ref_logprobs,
+                       advantages, returns, experience.values, is_weights)
+    return batch, kl_state, metrics

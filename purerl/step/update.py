@@ -1,0 +1,186 @@
+"""The updates: policy (actor) and value (critic) gradient steps over epochs × mini-batches ×
+micro-batches, with the donated optimizer.
+
+Optimizer updates *donate* the old params and optimizer state (they are updated in place and
+returned): never use a ``TrainState`` after passing it to a step. A mini-batch whose loss or
+gradient norm is not finite is rejected: the optimizer is not called (``*/rejected_updates``).
+
+The one injected effect is ``value_and_grad``: the pure :func:`purerl.models.value_and_grad`
+here, a sharded ``.backward()`` in distributed executors. Index tensors are built on the device
+of the data they index; random draws come from CPU generators, so a seed gives the same shuffle
+on every device (``tests/test_gpu.py`` checks what a CPU run cannot see).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, loss_denominator
+from purerl.algo.kl import kl_loss
+from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from purerl.algo.value_loss import clipped_value_loss
+from purerl.config.job import JobConfig
+from purerl.models import CausalLM, Critic, Params, response_logits, response_values
+from purerl.models import value_and_grad as pure_value_and_grad
+from purerl.state import RngState
+from purerl.step.experience import chunks
+from purerl.step.shaping import Metrics, TrainBatch
+from purerl.tree import tree_leaves, tree_map
+
+__all__ = ["ValueAndGrad", "actor_update", "critic_update"]
+
+ValueAndGrad = Callable[[Callable[..., tuple[SumCount, Any]]], Callable[..., tuple[SumCount, Any, Any]]]
+
+_LOSS_STREAM = 2  # the RNG stream of random choices inside losses
+
+
+def _minibatches(n: int, rows: int | None, epochs: int, rng: RngState, device: torch.device) -> list[Tensor]:
+    """Row index sets for ``epochs`` shuffled passes in mini-batches of ``rows`` (all rows if None),
+    on ``device`` (the batch's: indices live beside the data they index). The shuffle is drawn on
+    the CPU, so it is the same whatever the device."""
+    size = n if rows is None else min(rows, n)
+    g = rng.generator()
+    out = []
+    for _ in range(epochs):
+        order = (torch.randperm(n, generator=g) if size < n else torch.arange(n)).to(device)
+        out.extend(order[sl] for sl in chunks(n, size))
+    return out
+
+
+def _finite(*values: Tensor) -> bool:
+    return all(bool(torch.isfinite(v).all()) for v in values)
+
+
+def _grad_norm(grads: Any) -> Tensor:
+    leaves = [g for g in tree_leaves(grads) if isinstance(g, Tensor)]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in leaves]))
+
+
+def _accumulate(total: Any, grads: Any) -> Any:
+    if total is None:
+        return grads
+    torch._foreach_add_([t for t in tree_leaves(total)], [g for g in tree_leaves(grads)])
+    return total
+
+
+def _actor_loss(policy: CausalLM, config: JobConfig, rng: RngState) -> Callable:
+    """The actor's loss as a function of (params, micro-batch): the policy loss (with its own
+    settings), the entropy bonus and the KL loss, all aggregated alike. Losses that draw at
+    random (``clip_cov``) draw from one generator seeded by ``rng``, in micro-batch order."""
+    actor, temperature = config.actor, config.rollout.temperature
+    loss, settings = actor.loss, (actor, actor.loss_options)
+    agg = loss.aggregation_of(actor.loss_agg)
+    generator = rng.fold_in(_LOSS_STREAM).generator()
+
+    def loss_fn(params: Params, batch: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
+        mask = batch.sequences.response_mask
+        logits = response_logits(policy, params, batch.sequences)
+        logp = logprobs_from_logits(logits, batch.sequences.responses(), temperature=temperature)
+        out = loss(logp, batch.old_logprobs, batch.advantages, mask, *settings, is_weights=batch.is_weights,
+                   generator=generator)
+        total = out.loss
+        aux = {"pg_loss": out.loss, "pg_clipfrac": out.clipfrac, "pg_clipfrac_lower": out.clipfrac_lower,
+               "ppo_kl": out.ppo_kl}
+        if actor.entropy_coeff != 0 or actor.compute_entropy:
+            with torch.set_grad_enabled(actor.entropy_coeff != 0 and torch.is_grad_enabled()):
+                entropy = entropy_from_logits(logits if actor.entropy_coeff != 0 else logits.detach(),
+                                              temperature=temperature)
+            ent = LOSS_AGGREGATIONS[agg](entropy, mask, actor.loss_norm)
+            aux["entropy"] = ent
+            if actor.entropy_coeff != 0:
+                total = SumCount(total.total - actor.entropy_coeff * ent.total, total.count)
+        if actor.kl_loss_coef > 0:
+            if batch.ref_logprobs is None:
+                raise ValueError("actor_update: actor.kl_loss_coef > 0 needs reference log-probs "
+                                 "(TrainState.reference params)")
+            kl = kl_loss(logp, batch.ref_logprobs, mask, actor.kl_loss_type, agg, actor.loss_norm)
+            aux["kl_loss"] = kl
+            total = SumCount(total.total + actor.kl_loss_coef * kl.total, total.count)
+        return total, aux
+
+    return loss_fn
+
+
+def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, indices: list[Tensor],
+            loss_fn: Callable[[Params, TrainBatch], tuple[SumCount, Any]], micro_batch_rows: int,
+            value_and_grad: ValueAndGrad, prefix: str, agg: str,
+            needed: Bool[Tensor, " b"] | None = None) -> tuple[Params, Any, Metrics]:
+    """Mini-batch × micro-batch gradient steps; micro-batch gradients add up to the mini-batch's.
+
+    The micro-batch is an argument of the differentiated function (not closed over), so a
+    data-parallel ``value_and_grad`` can take its own rank's rows of it. Rows where ``needed`` is
+    False add nothing to the loss: they count in its denominator but skip forward and backward
+    (a mini-batch with none left still takes its optimizer step, with zero gradients).
+    """
+    grad_fn = value_and_grad(loss_fn)
+    sums: dict[str, SumCount] = {}
+    norms, rejected, skipped = [], 0, 0
+    for rows in indices:
+        denominator = loss_denominator(batch.sequences.response_mask[rows], agg)
+        if needed is not None:
+            kept = rows[needed[rows]]
+            skipped, rows = skipped + len(rows) - len(kept), kept
+        mini = batch.rows(rows)
+        grads, mini_loss = None, None
+        parts = chunks(len(rows), micro_batch_rows)
+        for sl in parts:
+            micro = mini if len(parts) == 1 else mini.rows(sl)
+            loss, aux, g = grad_fn(params, micro, denominator=denominator.clamp_min(1))
+            grads = _accumulate(grads, g)
+            mini_loss = loss if mini_loss is None else mini_loss + loss
+            for name, value in aux.items():
+                sums[name] = sums[name] + value if name in sums else value
+        if grads is None:
+            grads = tree_map(torch.zeros_like, params)
+        norm = _grad_norm(grads)
+        if not _finite(norm, *([] if mini_loss is None else [mini_loss.total])):
+            rejected += 1
+            break  # never feed a non-finite update to the (donating) optimizer
+        params, opt_state = optimizer.update(grads, opt_state, params)
+        norms.append(float(norm))
+    metrics = {f"{prefix}/{name}": float(value.value()) for name, value in sums.items()}
+    metrics[f"{prefix}/grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
+    metrics[f"{prefix}/rejected_updates"] = float(rejected)
+    if needed is not None:
+        metrics[f"{prefix}/skipped_rows_frac"] = skipped / max(sum(len(rows) for rows in indices), 1)
+    return params, opt_state, metrics
+
+
+def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: CausalLM, optimizer: Any,
+                 config: JobConfig, rng: RngState,
+                 value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
+    """PPO-style policy updates over ``actor.ppo_epochs`` × mini-batches of ``actor.mini_batch_rows``
+    × micro-batches of ``actor.micro_batch_rows`` (donates ``params``/``opt_state``). With
+    ``actor.skip_zero_advantage_rows``, rows whose advantages are all 0 skip the forward and
+    backward while the loss lets them (it vanishes there, and no entropy bonus or KL loss reads
+    them); the actor metrics then average over the rows that were updated."""
+    actor = config.actor
+    indices = _minibatches(len(batch.sequences), actor.mini_batch_rows, actor.ppo_epochs, rng,
+                           batch.advantages.device)
+    skip = (actor.skip_zero_advantage_rows and actor.entropy_coeff == 0 and actor.kl_loss_coef == 0
+            and actor.loss.vanishes_at_zero_advantage(actor, actor.loss_options))
+    needed = (batch.advantages != 0).any(-1) if skip else None
+    return _update(params, opt_state, optimizer, batch, indices, _actor_loss(policy, config, rng),
+                   actor.micro_batch_rows, value_and_grad, "actor", actor.loss.aggregation_of(actor.loss_agg), needed)
+
+
+def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: Critic, optimizer: Any,
+                  config: JobConfig, rng: RngState,
+                  value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
+    """Clipped value-loss updates (``critic.value_clip``) with the actor's epochs, mini- and
+    micro-batches and aggregation (donates ``params``/``opt_state``)."""
+    actor = config.actor
+
+    def loss_fn(p: Params, micro: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
+        values = response_values(critic, p, micro.sequences)
+        out = clipped_value_loss(values, micro.values, micro.returns, micro.sequences.response_mask,
+                                 clip=config.critic.value_clip, agg=actor.loss_agg, norm=actor.loss_norm)
+        return out.loss, {"vf_loss": out.loss, "vf_clipfrac": out.clipfrac}
+
+    indices = _minibatches(len(batch.sequences), actor.mini_batch_rows, actor.ppo_epochs, rng,
+                           batch.returns.device)
+    return _update(params, opt_state, optimizer, batch, indices, loss_fn, actor.micro_batch_rows, value_and_grad,
+                   "critic", actor.loss_agg)
