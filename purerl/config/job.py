@@ -243,7 +243,8 @@ class RewardConfig:
     """``fn``: ``lenient`` (the last number counts), ``strict`` (only ``####`` or boxed answers),
     or ``module:function`` / ``path/file.py:function`` — verl's ``compute_score(data_source,
     solution_str, ground_truth, extra_info)`` or ``fn(response, ground_truth)``; each call has
-    ``timeout`` seconds, and a failed or timed-out call scores ``penalty``. ``model``: a local HF
+    ``timeout`` seconds and a step's calls ``batch_timeout`` in all (then what still runs is
+    stopped), and a failed or timed-out call scores ``penalty``. ``model``: a local HF
     sequence-classification model scoring prompt + response; the reward is
     ``fn_weight·fn + model_weight·model``. ``overlong_buffer`` > 0 (DAPO): responses longer than
     ``rollout.max_new_tokens − overlong_buffer`` lose up to ``overlong_penalty``, linearly."""
@@ -251,6 +252,7 @@ class RewardConfig:
     fn: str = "lenient"
     format_bonus: float = attrs.field(default=0.0, validator=at_least(0))
     timeout: float = attrs.field(default=10.0, validator=positive)
+    batch_timeout: float = attrs.field(default=30.0, validator=positive)
     penalty: float = 0.0
     fn_weight: float = 1.0
     model: str | None = None
@@ -262,12 +264,17 @@ class RewardConfig:
 @section
 class TrainerConfig:
     """``critic_warmup``: the first steps train only the critic (PPO). ``keep_checkpoints``: how
-    many of the newest checkpoints stay on disk."""
+    many of the newest checkpoints stay on disk. The run stops (exit status 1, naming the step and
+    the last good checkpoint) after ``max_rejected_steps`` steps in a row whose update was
+    rejected (a non-finite loss or gradient), or ``max_failed_reward_steps`` steps in a row whose
+    rewards all failed or timed out; at once when an update leaves non-finite weights."""
 
     steps: int = attrs.field(default=30, validator=at_least(1))
     eval_every: int = attrs.field(default=10, validator=at_least(0))
     checkpoint_every: int = attrs.field(default=10, validator=at_least(0))
     keep_checkpoints: int = attrs.field(default=2, validator=at_least(1))
+    max_rejected_steps: int = attrs.field(default=3, validator=at_least(1))
+    max_failed_reward_steps: int = attrs.field(default=3, validator=at_least(1))
     seed: int = 0
     critic_warmup: int = attrs.field(default=0, validator=at_least(0))
     log: tuple[str, ...] = attrs.field(default=(), validator=attrs.validators.deep_iterable(

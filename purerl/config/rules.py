@@ -64,6 +64,9 @@ def problems(config: JobConfig) -> list[str]:
     if trainer.critic_warmup >= trainer.steps:
         found.append(f"trainer.critic_warmup {trainer.critic_warmup} ≥ trainer.steps {trainer.steps}: the policy "
                      "would never train")
+    if reward.batch_timeout < reward.timeout:
+        found.append(f"reward.batch_timeout {reward.batch_timeout:g} is shorter than reward.timeout {reward.timeout:g}: "
+                     "no call could use its own deadline")
     if reward.format_bonus and reward.fn != "strict":
         found.append("reward.format_bonus applies to the strict reward: set reward.fn=strict")
     if algorithm.gdpo_weights is not None:

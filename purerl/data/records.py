@@ -2,8 +2,9 @@
 
 A :class:`PromptRecord` is one training prompt: chat messages, the ground truth the reward
 checks against, and the data source name. Files in verl's format (parquet or jsonl rows with
-``prompt`` as a list of ``{"role", "content"}`` messages, ``reward_model.ground_truth`` and
-``data_source``) load through :func:`load_records`; a malformed row raises
+``prompt`` as a list of ``{"role", "content"}`` messages, ``reward_model.ground_truth``,
+``data_source`` and ``extra_info``, which reaches a verl-form reward function) load through
+:func:`load_records`; a malformed row raises
 :class:`DataError` naming the file, the row and the field.
 """
 
@@ -65,7 +66,13 @@ def record_from_row(row: Any, where: str) -> PromptRecord:
         raise DataError(f"{where}: field 'reward_model.ground_truth' is a {type(truth).__name__}; "
                         "the math rewards compare one answer: give a string or a number")
     source = row.get("data_source", "unknown")
-    return PromptRecord(tuple(messages), str(truth), str(source))
+    extra = row.get("extra_info")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise DataError(f"{where}: field 'extra_info' is a {type(extra).__name__}; verl's extra_info is an object "
+                        "(it reaches the reward function as extra_info)")
+    return PromptRecord(tuple(messages), str(truth), str(source), extra)
 
 
 def _rows(path: Path) -> list[tuple[int, Any]]:

@@ -63,7 +63,7 @@ class Executor(Protocol):
 
     def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
               timeout: float, penalty: float, data_sources: Sequence[str] | None = None,
-              extra_infos: Sequence[dict] | None = None) -> Scores:
+              extra_infos: Sequence[dict] | None = None, batch_timeout: float | None = None) -> Scores:
         """:func:`~purerl.rewards.score_responses`, wherever the executor runs reward functions."""
 
     def score_model(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:

@@ -80,9 +80,9 @@ class LocalExecutor:
 
     def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
               timeout: float, penalty: float, data_sources: Sequence[str] | None = None,
-              extra_infos: Sequence[dict] | None = None) -> Scores:
+              extra_infos: Sequence[dict] | None = None, batch_timeout: float | None = None) -> Scores:
         return score_responses(fn, responses, ground_truths, timeout=timeout, penalty=penalty,
-                               data_sources=data_sources, extra_infos=extra_infos)
+                               data_sources=data_sources, extra_infos=extra_infos, batch_timeout=batch_timeout)
 
     def score_model(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
         if self.reward_model is None:

@@ -1,6 +1,7 @@
 """Held-out evaluation: greedy answers to a task's prompts, scored like training's rewards."""
 
 from collections.abc import Callable
+from typing import Any
 
 from purerl.loop.sampling import Task, decode_responses
 from purerl.rewards import Scores, score_responses
@@ -12,21 +13,28 @@ __all__ = ["evaluate"]
 
 
 def evaluate(engine: RolloutEngine, task: Task, *, version: int, max_new_tokens: int, reward_timeout: float,
-             score: Callable[..., Scores] = score_responses, batch_prompts: int = 32) -> dict[str, float]:
+             batch_timeout: float | None = None, score: Callable[..., Scores] = score_responses,
+             batch_prompts: int = 32) -> dict[str, Any]:
     """Greedy answers with weights ``version``; ``val/<name>`` for each of ``task.eval_fns``: the
     fraction scored ≥ 1. Answers are scored like training's (``score``, under ``reward_timeout``):
     an answer whose check hangs or fails counts as wrong (``val/reward_timeouts``,
-    ``val/reward_errors``)."""
+    ``val/reward_errors``; their messages under ``val/reward_error_messages`` when there are any)."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
     texts = []
     for start in range(0, len(task.records), batch_prompts):
         ids = task.prompt_ids[start:start + batch_prompts]
         texts += decode_responses(engine.generate(ids, sampling, RngState(0), version=version), task.decode)
     records = task.records
-    metrics, timeouts, errors = {}, 0, 0
+    metrics: dict[str, Any] = {}
+    timeouts, errors, messages = 0, 0, []
     for name, fn in task.eval_fns.items():
         scored = score(fn, texts, [r.ground_truth for r in records], timeout=reward_timeout, penalty=0.0,
-                       data_sources=[r.data_source for r in records], extra_infos=[r.extra for r in records])
+                       data_sources=[r.data_source for r in records], extra_infos=[r.extra for r in records],
+                       batch_timeout=batch_timeout)
         metrics[f"val/{name}"] = sum(v >= 1.0 for v in scored.values) / len(records)
         timeouts, errors = timeouts + scored.timeouts, errors + scored.errors
-    return {**metrics, "val/reward_timeouts": float(timeouts), "val/reward_errors": float(errors)}
+        messages += [f"{name}: {m}" for m in scored.error_messages]
+    metrics.update({"val/reward_timeouts": float(timeouts), "val/reward_errors": float(errors)})
+    if messages:
+        metrics["val/reward_error_messages"] = messages
+    return metrics

@@ -84,25 +84,31 @@ def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: Dat
     ``score_model``: the executor's reward model, when ``reward.model`` is used). With an
     estimator that needs baselines, the rewards carry each prompt's greedy score; with
     ``algorithm.dynamic_sampling``, rounds of prompts until enough groups have varied rewards.
-    Returns the rollout, its rewards, metrics, and the cursor after its prompts."""
+    Returns the rollout, its rewards, metrics (with the failed calls' messages under
+    ``reward/error_messages`` when there are any, and ``reward/all_failed`` when no call
+    succeeded), and the cursor after its prompts."""
     algorithm, sampling = config.algorithm, config.rollout
     prompts_per_step, n = config.data.prompts_per_step, sampling.n
     baselines = algorithm.estimator.needs_baselines
     sampled: dict[str, float] = {}  # sums over the sampled rounds
-    baseline_s = errors = timeouts = 0.0
+    baseline_s = errors = timeouts = baseline_rows = 0.0
+    messages: list[str] = []
     kept: list[tuple[Rollout, Rewards]] = []
     groups, rounds, cursor = 0, 0, data
     while True:
         indices, cursor = next_indices(cursor, len(task.records), prompts_per_step)
         round_rng = rng if rounds == 0 else rng.fold_in(rounds)
-        rollout, rewards, sums = _scored_rollout(engine, task, config, indices, round_rng, version, score,
-                                                 score_model, sampling)
+        rollout, rewards, sums, failed = _scored_rollout(engine, task, config, indices, round_rng, version, score,
+                                                         score_model, sampling)
+        messages += failed
         for key, value in sums.items():
             sampled[key] = sampled.get(key, 0.0) + value
         if baselines:
             greedy = attrs.evolve(sampling, temperature=0.0, top_p=1.0, top_k=0, n=1)
-            _, base, cost = _scored_rollout(engine, task, config, indices, RngState(0), version, score, score_model,
-                                            greedy)
+            _, base, cost, failed = _scored_rollout(engine, task, config, indices, RngState(0), version, score,
+                                                    score_model, greedy)
+            messages += failed
+            baseline_rows += cost["rows"]
             baseline_s += cost["gen_s"] + cost["reward_s"]
             errors, timeouts = errors + cost["errors"], timeouts + cost["timeouts"]
             rewards = attrs.evolve(rewards, baselines=base.scores.repeat_interleave(n))
@@ -126,6 +132,10 @@ def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: Dat
                "perf/gen_tokens_per_s": sampled["tokens"] / max(sampled["gen_s"], 1e-9)}
     if baselines:
         metrics["timing/baseline_s"] = baseline_s
+    if messages:  # only when some call failed: taken out before logging (purerl.loop.recording)
+        metrics["reward/error_messages"] = messages
+        if metrics["reward/errors"] + metrics["reward/timeouts"] >= sampled["rows"] + baseline_rows:
+            metrics["reward/all_failed"] = 1.0
     for name in ("model", "overlong_penalty"):  # means over every sampled response, kept or not
         if name in sampled:
             metrics[f"reward/{name}_mean"] = sampled[name] / max(sampled["rows"], 1.0)
@@ -148,10 +158,10 @@ def _pad_id(rollout: Rollout) -> int:
 
 def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indices: list[int], rng: RngState,
                     version: int, score: Score, score_model: ScoreModel | None,
-                    sampling: SamplingParams) -> tuple[Rollout, Rewards, dict[str, float]]:
+                    sampling: SamplingParams) -> tuple[Rollout, Rewards, dict[str, float], list[str]]:
     """Generate ``sampling.n`` responses per prompt and reward them. Returns the rollout, its
-    rewards and sums: seconds (``gen_s``, ``reward_s``), ``errors``, ``timeouts``, ``rows``,
-    ``tokens`` and the summed ``model`` scores and ``overlong_penalty``."""
+    rewards, sums (seconds ``gen_s`` and ``reward_s``, ``errors``, ``timeouts``, ``rows``,
+    ``tokens``, the summed ``model`` scores and ``overlong_penalty``) and the failed calls' messages."""
     reward = config.reward
     start = time.perf_counter()
     rollout = engine.generate([task.prompt_ids[i] for i in indices], sampling, rng, version=version)
@@ -162,7 +172,7 @@ def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indice
     start = time.perf_counter()
     scored = score(task.reward_fn, texts, [r.ground_truth for r in records], timeout=reward.timeout,
                    penalty=reward.penalty, data_sources=[r.data_source for r in records],
-                   extra_infos=[r.extra for r in records])
+                   extra_infos=[r.extra for r in records], batch_timeout=reward.batch_timeout)
     device = rollout.sequences.input_ids.device
     rule = torch.tensor(scored.values, dtype=torch.float32, device=device)
     sums.update(errors=float(scored.errors), timeouts=float(scored.timeouts))
@@ -175,7 +185,7 @@ def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indice
                                    max_new_tokens=sampling.max_new_tokens)
     sums.update(parts)
     sums["reward_s"] = time.perf_counter() - start
-    return rollout, rewards, sums
+    return rollout, rewards, sums, scored.error_messages
 
 
 def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, config: JobConfig, *,

@@ -11,10 +11,12 @@
   the two-argument form.
 
 A dict result must hold a ``"score"`` key, which is the reward; its other keys (verl's extra
-metrics) are dropped. A reward is a finite number.
+metrics) are dropped. A reward is a number (bools count as 0 and 1, numeric strings do not) that
+a float32 holds: the trainer's rewards are float32, where 1e308 would become inf.
 """
 
 import inspect
+import numbers
 from typing import Any
 
 __all__ = ["Form", "call_form", "reward_form", "reward_value"]
@@ -68,13 +70,22 @@ def _call(fn: Any, form: Form, response: str, ground_truth: str, data_source: st
 
 
 def reward_value(fn: Any, form: Form, response: str, ground_truth: str, data_source: str = "unknown",
-            extra_info: Any = None) -> float:
+                 extra_info: Any = None) -> float:
+    """``fn``'s reward for one response, called in ``form``. A reward is a number (anything with
+    ``__float__``: a bool counts as 0 or 1, a one-element tensor as its value; a numeric string
+    does not count) that fits the trainer's float32: anything else raises ``ValueError`` (scored
+    as the sample's error)."""
     result = _call(fn, form, response, ground_truth, data_source, {} if extra_info is None else extra_info)
     if isinstance(result, dict):
         if "score" not in result:
             raise ValueError(f"the reward function returned a dict without a 'score' key (keys: {sorted(result)})")
         result = result["score"]
+    if not isinstance(result, numbers.Real) and not hasattr(type(result), "__float__"):  # a str has no __float__
+        raise ValueError(f"the reward is a {type(result).__name__} ({result!r:.40}), not a number")
     value = float(result)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"reward is {value}")
+    if not abs(value) <= _FLOAT32_MAX:  # NaN fails this too
+        raise ValueError(f"the reward is {value}, not a finite number a float32 holds")
     return value
+
+
+_FLOAT32_MAX = 3.4028234663852886e38

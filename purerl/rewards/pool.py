@@ -13,8 +13,9 @@ every worker re-import the trainer's ``__main__`` — 1.6 s to start two workers
 process, kept between calls; a call stuck in pure Python holds the GIL, so its deadline can end
 the wait for it but cannot stop it.
 
-Both return one result per sample: ``(value, None)``, ``(None, error message)``, or None for a
-call that ran out of time. :mod:`purerl.rewards.scoring` turns them into scores.
+Both return one result per sample: ``(value, None)``, ``(None, error message)``, None for a
+call that ran out of its time, or :data:`LATE` for one the batch's deadline cut short.
+:mod:`purerl.rewards.scoring` turns them into scores.
 """
 
 import functools
@@ -35,9 +36,11 @@ from typing import Any
 
 from purerl.rewards.forms import Form, reward_value
 
-__all__ = ["RewardProcesses", "Unloadable", "run_in_threads"]
+__all__ = ["LATE", "RewardProcesses", "Unloadable", "run_in_threads"]
 
-Result = tuple[float | None, str | None] | None
+Result = tuple[float | None, str | None] | None | bool
+LATE = False
+"""The result of a call the batch's deadline cut short or never started (a timeout too)."""
 
 
 class _Worker:
@@ -156,15 +159,22 @@ class Unloadable(Exception):
 def _serve(fd: int) -> None:
     """A reward process: load the functions it is sent (with the form to call them in, and the
     sender's ``sys.path``, which may have grown since this process started; answering whether it
-    could), score the samples it is sent, over the socket ``fd``."""
+    could), score the samples it is sent, over the socket ``fd``. It ends quietly when the
+    trainer is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-    conn = multiprocessing.connection.Connection(fd)
+    try:
+        _answer(multiprocessing.connection.Connection(fd))
+    except (BrokenPipeError, ConnectionResetError, EOFError):  # the trainer stopped or was killed
+        pass
+
+
+def _answer(conn: multiprocessing.connection.Connection) -> None:
     fns: dict[str, Any] = {}
     conn.send("ready")
     while True:
         try:
             message = conn.recv()
-        except (EOFError, OSError):
+        except OSError:
             return
         if message[0] == "fn":
             _, key, blob, form, paths = message
@@ -196,13 +206,15 @@ class _Process:
 
     Started as a plain ``python -c`` (not multiprocessing's spawn, which
     would re-import the trainer's main script and torch in every process), with this process's
-    ``sys.path`` so that reward functions import as they do here."""
+    ``sys.path`` so that reward functions import as they do here, in a session of its own."""
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+        # a session of its own: killing it kills its process group, whatever the reward started
         self.process = subprocess.Popen([sys.executable, "-c", _WORKER, str(theirs.fileno())],
-                                        pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                                        pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
         theirs.close()
         self.conn = multiprocessing.connection.Connection(ours.detach())
         self.fn_key: str | None = None
@@ -217,7 +229,11 @@ class _Process:
             raise RuntimeError(f"a reward process did not start within {timeout:g} s")
 
     def kill(self) -> None:
-        self.process.kill()
+        """Kill the process and every process it started (its whole process group)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # already gone
+            pass
         self.process.wait()
         self.conn.close()
 
@@ -237,11 +253,13 @@ class RewardProcesses:
         return started
 
     def run(self, blob: bytes, form: Form, responses: Sequence[str], truths: Sequence[str], sources: Sequence[str],
-            extras: Sequence[Any], timeout: float) -> list[Result]:
-        """One result per sample, each call under ``timeout`` seconds from when a process takes it.
-        Raises :class:`Unloadable` when the processes cannot load the function."""
+            extras: Sequence[Any], timeout: float, batch_timeout: float | None = None) -> list[Result]:
+        """One result per sample, each call under ``timeout`` seconds from when a process takes it,
+        and the whole batch under ``batch_timeout`` (None: no bound beyond the calls'): calls still
+        running then are killed and calls not started never start (:data:`LATE`). Raises
+        :class:`Unloadable` when the processes cannot load the function."""
         with self.lock:
-            return self._run(blob, form, responses, truths, sources, extras, timeout)
+            return self._run(blob, form, responses, truths, sources, extras, timeout, batch_timeout)
 
     def _load(self, ps: list[_Process], key: str, blob: bytes, form: Form, paths: list[str]) -> str | None:
         """Give ``ps`` the function (those that lack it, loading in parallel) and wait until each
@@ -269,7 +287,8 @@ class RewardProcesses:
         return error
 
     def _run(self, blob: bytes, form: Form, responses: Sequence[str], truths: Sequence[str], sources: Sequence[str],
-             extras: Sequence[Any], timeout: float) -> list[Result]:
+             extras: Sequence[Any], timeout: float, batch_timeout: float | None) -> list[Result]:
+        batch_end = time.monotonic() + (batch_timeout if batch_timeout is not None else float("inf"))
         key = hashlib.sha256(blob).hexdigest()
         paths = [p for p in sys.path if p]
         want = min(max(self.size, 1), len(responses))
@@ -300,7 +319,7 @@ class RewardProcesses:
             if pending:
                 assign(p)
         while running:
-            soonest = min(deadline for _, deadline in running.values())
+            soonest = min(batch_end, *(deadline for _, deadline in running.values()))
             by_conn = {p.conn: p for p in running}
             for conn in multiprocessing.connection.wait(list(by_conn), max(0.0, soonest - time.monotonic())):
                 p = by_conn[conn]
@@ -320,6 +339,14 @@ class RewardProcesses:
                 if pending:
                     assign(p)
             now = time.monotonic()
+            if now >= batch_end:  # the batch's deadline: what still runs is killed, the rest never starts
+                for p, (i, _) in running.items():
+                    results[i] = LATE
+                    workers.remove(p)
+                    p.kill()
+                for i in pending:
+                    results[i] = LATE
+                break
             for p, (i, deadline) in list(running.items()):
                 if now >= deadline:  # results[i] stays None: a timeout
                     del running[p]

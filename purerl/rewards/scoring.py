@@ -24,7 +24,7 @@ import attrs
 
 from purerl.rewards.forms import call_form, reward_form
 from purerl.rewards.math import RewardFn
-from purerl.rewards.pool import Result, RewardProcesses, Unloadable, run_in_threads
+from purerl.rewards.pool import LATE, Result, RewardProcesses, Unloadable, run_in_threads
 
 __all__ = ["Scores", "check_score_inputs", "reward_form", "reward_processes", "score_in_threads", "score_responses"]
 
@@ -66,14 +66,17 @@ def _extras(n: int, data_sources: Sequence[str] | None,
 
 
 
-def _scores(results: Sequence[Result], timeout: float, penalty: float, first_index: int) -> Scores:
-    """``results[i]``: ``(value, None)``, ``(None, error message)``, or None for a timeout."""
+def _scores(results: Sequence[Result], timeout: float, penalty: float, first_index: int,
+            batch_timeout: float | None = None) -> Scores:
+    """``results[i]``: ``(value, None)``, ``(None, error message)``, None for a timeout, or
+    :data:`~purerl.rewards.pool.LATE` (cut short by the batch's deadline: a timeout too)."""
     values, messages, errors, timeouts = [], [], 0, 0
     for i, result in enumerate(results):
-        if result is None:
+        if result is None or result is LATE:
             timeouts += 1
             values.append(penalty)
-            messages.append(f"sample {first_index + i}: timed out after {timeout:g} s")
+            messages.append(f"sample {first_index + i}: timed out after {timeout:g} s" if result is None else
+                            f"sample {first_index + i}: the batch's scoring deadline of {batch_timeout:g} s passed")
         elif result[1] is not None:
             errors += 1
             values.append(penalty)
@@ -105,9 +108,13 @@ def reward_processes() -> RewardProcesses:
 
 def score_responses(fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
                     timeout: float = 10.0, penalty: float = 0.0, first_index: int = 0,
-                    data_sources: Sequence[str] | None = None, extra_infos: Sequence[dict] | None = None) -> Scores:
+                    data_sources: Sequence[str] | None = None, extra_infos: Sequence[dict] | None = None,
+                    batch_timeout: float | None = None) -> Scores:
     """``fn`` over every (response, ground truth) pair, each under a hard ``timeout`` (seconds)
-    counted from when a worker process takes it (:func:`reward_processes`). Error messages number
+    counted from when a worker process takes it (:func:`reward_processes`), and all of them under
+    ``batch_timeout`` (None: no bound beyond the calls'), so samples that hang cannot add their
+    deadlines up: when it passes, calls still running are killed and the rest never start, all
+    scored as timeouts. On threads, the batch ends ``timeout`` after it starts. Error messages number
     samples from ``first_index`` (for a shard of a larger batch). ``fn`` must pickle to run in a
     process; one that does not runs on threads (:func:`score_in_threads`). ``fn`` is either form
     of reward function (:mod:`purerl.rewards.forms`); ``data_sources`` and ``extra_infos`` (one per
@@ -124,11 +131,12 @@ def score_responses(fn: RewardFn, responses: Sequence[str], ground_truths: Seque
         return on_threads()
     sources, extras = _extras(len(responses), data_sources, extra_infos)
     try:
-        results = reward_processes().run(blob, call_form(fn), responses, ground_truths, sources, extras, timeout)
+        results = reward_processes().run(blob, call_form(fn), responses, ground_truths, sources, extras, timeout,
+                                         batch_timeout)
     except Unloadable as err:
         _warn_threads(fn, f"the reward processes cannot load it ({err})")
         return on_threads()
-    return _scores(results, timeout, penalty, first_index)
+    return _scores(results, timeout, penalty, first_index, batch_timeout)
 
 
 def _warn_threads(fn: RewardFn, why: str) -> None:

@@ -183,9 +183,10 @@ class RewardWorker:
         return os.getpid()
 
     def score(self, fn: RewardFn, responses: list[str], truths: list[str], timeout: float, penalty: float,
-              first_index: int, data_sources: list[str] | None = None, extra_infos: list[dict] | None = None) -> Scores:
+              first_index: int, data_sources: list[str] | None = None, extra_infos: list[dict] | None = None,
+              batch_timeout: float | None = None) -> Scores:
         return score_responses(fn, responses, truths, timeout=timeout, penalty=penalty, first_index=first_index,
-                               data_sources=data_sources, extra_infos=extra_infos)
+                               data_sources=data_sources, extra_infos=extra_infos, batch_timeout=batch_timeout)
 
     def load_reward_model(self) -> None:
         """Load the reward model (once; a no-op after)."""

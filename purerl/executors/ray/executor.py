@@ -163,12 +163,12 @@ class RayExecutor:
 
     def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
               timeout: float, penalty: float, data_sources: Sequence[str] | None = None,
-              extra_infos: Sequence[dict] | None = None) -> Scores:
+              extra_infos: Sequence[dict] | None = None, batch_timeout: float | None = None) -> Scores:
         """Rewards on the reward workers (contiguous shards), or on the driver when there are none.
         The function travels with the driver's ``sys.path`` (:class:`ShippedRewardFn`)."""
         if not self.reward:
             return score_responses(fn, responses, ground_truths, timeout=timeout, penalty=penalty,
-                                   data_sources=data_sources, extra_infos=extra_infos)
+                                   data_sources=data_sources, extra_infos=extra_infos, batch_timeout=batch_timeout)
         import ray
 
         check_score_inputs(responses, ground_truths, data_sources, extra_infos)  # before sharding them
@@ -176,10 +176,10 @@ class RayExecutor:
         shards = prompt_shards(len(responses), len(self.reward))
         part = lambda xs, sl: None if xs is None else list(xs[sl])  # noqa: E731
         calls = [(w.score.remote(fn_ref, list(responses[sl]), list(ground_truths[sl]), timeout, penalty, sl.start,
-                                 part(data_sources, sl), part(extra_infos, sl)),
+                                 part(data_sources, sl), part(extra_infos, sl), batch_timeout),
                   f"reward worker {i}") for i, (w, sl) in enumerate(zip(self.reward, shards))]
-        # each worker's threads time out after `timeout`; the margin covers transfer and start-up
-        return Scores.concat(self.wait(calls, 2 * timeout + 30, "reward"))
+        # each worker ends its shard by its deadlines; the margin covers transfer and start-up
+        return Scores.concat(self.wait(calls, 2 * (batch_timeout or timeout) + 30, "reward"))
 
     def score_model(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
         """The reward model's scores (float32 ``[n]``, in order): contiguous shards on the reward
