@@ -19,7 +19,9 @@ def ray_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     temp = tempfile.mkdtemp(prefix="ray")
-    ray.init(address="local", num_cpus=6, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+    from purerl.executors.ray.pools import start_local_ray
+
+    start_local_ray(6, temp, log_to_driver=False)  # the product's own start: on loopback
     yield ray
     ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)

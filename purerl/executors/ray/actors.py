@@ -34,9 +34,9 @@ from purerl.tree import replace, tree_map
 __all__ = ["RewardWorker", "RolloutWorker", "ShippedRewardFn", "TrainRank"]
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -55,18 +55,25 @@ class TrainRank:
     def pid(self) -> int:
         return os.getpid()
 
-    def address(self) -> tuple[str, int]:
+    def place(self) -> tuple[str, str, int]:
+        """Where this rank runs: its Ray node, that node's address, and a free port there."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        ip = ray.util.get_node_ip_address()
+        return ray.get_runtime_context().get_node_id(), ip, _free_port(ip)
 
-    def init_process_group(self, host: str, port: int, timeout_s: float) -> None:
+    def init_process_group(self, init_method: str, timeout_s: float) -> None:
+        """Join the ranks' group at ``init_method``: a ``file://`` rendezvous when every rank runs
+        on this node (nothing listens on the network: collectives on loopback), else ``tcp://``."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        if init_method.startswith("file://"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         backend = "nccl" if self.device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=timeout_s))
         self.mesh = init_device_mesh(self.device, (self.world,))
 
     def load(self, wire_state: Any) -> None:

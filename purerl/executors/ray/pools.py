@@ -7,10 +7,14 @@ closed: the first dead, failed or silent worker stops every actor (so no rank is
 a collective) and its message is the run's error, whichever thread waits next.
 """
 
+import contextlib
+import ipaddress
 import os
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from purerl.config.job import ExecutorConfig
@@ -18,13 +22,73 @@ from purerl.executors.base import ExecutorError
 from purerl.executors.ray.actors import RewardWorker, RolloutWorker, TrainRank
 from purerl.models import CausalLM, Critic
 
-__all__ = ["WorkerGroups"]
+__all__ = ["WorkerGroups", "join_ray", "start_local_ray"]
 
 _GRACE_S = 5.0  # how long, after one worker fails, the others may still report
 # A rank waiting in a collective for a stopped or hung peer gives up (torch.distributed's timeout)
 # before the driver's step deadline, so the driver hears its failure and names the silent peer
 # rather than reporting both ranks as silent.
 _COLLECTIVE_SHARE = 0.8
+
+
+@contextlib.contextmanager
+def _single_machine_mode() -> Iterator[None]:
+    """While entered, Ray keeps a node on loopback: the single-machine mode it uses on macOS and
+    Windows (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read by the driver when it picks its node's
+    address and by every Ray process it starts). Ray offers no other way: its services listen on
+    the node's address, which it otherwise takes from the network."""
+    from ray._private import ray_constants
+
+    name = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    previous_env, previous_flag = os.environ.get(name), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[name] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = previous_flag
+        if previous_env is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous_env
+
+
+def _on_loopback(address: str) -> bool:
+    """Whether a Ray address (``host:port``, ``ray://host:port``) names this machine's loopback."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def start_local_ray(num_cpus: int, temp_dir: str | None = None, **init_kwargs: Any) -> None:
+    """Start the private Ray instance a run uses: always a fresh one (``address="local"``, never a
+    cluster some other run left behind), no dashboard, every service listening on loopback
+    (:func:`_single_machine_mode`, for the start only). Ray's token authentication stays as Ray
+    sets it (on for a new local instance since Ray 2.60; only an explicit ``RAY_AUTH_MODE=disabled``
+    in the environment turns it off). Raises ``ExecutorError`` if Ray still chose a network
+    address."""
+    import ray
+
+    with _single_machine_mode():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 **({"_temp_dir": temp_dir} if temp_dir else {}), **init_kwargs)
+    address = ray.util.get_node_ip_address()
+    if not _on_loopback(address):
+        ray.shutdown()
+        raise ExecutorError(f"the local Ray instance chose the network address {address}, not loopback: this Ray "
+                            f"version ({ray.__version__}) has no single-machine mode on this platform; start Ray "
+                            "yourself and pass --ray-address")
+
+
+def join_ray(address: str, **init_kwargs: Any) -> None:
+    """Join the running Ray cluster at ``address``; one on this machine's loopback (as
+    :func:`start_local_ray` starts) is joined in its single-machine mode."""
+    import ray
+
+    with _single_machine_mode() if _on_loopback(address) else contextlib.nullcontext():
+        ray.init(address=address, include_dashboard=False, **init_kwargs)
 
 
 class WorkerGroups:
@@ -48,11 +112,11 @@ class WorkerGroups:
         colocated = config.placement == "colocated"
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            local = config.ray_address is None
-            # "local" always starts a fresh instance (never joins a cluster some other run left behind)
-            ray.init(address=config.ray_address or "local", include_dashboard=False, log_to_driver=True,
-                     **({"num_cpus": max(os.cpu_count() or 1, int(config.workers * config.cpus_per_worker + 0.999))}
-                        if local else {}), **(ray_init or {}))
+            if config.ray_address is None:
+                cpus = max(os.cpu_count() or 1, int(config.workers * config.cpus_per_worker + 0.999))
+                start_local_ray(cpus, **{"log_to_driver": True, **(ray_init or {})})
+            else:
+                join_ray(config.ray_address, **{"log_to_driver": True, **(ray_init or {})})
         bundle = {"CPU": config.cpus_per_worker, **({"GPU": config.gpus_per_worker} if config.gpus_per_worker else {})}
         try:
             self.pools["train"] = placement_group([bundle] * config.train_ranks, strategy="PACK")
@@ -88,9 +152,15 @@ class WorkerGroups:
                 reward_model, reward_device, threads, config.reward_batch_size)
                 for i in range(config.reward_workers)]
             self.actors += [(a, f"reward worker {i}") for i, a in enumerate(self.reward)]
-            (host, port), = self.wait([(self.train[0].address.remote(), "train rank 0")], config.start_timeout, "start")
+            places = self.wait([(w.place.remote(), f"train rank {r}") for r, w in enumerate(self.train)],
+                               config.start_timeout, "start")
+            if len({node for node, _, _ in places}) == 1:  # one node: a file rendezvous, collectives on loopback
+                init_method = f"file://{tempfile.gettempdir()}/purerl-rendezvous-{uuid.uuid4().hex}"
+            else:
+                _, host, port = places[0]
+                init_method = f"tcp://{host}:{port}"
             collective_timeout = _COLLECTIVE_SHARE * config.step_timeout
-            self.wait([(w.init_process_group.remote(host, port, collective_timeout), f"train rank {r}")
+            self.wait([(w.init_process_group.remote(init_method, collective_timeout), f"train rank {r}")
                        for r, w in enumerate(self.train)], config.start_timeout, "init_process_group")
             if reward_model is not None:  # each reward worker loads it once, now: a bad folder fails here
                 self.wait([(w.load_reward_model.remote(), f"reward worker {i}") for i, w in enumerate(self.reward)],
