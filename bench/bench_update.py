@@ -4,7 +4,8 @@ One update = forward over a batch of sequences, per-token log-probs, a policy-gr
 loss, gradients, global-norm clipping and an AdamW step. purerl's path is
 ``value_and_grad(loss_fn)`` (functional_call + torch.autograd.grad) and the donated fused AdamW;
 the baseline is ``loss.backward()`` + ``clip_grad_norm_`` + ``torch.optim.AdamW`` (fused, and the
-default implementation). The variants run interleaved in the same process so machine noise hits
+default implementation); and purerl's path followed by the divergence guard (every param and
+optimizer moment checked finite). The variants run interleaved in the same process so machine noise hits
 them alike; the script prints medians and ratios against the fused baseline.
 
     python bench/bench_update.py [--hidden 256 --layers 4 --batch 8 --prompt 32 --response 64 --iters 30]
@@ -21,6 +22,7 @@ from purerl.algo.aggregation import aggregate_loss
 from purerl.models import causal_lm_from_config, response_logprobs, value_and_grad
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.tiny import random_sequences, tiny_llama_config
+from purerl.tree import tree_all_finite
 
 
 def main() -> None:
@@ -53,6 +55,10 @@ def main() -> None:
         _, _, grads = grad_fn(state["params"])
         state["params"], state["opt"] = opt.update(grads, state["opt"], state["params"])
 
+    def guarded_step() -> None:  # the trainer's divergence guard after the update
+        purerl_step()
+        assert tree_all_finite(state["params"], state["opt"])
+
     def module_step_factory(fused: bool):
         torch.manual_seed(0)
         module = AutoModelForCausalLM.from_config(config).eval()
@@ -76,6 +82,7 @@ def main() -> None:
         "module + torch.optim.AdamW(fused)": module_step_factory(True),
         "module + torch.optim.AdamW(default)": module_step_factory(False),
         "purerl functional + donated fused AdamW": purerl_step,
+        "  + divergence guard (tree_all_finite)": guarded_step,
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(3):  # warm-up

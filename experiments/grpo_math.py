@@ -36,7 +36,7 @@ from purerl.data.records import DataError  # noqa: E402
 from purerl.executors.base import ExecutorError  # noqa: E402
 from purerl.io.checkpoint import CheckpointError  # noqa: E402
 from purerl.io.run_folder import RunFolderError  # noqa: E402
-from purerl.loop.recording import Interrupted, StopRequest  # noqa: E402
+from purerl.loop.recording import Interrupted, StopRequest, TrainingStopped  # noqa: E402
 from purerl.run import run  # noqa: E402
 
 PROG = "grpo_math"
@@ -80,7 +80,13 @@ def main(argv: list[str] | None = None) -> dict:
         how = "rerun the same command with --resume" if e.checkpoint else "nothing was trained; rerun to start"
         print(f"{PROG}: {e}; {how}", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
-    except (ExecutorError, DataError, RunFolderError, CheckpointError, OSError, ValueError) as e:
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, in the middle of a step
+        if inv.debug:
+            raise
+        print(f"{PROG}: stopped at once (a second interrupt); the newest checkpoint in {inv.out_dir} resumes with "
+              "--resume", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except (ExecutorError, DataError, RunFolderError, CheckpointError, TrainingStopped, OSError, ValueError) as e:
         if inv.debug:
             raise
         raise SystemExit(f"{PROG}: {e} (--debug: the traceback)") from None

@@ -1,6 +1,8 @@
 """What happens around each trained step: evaluation, metrics, checkpoints, progress, and stop
 requests (Ctrl-C, SIGTERM) that end a run after the step in flight, checkpointed."""
 
+import json
+import re
 import signal
 import threading
 from collections.abc import Callable
@@ -9,11 +11,11 @@ from typing import Any
 
 from purerl.config.job import TrainerConfig
 from purerl.executors.base import Executor
-from purerl.io.checkpoint import save_checkpoint
+from purerl.io.checkpoint import latest_checkpoint, save_checkpoint
 from purerl.io.metrics import MetricsLog
 from purerl.state import TrainState
 
-__all__ = ["Interrupted", "StepRecorder", "StopRequest"]
+__all__ = ["Interrupted", "StepRecorder", "StopRequest", "TrainingStopped", "record_reward_errors"]
 
 
 class Interrupted(Exception):
@@ -23,6 +25,32 @@ class Interrupted(Exception):
     def __init__(self, step: int, checkpoint: Path | None) -> None:
         super().__init__(f"interrupted after step {step}" + (f"; checkpoint {checkpoint}" if checkpoint else ""))
         self.step, self.checkpoint = step, checkpoint
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on: an update left non-finite weights, or updates or rewards kept failing.
+    The message names the step, what went wrong and the last good checkpoint."""
+
+
+ERROR_MESSAGES = ("reward/error_messages", "val/reward_error_messages")
+"""Metrics keys that carry the messages of failed reward calls (taken out before logging)."""
+
+
+def record_reward_errors(run_dir: str | Path, step: int, metrics: dict[str, Any], *, shown: int = 3) -> None:
+    """Move the reward error messages out of ``metrics`` into ``reward_errors.jsonl`` (every one)
+    and a printed line (the first ``shown`` distinct ones)."""
+    for key in ERROR_MESSAGES:
+        messages = metrics.pop(key, None)
+        if not messages:
+            continue
+        where = "evaluation" if key.startswith("val/") else "training"
+        with (Path(run_dir) / "reward_errors.jsonl").open("a") as f:
+            for message in messages:
+                f.write(json.dumps({"step": step, "phase": where, "message": message}) + "\n")
+        distinct = list(dict.fromkeys(re.sub(r"^(\w+: )?sample \d+: ", "", m) for m in messages))
+        print(f"step {step}: {len(messages)} reward call(s) failed in {where}: " + "; ".join(distinct[:shown])
+              + (f"; … ({len(distinct) - shown} more kinds)" if len(distinct) > shown else "")
+              + f" (all in {Path(run_dir) / 'reward_errors.jsonl'})", flush=True)
 
 
 class StopRequest:
@@ -50,7 +78,9 @@ class StopRequest:
 
 
 class StepRecorder:
-    """After each trained step: evaluate every ``trainer.eval_every``, log, checkpoint every
+    """After each trained step: stop if it diverged or if updates or rewards kept failing
+    (:class:`TrainingStopped`, before anything of it is saved), evaluate every
+    ``trainer.eval_every``, log (reward error messages to ``reward_errors.jsonl``), checkpoint every
     ``trainer.checkpoint_every`` (keeping ``trainer.keep_checkpoints``), advance the progress bar;
     then, if ``stop`` is set, checkpoint and raise :class:`Interrupted`. :meth:`finish` writes the
     final checkpoint."""
@@ -62,6 +92,7 @@ class StepRecorder:
 
         self.executor, self.trainer, self.run_dir, self.log, self.evaluate_fn = executor, trainer, run_dir, log, evaluate_fn
         self.stop, self.saved, self.first_step = stop, None, state.step
+        self.rejected_in_a_row = self.failed_rewards_in_a_row = 0
         self.bar = tqdm(total=trainer.steps, initial=state.step, disable=not trainer.progress, unit="step",
                         dynamic_ncols=True)
 
@@ -89,10 +120,55 @@ class StepRecorder:
     def __exit__(self, *exc: Any) -> None:
         self.bar.close()
 
-    def __call__(self, state: TrainState, metrics: dict[str, float]) -> None:
+    def _last_good(self) -> str:
+        checkpoint = latest_checkpoint(Path(self.run_dir) / "checkpoints")
+        return (f"the last good checkpoint is {checkpoint} (resume from it with --resume, e.g. with a smaller "
+                "learning rate)" if checkpoint else "no checkpoint was written")
+
+    def _guard(self, state: TrainState, metrics: dict[str, Any]) -> None:
+        """Raise :class:`TrainingStopped` when the step diverged, or when updates or rewards have
+        failed ``trainer.max_*`` steps in a row; print each rejected update."""
+        trainer, step = self.trainer, state.step
+        diverged = [key for key in metrics if key.endswith("/diverged")]
+        if diverged:
+            raise TrainingStopped(f"step {step}: the update left non-finite weights or optimizer moments "
+                                  f"({', '.join(diverged)}); nothing of it was saved; {self._last_good()}")
+        rejected = [key for key in metrics if key.endswith("/rejected_updates") and metrics[key] > 0]
+        if rejected:
+            self.rejected_in_a_row += 1
+            bad = [key.rsplit("/", 1)[1].removeprefix("nonfinite_") for key in metrics
+                   if key.rsplit("/", 1)[-1].startswith("nonfinite_") and metrics[key] > 0]
+            print(f"step {step}: update rejected ({', '.join(rejected)}): non-finite {' and '.join(bad) or 'values'}"
+                  f" ({self.rejected_in_a_row} in a row)", flush=True)
+            if self.rejected_in_a_row >= trainer.max_rejected_steps:
+                raise TrainingStopped(f"step {step}: {self.rejected_in_a_row} steps in a row had their update rejected "
+                                      f"(non-finite {' and '.join(bad) or 'values'}: trainer.max_rejected_steps "
+                                      f"{trainer.max_rejected_steps}); {self._last_good()}")
+        else:
+            self.rejected_in_a_row = 0
+        if metrics.get("reward/all_failed"):
+            self.failed_rewards_in_a_row += 1
+            print(f"step {step}: warning: every reward call failed or timed out "
+                  f"({self.failed_rewards_in_a_row} step(s) in a row)", flush=True)
+            if self.failed_rewards_in_a_row >= trainer.max_failed_reward_steps:
+                raise TrainingStopped(f"step {step}: every reward call failed or timed out in "
+                                      f"{self.failed_rewards_in_a_row} steps in a row (trainer.max_failed_reward_steps "
+                                      f"{trainer.max_failed_reward_steps}): see {Path(self.run_dir) / 'reward_errors.jsonl'}"
+                                      f"; {self._last_good()}")
+        else:
+            self.failed_rewards_in_a_row = 0
+
+    def __call__(self, state: TrainState, metrics: dict[str, Any]) -> None:
         trainer = self.trainer
+        record_reward_errors(self.run_dir, state.step, metrics)
+        try:
+            self._guard(state, metrics)
+        except TrainingStopped:
+            self.log.write(state.step, metrics)  # the failed step's row shows what went bad
+            raise
         if self.evaluate_fn is not None and trainer.eval_every and state.step % trainer.eval_every == 0:
             metrics.update(self.evaluate_fn(state))
+            record_reward_errors(self.run_dir, state.step, metrics)
         self.log.write(state.step, metrics)
         if trainer.checkpoint_every and state.step % trainer.checkpoint_every == 0:
             self._save(state)

@@ -4,6 +4,9 @@ micro-batches, with the donated optimizer.
 Optimizer updates *donate* the old params and optimizer state (they are updated in place and
 returned): never use a ``TrainState`` after passing it to a step. A mini-batch whose loss or
 gradient norm is not finite is rejected: the optimizer is not called (``*/rejected_updates``).
+An update whose finite gradient still leaves a non-finite param or optimizer moment flags
+``*/diverged``: it was written in place (undoing it would cost a second copy of params and
+moments), so the driver stops the run before anything of it is saved.
 
 The one injected effect is ``value_and_grad``: the pure :func:`purerl.models.value_and_grad`
 here, a sharded ``.backward()`` in distributed executors. Index tensors are built on the device
@@ -28,7 +31,7 @@ from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import RngState
 from purerl.step.experience import chunks
 from purerl.step.shaping import Metrics, TrainBatch
-from purerl.tree import tree_leaves, tree_map
+from purerl.tree import tree_all_finite, tree_leaves, tree_map
 
 __all__ = ["ValueAndGrad", "actor_update", "critic_update"]
 
@@ -117,7 +120,7 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
     """
     grad_fn = value_and_grad(loss_fn)
     sums: dict[str, SumCount] = {}
-    norms, rejected, skipped = [], 0, 0
+    norms, rejected, skipped, flags = [], 0, 0, {}
     for rows in indices:
         denominator = loss_denominator(batch.sequences.response_mask[rows], agg)
         if needed is not None:
@@ -136,14 +139,20 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
         if grads is None:
             grads = tree_map(torch.zeros_like, params)
         norm = _grad_norm(grads)
-        if not _finite(norm, *([] if mini_loss is None else [mini_loss.total])):
+        finite_loss = mini_loss is None or _finite(mini_loss.total)
+        if not (finite_loss and _finite(norm)):
             rejected += 1
+            flags = {"nonfinite_loss": float(not finite_loss), "nonfinite_grad_norm": float(not _finite(norm))}
             break  # never feed a non-finite update to the (donating) optimizer
         params, opt_state = optimizer.update(grads, opt_state, params)
         norms.append(float(norm))
+        if not tree_all_finite(params, opt_state):
+            flags = {"diverged": 1.0}
+            break
     metrics = {f"{prefix}/{name}": float(value.value()) for name, value in sums.items()}
     metrics[f"{prefix}/grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
     metrics[f"{prefix}/rejected_updates"] = float(rejected)
+    metrics.update({f"{prefix}/{name}": value for name, value in flags.items()})
     if needed is not None:
         metrics[f"{prefix}/skipped_rows_frac"] = skipped / max(sum(len(rows) for rows in indices), 1)
     return params, opt_state, metrics
