@@ -28,9 +28,10 @@ from purerl.executors.base import Executor
 from purerl.executors.local import LocalExecutor
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
 from purerl.io.metrics import MetricsLog
-from purerl.io.run_folder import check_resume_config, claim_run_folder, save_run_config
+from purerl.io.run_folder import RunFolder, check_resume_config, save_run_config
 from purerl.loop.async_train import train_async
 from purerl.loop.evaluation import evaluate
+from purerl.loop.recording import record_reward_errors
 from purerl.loop.sampling import Task
 from purerl.loop.train import train
 from purerl.models import (
@@ -50,8 +51,8 @@ from purerl.step.recipes import actor_optimizer, critic_optimizer, kl_controller
 from purerl.tiny import char_tokenizer, tiny_llama_config
 from purerl.tree import tree_clone
 
-__all__ = ["MAY_CHANGE_ON_RESUME", "engine_options", "initial_state", "load_critic", "load_policy", "load_tasks",
-           "make_executor", "run"]
+__all__ = ["MAY_CHANGE_ON_RESUME", "check_context", "engine_options", "initial_state", "load_critic", "load_policy",
+           "load_records_of", "load_tasks", "make_executor", "reward_of", "run"]
 
 MAY_CHANGE_ON_RESUME = {"trainer.steps", "trainer.eval_every", "trainer.checkpoint_every", "trainer.log",
                         "trainer.progress", "trainer.threads", "model.device", "actor.micro_batch_rows",
@@ -201,39 +202,82 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
     return ray_executor
 
 
+def check_context(config: JobConfig, model: CausalLM) -> None:
+    """Refuse prompts and responses that together exceed the model's context (``DataError``)."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    needed = config.data.max_prompt_tokens + config.rollout.max_new_tokens
+    if context is not None and needed > context:
+        raise DataError(f"data.max_prompt_tokens {config.data.max_prompt_tokens} + rollout.max_new_tokens "
+                        f"{config.rollout.max_new_tokens} = {needed} tokens exceed the model's context of {context} "
+                        "(max_position_embeddings)")
+
+
 def run(config: JobConfig, out_dir: str | Path, *, resume: bool = False, overwrite: bool = False,
         stop: threading.Event | None = None) -> dict[str, Any]:
-    """The job: claim the run folder, load data, reward and model, build the state, the step and the
-    executor, evaluate (or resume), train, evaluate, export. Returns the summary (also in
-    ``summary.json``), with the metrics records under ``records``. ``config`` must be resolved
-    (:func:`purerl.config.rules.resolve`)."""
+    """The job: hold the run folder (one run at a time), load data, reward and model (before
+    anything is written), claim the folder, build the state, the step and the executor, evaluate
+    (or resume), train, evaluate, export. Returns the summary (also in ``summary.json``), with the
+    metrics records under ``records``. A start that fails before its first step leaves the folder
+    as it was. ``config`` must be resolved (:func:`purerl.config.rules.resolve`)."""
     if config.trainer.threads:
         torch.set_num_threads(config.trainer.threads)
     run_dir = Path(out_dir)
-    for leftover in claim_run_folder(run_dir, resume=resume, overwrite=overwrite):
-        print(f"removed {leftover}, an unfinished checkpoint write", flush=True)
+    with RunFolder(run_dir) as folder:
+        try:
+            summary = _run_in(folder, config, resume, overwrite, stop)
+        except BaseException:
+            if not _trained(run_dir):
+                folder.undo()
+            raise
+        records = summary.pop("records")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return {**summary, "records": records}
+
+
+def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
+            stop: threading.Event | None) -> dict[str, Any]:
+    """:func:`run` in the folder it holds: everything is loaded and checked before the folder is
+    claimed."""
+    run_dir = folder.path
+    folder.check(resume=resume, overwrite=overwrite)
     recorded = to_dict(config)
     if resume and not check_resume_config(run_dir, recorded, MAY_CHANGE_ON_RESUME):
         print(f"--resume: {run_dir} records no settings (config.json) in this layout to check against", flush=True)
-    if not resume or not (run_dir / "config.json").exists():
-        save_run_config(run_dir, recorded)
     wall_start = time.time()
-
     train_records, eval_records, data_counts = load_records_of(config)
     reward_fn = reward_of(config)
     model, params, tokenizer = load_policy(config)
+    check_context(config, model)
     train_task, eval_task, counts = load_tasks(config, train_records, eval_records, tokenizer, reward_fn)
     critic, critic_params = load_critic(config, model, params)
     state = initial_state(config, params, critic_params)
+    for leftover in folder.begin(overwrite=overwrite):
+        print(f"removed {leftover}, an unfinished checkpoint write", flush=True)
+    if not resume or not (run_dir / "config.json").exists():
+        save_run_config(run_dir, recorded)
     with make_executor(config, model, critic, engine_options(config, model, tokenizer), run_dir) as executor:
         summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop)
         state = summary.pop("_state")
         export = export_hf(model, executor.full_state(state).policy, run_dir / "export", tokenizer)
-    summary.update({**counts, **data_counts, "wall_seconds": time.time() - wall_start, "export": str(export),
-                    "config": recorded})
-    records = summary.pop("records")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    return {**summary, "records": records}
+    return {**summary, **counts, **data_counts, "wall_seconds": time.time() - wall_start, "export": str(export),
+            "config": recorded}
+
+
+def _trained(run_dir: Path) -> bool:
+    """Whether a step of the run in ``run_dir`` was recorded (then the folder holds a run to keep)."""
+    log = run_dir / "metrics.jsonl"
+    return log.exists() and bool(MetricsLog.read(log))
+
+
+def _read_baseline(path: Path) -> float | None:
+    """The step-0 accuracy recorded in ``baseline.json`` (None when it is missing)."""
+    if not path.exists():
+        return None
+    try:
+        return float(json.loads(path.read_text())["val/accuracy"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
+        raise DataError(f"{path}: not the baseline evaluation a run writes ({type(err).__name__}: {err}); delete it "
+                        "to resume without a step-0 accuracy") from None
 
 
 def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor: Executor, state: TrainState,
@@ -242,25 +286,25 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
     (driver's) state under ``_state``."""
     log = MetricsLog(run_dir, tuple(config.trainer.log), config=to_dict(config))
 
-    def evaluate_fn(state: TrainState) -> dict[str, float]:
+    def evaluate_fn(state: TrainState) -> dict[str, Any]:
         with executor.engine(executor.newest(state.step), "evaluate") as engine:
             return evaluate(engine, eval_task, version=state.step, max_new_tokens=config.rollout.max_new_tokens,
-                            reward_timeout=config.reward.timeout, score=executor.score)
+                            reward_timeout=config.reward.timeout, batch_timeout=config.reward.batch_timeout,
+                            score=executor.score)
 
     baseline = run_dir / "baseline.json"
     if resume and (checkpoint := latest_checkpoint(run_dir / "checkpoints")) is not None:
         state = executor.start(load_checkpoint(checkpoint, state))
         log.truncate_after(state.step)
-        before = json.loads(baseline.read_text())["val/accuracy"] if baseline.exists() else None
+        before = _read_baseline(baseline)
         print(f"resumed from {checkpoint} at step {state.step}"
               + ("" if baseline.exists() else f" ({baseline} is missing: no step-0 accuracy to compare with)"),
               flush=True)
     else:
-        if resume:
-            print(f"--resume: no checkpoint in {run_dir / 'checkpoints'}, starting fresh", flush=True)
         log.path.unlink(missing_ok=True)
         state = executor.start(state)
         first = evaluate_fn(state)
+        record_reward_errors(run_dir, 0, first)
         baseline.write_text(json.dumps(first))
         before = first["val/accuracy"]
         print(f"step 0 held-out greedy accuracy {before:.3f} (strict {first['val/strict_accuracy']:.3f}) on "
@@ -275,7 +319,11 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
         state = train(state, **common)
     log.close()
     records = MetricsLog.read(log.path)
-    final = records[-1] if records and "val/accuracy" in records[-1] else evaluate_fn(state)
+    if records and "val/accuracy" in records[-1]:
+        final = records[-1]
+    else:
+        final = evaluate_fn(state)
+        record_reward_errors(run_dir, state.step, final)
     after = final["val/accuracy"]
     gain = None if before is None else 100 * (after - before)
     print(f"held-out greedy accuracy {'?' if before is None else f'{before:.3f}'} -> {after:.3f}"
@@ -288,5 +336,7 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
             "algorithm": config.algorithm.adv_estimator, "policy_loss": config.actor.policy_loss,
             "steps": state.step, "eval_problems": len(eval_task.records), "accuracy_before": before,
             "accuracy_after": after, "accuracy_gain_points": gain,
-            "strict_accuracy_after": final.get("val/strict_accuracy"), **async_report, "records": records,
+            "strict_accuracy_after": final.get("val/strict_accuracy"),
+            "final_evaluation": {k: v for k, v in final.items() if k.startswith("val/")}, **async_report,
+            "records": records,
             "_state": state}

@@ -147,8 +147,8 @@ def parse_command_line(argv: Sequence[str] | None = None, *, prog: str, descript
         flags = merge(*(nest(key, getattr(args, key)) for _, key, _ in FLAGS if getattr(args, key) is not None))
         if engine_options:
             flags = merge(flags, nest("rollout.engine_options", engine_options))
-        layers = [load_file(path) for path in args.config] + [flags, overrides(items)]
-        config = resolve(build(JobConfig, merge(*layers)))
+        files = [_checked_file(path) for path in args.config]
+        config = resolve(build(JobConfig, merge(*files, flags, overrides(items))))
     except ConfigError as err:
         ap.error(with_flags(str(err)))
     if found := problems(config):
@@ -157,6 +157,16 @@ def parse_command_line(argv: Sequence[str] | None = None, *, prog: str, descript
         print(json.dumps(to_dict(config), indent=1))
         ap.exit(0)
     return Invocation(config, args.out_dir, args.resume, args.overwrite, args.debug)
+
+
+def _checked_file(path: str) -> dict[str, Any]:
+    """A config file's layer, checked alone first, so that an error names the file."""
+    layer = load_file(path)
+    try:
+        build(JobConfig, layer)
+    except ConfigError as err:
+        raise ConfigError(f"config file {path}: {err}") from None
+    return layer
 
 
 def _engine_option(text: str) -> tuple[str, Any]:

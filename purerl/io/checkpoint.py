@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from purerl.files import make_readable
 from purerl.tree import tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
@@ -106,6 +107,24 @@ def save_checkpoint(root: str | Path, state: Any, *, step: int, keep: int | None
         entries.append(_leaf_entry(path, leaf))
         if isinstance(leaf, torch.Tensor):
             tensors[path] = leaf.detach().to("cpu").contiguous()
+    try:
+        _write(tmp, tensors, entries, step, metadata)
+    except Exception as err:  # a full disk: safetensors' SafetensorError or an OSError; the last checkpoint stands
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{final}: could not write the checkpoint ({type(err).__name__}: {err}); "
+                              f"the checkpoints before it are intact") from None
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep is not None:
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write(tmp: Path, tensors: dict[str, torch.Tensor], entries: list[dict[str, Any]], step: int,
+           metadata: dict[str, Any] | None) -> None:
+    """The tensor file and the manifest, flushed to disk, readable like any new file."""
     save_file(tensors, str(tmp / _TENSORS))
     manifest = {
         "format": FORMAT,
@@ -119,13 +138,8 @@ def save_checkpoint(root: str | Path, state: Any, *, step: int, keep: int | None
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    if keep is not None:
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+    make_readable(tmp / _TENSORS)
+
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -136,8 +150,17 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{manifest_path}: malformed JSON ({err})") from err
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{manifest_path}: format {found!r}, expected {FORMAT!r}")
+    leaves, tensor_file = manifest.get("leaves"), manifest.get("tensor_file")
+    shaped = (isinstance(leaves, list) and all(isinstance(e, dict) and isinstance(e.get("path"), str)
+                                               and isinstance(e.get("kind"), str) for e in leaves)
+              and isinstance(tensor_file, dict) and isinstance(tensor_file.get("name"), str)
+              and isinstance(tensor_file.get("bytes"), int) and isinstance(tensor_file.get("sha256"), str))
+    if not shaped:
+        raise CheckpointError(f"{manifest_path}: not the manifest of a purerl checkpoint (leaves or tensor_file "
+                              "missing or malformed)")
     return manifest
 
 

@@ -37,8 +37,11 @@ class MetricsLog:
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(),
                   **{k: (v if isinstance(v, (int, float)) and math.isfinite(v) else str(v)) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:  # a full disk names no file: name it
+            raise OSError(f"{self.path}: could not write the metrics of step {step} ({err.strerror or err})") from None
         numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
             for key, value in numeric.items():

@@ -1,24 +1,31 @@
-"""A run folder belongs to one run: claiming it, its recorded configuration, resuming it.
+"""A run folder belongs to one run: holding it, claiming it, its recorded configuration, resuming it.
 
 A job's ``--out-dir`` holds one run's checkpoints, metrics, baseline and summary. Reusing it by
-accident would mix two runs (a later ``--resume`` continuing the wrong one, metrics of both in
-one file), so :func:`claim_run_folder` refuses a folder that already holds anything unless the
-caller resumes it or asks to overwrite it. ``config.json`` records the run's settings; on resume
-:func:`check_resume_config` refuses settings that differ from it outside an allow-list.
+accident would mix two runs (a later ``--resume`` continuing the wrong one, metrics of both in one
+file), so a :class:`RunFolder` is held by one process at a time (an OS lock on ``.lock``, released
+by the OS when the holder dies), refuses a folder that already holds anything unless the caller
+resumes it or asks to overwrite it, refuses to resume a folder without a checkpoint, and writes
+nothing until the run can start (:meth:`RunFolder.begin`): a start that fails before its first
+step takes back what it wrote (:meth:`RunFolder.undo`). ``config.json`` records the run's
+settings; on resume :func:`check_resume_config` refuses settings that differ from it outside an
+allow-list.
 """
 
+import fcntl
 import json
+import os
 import shutil
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from purerl.config.loading import flatten
-from purerl.io.checkpoint import remove_partial_checkpoints
+from purerl.io.checkpoint import latest_checkpoint, remove_partial_checkpoints
 
-__all__ = ["RunFolderError", "check_resume_config", "claim_run_folder", "save_run_config"]
+__all__ = ["RunFolder", "RunFolderError", "check_resume_config", "save_run_config"]
 
 CONFIG = "config.json"
+LOCK = ".lock"
 _RUN_MARKERS = (CONFIG, "metrics.jsonl", "checkpoints", "summary.json", "baseline.json")
 
 
@@ -26,27 +33,90 @@ class RunFolderError(ValueError):
     """A run folder that cannot be used as asked; the message says what to do instead."""
 
 
-def claim_run_folder(path: str | Path, *, resume: bool, overwrite: bool) -> list[Path]:
-    """Make ``path`` this run's folder. An empty or new folder is taken as is; one that holds a
-    run is continued (``resume``) or emptied (``overwrite``), and anything else is refused.
-    Temporary folders of unfinished checkpoint writes are removed; returns them."""
-    path = Path(path)
-    if resume and overwrite:
-        raise RunFolderError("--resume and --overwrite exclude each other")
-    if path.exists() and not path.is_dir():
-        raise RunFolderError(f"--out-dir {path} is a file, not a folder")
-    entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-    is_run = any(name in entries for name in _RUN_MARKERS)
-    if entries and not is_run:
-        raise RunFolderError(f"--out-dir {path} is not empty and holds no purerl run ({', '.join(entries[:3])}"
-                             f"{', …' if len(entries) > 3 else ''}): choose a new or empty folder")
-    if is_run and overwrite:
-        shutil.rmtree(path)
-    elif is_run and not resume:
-        raise RunFolderError(f"--out-dir {path} already holds a run: add --resume to continue it or "
-                             "--overwrite to replace it (or choose another --out-dir)")
-    path.mkdir(parents=True, exist_ok=True)
-    return remove_partial_checkpoints(path / "checkpoints")
+class RunFolder:
+    """The hold of one run on its folder, for as long as the ``with`` block lasts.
+
+    Entering creates the folder if needed and takes an exclusive lock on ``.lock`` (a second run
+    is refused, naming the holder's PID); :meth:`check` refuses a folder the run may not use;
+    :meth:`begin` claims it (overwriting replaces the old run now, partial checkpoint writes are
+    removed); :meth:`undo` removes what this run added since it entered (a start that failed
+    before its first step), and the folder itself when the run created it.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.created = False
+        self.before: set[str] = set()
+        self._lock: Any = None
+
+    def __enter__(self) -> "RunFolder":
+        if self.path.exists() and not self.path.is_dir():
+            raise RunFolderError(f"--out-dir {self.path} is a file, not a folder")
+        self.created = not self.path.exists()
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = (self.path / LOCK).open("a+")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.seek(0)
+            holder = self._lock.read().strip() or "?"
+            self._lock.close()
+            raise RunFolderError(f"--out-dir {self.path} is in use by another run (pid {holder}); wait for it to "
+                                 "end or choose another --out-dir") from None
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(f"{os.getpid()}\n")
+        self._lock.flush()
+        self.before = set(self.entries())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._lock is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+            self._lock = None
+
+    def entries(self) -> list[str]:
+        """The folder's entries, its lock file left out."""
+        return sorted(p.name for p in self.path.iterdir() if p.name != LOCK)
+
+    def holds_run(self) -> bool:
+        return any(name in self.before for name in _RUN_MARKERS)
+
+    def check(self, *, resume: bool, overwrite: bool) -> None:
+        """Refuse what this run may not do with the folder; writes nothing."""
+        path, entries = self.path, sorted(self.before)
+        if resume and overwrite:
+            raise RunFolderError("--resume and --overwrite exclude each other")
+        if entries and not self.holds_run():
+            raise RunFolderError(f"--out-dir {path} is not empty and holds no purerl run ({', '.join(entries[:3])}"
+                                 f"{', …' if len(entries) > 3 else ''}): choose a new or empty folder")
+        if self.holds_run() and not (resume or overwrite):
+            raise RunFolderError(f"--out-dir {path} already holds a run: add --resume to continue it or "
+                                 "--overwrite to replace it (or choose another --out-dir)")
+        if resume and latest_checkpoint(path / "checkpoints") is None:
+            raise RunFolderError(f"--resume: {path} holds no checkpoint to resume from (no step of a run there was "
+                                 "saved); start the run afresh: without --resume"
+                                 + (", with --overwrite" if self.holds_run() else ""))
+
+    def begin(self, *, overwrite: bool) -> list[Path]:
+        """Claim the folder: with ``overwrite``, the old run is removed now; unfinished checkpoint
+        writes are removed and returned."""
+        if overwrite and self.holds_run():
+            for name in self.entries():
+                target = self.path / name
+                shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+            self.before = set()
+        return remove_partial_checkpoints(self.path / "checkpoints")
+
+    def undo(self) -> None:
+        """Remove what this run added to the folder (and the folder, when this run created it)."""
+        if self.created:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        for name in set(self.entries()) - self.before:
+            target = self.path / name
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
 
 
 def save_run_config(path: str | Path, config: Mapping[str, Any]) -> None:
@@ -57,13 +127,18 @@ def save_run_config(path: str | Path, config: Mapping[str, Any]) -> None:
 def check_resume_config(path: str | Path, config: Mapping[str, Any], may_change: Collection[str]) -> bool:
     """Refuse to resume with settings that differ from the recorded ones in anything but
     ``may_change``, naming every differing key with both values. Nested settings (sections) are
-    compared key by key (``actor.lr``); a name in ``may_change`` covers its section's keys.
-    Returns False when the folder records no settings, or settings in another layout with no
-    key in common (nothing to compare)."""
+    compared key by key (``actor.lr``); a name in ``may_change`` covers its section's keys; a key
+    the recording lacks (a setting newer than the run) is not compared. Returns False when the
+    folder records no settings, or settings in another layout with no key in common (nothing to
+    compare)."""
     recorded_path = Path(path) / CONFIG
     if not recorded_path.exists():
         return False
-    recorded = flatten(json.loads(recorded_path.read_text()))
+    try:
+        recorded = flatten(json.loads(recorded_path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise RunFolderError(f"{recorded_path}: not the JSON object of a run's settings ({err}); restore it, or "
+                             "start a new run with --overwrite") from None
     now = flatten(json.loads(json.dumps(dict(config), default=str)))  # compare as recorded: JSON values
     if not set(recorded) & set(now):  # another layout (a run from before the typed config): nothing to compare
         return False
@@ -71,11 +146,10 @@ def check_resume_config(path: str | Path, config: Mapping[str, Any], may_change:
     def fixed(key: str) -> bool:
         return not any(key == name or key.startswith(name + ".") for name in may_change)
 
-    differ = sorted(k for k in set(recorded) | set(now) if fixed(k) and recorded.get(k) != now.get(k))
+    differ = sorted(k for k in recorded if fixed(k) and recorded.get(k) != now.get(k))
     if differ:
         changes = "; ".join(f"{k} was {recorded.get(k)!r}, now {now.get(k)!r}" for k in differ)
         raise RunFolderError(f"--resume: {changes}. A resumed run keeps its settings (those that may change: "
                              f"{', '.join(sorted(may_change))}); start a new run in another "
                              "--out-dir or with --overwrite")
     return True
-

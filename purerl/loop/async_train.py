@@ -39,9 +39,10 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, config: Jo
                 stop: threading.Event | None = None) -> tuple[TrainState, dict[str, Any]]:
     """Run steps ``state.step + 1 … trainer.steps`` with generation on a background thread.
 
-    Returns the final state and a report: the staleness histogram of the trained batches
-    (``{staleness: steps}``), and ``generated = trained + dropped + discarded`` (discarded: still
-    queued at the end).
+    Returns the final state and a report over the whole run, earlier invocations included (read
+    from ``log``'s records): the staleness histogram of the trained batches (``{staleness:
+    steps}``), and ``generated = trained + dropped + discarded`` (discarded: still queued at the
+    end; batches queued when an earlier invocation stopped are not counted).
 
     Metrics per step: ``async/staleness`` (trainer version − the batch's), ``async/dropped_batches``
     (so far), ``async/queue_depth``, ``async/trainer_wait_s`` (waiting for a batch),
@@ -53,9 +54,13 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, config: Jo
     settings = config.asynchronous
     batches: queue.Queue = queue.Queue(maxsize=settings.queue_batches)
     generator = _Generator(executor, task, config, batches, state.data, state.rng, state.step)
-    dropped, staleness_seen, waited = 0, collections.Counter(), 0.0
-    start = time.perf_counter()
     log = MetricsLog(run_dir) if log is None else log
+    # a resumed run counts on from its records (batches queued when it stopped are not known)
+    before = [r for r in (MetricsLog.read(log.path) if log.path.exists() else []) if r["step"] <= state.step]
+    staleness_seen = collections.Counter(int(r["async/staleness"]) for r in before if "async/staleness" in r)
+    dropped = int(before[-1].get("async/dropped_batches", 0)) if before else 0
+    generated_before, waited = sum(staleness_seen.values()) + dropped, 0.0
+    start = time.perf_counter()
     with StepRecorder(state, executor, config.trainer, run_dir, log, evaluate_fn, stop) as record, generator:
         record.check(state)
         while state.step < config.trainer.steps:
@@ -82,7 +87,8 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, config: Jo
         record.finish(state)
     trained = sum(staleness_seen.values())
     return state, {"staleness_histogram": dict(sorted(staleness_seen.items())), "trained": trained,
-                   "dropped_batches": dropped, "discarded": batches.qsize(), "generated": generator.generated}
+                   "dropped_batches": dropped, "discarded": batches.qsize(),
+                   "generated": generated_before + generator.generated}
 
 
 class _Generator:

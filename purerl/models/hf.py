@@ -8,6 +8,8 @@ builds a random one, :func:`critic_from_causal_lm` puts a zero value head on a p
 """
 
 import copy
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +17,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from purerl.files import make_readable
 from purerl.models.base import CausalLM, Critic, Params, ValueModel, full_state_dict
 from purerl.models.checkpointing import checkpoint_layers
 
-__all__ = ["causal_lm_from_config", "critic_from_causal_lm", "export_hf", "load_causal_lm", "smollm2_gguf"]
+__all__ = ["causal_lm_from_config", "check_causal", "critic_from_causal_lm", "export_hf", "load_causal_lm",
+           "smollm2_gguf"]
 
 
 def _tie_aliases(module: nn.Module) -> dict[str, str]:
@@ -66,7 +70,8 @@ def load_causal_lm(
 
     ``path`` may be the directory holding ``gguf_file`` or the ``.gguf`` file itself. Raises
     ``FileNotFoundError`` naming a missing path and ``ValueError`` naming a directory that holds
-    no causal LM.
+    no causal LM (:func:`check_causal`: an encoder or an encoder-decoder is refused, though
+    transformers would load some of them with a language-modelling head).
     """
     from transformers import AutoModelForCausalLM
 
@@ -78,11 +83,27 @@ def load_causal_lm(
         raise FileNotFoundError(f"model path {target} does not exist")
     if gguf_file is None and not (path / "config.json").exists():
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+    if gguf_file is None:
+        check_causal(path)
     try:
         module = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
     except (ValueError, KeyError, OSError) as err:
         raise ValueError(f"{target} does not hold a causal LM that transformers can load: {err}") from err
     return _adapt(module.to(device), activation_checkpointing)
+
+
+def check_causal(path: str | Path) -> None:
+    """Refuse, with a ``ValueError`` naming the folder, a model that is not a decoder-only causal
+    LM by its config: an encoder-decoder, or architectures none of which is a causal LM (a BERT
+    ``*ForMaskedLM`` would load as ``BertLMHeadModel`` and train as if it were one)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    kind = f"{', '.join(architectures) or config.get('model_type', '?')}"
+    if config.get("is_encoder_decoder"):
+        raise ValueError(f"{path}: {kind} is an encoder-decoder model, not a causal LM a policy can be")
+    if architectures and not any(re.search(r"(ForCausalLM|LMHeadModel)$", a) for a in architectures):
+        raise ValueError(f"{path}: {kind} is not a causal (decoder-only) LM: a policy must be one "
+                         "(architectures ending in ForCausalLM or LMHeadModel)")
 
 
 def smollm2_gguf() -> Path:
@@ -152,7 +173,13 @@ def export_hf(model: Any, params: dict[str, torch.Tensor], out_dir: str | Path, 
     generation_config = getattr(model.module, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(out_dir)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    target = out_dir / "model.safetensors"
+    try:
+        save_file(state, str(target), metadata={"format": "pt"})
+    except Exception as err:  # safetensors' SafetensorError on a full disk: name the file
+        raise OSError(f"{target}: could not write the export ({err})") from None
+    make_readable(target)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
