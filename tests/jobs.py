@@ -1,9 +1,19 @@
-"""The job's command line run in this process, as ``experiments/grpo_math.py`` runs it (without its plot)."""
+"""The job's command line run in this process, as ``experiments/grpo_math.py`` runs it (without its
+plot), and what tests that run the script itself share."""
+
+import os
+from pathlib import Path
 
 from purerl.config.command_line import Invocation, parse_command_line
 from purerl.config.job import JobConfig
 from purerl.config.loading import build
 from purerl.run import run
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "grpo_math.py"
+SMALL = ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
+         "--eval-size", "4", "--train-size", "40", "--eval-every", "0", "--no-progress", "--threads", "1"]
+"""A few small steps' worth of settings for the script (add ``--tiny`` or ``--model``)."""
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 _SECTION = {"adv_estimator": "algorithm", "gamma": "algorithm", "lam": "algorithm", "gdpo_weights": "algorithm",
             "rollout_correction": "algorithm", "correction_cap": "algorithm", "critic_warmup": "trainer",
@@ -27,3 +37,12 @@ def run_job(argv: list[str]) -> dict:
     """The summary of the job ``argv`` describes (library errors propagate as they are)."""
     inv = parse(argv)
     return run(inv.config, inv.out_dir, resume=inv.resume, overwrite=inv.overwrite)
+
+
+def one_line_error(done, status: int = 1) -> str:
+    """The one ``grpo_math: …`` line a finished script run printed for a user error (no traceback)."""
+    assert done.returncode == status, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("grpo_math: "), done.stderr
+    return lines[0]

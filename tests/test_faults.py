@@ -19,13 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from purerl.io.checkpoint import latest_checkpoint
-from tests.jobs import parse
+from tests.jobs import ENV, SCRIPT, SMALL, one_line_error, parse
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "experiments" / "grpo_math.py"
-TINY = ["--tiny", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
-        "--eval-size", "4", "--train-size", "40", "--eval-every", "0", "--no-progress", "--threads", "1"]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+TINY = ["--tiny", *SMALL]
 
 
 def _job(out_dir, *extra, steps=4, checkpoint_every=2, check=True):
@@ -43,14 +40,6 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
             if p.is_file() and p.name != ".lock"}
 
 
-def _one_line_error(done, status=1) -> str:
-    assert done.returncode == status, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("grpo_math: "), done.stderr
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("finished") / "run"
@@ -61,14 +50,14 @@ def finished_run(tmp_path_factory):
 # 1. an output folder belongs to one run
 def test_reusing_an_out_dir_is_refused_and_loses_nothing(finished_run, tmp_path):
     before = _snapshot(finished_run)
-    message = _one_line_error(_job(finished_run, steps=2, checkpoint_every=1, check=False))
+    message = one_line_error(_job(finished_run, steps=2, checkpoint_every=1, check=False))
     assert "already holds a run" in message and "--resume" in message and "--overwrite" in message
     assert _snapshot(finished_run) == before
 
     stranger = tmp_path / "photos"
     stranger.mkdir()
     (stranger / "cat.jpg").write_bytes(b"\xff\xd8")
-    message = _one_line_error(_job(stranger, "--overwrite", check=False))
+    message = one_line_error(_job(stranger, "--overwrite", check=False))
     assert "holds no purerl run" in message and (stranger / "cat.jpg").exists()
 
 
@@ -82,7 +71,7 @@ def test_overwrite_replaces_the_run_entirely(tmp_path):
 
 def test_resume_refuses_changed_settings_naming_them(finished_run):
     before = _snapshot(finished_run)
-    message = _one_line_error(_job(finished_run, "--resume", "--lr", "1e-3", "--seed", "7", steps=6, check=False))
+    message = one_line_error(_job(finished_run, "--resume", "--lr", "1e-3", "--seed", "7", steps=6, check=False))
     assert "actor.lr was 2e-05, now 0.001" in message and "trainer.seed was 0, now 7" in message
     assert _snapshot(finished_run) == before
 
@@ -179,11 +168,11 @@ def test_unreadable_data_is_one_line_naming_file_and_row(tmp_path):
     good = {"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}
     latin = tmp_path / "latin1.jsonl"
     latin.write_bytes((json.dumps(good) + "\n").encode() + '{"prompt": "caf\xe9"}\n'.encode("latin-1"))
-    message = _one_line_error(_job(tmp_path / "a", "--data", str(latin), check=False))
+    message = one_line_error(_job(tmp_path / "a", "--data", str(latin), check=False))
     assert f"{latin}: row 2: not UTF-8" in message
     lists = tmp_path / "lists.jsonl"
     lists.write_text(json.dumps(good) + "\n" + json.dumps({**good, "reward_model": {"ground_truth": ["2", "3"]}}))
-    message = _one_line_error(_job(tmp_path / "b", "--data", str(lists), check=False))
+    message = one_line_error(_job(tmp_path / "b", "--data", str(lists), check=False))
     assert f"{lists}: row 2: field 'reward_model.ground_truth' is a list" in message
 
 

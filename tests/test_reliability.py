@@ -10,7 +10,6 @@ reward deadline."""
 
 import ipaddress
 import json
-import os
 import resource
 import shutil
 import signal
@@ -26,13 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from tests.jobs import parse
+from tests.jobs import ENV, SCRIPT, SMALL, one_line_error, parse
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "experiments" / "grpo_math.py"
-SMALL = ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
-        "--eval-size", "4", "--train-size", "40", "--eval-every", "0", "--no-progress", "--threads", "1"]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 DIGITS = f"reward.fn={ROOT / 'tests' / 'golden' / 'reward.py'}:digit_fraction"  # scores vary: updates happen
 
 
@@ -41,14 +36,6 @@ def _job(out_dir, *extra, steps=3, wait=True, model=("--tiny",), **kwargs):
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600, **kwargs)
-
-
-def _one_line(done, status=1) -> str:
-    assert done.returncode == status, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("grpo_math: "), done.stderr
-    return lines[0]
 
 
 def _finite_everywhere(folder: Path) -> bool:
@@ -60,7 +47,7 @@ def _finite_everywhere(folder: Path) -> bool:
 # 1. a diverged run stops, names the step and the last good checkpoint, and saves nothing non-finite
 def test_an_update_that_leaves_inf_weights_stops_the_run_before_anything_is_saved(tmp_path):
     done = _job(tmp_path, "--checkpoint-every", "2", "actor.lr=3e38", "actor.warmup_steps=0", steps=6)
-    line = _one_line(done)
+    line = one_line_error(done)
     assert "step 1: the update left non-finite weights" in line and "no checkpoint was written" in line, line
     assert not (tmp_path / "export").exists() and not (tmp_path / "checkpoints").exists()
 
@@ -69,7 +56,7 @@ def test_updates_rejected_in_a_row_stop_the_run_naming_the_last_good_checkpoint(
     # lr 1e30: the first update leaves finite but absurd weights; every later loss is non-finite
     done = _job(tmp_path, "--checkpoint-every", "1", DIGITS, "actor.lr=1e30", "actor.warmup_steps=0",
                 "trainer.max_rejected_steps=2", steps=8)
-    line = _one_line(done)
+    line = one_line_error(done)
     assert "2 steps in a row had their update rejected" in line and "last good checkpoint is" in line, line
     assert "update rejected" in done.stdout  # each rejection printed when it happens
     assert _finite_everywhere(tmp_path / "checkpoints") and not (tmp_path / "export").exists()
@@ -119,7 +106,7 @@ def test_an_encoder_is_refused_as_a_policy(tmp_path):
 
     BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                intermediate_size=32)).save_pretrained(tmp_path / "bert")
-    line = _one_line(_job(tmp_path / "run", model=("--model", str(tmp_path / "bert"))))
+    line = one_line_error(_job(tmp_path / "run", model=("--model", str(tmp_path / "bert"))))
     assert "BertForMaskedLM is not a causal (decoder-only) LM" in line
     assert not (tmp_path / "run").exists()  # 9. a failed start leaves no folder behind
 
@@ -163,7 +150,7 @@ def test_extra_info_of_verl_rows_reaches_the_reward_function(tmp_path):
 def test_reward_errors_are_shown_and_kept_and_steps_of_only_failures_stop_the_run(tmp_path):
     done = _job(tmp_path / "run", f"reward.fn={_rewards(tmp_path)}:failing", "trainer.max_failed_reward_steps=2",
                 steps=5)
-    line = _one_line(done)
+    line = one_line_error(done)
     assert "every reward call failed or timed out in 2 steps in a row" in line, line
     assert "ValueError: no grader for" in done.stdout  # shown as it happens
     kept = [json.loads(x) for x in (tmp_path / "run" / "reward_errors.jsonl").read_text().splitlines()]
@@ -195,7 +182,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_naming_it(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
     done = _job(tmp_path / "run", "--checkpoint-every", "1", steps=2, preexec_fn=limit_files)
-    line = _one_line(done)
+    line = one_line_error(done)
     assert "checkpoints/step_00000001: could not write the checkpoint" in line, line
 
 
@@ -204,12 +191,12 @@ def test_a_failed_start_leaves_the_folder_as_it_was_and_resume_needs_a_checkpoin
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1?"}\n')
     out = tmp_path / "run"
-    assert "missing field 'reward_model.ground_truth'" in _one_line(_job(out, "--data", str(bad)))
+    assert "missing field 'reward_model.ground_truth'" in one_line_error(_job(out, "--data", str(bad)))
     assert not out.exists()
     out.mkdir()
-    _one_line(_job(out, "--data", str(bad)))
+    one_line_error(_job(out, "--data", str(bad)))
     assert sorted(p.name for p in out.iterdir()) in ([], [".lock"])
-    line = _one_line(_job(out, "--resume"))
+    line = one_line_error(_job(out, "--resume"))
     assert f"--resume: {out} holds no checkpoint to resume from" in line
     assert _job(out).returncode == 0  # the corrected start runs
 
@@ -297,17 +284,17 @@ def test_corrupt_run_files_and_bad_config_files_are_one_line_naming_the_file(tmp
     out = tmp_path / "run"
     assert _job(out, "--checkpoint-every", "1", steps=1).returncode == 0
     (out / "baseline.json").write_text("{oops")
-    assert f"{out / 'baseline.json'}: not the baseline evaluation" in _one_line(_job(out, "--resume", steps=2))
+    assert f"{out / 'baseline.json'}: not the baseline evaluation" in one_line_error(_job(out, "--resume", steps=2))
     (out / "config.json").write_text("[1, 2")
-    assert f"{out / 'config.json'}: not the JSON object of a run's settings" in _one_line(_job(out, "--resume"))
+    assert f"{out / 'config.json'}: not the JSON object of a run's settings" in one_line_error(_job(out, "--resume"))
     toml = tmp_path / "wrong.toml"
     toml.write_text('[actor]\nlr = "fast"\n')
-    line = _one_line(_job(tmp_path / "other", "--config", str(toml)), status=2)
+    line = one_line_error(_job(tmp_path / "other", "--config", str(toml)), status=2)
     assert f"config file {toml}: actor.lr: expected float, got 'fast'" in line
 
 
 def test_prompts_and_responses_longer_than_the_context_are_refused(tmp_path):
-    line = _one_line(_job(tmp_path / "run", "--max-prompt-tokens", "250", "--max-new-tokens", "10"))
+    line = one_line_error(_job(tmp_path / "run", "--max-prompt-tokens", "250", "--max-new-tokens", "10"))
     assert "= 260 tokens exceed the model's context of 256" in line
 
 

@@ -34,7 +34,7 @@ def optimal_token_baseline_advantages(
     """
     where = "optimal_token_baseline_advantages"
     check_token_inputs(where, rewards, mask, old_logprobs=old_logprobs, sum_pi_squared=sum_pi_squared,
-                  is_weights=is_weights)
+                       is_weights=is_weights)
     check_row_inputs(where, rewards, group=group)
     slot = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
     members = torch.ones_like(mask[:, 0])
@@ -64,7 +64,7 @@ def tir_optimal_token_baseline_advantages(
     """
     where = "tir_optimal_token_baseline_advantages"
     check_token_inputs(where, rewards, mask, old_logprobs=old_logprobs, sum_pi_squared=sum_pi_squared,
-                  is_weights=is_weights)
+                       is_weights=is_weights)
     check_row_inputs(where, rewards, group=group)
     slot = (mask.long().cumsum(-1) - 1).clamp_min(0)
     members = mask.any(-1)

@@ -141,7 +141,6 @@ def _write(tmp: Path, tensors: dict[str, torch.Tensor], entries: list[dict[str, 
     make_readable(tmp / _TENSORS)
 
 
-
 def _read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / _MANIFEST
     if not manifest_path.exists():

@@ -139,10 +139,10 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
         if grads is None:
             grads = tree_map(torch.zeros_like, params)
         norm = _grad_norm(grads)
-        finite_loss = mini_loss is None or _finite(mini_loss.total)
-        if not (finite_loss and _finite(norm)):
+        finite_loss, finite_norm = mini_loss is None or _finite(mini_loss.total), _finite(norm)
+        if not (finite_loss and finite_norm):
             rejected += 1
-            flags = {"nonfinite_loss": float(not finite_loss), "nonfinite_grad_norm": float(not _finite(norm))}
+            flags = {"nonfinite_loss": float(not finite_loss), "nonfinite_grad_norm": float(not finite_norm)}
             break  # never feed a non-finite update to the (donating) optimizer
         params, opt_state = optimizer.update(grads, opt_state, params)
         norms.append(float(norm))
