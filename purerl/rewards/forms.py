@@ -19,12 +19,15 @@ import inspect
 import numbers
 from typing import Any
 
-__all__ = ["Form", "call_form", "reward_form", "reward_value"]
+__all__ = ["CALL", "Form", "call_form", "form_value", "reward_form", "reward_value"]
 
 Form = tuple[str, str | None]
 """How to call a reward function: ``(style, extra)``; style ``"pair"``, ``"verl"`` (keywords) or
 ``"verl-positional"``; extra (how ``extra_info`` is passed) ``"positional"``, ``"keyword"`` or None."""
 _NO_SIGNATURE: Form = ("pair", None)
+CALL: Form = ("call", None)
+"""Not a reward: ``fn(*args)`` with the sample's ``args`` tuple (in the response's place), any
+picklable result (how environment steps run under the reward processes' deadlines)."""
 
 
 def call_form(fn: Any) -> Form:
@@ -89,3 +92,11 @@ def reward_value(fn: Any, form: Form, response: str, ground_truth: str, data_sou
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
+
+
+def form_value(fn: Any, form: Form, response: Any, ground_truth: str, data_source: str = "unknown",
+               extra_info: Any = None) -> Any:
+    """:func:`reward_value`, or for :data:`CALL` ``fn(*response)`` as it is."""
+    if form == CALL:
+        return fn(*response)
+    return reward_value(fn, form, response, ground_truth, data_source, extra_info)

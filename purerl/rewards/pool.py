@@ -34,11 +34,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from purerl.rewards.forms import Form, reward_value
+from purerl.rewards.forms import Form, form_value
 
 __all__ = ["LATE", "RewardProcesses", "Unloadable", "run_in_threads"]
 
-Result = tuple[float | None, str | None] | None | bool
+Result = tuple[Any, str | None] | None | bool
 LATE = False
 """The result of a call the batch's deadline cut short or never started (a timeout too)."""
 
@@ -98,14 +98,14 @@ class _RewardThreads:
 _THREADS = _RewardThreads()
 
 
-def run_in_threads(fn: Any, form: Form, responses: Sequence[str], truths: Sequence[str], sources: Sequence[str],
+def run_in_threads(fn: Any, form: Form, responses: Sequence[Any], truths: Sequence[str], sources: Sequence[str],
                    extras: Sequence[Any], timeout: float, grace: float = 0.05) -> list[Result]:
     """``fn`` over the samples on daemon threads of this process. One thread takes the calls in
     turn (Python rewards hold the GIL, so more threads would not run them faster); calls not
     started ``grace`` seconds in start at once, one thread each, so a hanging or slow (I/O-bound)
     call holds the others up by at most ``grace``, and the batch ends ``timeout`` after it started
     at the latest. A timed-out call's thread is abandoned, never joined."""
-    results: list[float | BaseException | None] = [None] * len(responses)
+    results: list[tuple[Any] | BaseException | None] = [None] * len(responses)
     pending = list(range(len(responses)))[::-1]
     unfinished = len(responses)
     all_finished = threading.Event()
@@ -113,7 +113,7 @@ def run_in_threads(fn: Any, form: Form, responses: Sequence[str], truths: Sequen
 
     def run(i: int) -> None:
         try:
-            results[i] = reward_value(fn, form, responses[i], truths[i], sources[i], extras[i])
+            results[i] = (form_value(fn, form, responses[i], truths[i], sources[i], extras[i]),)
         except BaseException as err:  # noqa: BLE001 - any failure becomes a recorded penalty
             results[i] = err
 
@@ -148,7 +148,7 @@ def run_in_threads(fn: Any, form: Form, responses: Sequence[str], truths: Sequen
     with _THREADS.lock:
         ended = True  # calls not started by now never start
         _THREADS.release(workers)
-    return [None if r is None else (r, None) if isinstance(r, float) else (None, f"{type(r).__name__}: {r}")
+    return [None if r is None else (r[0], None) if isinstance(r, tuple) else (None, f"{type(r).__name__}: {r}")
             for r in results]
 
 
@@ -193,7 +193,7 @@ def _answer(conn: multiprocessing.connection.Connection) -> None:
             continue
         fn, form = loaded
         try:
-            conn.send((i, reward_value(fn, form, response, truth, source, extra), None, False))
+            conn.send((i, form_value(fn, form, response, truth, source, extra), None, False))
         except BaseException as err:  # noqa: BLE001 - reported as the sample's error
             conn.send((i, None, f"{type(err).__name__}: {err}", False))
 
@@ -252,7 +252,7 @@ class RewardProcesses:
             p.ready(120.0)
         return started
 
-    def run(self, blob: bytes, form: Form, responses: Sequence[str], truths: Sequence[str], sources: Sequence[str],
+    def run(self, blob: bytes, form: Form, responses: Sequence[Any], truths: Sequence[str], sources: Sequence[str],
             extras: Sequence[Any], timeout: float, batch_timeout: float | None = None) -> list[Result]:
         """One result per sample, each call under ``timeout`` seconds from when a process takes it,
         and the whole batch under ``batch_timeout`` (None: no bound beyond the calls'): calls still
@@ -286,18 +286,19 @@ class RewardProcesses:
             error = error or failed
         return error
 
-    def _run(self, blob: bytes, form: Form, responses: Sequence[str], truths: Sequence[str], sources: Sequence[str],
+    def _run(self, blob: bytes, form: Form, responses: Sequence[Any], truths: Sequence[str], sources: Sequence[str],
              extras: Sequence[Any], timeout: float, batch_timeout: float | None) -> list[Result]:
         batch_end = time.monotonic() + (batch_timeout if batch_timeout is not None else float("inf"))
         key = hashlib.sha256(blob).hexdigest()
         paths = [p for p in sys.path if p]
         want = min(max(self.size, 1), len(responses))
-        workers = [p for p in self.idle if p.alive][:want]
+        alive = [p for p in self.idle if p.alive]
+        workers, spare = alive[:want], alive[want:]  # a small batch leaves the spare processes idle
         workers += self._start(want - len(workers))
         self.idle = []
         error = self._load(workers, key, blob, form, paths)
         if error is not None:
-            self.idle = workers
+            self.idle = workers + spare
             raise Unloadable(error)
         results: list[Result] = [None] * len(responses)
         pending, running = deque(range(len(responses))), {}
@@ -327,7 +328,7 @@ class RewardProcesses:
                 try:
                     _, value, error, unloadable = conn.recv()
                     if unloadable:  # not sent once loading failed; kept as a safeguard
-                        self.idle = workers
+                        self.idle = workers + spare
                         raise Unloadable(error)
                     results[i] = (value, error)
                 except (EOFError, OSError):  # the process died (e.g. the reward called os._exit)
@@ -356,7 +357,7 @@ class RewardProcesses:
                         fresh = self._start(1)[0]
                         workers.append(fresh)
                         assign(fresh)
-        self.idle = workers
+        self.idle = workers + spare
         return results
 
     def pids(self) -> set[int]:
