@@ -8,27 +8,33 @@ import torch
 __all__ = ["tiny_llama_config", "char_tokenizer", "random_sequences"]
 
 _SPECIALS = ["<pad>", "<eos>", "<bos>"]
+_CHATML = ["<|im_start|>", "<|im_end|>"]
 
 
-def char_tokenizer() -> Any:
+def char_tokenizer(chatml: bool = False) -> Any:
     """A left-padding Hugging Face fast tokenizer with one token per printable character.
 
     Ids: ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2, then letters, digits, punctuation, space and
     newline. It has a minimal chat template (``role: content`` lines) so chat-formatted data
-    works with it.
+    works with it; ``chatml=True`` gives SmolLM2's (ChatML) template instead, with ``<|im_start|>``
+    and ``<|im_end|>`` as the last two ids and ``<|im_end|>`` as EOS, as SmolLM2-Instruct has.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = string.ascii_letters + string.digits + string.punctuation + " \n"
-    vocab = {tok: i for i, tok in enumerate(_SPECIALS + list(chars))}
+    chat = _CHATML if chatml else []
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS + list(chars) + chat)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left"
+        tokenizer_object=core, pad_token="<pad>", eos_token=chat[1] if chatml else "<eos>", bos_token="<bos>",
+        padding_side="left", additional_special_tokens=chat or None,
     )
     tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}" if chatml else
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )

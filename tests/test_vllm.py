@@ -182,3 +182,42 @@ def test_a_grpo_loop_runs_three_steps_on_the_vllm_engine(tmp_path, executor):
         assert summary["async"]["trained"] == 3 and set(summary["async"]["staleness_histogram"]) <= {"0", "1"}
     if executor[1] == "local":  # engine and trainer agree in fp32
         assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in rows)
+
+
+def test_stop_strings_cut_a_response_after_the_token_completing_one(smollm2):
+    from transformers import AutoTokenizer
+
+    model, params, prompts, eos = smollm2
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    engine = make_engine("vllm", model, eos_token_ids=[eos], pad_token_id=eos, decode=decode)
+    engine.sync(params, 0)
+    rollout = engine.generate(prompts, SamplingParams(max_new_tokens=24, stop=("e",), temperature=1.0, n=4),
+                              RngState(0), version=0)
+    engine.close()
+    from purerl.batch import FINISH_STOP
+
+    stopped = 0
+    for row, reason in enumerate(rollout.finish_reasons.tolist()):
+        ids = rollout.sequences.responses()[row][rollout.sequences.response_mask[row]].tolist()
+        if reason == FINISH_STOP:
+            stopped += 1
+            assert "e" in decode(ids) and "e" not in decode(ids[:-1])
+        else:
+            assert "e" not in decode(ids)
+    assert stopped > 0
+
+
+def test_the_tool_math_job_runs_multi_turn_episodes_on_the_vllm_engine(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), "--engine", "vllm", "--steps", "2",
+                           "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "16",
+                           "--eval-size", "2", "--train-size", "20", "--eval-every", "0", "--micro-batch", "4",
+                           "--no-progress", "env.sft_steps=2", "env.sft_rows=4", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["episode/turns_mean"] >= 1 for r in rows)
+    assert any(r["episode/tool_calls_mean"] > 0 for r in rows)  # the warm-up taught the call format
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "val/episode/turns_mean" in summary["final_evaluation"]

@@ -3,12 +3,15 @@
 Each problem is a short story over random names, objects and numbers; the answer is computed,
 not stored, so it is exact. Difficulty 1 is one addition or subtraction of single-digit numbers,
 2 the same with numbers up to 20, 3 chains two operations, 4 adds multiplication and exact
-division. A held-out split is a different seed with every
+division. Level 5 multiplies two 3-digit numbers (and adds a 3-digit one half the time): numbers
+a small model cannot work out in its head, which a calculator tool can
+(:mod:`purerl.episodes.calculator`). A held-out split is a different seed with every
 question that also occurs in the training split removed.
 """
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 from purerl.data.records import PromptRecord
 
@@ -58,7 +61,20 @@ def _level4(r: random.Random) -> tuple[str, int]:
             f"How many {thing} are left?", groups * per - extra)
 
 
-_LEVELS: dict[int, Callable[[random.Random], tuple[str, int]]] = {1: _level1, 2: _level2, 3: _level3, 4: _level4}
+def _level5(r: random.Random) -> tuple[str, int, str]:
+    """Also the expression that computes the answer (a calculator demonstration's call)."""
+    name, thing = r.choice(_NAMES), r.choice(_THINGS)
+    boxes, per = r.randint(100, 999), r.randint(100, 999)
+    if r.random() < 0.5:
+        return (f"{name} packs {boxes} boxes with {per} {thing} in each box. How many {thing} are there?",
+                boxes * per, f"{boxes}*{per}")
+    extra = r.randint(100, 999)
+    return (f"{name} has {extra} {thing} and buys {boxes} bags with {per} {thing} in each bag. "
+            f"How many {thing} does {name} have now?", boxes * per + extra, f"{boxes}*{per}+{extra}")
+
+
+_LEVELS: dict[int, Callable[[random.Random], tuple[Any, ...]]] = {1: _level1, 2: _level2, 3: _level3, 4: _level4,
+                                                                 5: _level5}
 DIFFICULTIES = tuple(sorted(_LEVELS))
 """The procedural difficulty levels."""
 
@@ -67,12 +83,12 @@ def math_problem(r: random.Random, difficulty: int) -> PromptRecord:
     """One problem of the given difficulty (1–4) drawn from ``r``."""
     if difficulty not in _LEVELS:
         raise ValueError(f"math_problem: difficulty must be one of {sorted(_LEVELS)}, got {difficulty}")
-    question, answer = _LEVELS[difficulty](r)
+    question, answer, *expression = _LEVELS[difficulty](r)
     return PromptRecord(
         messages=({"role": "user", "content": f"{question}\n{INSTRUCTION}"},),
         ground_truth=str(answer),
         data_source=f"purerl/math_level{difficulty}",
-        extra={"question": question},
+        extra={"question": question, **({"expression": expression[0]} if expression else {})},
     )
 
 

@@ -6,6 +6,8 @@ log-probs a rollout reports are exact; with ``top_k = 0`` and ``top_p = 1`` they
 trainer's ``log_softmax(logits / temperature)``.
 """
 
+from collections.abc import Callable
+
 import attrs
 import torch
 from jaxtyping import Float, Int
@@ -13,7 +15,7 @@ from torch import Tensor
 
 from purerl.checks import at_least, in_range
 
-__all__ = ["SamplingParams", "sampling_logprobs", "sample_tokens"]
+__all__ = ["SamplingParams", "sampling_logprobs", "sample_tokens", "stop_length"]
 
 
 @attrs.frozen
@@ -79,3 +81,16 @@ def sample_tokens(logprobs: Float[Tensor, "b v"], uniform: Float[Tensor, " b"] |
     cdf = logprobs.exp().cumsum(-1)
     u = uniform.to(cdf.dtype)[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
+
+
+def stop_length(ids: list[int], stop: tuple[str, ...], decode: Callable[[list[int]], str]) -> int | None:
+    """How many of ``ids`` a response keeps when generation stops at the ``stop`` strings: up to
+    and including the token that completes the first of them; None when none occurs. For engines
+    that sample past a stop string (vLLM without a tokenizer): the tokens after it are dropped,
+    never trained on, so the kept ids are exactly what was sampled."""
+    if not stop or not any(s in decode(ids) for s in stop):
+        return None
+    for k in range(1, len(ids) + 1):
+        if any(s in decode(ids[:k]) for s in stop):
+            return k
+    return None

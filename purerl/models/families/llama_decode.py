@@ -13,7 +13,7 @@ Shapes: ``b`` rows, ``s`` new positions, ``t`` cache capacity (prompt width + ma
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -63,6 +63,17 @@ class StaticCache:
     def select_rows(self, rows: Int[Tensor, " r"]) -> "StaticCache":
         """Only ``rows``, copied (the batch without its finished rows)."""
         return StaticCache([k[rows] for k in self.keys], [v[rows] for v in self.values], self.valid[rows], self.length)
+
+    def grown(self, capacity: int) -> "StaticCache":
+        """A copy with room for ``capacity`` slots (the written ones kept): an earlier turn's cache,
+        continued by the next."""
+        def grow(x: Tensor) -> Tensor:  # [b, K, t, D] keys/values or [b, t] validity: slots on dim 2 or 1
+            dim = 2 if x.dim() == 4 else 1
+            out = x.new_zeros((*x.shape[:dim], capacity, *x.shape[dim + 1:]))
+            out.narrow(dim, 0, self.length).copy_(x.narrow(dim, 0, self.length))
+            return out
+
+        return StaticCache([grow(k) for k in self.keys], [grow(v) for v in self.values], grow(self.valid), self.length)
 
 
 def forward_last(
@@ -175,21 +186,31 @@ class GraphedDecoder:
 
 @contextlib.contextmanager
 def decoding(model: Any, params: dict[str, Tensor], ids: Int[Tensor, "g P"], mask: Bool[Tensor, "g P"],
-             positions: Int[Tensor, "g P"], n: int, capacity: int, *, cuda_graphs: bool = True) -> Iterator[Any]:
+             positions: Int[Tensor, "g P"], n: int, capacity: int, *, cuda_graphs: bool = True,
+             past: StaticCache | None = None, keep_cache: Callable[[StaticCache], None] | None = None) -> Iterator[Any]:
     """Decode ``n`` samples of each left-padded prompt with a static cache of ``capacity`` positions
     (see :data:`purerl.models.families.Decoding`). Each prompt is prefilled once and its cache repeated
     ``n`` times. On CUDA with ``cuda_graphs`` the decoding step is one CUDA graph captured for this
-    call (fixed shapes: no ``keep``)."""
+    call (fixed shapes: no ``keep``).
+
+    ``past``: an earlier call's cache (one row per prompt) that ``ids`` continue: only they are
+    prefilled, at ``positions``, after its written slots (``capacity`` counts those too).
+    ``keep_cache`` receives the cache when decoding ends (for the next turn to continue)."""
     layout = layout_of(model.config)
     weights = fused_weights(params, layout)
     dtype, device = weights.embed.dtype, ids.device
     rotary = RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], capacity, dtype=dtype, device=device)
-    cache = StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=device)
+    if past is None:
+        cache = StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=device)
+    else:
+        cache = past.grown(capacity)
     first = forward_last(weights, rotary, layout, ids, mask, positions, cache)
     if n > 1:
         cache, first = cache.repeat_rows(n), first.repeat_interleave(n, 0)
     if cuda_graphs and device.type == "cuda":
         yield first, GraphedDecoder(weights, rotary, layout, cache).step, None
+        if keep_cache is not None:
+            keep_cache(cache)
         return
 
     def advance(token: Tensor, position: Tensor) -> Tensor:
@@ -200,3 +221,5 @@ def decoding(model: Any, params: dict[str, Tensor], ids: Int[Tensor, "g P"], mas
         cache = cache.select_rows(rows)
 
     yield first, advance, keep
+    if keep_cache is not None:
+        keep_cache(cache)

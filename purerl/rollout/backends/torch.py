@@ -14,11 +14,12 @@ from torch import Tensor
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
 from purerl.models import CausalLM, Params
 from purerl.models.families import Decoding
+from purerl.models.families.llama_decode import StaticCache
 from purerl.rollout.engine import ENGINES, check_weights
 from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
 from purerl.state import RngState
 
-__all__ = ["TorchEngine", "left_pad"]
+__all__ = ["EngineSession", "TorchEngine", "left_pad"]
 
 
 @ENGINES.register("torch")
@@ -61,6 +62,14 @@ class TorchEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
                  *, version: int | None = None) -> Rollout:
+        return self._generate(prompts, sampling, rng, version)
+
+    def session(self) -> "EngineSession":
+        """Generate calls that continue one another (the turns of episodes): see :class:`EngineSession`."""
+        return EngineSession(self)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
+                  version: int | None, continuing: "_Continuation | None" = None) -> Rollout:
         check_weights("TorchEngine", self._params is not None, self.version, version)
         if sampling.stop and self.decode is None:
             raise ValueError("TorchEngine: stop strings need a decode function")
@@ -68,23 +77,33 @@ class TorchEngine:
         # inference mode: ~10 % less overhead per op than no_grad; its tensors are cloned out of
         # it, as autograd may not save them
         with torch.inference_mode():
-            decoded = self._decode(prompt_ids, prompt_mask, sampling, rng)
+            if continuing is None:
+                decoded = self._decode(prompt_ids, prompt_mask, sampling, rng)
+            else:
+                decoded = self._decode(*continuing.new_ids, sampling, rng, positions=continuing.positions,
+                                       context=continuing.context(self, sampling), drop=False)
         tokens, logprobs, alive, reasons = (x.clone() for x in decoded)
         return rollout_of(prompt_ids, prompt_mask, tokens, logprobs, alive, reasons, sampling.n, self.version)
 
-    def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState):
+    def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState, *,
+                positions: Tensor | None = None, context: contextlib.AbstractContextManager[Decoding] | None = None,
+                drop: bool | None = None):
         """Sample ``sampling.n`` responses for each of the ``[g, P]`` left-padded prompts: rows
         ``i·n … i·n+n-1`` continue prompt ``i``, whose prefill runs once for all of them.
 
         Rows that finish stop costing compute: once a quarter of the rows still in the batch have
-        finished, the batch (and its KV cache) is cut down to the open rows.
+        finished, the batch (and its KV cache) is cut down to the open rows (unless ``drop`` is
+        False). ``context``: the decoding to run (default: prefill ``ids`` at ``positions``, which
+        default to the attended positions).
         """
         rows = ids.shape[0] * sampling.n
         # one uniform draw per output row and step, whether or not the row is still in the batch
         uniforms = None if sampling.greedy else torch.rand((sampling.max_new_tokens, rows), device=self.device,
                                                              generator=rng.generator(self.device))
         eos = int(self.eos[0]) if len(self.eos) == 1 else self.eos
-        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        if positions is None:
+            positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        drop_finished = self.drop_finished if drop is None else drop
         active = torch.arange(rows, device=self.device)  # the batch's rows, as rows of the output
         batch = rows  # len(active)
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)  # of the batch's rows
@@ -92,7 +111,9 @@ class TorchEngine:
         stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)  # by a stop string (rows never drop)
         steps: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # (active, finished before, token, log-prob)
         capacity = ids.shape[1] + sampling.max_new_tokens
-        with self._model_steps(ids, mask, positions, sampling.n, capacity) as (logits, advance, keep):
+        if context is None:
+            context = self._model_steps(ids, mask, positions, sampling.n, capacity)
+        with context as (logits, advance, keep):
             position = positions[:, -1:].repeat_interleave(sampling.n, 0) + 1
             for step in range(sampling.max_new_tokens):
                 lp = sampling_logprobs(logits, temperature=sampling.temperature,
@@ -110,7 +131,7 @@ class TorchEngine:
                 still_open = batch - int(finished.sum())
                 if still_open == 0 or step + 1 == sampling.max_new_tokens:
                     break
-                if (self.drop_finished and keep is not None and not sampling.stop
+                if (drop_finished and keep is not None and not sampling.stop
                         and still_open <= 0.75 * batch):
                     kept = (~finished).nonzero().squeeze(-1)
                     ended[active] = finished
@@ -194,3 +215,84 @@ def _module_decoding(model: CausalLM, params: Params, ids: Tensor, mask: Tensor,
         if n > 1:
             cache.batch_repeat_interleave(n)
         yield out.logits[:, -1].repeat_interleave(n, 0), step, keep
+
+
+class EngineSession:
+    """Generate calls of one engine that continue one another, as the turns of episodes do: a
+    prompt that extends a row of the previous call's output (its prompt, its sampled ids, then new
+    ids) reuses that row's KV cache and prefills only the new ids, instead of the whole context.
+
+    ``generate(prompts, sampling, rng, version=…, previous=rows)``: ``previous[k]`` is the row of
+    the previous call's output that ``prompts[k]`` extends. Where the cache cannot serve (the first
+    call, a prompt that does not extend its row, ``n > 1``, a model without a lean decoder) the
+    call prefills in full; either way the result is the engine's ``generate``'s, up to float
+    rounding (``tests/test_episodes.py``). Rows do not leave the batch when they finish here, so
+    the cache keeps every row for the next turn.
+    """
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine = engine
+        self._cache: StaticCache | None = None
+        self._ids: list[list[int]] = []  # per output row of the last call: the ids its cache holds
+        self.prefilled_tokens = 0
+        """New ids prefilled over the session's calls (prompts in full, or only their new ids)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState, *,
+                 version: int | None = None, previous: Sequence[int] | None = None) -> Rollout:
+        engine = self.engine
+        if not engine.lean:
+            self.prefilled_tokens += sum(len(p) for p in prompts)
+            return engine.generate(prompts, sampling, rng, version=version)
+        continuing = None
+        if (previous is not None and self._cache is not None and sampling.n == 1 and len(previous) == len(prompts)
+                and all(len(p) > len(self._ids[j]) and list(p[: len(self._ids[j])]) == self._ids[j]
+                        for p, j in zip(prompts, previous))):
+            continuing = _Continuation(self._cache, list(previous), [list(p[len(self._ids[j]):]) for p, j in
+                                                                     zip(prompts, previous)],
+                                       [len(self._ids[j]) for j in previous], engine)
+        kept: list[StaticCache] = []
+        self._cache, self._ids = None, []
+        if continuing is None:
+            continuing = _Continuation(None, None, [list(p) for p in prompts], [0] * len(prompts), engine)
+        continuing.keep_cache = kept.append
+        self.prefilled_tokens += sum(len(ids) for ids in continuing.new)
+        rollout = engine._generate(prompts, sampling, rng, version, continuing)
+        with torch.inference_mode():
+            self._remember(kept[0], prompts, sampling.n, rollout)
+        return rollout
+
+    def _remember(self, cache: StaticCache, prompts: Sequence[Sequence[int]], n: int, rollout: Rollout) -> None:
+        """Keep ``cache`` for the next call, its slots of each row's tokens past its end (a finished
+        row went on decoding padding) marked invalid, and the ids each row's valid slots hold."""
+        alive = rollout.sequences.response_mask
+        fed = alive.shape[1] - 1  # the last sampled token was never fed through the model
+        start = cache.length - fed
+        lengths = alive.sum(-1).clamp_max(fed)
+        slots = torch.arange(fed, device=alive.device)
+        cache.valid[:, start: start + fed] &= slots[None] < lengths[:, None]
+        tokens = rollout.sequences.responses().tolist()
+        self._cache = cache
+        self._ids = [list(prompts[row // n]) + tokens[row][: int(lengths[row])] for row in range(len(tokens))]
+
+
+class _Continuation:
+    """A decoding that continues ``past`` (rows ``rows`` of it; None: a fresh prefill) with the
+    ``new`` ids of each row, whose first sits at position ``starts[row]``."""
+
+    def __init__(self, past: StaticCache | None, rows: list[int] | None, new: list[list[int]], starts: list[int],
+                 engine: TorchEngine) -> None:
+        self.past, self.rows, self.new = past, rows, new
+        device = engine.device
+        ids, mask = left_pad(new, engine.pad_token_id)
+        self.new_ids = (ids.to(device), mask.to(device))
+        offsets = (self.new_ids[1].long().cumsum(-1) - 1).clamp_min(0)
+        self.positions = offsets + torch.tensor(starts, device=device)[:, None]
+        self.keep_cache: Callable[[StaticCache], None] | None = None
+
+    def context(self, engine: TorchEngine, sampling: SamplingParams) -> contextlib.AbstractContextManager[Decoding]:
+        past = None if self.past is None else self.past.select_rows(torch.tensor(self.rows, device=engine.device))
+        length = 0 if past is None else past.length
+        capacity = length + self.new_ids[0].shape[1] + sampling.max_new_tokens
+        return engine.model.family.decoding(engine.model, engine._params, *self.new_ids, self.positions, sampling.n,
+                                            capacity, cuda_graphs=engine.cuda_graphs, past=past,
+                                            keep_cache=self.keep_cache)

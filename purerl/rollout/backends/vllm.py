@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from purerl.batch import FINISH_EOS, FINISH_LENGTH, Rollout, left_pad, rollout_of
+from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
 from purerl.models import CausalLM, Params
 from purerl.rollout.engine import ENGINES, INSTALL_HINT, check_weights
-from purerl.rollout.sampling import SamplingParams
+from purerl.rollout.sampling import SamplingParams, stop_length
 from purerl.state import RngState
 
 __all__ = ["INSTALL_HINT", "VllmEngine", "import_vllm"]
@@ -76,7 +76,9 @@ class VllmEngine:
     prompts on the left and responses on the right; returned tensors live on ``device``.
     ``llm_options`` go to ``vllm.LLM`` unchanged (``gpu_memory_utilization``,
     ``tensor_parallel_size``, ``enforce_eager``, ``kv_cache_memory_bytes`` …). ``decode`` is
-    accepted for interface parity; stop strings are not supported (vLLM holds no tokenizer). On a
+    used for stop strings: vLLM holds no tokenizer, so a response runs past one and is cut after the
+    token completing it (:func:`~purerl.rollout.sampling.stop_length`; the rest is never trained
+    on). On a
     CPU the defaults are a 1 GiB KV cache, eager mode (``enforce_eager=False`` compiles) and
     whole-prompt prefill.
     """
@@ -90,6 +92,7 @@ class VllmEngine:
         self.model = model
         self.eos = sorted(set(eos_token_ids))
         self.pad_token_id = pad_token_id
+        self.decode = decode
         self.device = torch.device(device)
         self.llm_options = llm_options
         self.version: int | None = None
@@ -150,8 +153,8 @@ class VllmEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
                  *, version: int | None = None) -> Rollout:
         check_weights("vllm engine", self._llm is not None, self.version, version)
-        if sampling.stop:
-            raise ValueError("vllm engine: stop strings are not supported (token ids only); use EOS ids")
+        if sampling.stop and self.decode is None:
+            raise ValueError("vllm engine: stop strings need a decode function (vLLM holds no tokenizer)")
         n = sampling.n
         seeds = torch.randint(0, 2**31 - 1, (len(prompts) * n,), generator=rng.generator()).tolist()
         requests = [self._vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(n)]
@@ -160,10 +163,12 @@ class VllmEngine:
             max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed, stop_token_ids=self.eos,
             detokenize=False) for seed in seeds]
         outputs = self._llm.generate(requests, settings, use_tqdm=False)
-        return self._rollout(prompts, [out.outputs[0] for out in outputs], n)
+        return self._rollout(prompts, [out.outputs[0] for out in outputs], n, sampling.stop)
 
-    def _rollout(self, prompts: Sequence[Sequence[int]], completions: list[Any], n: int) -> Rollout:
-        """Left-padded prompts (each repeated ``n`` times) + right-padded responses, as tensors."""
+    def _rollout(self, prompts: Sequence[Sequence[int]], completions: list[Any], n: int,
+                 stop: tuple[str, ...] = ()) -> Rollout:
+        """Left-padded prompts (each repeated ``n`` times) + right-padded responses, as tensors;
+        a response that passed a stop string cut after the token completing it (FINISH_STOP)."""
         rows, width = len(completions), max(1, max(len(c.token_ids) for c in completions))
         tokens = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros((rows, width), dtype=torch.float32)
@@ -173,10 +178,14 @@ class VllmEngine:
             ids = list(c.token_ids)
             if c.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"vllm engine: a request ended with {c.finish_reason!r}")
+            kept = stop_length(ids, stop, self.decode) if stop else None
+            steps = list(zip(c.logprobs, ids))[:kept]
+            ids = ids[:kept]
             tokens[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-            logprobs[row, :len(ids)] = torch.as_tensor([step[t].logprob for step, t in zip(c.logprobs, ids)])
+            logprobs[row, :len(ids)] = torch.as_tensor([step[t].logprob for step, t in steps])
             alive[row, :len(ids)] = True
-            reasons[row] = FINISH_LENGTH if c.finish_reason == "length" else FINISH_EOS
+            reasons[row] = (FINISH_STOP if kept is not None else FINISH_LENGTH if c.finish_reason == "length"
+                            else FINISH_EOS)
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
         to = self.device
         return rollout_of(prompt_ids.to(to), prompt_mask.to(to), tokens.to(to), logprobs.to(to), alive.to(to),

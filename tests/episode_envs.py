@@ -1,0 +1,63 @@
+"""Environments and tools for the episode tests, at module level so the reward processes that run
+environment steps can import them."""
+
+import os
+import random
+import time
+
+from purerl.episodes import StepResult
+
+
+def hang(x: str) -> str:
+    time.sleep(60)
+    return x
+
+
+def crash(x: str) -> str:
+    raise RuntimeError("the tool broke")
+
+
+def die(x: str) -> str:
+    os._exit(3)
+
+
+def slow(x: str) -> str:
+    time.sleep(0.5)
+    return f"slow {x}"
+
+
+class GuessEnv:
+    """Guess a number from 1 to 100 drawn per seed; the reply says higher or lower."""
+
+    stop = ()
+
+    def reset(self, task, seed):
+        target = random.Random(seed).randint(1, 100)
+        return target, [{"role": "user", "content": f"Guess my number ({task.ground_truth})."}]
+
+    def step(self, state, action):
+        digits = "".join(c for c in action if c.isdigit())
+        guess = int(digits) if digits else 0
+        if guess == state:
+            return state, [], 1.0, True
+        return StepResult(state, [{"role": "user", "content": "higher" if guess < state else "lower"}], 0.0, False)
+
+
+class Counter:
+    """TRL's environment_factory convention: reset(**row), tools as public methods, get_reward()."""
+
+    def reset(self, **row):
+        self.count = 0
+        return f" Reach {row['ground_truth']}."
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count == 3)
