@@ -25,77 +25,13 @@ naming it. The job itself is library code (:func:`purerl.run.run`); this script 
 line and its plot.
 """
 
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from purerl.config.command_line import parse_command_line  # noqa: E402
-from purerl.data.records import DataError  # noqa: E402
-from purerl.executors.base import ExecutorError  # noqa: E402
-from purerl.io.checkpoint import CheckpointError  # noqa: E402
-from purerl.io.run_folder import RunFolderError  # noqa: E402
-from purerl.loop.recording import Interrupted, StopRequest, TrainingStopped  # noqa: E402
-from purerl.run import run  # noqa: E402
-
-PROG = "grpo_math"
-
-
-def plot_curve(run_dir: Path, records: list[dict], before: float | None, after: float, title: str) -> Path:
-    """``curve.png``: the training reward per step and the held-out greedy accuracy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in records]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r.get("critic/score/mean", math.nan) for r in records], label="train reward (mean)")
-    evals = [(0, before)] * (before is not None) + [(r["step"], r["val/accuracy"]) for r in records
-                                                    if "val/accuracy" in r]
-    if not records or "val/accuracy" not in records[-1]:
-        evals.append((records[-1]["step"] if records else 0, after))
-    ax.plot(*zip(*evals), "o-", label="held-out greedy accuracy")
-    ax.set_xlabel("step")
-    ax.set_ylim(-0.02, max(1.12, max(v for _, v in evals) + 0.05))
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    path = run_dir / "curve.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def main(argv: list[str] | None = None) -> dict:
-    """The job; user errors end it with one line (``--debug``: a traceback) and exit status 1, a
-    stop request (Ctrl-C, SIGTERM) after the step in flight, checkpointed, with exit status 130."""
-    inv = parse_command_line(argv, prog=PROG, description=__doc__, default_out_dir="runs/grpo_math")
-    try:
-        with StopRequest() as stop:
-            summary = run(inv.config, inv.out_dir, resume=inv.resume, overwrite=inv.overwrite, stop=stop.event)
-    except Interrupted as e:
-        how = "rerun the same command with --resume" if e.checkpoint else "nothing was trained; rerun to start"
-        print(f"{PROG}: {e}; {how}", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
-    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, in the middle of a step
-        if inv.debug:
-            raise
-        print(f"{PROG}: stopped at once (a second interrupt); the newest checkpoint in {inv.out_dir} resumes with "
-              "--resume", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
-    except (ExecutorError, DataError, RunFolderError, CheckpointError, TrainingStopped, OSError, ValueError) as e:
-        if inv.debug:
-            raise
-        raise SystemExit(f"{PROG}: {e} (--debug: the traceback)") from None
-    run_dir, config = Path(inv.out_dir), inv.config
-    curve = plot_curve(run_dir, summary.pop("records"), summary["accuracy_before"], summary["accuracy_after"],
-                       f"purerl {config.algorithm.adv_estimator} ({config.actor.policy_loss} loss) on math problems")
-    print(f"wrote {run_dir / 'summary.json'}, {curve}, {summary['export']} (from_pretrained loads it)", flush=True)
-    return summary
-
+from purerl.command import main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    main(None, prog="grpo_math", description=__doc__, default_out_dir="runs/grpo_math",
+         title=lambda c: f"purerl {c.algorithm.adv_estimator} ({c.actor.policy_loss} loss) on math problems")

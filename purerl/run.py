@@ -24,6 +24,10 @@ from purerl.config.loading import to_dict
 from purerl.data.cursor import DataCursor
 from purerl.data.math_problems import train_eval_split
 from purerl.data.records import DataError, PromptRecord, encode_prompts, load_records
+from purerl.episodes import ChatCodec, TemplateError
+from purerl.episodes.adapters import environment
+from purerl.episodes.calculator import demonstration
+from purerl.episodes.rollout import EpisodeLimits
 from purerl.executors.base import Executor
 from purerl.executors.local import LocalExecutor
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
@@ -32,8 +36,9 @@ from purerl.io.run_folder import RunFolder, check_resume_config, save_run_config
 from purerl.loop.async_train import train_async
 from purerl.loop.evaluation import evaluate
 from purerl.loop.recording import record_reward_errors
-from purerl.loop.sampling import Task
+from purerl.loop.sampling import Episodes, Task
 from purerl.loop.train import train
+from purerl.loop.warm_up import warm_up
 from purerl.models import (
     CausalLM,
     Critic,
@@ -51,8 +56,8 @@ from purerl.step.recipes import actor_optimizer, critic_optimizer, kl_controller
 from purerl.tiny import char_tokenizer, tiny_llama_config
 from purerl.tree import tree_clone
 
-__all__ = ["MAY_CHANGE_ON_RESUME", "check_context", "engine_options", "initial_state", "load_critic", "load_policy",
-           "load_records_of", "load_tasks", "make_executor", "reward_of", "run"]
+__all__ = ["MAY_CHANGE_ON_RESUME", "check_context", "engine_options", "episodes_of", "initial_state", "load_critic",
+           "load_policy", "load_records_of", "load_tasks", "make_executor", "reward_of", "run"]
 
 MAY_CHANGE_ON_RESUME = {"trainer.steps", "trainer.eval_every", "trainer.checkpoint_every", "trainer.log",
                         "trainer.progress", "trainer.threads", "model.device", "actor.micro_batch_rows",
@@ -90,11 +95,33 @@ def reward_of(config: JobConfig) -> RewardFn:
         raise DataError(f"reward.fn: {err}") from None
 
 
+def episodes_of(config: JobConfig, tokenizer: Any, reward_fn: RewardFn, options: dict[str, Any]) -> Episodes | None:
+    """How the tasks' episodes are played (``env``), None for single-turn answers. ``options``:
+    :func:`engine_options` (EOS and padding ids)."""
+    env_config = config.env
+    if not env_config.multi_turn:
+        return None
+    try:
+        env = environment(env_config.name, answer_fn=reward_fn, tools=env_config.tools, format=env_config.format)
+    except ValueError as err:
+        raise DataError(f"env.name: {err}") from None
+    try:
+        codec = ChatCodec(tokenizer, eos_token_ids=options["eos_token_ids"])
+    except TemplateError as err:
+        raise DataError(f"env.name {env_config.name}: the tokenizer's chat template cannot grow episodes: {err}") from None
+    limits = EpisodeLimits(max_turns=env_config.max_turns, max_tokens=env_config.max_tokens,
+                           step_timeout=env_config.step_timeout, tool_bonus=env_config.tool_bonus)
+    tools = getattr(env, "chat_tools", None)
+    template_kwargs = {"tools": tools} if env_config.format == "json" and tools else {}
+    return Episodes(env, codec, limits, template_kwargs, options["pad_token_id"])
+
+
 def load_tasks(config: JobConfig, train_records: list[PromptRecord], eval_records: list[PromptRecord],
-               tokenizer: Any, reward_fn: RewardFn) -> tuple[Task, Task, dict[str, int]]:
+               tokenizer: Any, reward_fn: RewardFn,
+               episodes: Episodes | None = None) -> tuple[Task, Task, dict[str, int]]:
     """The training and held-out tasks (prompts longer than ``data.max_prompt_tokens`` skipped and
-    counted). Held-out metrics: ``accuracy`` by the reward function, ``strict_accuracy`` by the
-    strict math reward."""
+    counted), played as ``episodes`` when given. Held-out metrics: ``accuracy`` by the reward
+    function, ``strict_accuracy`` by the strict math reward."""
     counts, tasks = {}, []
     decode = _decoder(tokenizer)
     for name, records in (("train", train_records), ("eval", eval_records)):
@@ -104,7 +131,7 @@ def load_tasks(config: JobConfig, train_records: list[PromptRecord], eval_record
         counts[f"{name}_prompts"] = len(encoded.ids)
         counts[f"{name}_skipped_overlong"] = encoded.skipped
         tasks.append(Task(encoded.ids, [records[i] for i in encoded.record_index], reward_fn, decode,
-                          {"accuracy": reward_fn, "strict_accuracy": math_reward}))
+                          {"accuracy": reward_fn, "strict_accuracy": math_reward}, episodes))
     return tasks[0], tasks[1], counts
 
 
@@ -123,7 +150,8 @@ def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
     dtype = getattr(torch, config.model.dtype)
     if config.model.tiny:
         tokenizer = char_tokenizer()
-        model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64),
+        context = {"max_position_embeddings": max(256, config.env.max_tokens)} if config.env.multi_turn else {}
+        model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64, **context),
                                               seed=config.trainer.seed, dtype=dtype, device=_driver_device(config))
         return model, params, tokenizer
     from transformers import AutoTokenizer
@@ -205,6 +233,9 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
 def check_context(config: JobConfig, model: CausalLM) -> None:
     """Refuse prompts and responses that together exceed the model's context (``DataError``)."""
     context = getattr(model.config, "max_position_embeddings", None)
+    if config.env.multi_turn and context is not None and config.env.max_tokens > context:
+        raise DataError(f"env.max_tokens {config.env.max_tokens} exceeds the model's context of {context} "
+                        "(max_position_embeddings)")
     needed = config.data.max_prompt_tokens + config.rollout.max_new_tokens
     if context is not None and needed > context:
         raise DataError(f"data.max_prompt_tokens {config.data.max_prompt_tokens} + rollout.max_new_tokens "
@@ -248,19 +279,46 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     reward_fn = reward_of(config)
     model, params, tokenizer = load_policy(config)
     check_context(config, model)
-    train_task, eval_task, counts = load_tasks(config, train_records, eval_records, tokenizer, reward_fn)
+    options = engine_options(config, model, tokenizer)
+    episodes = episodes_of(config, tokenizer, reward_fn, options)
+    train_task, eval_task, counts = load_tasks(config, train_records, eval_records, tokenizer, reward_fn, episodes)
     critic, critic_params = load_critic(config, model, params)
     state = initial_state(config, params, critic_params)
     for leftover in folder.begin(overwrite=overwrite):
         print(f"removed {leftover}, an unfinished checkpoint write", flush=True)
     if not resume or not (run_dir / "config.json").exists():
         save_run_config(run_dir, recorded)
-    with make_executor(config, model, critic, engine_options(config, model, tokenizer), run_dir) as executor:
+    sft: dict[str, Any] = {}
+    if config.env.sft_steps and not (resume and latest_checkpoint(run_dir / "checkpoints") is not None):
+        state, sft = _warm_up(config, state, model, options, train_task, eval_task)
+    with make_executor(config, model, critic, options, run_dir) as executor:
         summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop)
         state = summary.pop("_state")
         export = export_hf(model, executor.full_state(state).policy, run_dir / "export", tokenizer)
-    return {**summary, **counts, **data_counts, "wall_seconds": time.time() - wall_start, "export": str(export),
+    return {**summary, **counts, **data_counts, **sft, "wall_seconds": time.time() - wall_start, "export": str(export),
             "config": recorded}
+
+
+def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dict[str, Any], train_task: Task,
+             eval_task: Task) -> tuple[TrainState, dict[str, Any]]:
+    """The SFT warm-up (:func:`~purerl.loop.warm_up.warm_up`) on the driver, with the held-out
+    accuracy before it (greedy, the embedded engine on the driver's weights) in its report."""
+    device = _driver_device(config)
+    engine = make_engine("torch", model, device=device,
+                         **{k: options[k] for k in ("eos_token_ids", "pad_token_id", "decode")})
+    engine.sync(state.policy, 0)
+    before = evaluate(engine, eval_task, version=0, max_new_tokens=config.rollout.max_new_tokens,
+                      reward_timeout=config.reward.timeout, batch_timeout=config.reward.batch_timeout)
+    engine.close()
+    print(f"before the SFT warm-up: held-out greedy accuracy {before['val/accuracy']:.3f}", flush=True)
+    env = train_task.episodes.env
+    if not hasattr(env, "tools"):
+        raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (only calculator does)")
+    state, report = warm_up(state, train_task, config, model, lambda r: demonstration(r, env), device=device)
+    print(f"SFT warm-up: {report['sft_steps']} steps, loss {report['sft_loss_first']:.3f} -> "
+          f"{report['sft_loss_last']:.3f} in {report['sft_seconds']:.0f} s", flush=True)
+    return state, {"sft": {**report, "accuracy_before_sft": before["val/accuracy"],
+                           "evaluation_before_sft": {k: v for k, v in before.items() if k.startswith("val/")}}}
 
 
 def _trained(run_dir: Path) -> bool:

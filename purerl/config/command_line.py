@@ -83,6 +83,13 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--max-staleness", "asynchronous.max_staleness", dict(type=int)),
     ("--stale-policy", "asynchronous.stale_policy", dict(choices=["wait", "drop"])),
     ("--queue-batches", "asynchronous.queue_batches", dict(type=int)),
+    ("--env", "env.name", dict(help="the task's environment: single_turn (default), calculator, or module:name of "
+                                    "an environment (purerl's Env or a TRL environment_factory class)")),
+    ("--no-tool", "env.tools", dict(action="store_const", const=False, help="the environment without its tools "
+                                                                           "(the baseline)")),
+    ("--max-turns", "env.max_turns", dict(type=int, help="model turns per episode")),
+    ("--tool-bonus", "env.tool_bonus", dict(type=float, help="reward per tool call that did not fail")),
+    ("--sft-steps", "env.sft_steps", dict(type=int, help="supervised warm-up steps on demonstrations before RL")),
 ]
 FLAG_OF = {key: flag for flag, key, _ in FLAGS if key != "reward.fn"}
 _OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")

@@ -14,6 +14,7 @@ Sections and what they own::
     trainer     steps, evaluation, checkpoints, seed, critic warm-up, logging
     executor    local, or Ray (FSDP2 ranks, rollout and reward workers, timeouts)
     asynchronous  generation overlapping training, its staleness bound
+    env         the task's environment: single-turn answers, or multi-turn tool episodes and their limits
 
 Stage functions read the sections they need (``config.actor.clip_high``): no setting is copied
 into another class. Each field has one default and one check here (single-field bounds as attrs
@@ -42,7 +43,7 @@ from purerl.config.loading import ConfigError, one_of, section
 from purerl.rollout.sampling import SamplingParams
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "DataConfig", "ExecutorConfig",
-           "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig", "RewardConfig", "RolloutConfig",
+           "EnvConfig", "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig", "RewardConfig", "RolloutConfig",
            "TrainerConfig"]
 
 
@@ -346,6 +347,40 @@ class AsyncConfig:
     queue_batches: int = attrs.field(default=2, validator=at_least(1))
 
 
+def _environment(instance: Any, attribute: Any, value: str) -> None:
+    if value not in ("single_turn", "calculator") and ":" not in value:
+        raise ConfigError(f"env.name must be single_turn, calculator or a 'module:name' / 'file.py:name' of an "
+                          f"environment, got {value!r}")
+
+
+@section
+class EnvConfig:
+    """``name``: ``single_turn`` (one answer per prompt, scored by ``reward.fn``: the main job),
+    ``calculator`` (:mod:`purerl.episodes.calculator`: episodes of turns in which the model may
+    call a calculator before it answers; ``tools = false`` is the same task without the tool, the
+    baseline), or a user's environment as ``module:name`` / ``file.py:name`` (purerl's ``Env``, or
+    a class in TRL's ``environment_factory`` convention: :mod:`purerl.episodes.adapters`). ``format``: how tools are called (``tags``: ``<calc>1+2</calc>``; ``json``:
+    ``<tool_call>{…}</tool_call>``). Limits per episode: ``max_turns`` model turns, ``max_tokens``
+    ids in all (the context budget), ``step_timeout`` seconds per environment step (a tool call).
+    ``tool_bonus``: added to the score per tool call that did not fail. ``sft_steps``: a
+    supervised warm-up on the environment's demonstrations (``sft_rows`` per step, the actor's
+    optimizer) before the first RL step, for models that never emit the tool format."""
+
+    name: str = attrs.field(default="single_turn", validator=_environment)
+    tools: bool = True
+    format: str = attrs.field(default="tags", validator=one_of(("tags", "json"), "tool format"))
+    max_turns: int = attrs.field(default=4, validator=at_least(1))
+    max_tokens: int = attrs.field(default=1024, validator=at_least(2))
+    step_timeout: float = attrs.field(default=10.0, validator=positive)
+    tool_bonus: float = attrs.field(default=0.0, validator=at_least(0))
+    sft_steps: int = attrs.field(default=0, validator=at_least(0))
+    sft_rows: int = attrs.field(default=8, validator=at_least(1))
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.name != "single_turn"
+
+
 @section
 class JobConfig:
     model: ModelConfig = ModelConfig()
@@ -358,3 +393,4 @@ class JobConfig:
     trainer: TrainerConfig = TrainerConfig()
     executor: ExecutorConfig = ExecutorConfig()
     asynchronous: AsyncConfig = AsyncConfig()
+    env: EnvConfig = EnvConfig()

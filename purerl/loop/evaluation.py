@@ -1,8 +1,10 @@
-"""Held-out evaluation: greedy answers to a task's prompts, scored like training's rewards."""
+"""Held-out evaluation: greedy answers to a task's prompts (of a multi-turn task: greedy episodes,
+their last turn the answer), scored like training's rewards."""
 
 from collections.abc import Callable
 from typing import Any
 
+from purerl.episodes.rollout import episode_metrics, run_episodes
 from purerl.loop.sampling import Task, decode_responses
 from purerl.rewards import Scores, score_responses
 from purerl.rollout.engine import RolloutEngine
@@ -16,16 +18,27 @@ def evaluate(engine: RolloutEngine, task: Task, *, version: int, max_new_tokens:
              batch_timeout: float | None = None, score: Callable[..., Scores] = score_responses,
              batch_prompts: int = 32) -> dict[str, Any]:
     """Greedy answers with weights ``version``; ``val/<name>`` for each of ``task.eval_fns``: the
-    fraction scored ≥ 1. Answers are scored like training's (``score``, under ``reward_timeout``):
+    fraction scored ≥ 1 (of a multi-turn task: the last turn of each episode that ended with an
+    answer; an episode cut short by its limits counts as wrong; ``val/episode/*``: the episode
+    metrics). Answers are scored like training's (``score``, under ``reward_timeout``):
     an answer whose check hangs or fails counts as wrong (``val/reward_timeouts``,
     ``val/reward_errors``; their messages under ``val/reward_error_messages`` when there are any)."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
-    texts = []
+    texts, played = [], []
     for start in range(0, len(task.records), batch_prompts):
+        if task.episodes is not None:
+            setup = task.episodes
+            played += run_episodes(engine, setup.env, setup.codec, task.records[start:start + batch_prompts], sampling,
+                                   RngState(0), version, setup.limits, decode=task.decode,
+                                   seeds=range(start, min(start + batch_prompts, len(task.records))),
+                                   template_kwargs=dict(setup.template_kwargs), batch_timeout=batch_timeout)
+            continue
         ids = task.prompt_ids[start:start + batch_prompts]
         texts += decode_responses(engine.generate(ids, sampling, RngState(0), version=version), task.decode)
     records = task.records
-    metrics: dict[str, Any] = {}
+    metrics: dict[str, Any] = episode_metrics(played, "val/episode") if played else {}
+    if played:  # an episode's answer is its last turn, when the environment took it as the answer
+        texts = [e.actions[-1] if e.finish == "answer" else "" for e in played]
     timeouts, errors, messages = 0, 0, []
     for name, fn in task.eval_fns.items():
         scored = score(fn, texts, [r.ground_truth for r in records], timeout=reward_timeout, penalty=0.0,

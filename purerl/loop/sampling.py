@@ -19,15 +19,30 @@ from purerl.batch import Rewards, Rollout
 from purerl.config.job import JobConfig
 from purerl.data.cursor import DataCursor, next_indices
 from purerl.data.records import PromptRecord
+from purerl.episodes import ChatCodec, Env
+from purerl.episodes.rollout import EpisodeLimits, episode_metrics, episode_scores, episodes_rollout, run_episodes
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.mix import mixed_rewards, uses_reward_model
 from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.merge import concat_rollouts
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.tree import replace
+from purerl.tree import replace, tree_map
 
-__all__ = ["Task", "decode_responses", "prompt_text", "rollout_batch", "rollout_rng", "sample_batch"]
+__all__ = ["Episodes", "Task", "decode_responses", "prompt_text", "rollout_batch", "rollout_rng", "sample_batch"]
+
+
+@attrs.frozen
+class Episodes:
+    """How a multi-turn task is played: its environment, the chat codec that grows its ids, the
+    limits of an episode, the ``apply_chat_template`` arguments of its first messages (``tools``)
+    and the id that pads rows."""
+
+    env: Env
+    codec: ChatCodec
+    limits: EpisodeLimits
+    template_kwargs: Mapping[str, Any] = attrs.Factory(dict)
+    pad_token_id: int = 0
 
 
 @attrs.frozen
@@ -35,7 +50,8 @@ class Task:
     """Prompts as token ids, their records (ground truths), the reward function, the tokenizer's
     ``decode`` (token ids → text) and the held-out metrics: ``val/<name>`` is the fraction of
     greedy answers that ``eval_fns[name]`` scores ≥ 1 (default: the reward function, as
-    ``accuracy``)."""
+    ``accuracy``). With ``episodes``, each prompt is an episode of turns in its environment
+    (the reward function is then the environment's)."""
 
     prompt_ids: Sequence[Sequence[int]]
     records: Sequence[PromptRecord]
@@ -43,6 +59,7 @@ class Task:
     decode: Callable[[list[int]], str]
     eval_fns: Mapping[str, RewardFn] = attrs.field(default=attrs.Factory(lambda self: {"accuracy": self.reward_fn},
                                                                          takes_self=True))
+    episodes: Episodes | None = None
 
     def __attrs_post_init__(self) -> None:
         if len(self.prompt_ids) != len(self.records) or not self.records:
@@ -102,7 +119,7 @@ def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: Dat
                                                          score_model, sampling)
         messages += failed
         for key, value in sums.items():
-            sampled[key] = sampled.get(key, 0.0) + value
+            sampled[key] = sampled.get(key, [] if key == "episodes" else 0.0) + value
         if baselines:
             greedy = attrs.evolve(sampling, temperature=0.0, top_p=1.0, top_k=0, n=1)
             _, base, cost, failed = _scored_rollout(engine, task, config, indices, RngState(0), version, score,
@@ -132,6 +149,9 @@ def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: Dat
                "perf/gen_tokens_per_s": sampled["tokens"] / max(sampled["gen_s"], 1e-9)}
     if baselines:
         metrics["timing/baseline_s"] = baseline_s
+    if "episodes" in sampled:
+        metrics.update(episode_metrics(sampled["episodes"]))
+        metrics["timing/env_s"] = sampled["env_s"]
     if messages:  # only when some call failed: taken out before logging (purerl.loop.recording)
         metrics["reward/error_messages"] = messages
         if metrics["reward/errors"] + metrics["reward/timeouts"] >= sampled["rows"] + baseline_rows:
@@ -163,16 +183,22 @@ def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indice
     rewards, sums (seconds ``gen_s`` and ``reward_s``, ``errors``, ``timeouts``, ``rows``,
     ``tokens``, the summed ``model`` scores and ``overlong_penalty``) and the failed calls' messages."""
     reward = config.reward
-    start = time.perf_counter()
-    rollout = engine.generate([task.prompt_ids[i] for i in indices], sampling, rng, version=version)
-    sums: dict[str, Any] = {"gen_s": time.perf_counter() - start, "rows": float(len(rollout.group)),
-                            "tokens": float(rollout.sequences.response_mask.sum())}
-    texts = decode_responses(rollout, task.decode)
+    if task.episodes is not None:
+        rollout, scored, sums = _episode_rollout(engine, task, task.episodes, indices, rng, version, sampling,
+                                                 reward.batch_timeout)
+        texts = [episode.actions[-1] for episode in sums["episodes"]]
+    else:
+        start = time.perf_counter()
+        rollout = engine.generate([task.prompt_ids[i] for i in indices], sampling, rng, version=version)
+        sums = {"gen_s": time.perf_counter() - start}
+        texts = decode_responses(rollout, task.decode)
+    sums.update(rows=float(len(rollout.group)), tokens=float(rollout.sequences.response_mask.sum()))
     records = [task.records[i] for i in indices for _ in range(sampling.n)]
     start = time.perf_counter()
-    scored = score(task.reward_fn, texts, [r.ground_truth for r in records], timeout=reward.timeout,
-                   penalty=reward.penalty, data_sources=[r.data_source for r in records],
-                   extra_infos=[r.extra for r in records], batch_timeout=reward.batch_timeout)
+    if task.episodes is None:
+        scored = score(task.reward_fn, texts, [r.ground_truth for r in records], timeout=reward.timeout,
+                       penalty=reward.penalty, data_sources=[r.data_source for r in records],
+                       extra_infos=[r.extra for r in records], batch_timeout=reward.batch_timeout)
     device = rollout.sequences.input_ids.device
     rule = torch.tensor(scored.values, dtype=torch.float32, device=device)
     sums.update(errors=float(scored.errors), timeouts=float(scored.timeouts))
@@ -186,6 +212,26 @@ def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indice
     sums.update(parts)
     sums["reward_s"] = time.perf_counter() - start
     return rollout, rewards, sums, scored.error_messages
+
+
+def _episode_rollout(engine: RolloutEngine, task: Task, episodes: Episodes, indices: list[int], rng: RngState,
+                     version: int, sampling: SamplingParams,
+                     batch_timeout: float | None) -> tuple[Rollout, Scores, dict[str, Any]]:
+    """``sampling.n`` episodes per prompt (:func:`~purerl.episodes.rollout.run_episodes`; task
+    ``i`` resets with seed ``i``, so a prompt's episodes replay), their rollout and scores (the
+    environment's rewards with the tool bonus), and sums: ``gen_s`` (sampling and stepping),
+    ``env_s`` and the ``episodes``."""
+    timings: dict[str, float] = {}
+    played = run_episodes(engine, episodes.env, episodes.codec, [task.records[i] for i in indices], sampling, rng,
+                          version, episodes.limits, decode=task.decode, seeds=indices,
+                          template_kwargs=dict(episodes.template_kwargs), batch_timeout=batch_timeout, timings=timings)
+    group = [j for j in range(len(indices)) for _ in range(sampling.n)]
+    rollout = episodes_rollout(played, group, pad_token_id=episodes.pad_token_id, version=version)
+    if engine_device := getattr(engine, "device", None):
+        rollout = tree_map(lambda x: x.to(engine_device) if isinstance(x, torch.Tensor) else x, rollout)
+    scores = Scores(episode_scores(played, episodes.limits.tool_bonus), 0, 0, [])
+    return rollout, scores, {"gen_s": timings.get("gen_s", 0.0) + timings.get("env_s", 0.0),
+                             "env_s": timings.get("env_s", 0.0), "episodes": played}
 
 
 def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, config: JobConfig, *,

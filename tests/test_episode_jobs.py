@@ -1,0 +1,60 @@
+"""Multi-turn episodes in the job: the calculator demo end to end, and an environment whose every
+turn is answered, so episodes run all their turns, on the local executor (synchronous and
+asynchronous) and on Ray."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.jobs import ENV, run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+GUESS = ["--tiny", "--env", "tests.episode_envs:GuessEnv", "--max-turns", "3", "--steps", "2", "--prompts-per-step",
+         "2", "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size", "2", "--train-size", "20",
+         "--eval-every", "0", "--no-progress", "--threads", "1", "env.max_tokens=256"]
+
+
+def test_the_tool_math_demo_runs_end_to_end_on_the_tiny_model(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), "--tiny", "--steps", "3",
+                           "--out-dir", str(out), "--no-progress", "--threads", "1"], capture_output=True, text=True,
+                          env=ENV, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["config"]["env"]["name"] == "calculator"
+    assert {"val/episode/turns_mean", "val/episode/tool_calls_mean", "val/episode/observation_token_frac",
+            "val/episode/finish/answer"} <= set(summary["final_evaluation"])
+    assert summary["sft"]["sft_steps"] == 8 and "accuracy_before_sft" in summary["sft"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("episode/turns_mean" in r and "episode/tool_timeouts" in r for r in rows)
+    assert (out / "curve.png").is_file() and (out / "export" / "model.safetensors").is_file()
+
+
+def _check_multi_turn(summary: dict) -> None:
+    rows = summary["records"]
+    assert summary["steps"] == 2 and len(rows) == 2
+    for row in rows:  # every episode ran its 3 turns: the environment answers each one
+        assert row["episode/turns_mean"] == 3 and row["episode/finish/max_turns"] == 1
+        assert 0 < row["episode/observation_token_frac"] < 1
+
+
+@pytest.mark.parametrize("mode", [[], ["--async", "--max-staleness", "1"]], ids=["sync", "async"])
+def test_multi_turn_episodes_train_on_the_local_executor(tmp_path, mode):
+    _check_multi_turn(run_job([*GUESS, *mode, "--out-dir", str(tmp_path / "run")]))
+
+
+def test_multi_turn_episodes_train_on_ray(tmp_path, ray_cluster):
+    summary = run_job([*GUESS, "--executor", "ray", "--train-ranks", "2", "--rollout-workers", "1",
+                       "--out-dir", str(tmp_path / "run")])
+    _check_multi_turn(summary)
+
+
+def test_a_bad_environment_is_named_before_anything_loads(tmp_path):
+    from purerl.data.records import DataError
+
+    with pytest.raises(DataError, match="env.name: environment 'tests.episode_envs:Nope'"):
+        run_job([*GUESS[:2], "tests.episode_envs:Nope", *GUESS[3:], "--out-dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
