@@ -99,18 +99,22 @@ class Rewards:
     """What scoring a rollout gives the step: ``scores`` (one per row), and what some estimators
     also read: ``baselines`` (ReMax: the score of the prompt's greedy response, per row) and
     ``components`` (GDPO: each reward's score, one column per reward, e.g. rule and model).
-    A step function accepts a bare ``scores`` tensor too (:meth:`of`)."""
+    ``token_rewards`` (multi-turn episodes with per-turn rewards, ``env.per_turn_rewards``) places
+    them on response tokens, each row summing to its score; without it the score sits on the
+    row's last response token. A step function accepts a bare ``scores`` tensor too (:meth:`of`)."""
 
     scores: Float[Tensor, " b"]
     baselines: Float[Tensor, " b"] | None = None
     components: Float[Tensor, "b k"] | None = None
+    token_rewards: Float[Tensor, "b t"] | None = None
 
     @staticmethod
     def of(scores: "Tensor | Rewards") -> "Rewards":
         return scores if isinstance(scores, Rewards) else Rewards(scores)
 
     def rows(self, index: Tensor) -> "Rewards":
-        return Rewards(*(None if x is None else x[index] for x in (self.scores, self.baselines, self.components)))
+        return Rewards(*(None if x is None else x[index] for x in (self.scores, self.baselines, self.components,
+                                                                   self.token_rewards)))
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:

@@ -19,8 +19,10 @@ from purerl.run import run
 __all__ = ["main", "plot_curve"]
 
 
-def plot_curve(run_dir: Path, records: list[dict], before: float | None, after: float, title: str) -> Path:
-    """``curve.png``: the training reward per step and the held-out greedy accuracy."""
+def plot_curve(run_dir: Path, records: list[dict], before: float | None, after: float, title: str,
+               before_warm_up: float | None = None) -> Path:
+    """``curve.png``: the training reward per step and the held-out greedy accuracy (and, after an
+    SFT warm-up, the accuracy before it, at step 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,6 +36,8 @@ def plot_curve(run_dir: Path, records: list[dict], before: float | None, after: 
     if not records or "val/accuracy" not in records[-1]:
         evals.append((records[-1]["step"] if records else 0, after))
     ax.plot(*zip(*evals), "o-", label="held-out greedy accuracy")
+    if before_warm_up is not None:
+        ax.plot([0], [before_warm_up], "kx", markersize=9, label="held-out accuracy before the SFT warm-up")
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, max(1.12, max(v for _, v in evals) + 0.05))
     ax.set_title(title)
@@ -73,6 +77,6 @@ def main(argv: Sequence[str] | None, *, prog: str, description: str | None, defa
         raise SystemExit(f"{prog}: {e} (--debug: the traceback)") from None
     run_dir = Path(inv.out_dir)
     curve = plot_curve(run_dir, summary.pop("records"), summary["accuracy_before"], summary["accuracy_after"],
-                       title(inv.config))
+                       title(inv.config), summary.get("sft", {}).get("accuracy_before_sft"))
     print(f"wrote {run_dir / 'summary.json'}, {curve}, {summary['export']} (from_pretrained loads it)", flush=True)
     return summary

@@ -110,7 +110,8 @@ def episodes_of(config: JobConfig, tokenizer: Any, reward_fn: RewardFn, options:
     except TemplateError as err:
         raise DataError(f"env.name {env_config.name}: the tokenizer's chat template cannot grow episodes: {err}") from None
     limits = EpisodeLimits(max_turns=env_config.max_turns, max_tokens=env_config.max_tokens,
-                           step_timeout=env_config.step_timeout, tool_bonus=env_config.tool_bonus)
+                           step_timeout=env_config.step_timeout, tool_bonus=env_config.tool_bonus,
+                           per_turn_rewards=env_config.per_turn_rewards)
     tools = getattr(env, "chat_tools", None)
     template_kwargs = {"tools": tools} if env_config.format == "json" and tools else {}
     return Episodes(env, codec, limits, template_kwargs, options["pad_token_id"])

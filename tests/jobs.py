@@ -4,6 +4,8 @@ plot), and what tests that run the script itself share."""
 import os
 from pathlib import Path
 
+import torch
+
 from purerl.config.command_line import Invocation, parse_command_line
 from purerl.config.job import JobConfig
 from purerl.config.loading import build
@@ -34,9 +36,14 @@ def parse(argv: list[str]) -> Invocation:
 
 
 def run_job(argv: list[str]) -> dict:
-    """The summary of the job ``argv`` describes (library errors propagate as they are)."""
+    """The summary of the job ``argv`` describes (library errors propagate as they are). The torch
+    thread count ``--threads`` sets is restored after it, so later tests compute as they would alone."""
     inv = parse(argv)
-    return run(inv.config, inv.out_dir, resume=inv.resume, overwrite=inv.overwrite)
+    threads = torch.get_num_threads()
+    try:
+        return run(inv.config, inv.out_dir, resume=inv.resume, overwrite=inv.overwrite)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def one_line_error(done, status: int = 1) -> str:

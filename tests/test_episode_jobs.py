@@ -46,9 +46,10 @@ def test_multi_turn_episodes_train_on_the_local_executor(tmp_path, mode):
     _check_multi_turn(run_job([*GUESS, *mode, "--out-dir", str(tmp_path / "run")]))
 
 
-def test_multi_turn_episodes_train_on_ray(tmp_path, ray_cluster):
-    summary = run_job([*GUESS, "--executor", "ray", "--train-ranks", "2", "--rollout-workers", "1",
-                       "--out-dir", str(tmp_path / "run")])
+@pytest.mark.parametrize("mode", [[], ["--async", "--max-staleness", "1"]], ids=["sync", "async"])
+def test_multi_turn_episodes_train_on_ray(tmp_path, ray_cluster, mode):
+    summary = run_job([*GUESS, "--executor", "ray", "--train-ranks", "2", "--rollout-workers", "1", *mode,
+                       "env.per_turn_rewards=true", "--out-dir", str(tmp_path / "run")])  # token rewards cross to the ranks
     _check_multi_turn(summary)
 
 

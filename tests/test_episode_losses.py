@@ -1,6 +1,7 @@
 """Observation tokens in the maths: no loss, no KL, no gradient, skipped by GAE; the SFT step
 learns only the sampled tokens."""
 
+import pytest
 import torch
 
 from purerl.algo.advantages import gae_advantages
@@ -102,3 +103,40 @@ def test_the_sft_step_learns_the_sampled_tokens_of_demonstrations():
         losses.append(metrics["sft/loss"])
     assert abs(losses[0] - float(first)) < 1e-4  # the step's loss is the sampled tokens' NLL
     assert losses[-1] < losses[0] - 0.5 and float(nll(params)) < losses[-1]
+
+
+def test_per_turn_rewards_sit_on_each_turns_last_token_and_sum_to_the_score():
+    from purerl.algo.kl_control import make_kl_controller
+    from purerl.episodes.env import StepResult
+    from purerl.episodes.rollout import Episode, turn_token_rewards
+    from purerl.step.experience import Experience
+    from purerl.step.shaping import shape_rewards
+
+    episodes = []
+    for first, second in ((0.25, 1.0), (0.25, 0.0), (0.0, 0.0), (0.5, 1.0)):
+        e = Episode([7, 7], 2)
+        e.append([3, 4, 5], sampled=True, logprobs=[-1.0] * 3)
+        e.add(StepResult(None, (), first, False))
+        e.append([9, 9], sampled=False)
+        e.append([6, 1], sampled=True, logprobs=[-1.0] * 2)
+        e.add(StepResult(None, (), second, True))
+        episodes.append(e)
+    rollout = episodes_rollout(episodes, [0, 0, 1, 1], pad_token_id=0, version=0)
+    scores = torch.tensor([e.reward + 0.1 for e in episodes])  # e.g. a tool bonus beyond the turns' rewards
+    tokens = turn_token_rewards(episodes, scores, rollout.sequences.response_length)
+    assert tokens[0].tolist() == pytest.approx([0, 0, 0.25, 0, 0, 0, 1.1])
+    assert torch.allclose(tokens.sum(-1), scores)
+
+    def advantages(estimator: str, token_rewards) -> torch.Tensor:
+        config = step_config(adv_estimator=estimator, gamma=0.9)
+        mask = rollout.sequences.response_mask
+        zeros = torch.zeros(mask.shape)
+        experience = Experience(rollout.sequences, rollout.group, scores, zeros, zeros, None, None,
+                                token_rewards=token_rewards)
+        batch, _, _ = shape_rewards(experience, make_kl_controller("fixed").init(), make_kl_controller("fixed"),
+                                    config=config)
+        return batch.advantages
+
+    # GRPO reads each row's sum: the same advantages; a discounted token-level estimator sees the turns
+    assert torch.equal(advantages("grpo", tokens), advantages("grpo", None))
+    assert not torch.allclose(advantages("reinforce_plus_plus", tokens), advantages("reinforce_plus_plus", None))

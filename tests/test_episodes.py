@@ -217,6 +217,8 @@ def test_the_context_budget_ends_an_episode():
     (episode,), _ = _play(tokenizer, episode_envs.GuessEnv(), guesses, [_record("a", "a")], limits=limits, seeds=[5])
     assert episode.finish == "context" and len(episode.ids) <= limits.max_tokens
     assert len(episode.turn_ends) == 2  # a third turn's observation would not fit
+    with pytest.raises(ValueError, match="take .* tokens, no fewer than the episode's budget of 20"):
+        _play(tokenizer, episode_envs.GuessEnv(), guesses, [_record("a", "a")], limits=EpisodeLimits(max_tokens=20))
 
 
 def test_a_single_turn_task_is_the_one_step_episode_of_the_same_engine_call():

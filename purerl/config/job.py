@@ -362,7 +362,9 @@ class EnvConfig:
     a class in TRL's ``environment_factory`` convention: :mod:`purerl.episodes.adapters`). ``format``: how tools are called (``tags``: ``<calc>1+2</calc>``; ``json``:
     ``<tool_call>{…}</tool_call>``). Limits per episode: ``max_turns`` model turns, ``max_tokens``
     ids in all (the context budget), ``step_timeout`` seconds per environment step (a tool call).
-    ``tool_bonus``: added to the score per tool call that did not fail. ``sft_steps``: a
+    ``tool_bonus``: added to the score per tool call that did not fail. ``per_turn_rewards``: each
+    turn's reward on its last sampled token (for token-level estimators such as GAE; GRPO-style
+    estimators read only the sum), else the episode's rewards on its last. ``sft_steps``: a
     supervised warm-up on the environment's demonstrations (``sft_rows`` per step, the actor's
     optimizer) before the first RL step, for models that never emit the tool format."""
 
@@ -373,6 +375,7 @@ class EnvConfig:
     max_tokens: int = attrs.field(default=1024, validator=at_least(2))
     step_timeout: float = attrs.field(default=10.0, validator=positive)
     tool_bonus: float = attrs.field(default=0.0, validator=at_least(0))
+    per_turn_rewards: bool = False
     sft_steps: int = attrs.field(default=0, validator=at_least(0))
     sft_rows: int = attrs.field(default=8, validator=at_least(1))
 

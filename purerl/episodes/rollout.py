@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch import Tensor
 
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, Rollout, Sequences, left_pad
 from purerl.checks import at_least, positive
@@ -36,7 +37,7 @@ from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 
 __all__ = ["Episode", "EpisodeLimits", "episode_metrics", "episode_of_transcript", "episode_scores", "episodes_rollout",
-           "run_episodes"]
+           "run_episodes", "turn_token_rewards"]
 
 FINISHES = ("answer", "max_turns", "context")
 """Why an episode ended (an environment may name others in its ``StepResult.finish``)."""
@@ -46,12 +47,15 @@ FINISHES = ("answer", "max_turns", "context")
 class EpisodeLimits:
     """``max_turns`` model turns, ``max_tokens`` ids in all (prompt, samples, observations: the
     context budget), ``step_timeout`` seconds per environment step (a tool call),
-    ``tool_bonus`` added to the score per tool call that did not fail."""
+    ``tool_bonus`` added to the score per tool call that did not fail; ``per_turn_rewards``: each
+    turn's reward on that turn's last sampled token (:func:`turn_token_rewards`), not all of them
+    on the episode's last."""
 
     max_turns: int = attrs.field(default=4, validator=at_least(1))
     max_tokens: int = attrs.field(default=1024, validator=at_least(2))
     step_timeout: float = attrs.field(default=10.0, validator=positive)
     tool_bonus: float = 0.0
+    per_turn_rewards: bool = False
 
 
 @attrs.define
@@ -61,7 +65,7 @@ class Episode:
     hold its behaviour log-prob and weights version; 0 and -1 elsewhere); ``turn_ends``: index
     (into ``ids``) of each turn's last sampled token; ``reward``: the environment's rewards summed;
     ``counts``: the steps' counts summed (``tool_calls``, ``tool_errors``, ``tool_timeouts``);
-    ``actions``: each turn's text as the environment read it."""
+    ``actions``: each turn's text as the environment read it; ``turn_rewards``: each turn's reward."""
 
     ids: list[int]
     prompt_length: int
@@ -74,6 +78,7 @@ class Episode:
     counts: dict[str, float] = attrs.Factory(dict)
     state: Any = None
     actions: list[str] = attrs.Factory(list)
+    turn_rewards: list[float] = attrs.Factory(list)
 
     def append(self, ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] = (), version: int = -1) -> None:
         self.ids += ids
@@ -85,6 +90,7 @@ class Episode:
 
     def add(self, result: StepResult) -> None:
         self.state, self.reward = result.state, self.reward + float(result.reward)
+        self.turn_rewards.append(float(result.reward))
         for key, value in result.counts.items():
             self.counts[key] = self.counts.get(key, 0.0) + float(value)
 
@@ -109,6 +115,10 @@ def run_episodes(engine: RolloutEngine, env: Env, codec: ChatCodec, tasks: Seque
     timings = {} if timings is None else timings
     starts = [env.reset(task, seed) for task, seed in zip(tasks, seeds)]
     prompts = [codec.initial_ids(messages, **(template_kwargs or {})) for _, messages in starts]
+    for i, p in enumerate(prompts):
+        if len(p) >= limits.max_tokens:
+            raise ValueError(f"run_episodes: the first messages of task {i} take {len(p)} tokens, no fewer than the "
+                             f"episode's budget of {limits.max_tokens} (env.max_tokens)")
     episodes = [Episode(list(p), len(p), state=state) for (state, _), p in zip(starts, prompts) for _ in range(sampling.n)]
     stop = tuple(dict.fromkeys((*sampling.stop, *env.stop)))
     active, rows_before = list(range(len(episodes))), {}
@@ -221,6 +231,20 @@ def episodes_rollout(episodes: Sequence[Episode], group: Sequence[int], *, pad_t
     sequences = Sequences(torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, attention], 1), sampled)
     reasons = torch.tensor([FINISH_LENGTH if e.finish == "context" else FINISH_EOS for e in episodes])
     return Rollout(sequences, logprobs, reasons, torch.as_tensor(list(group), dtype=torch.long), version)
+
+
+def turn_token_rewards(episodes: Sequence[Episode], scores: Tensor, width: int) -> Tensor:
+    """``[b, width]`` token rewards: each turn's reward on its last sampled token, and what the
+    score holds beyond them (the tool bonus, shaping, a reward model) on the episode's last, so a
+    row sums to its score (``scores[b]``)."""
+    out = torch.zeros((len(episodes), width), dtype=torch.float32, device=scores.device)
+    for row, e in enumerate(episodes):
+        ends = [end - e.prompt_length for end in e.turn_ends]
+        for end, reward in zip(ends, e.turn_rewards):
+            out[row, end] += reward
+        if ends:
+            out[row, ends[-1]] += float(scores[row]) - sum(e.turn_rewards[: len(ends)])
+    return out
 
 
 def episode_metrics(episodes: Sequence[Episode], prefix: str = "episode") -> dict[str, float]:

@@ -20,7 +20,14 @@ from purerl.config.job import JobConfig
 from purerl.data.cursor import DataCursor, next_indices
 from purerl.data.records import PromptRecord
 from purerl.episodes import ChatCodec, Env
-from purerl.episodes.rollout import EpisodeLimits, episode_metrics, episode_scores, episodes_rollout, run_episodes
+from purerl.episodes.rollout import (
+    EpisodeLimits,
+    episode_metrics,
+    episode_scores,
+    episodes_rollout,
+    run_episodes,
+    turn_token_rewards,
+)
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.mix import mixed_rewards, uses_reward_model
 from purerl.rollout.engine import RolloutEngine
@@ -142,8 +149,12 @@ def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: Dat
                 kept.append((rollout, rewards))
             break
     rollout = concat_rollouts([r for r, _ in kept], pad_token_id=_pad_id(kept[0][0]))
+    width = rollout.sequences.response_length  # rounds' token rewards padded to the joined rollout's width
     rewards = Rewards(*(None if parts[0] is None else torch.cat(parts)
-                        for parts in zip(*((w.scores, w.baselines, w.components) for _, w in kept))))
+                        for parts in zip(*((w.scores, w.baselines, w.components) for _, w in kept))),
+                      token_rewards=None if kept[0][1].token_rewards is None else torch.cat(
+                          [torch.nn.functional.pad(w.token_rewards, (0, width - w.token_rewards.shape[1]))
+                           for _, w in kept]))
     metrics = {"reward/errors": sampled["errors"] + errors, "reward/timeouts": sampled["timeouts"] + timeouts,
                "timing/gen_s": sampled["gen_s"], "timing/reward_s": sampled["reward_s"],
                "perf/gen_tokens_per_s": sampled["tokens"] / max(sampled["gen_s"], 1e-9)}
@@ -209,6 +220,9 @@ def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indice
         learned = score_model([prompt_text(r) for r in records], texts).to(device=device, dtype=torch.float32)
     rewards, parts = mixed_rewards(rule, rollout.sequences.response_mask.sum(-1), learned, reward=reward,
                                    max_new_tokens=sampling.max_new_tokens)
+    if task.episodes is not None and task.episodes.limits.per_turn_rewards:
+        rewards = attrs.evolve(rewards, token_rewards=turn_token_rewards(sums["episodes"], rewards.scores,
+                                                                         rollout.sequences.response_length))
     sums.update(parts)
     sums["reward_s"] = time.perf_counter() - start
     return rollout, rewards, sums, scored.error_messages

@@ -26,7 +26,8 @@ __all__ = ["Experience", "chunks", "make_experience"]
 class Experience:
     """A scored rollout with everything the updates need, computed before any update.
     ``baselines``/``components``: see :class:`~purerl.batch.Rewards`; ``sum_pi_squared``:
-    ``Σ_v π_old(v)²`` per response position, for the optimal-token-baseline estimators."""
+    ``Σ_v π_old(v)²`` per response position, for the optimal-token-baseline estimators;
+    ``token_rewards``: the scores placed on tokens (per-turn rewards), when the rewards give them."""
 
     sequences: Sequences
     group: Int[Tensor, " b"]
@@ -38,6 +39,7 @@ class Experience:
     baselines: Float[Tensor, " b"] | None = None
     components: Float[Tensor, "b k"] | None = None
     sum_pi_squared: Float[Tensor, "b t"] | None = None
+    token_rewards: Float[Tensor, "b t"] | None = None
 
 
 def chunks(n: int, size: int) -> list[slice]:
@@ -98,4 +100,5 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
         values = _batched(critic, functools.partial(response_values, critic, state.critic), seqs, rows)
         values = torch.where(seqs.response_mask, values, 0.0)
     return Experience(seqs, rollout.group, rewards.scores.to(torch.float32), old, rollout.behaviour_logprobs, ref,
-                      values, rewards.baselines, rewards.components, sum_pi_squared)
+                      values, rewards.baselines, rewards.components, sum_pi_squared,
+                      None if rewards.token_rewards is None else rewards.token_rewards.to(torch.float32))

@@ -54,7 +54,8 @@ def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
     (``rollout_corr/*`` metrics) and the advantages of ``algorithm.adv_estimator`` with its settings."""
     algorithm = config.algorithm
     mask = experience.sequences.response_mask
-    rewards = token_level_scores(experience.scores, mask)
+    rewards = (token_level_scores(experience.scores, mask) if experience.token_rewards is None
+               else torch.where(mask, experience.token_rewards, 0.0))
     metrics: Metrics = {}
     if algorithm.use_kl_in_reward:
         if experience.ref_logprobs is None:
