@@ -61,3 +61,15 @@ class Counter:
 
     def get_reward(self) -> float:
         return float(self.count == 3)
+
+
+class Broken:
+    """reset fails on a row without 'size'; step returns a bare reward."""
+
+    stop = ()
+
+    def reset(self, task, seed):
+        return task.extra["size"], list(task.messages)
+
+    def step(self, state, action):
+        return 1.0

@@ -344,3 +344,13 @@ def test_a_trl_environment_factory_class_plays_with_its_tools_and_reward_and_a_s
         environment("tests.episode_envs:hang", answer_fn=math_reward)
     with pytest.raises(ValueError, match="no attribute 'Nope'"):
         environment("tests.episode_envs:Nope", answer_fn=math_reward)
+
+
+def test_a_broken_environment_stops_naming_itself_the_task_and_what_went_wrong():
+    tokenizer = char_tokenizer(chatml=True)
+    answer = lambda prompt, call: _text(tokenizer, "1", end=True)  # noqa: E731
+    with pytest.raises(ValueError, match=r"environment Broken: reset failed on task 0 \(unknown, seed 0\): KeyError"):
+        _play(tokenizer, episode_envs.Broken(), answer, [_record()])
+    sized = PromptRecord(({"role": "user", "content": "hi"},), "1", extra={"size": 3})
+    with pytest.raises(TypeError, match="environment Broken: Env.step returned float, not"):
+        _play(tokenizer, episode_envs.Broken(), answer, [sized])

@@ -113,7 +113,13 @@ def run_episodes(engine: RolloutEngine, env: Env, codec: ChatCodec, tasks: Seque
     prefills only the new ids."""
     seeds = range(len(tasks)) if seeds is None else seeds
     timings = {} if timings is None else timings
-    starts = [env.reset(task, seed) for task, seed in zip(tasks, seeds)]
+    starts = []
+    for i, (task, seed) in enumerate(zip(tasks, seeds)):
+        try:
+            starts.append(env.reset(task, seed))
+        except Exception as err:  # a bug or a bad row: name both
+            raise ValueError(f"environment {type(env).__qualname__}: reset failed on task {i} ({task.data_source}, "
+                             f"seed {seed}): {type(err).__name__}: {err}") from err
     prompts = [codec.initial_ids(messages, **(template_kwargs or {})) for _, messages in starts]
     for i, p in enumerate(prompts):
         if len(p) >= limits.max_tokens:

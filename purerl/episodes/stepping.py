@@ -36,7 +36,9 @@ def step_envs(env: Env, states: Sequence[Any], actions: Sequence[str], *, timeou
               batch_timeout: float | None = None) -> list[StepResult]:
     """``env.step(state, action)`` for every episode, each under ``timeout`` seconds and all under
     ``batch_timeout``: one :class:`~purerl.episodes.env.StepResult` per episode, a
-    :func:`failed_step` where the call raised, returned something else, timed out or died."""
+    :func:`failed_step` where the call raised, timed out or died. A result that is no
+    ``StepResult`` or 4-tuple raises ``TypeError`` naming the environment (a bug, not a tool
+    failure: every turn would fail alike)."""
     if not states:
         return []
     args = [(s, a) for s, a in zip(states, actions)]
@@ -66,9 +68,9 @@ def step_envs(env: Env, states: Sequence[Any], actions: Sequence[str], *, timeou
             out.append(failed_step(env, state, f"the step timed out after {timeout:g} s", "tool_timeouts"))
         elif result[1] is not None:
             out.append(failed_step(env, state, result[1], "tool_errors"))
-        else:
+        else:  # a malformed result is a bug in the environment, not a failed tool: it stops the run
             try:
                 out.append(step_result(result[0]))
             except TypeError as err:
-                out.append(failed_step(env, state, str(err), "tool_errors"))
+                raise TypeError(f"environment {type(env).__qualname__}: {err}") from None
     return out
