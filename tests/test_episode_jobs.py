@@ -59,3 +59,10 @@ def test_a_bad_environment_is_named_before_anything_loads(tmp_path):
     with pytest.raises(DataError, match="env.name: environment 'tests.episode_envs:Nope'"):
         run_job([*GUESS[:2], "tests.episode_envs:Nope", *GUESS[3:], "--out-dir", str(tmp_path / "run")])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", ["GuessNumber", "Counter"])
+def test_the_example_environments_train(tmp_path, name):
+    summary = run_job([*GUESS[:2], f"{ROOT / 'examples' / 'environments.py'}:{name}", *GUESS[3:],
+                       "env.per_turn_rewards=true", "--out-dir", str(tmp_path / "run")])
+    assert summary["steps"] == 2 and "episode/turns_mean" in summary["records"][-1]
