@@ -27,7 +27,7 @@ from purerl.data.records import PromptRecord
 from purerl.episodes.calculator import calculator_env
 from purerl.episodes.codec import Message
 from purerl.episodes.env import Env, StepResult
-from purerl.episodes.tools import parse_call
+from purerl.episodes.tools import parse_call, tool_output
 from purerl.rewards.custom import load_object
 from purerl.rewards.forms import call_form, reward_value
 from purerl.rewards.math import RewardFn
@@ -120,15 +120,8 @@ class TrlEnvironment:
                                       task.data_source, task.extra)
             return StepResult(state, (), reward, True, "answer")
         name, text = call
-        try:
-            if name not in self.tool_names:
-                raise ValueError(f"no tool named {name!r} (tools: {', '.join(self.tool_names)})")
-            method = getattr(instance, name)
-            if self.format == "json" or text.startswith("{"):
-                output, errors = str(method(**json.loads(text))), 0.0
-            else:
-                output, errors = str(method(text)), 0.0
-        except Exception as err:  # noqa: BLE001 - the model sees the error and the episode goes on
-            output, errors = f"error: {type(err).__name__}: {err}", 1.0
+        json_arguments = self.format == "json" or text.startswith("{")
+        output, errors = tool_output(name, self.tool_names, lambda: getattr(instance, name)(**json.loads(text))
+                                     if json_arguments else getattr(instance, name)(text))
         return StepResult(state, ({"role": self.observation_role, "content": output},), 0.0, False, "",
                           {"tool_calls": 1.0, "tool_errors": errors})

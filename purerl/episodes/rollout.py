@@ -35,6 +35,7 @@ from purerl.episodes.stepping import step_envs
 from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
+from purerl.tree import tree_map
 
 __all__ = ["Episode", "EpisodeLimits", "episode_metrics", "episode_of_transcript", "episode_scores", "episodes_rollout",
            "run_episodes", "turn_token_rewards"]
@@ -218,10 +219,10 @@ def episode_scores(episodes: Sequence[Episode], tool_bonus: float = 0.0) -> list
 
 
 def episodes_rollout(episodes: Sequence[Episode], group: Sequence[int], *, pad_token_id: int,
-                     version: int) -> Rollout:
-    """The :class:`~purerl.batch.Rollout` of ``episodes`` (prompts left-padded, the rest right-padded;
-    ``response_mask`` the sampled mask, ``behaviour_logprobs`` 0 off it). ``finish_reasons``:
-    FINISH_LENGTH for episodes cut by the context budget, FINISH_EOS otherwise."""
+                     version: int, device: str | torch.device = "cpu") -> Rollout:
+    """The :class:`~purerl.batch.Rollout` of ``episodes`` on ``device`` (prompts left-padded, the
+    rest right-padded; ``response_mask`` the sampled mask, ``behaviour_logprobs`` 0 off it).
+    ``finish_reasons``: FINISH_LENGTH for episodes cut by the context budget, FINISH_EOS otherwise."""
     prompt_ids, prompt_mask = left_pad([e.ids[: e.prompt_length] for e in episodes], pad_token_id)
     width = max(1, max(len(e.ids) - e.prompt_length for e in episodes))
     shape = (len(episodes), width)
@@ -236,7 +237,8 @@ def episodes_rollout(episodes: Sequence[Episode], group: Sequence[int], *, pad_t
         logprobs[row, :length] = torch.tensor(e.logprobs, dtype=torch.float32)
     sequences = Sequences(torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, attention], 1), sampled)
     reasons = torch.tensor([FINISH_LENGTH if e.finish == "context" else FINISH_EOS for e in episodes])
-    return Rollout(sequences, logprobs, reasons, torch.as_tensor(list(group), dtype=torch.long), version)
+    rollout = Rollout(sequences, logprobs, reasons, torch.as_tensor(list(group), dtype=torch.long), version)
+    return tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, rollout)  # no copy on the CPU
 
 
 def turn_token_rewards(episodes: Sequence[Episode], scores: Tensor, width: int) -> Tensor:

@@ -31,7 +31,7 @@ from purerl.episodes.env import StepResult
 from purerl.rewards.forms import call_form, reward_value
 from purerl.rewards.math import RewardFn
 
-__all__ = ["Tool", "ToolEnv", "calculate", "parse_call"]
+__all__ = ["Tool", "ToolEnv", "calculate", "parse_call", "tool_output"]
 
 
 @attrs.frozen
@@ -88,6 +88,18 @@ def _arguments(tool: Tool, text: str, format: str) -> dict[str, Any]:
     return {tool.parameters[0]: text}
 
 
+def tool_output(name: str, names: Sequence[str], invoke: Callable[[], Any]) -> tuple[str, float]:
+    """What the model reads back from its call of tool ``name``: ``str(invoke())``, or ``error: …``
+    when no tool has that name or the call raises (the episode goes on); and the call's error
+    count, 0 or 1."""
+    try:
+        if name not in names:
+            raise ValueError(f"no tool named {name!r} (tools: {', '.join(names)})")
+        return str(invoke()), 0.0
+    except Exception as err:  # noqa: BLE001 - the model sees the error and the episode goes on
+        return f"error: {type(err).__name__}: {err}", 1.0
+
+
 @attrs.frozen
 class ToolEnv:
     """Episodes of tool calls ending in an answer. ``system_prompt`` (one example of the call
@@ -121,12 +133,8 @@ class ToolEnv:
                                   state.data_source, state.extra)
             return StepResult(state, (), reward, True, "answer")
         name, text = call
-        try:
-            if name not in by_name:
-                raise ValueError(f"no tool named {name!r} (tools: {', '.join(by_name)})")
-            output, errors = str(by_name[name].fn(**_arguments(by_name[name], text, self.format))), 0.0
-        except Exception as err:  # noqa: BLE001 - the model sees the error and the episode goes on
-            output, errors = f"error: {type(err).__name__}: {err}", 1.0
+        output, errors = tool_output(name, list(by_name),
+                                     lambda: by_name[name].fn(**_arguments(by_name[name], text, self.format)))
         content = f"<result>{output}</result>" if self.format == "tags" else output
         return StepResult(state, ({"role": self.observation_role, "content": content},), 0.0, False, "",
                           {"tool_calls": 1.0, "tool_errors": errors})

@@ -34,7 +34,7 @@ from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.merge import concat_rollouts
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.tree import replace, tree_map
+from purerl.tree import replace
 
 __all__ = ["Episodes", "Task", "decode_responses", "prompt_text", "rollout_batch", "rollout_rng", "sample_batch"]
 
@@ -240,9 +240,8 @@ def _episode_rollout(engine: RolloutEngine, task: Task, episodes: Episodes, indi
                           version, episodes.limits, decode=task.decode, seeds=indices,
                           template_kwargs=dict(episodes.template_kwargs), batch_timeout=batch_timeout, timings=timings)
     group = [j for j in range(len(indices)) for _ in range(sampling.n)]
-    rollout = episodes_rollout(played, group, pad_token_id=episodes.pad_token_id, version=version)
-    if engine_device := getattr(engine, "device", None):
-        rollout = tree_map(lambda x: x.to(engine_device) if isinstance(x, torch.Tensor) else x, rollout)
+    rollout = episodes_rollout(played, group, pad_token_id=episodes.pad_token_id, version=version,
+                               device=getattr(engine, "device", "cpu"))
     scores = Scores(episode_scores(played, episodes.limits.tool_bonus), 0, 0, [])
     return rollout, scores, {"gen_s": timings.get("gen_s", 0.0) + timings.get("env_s", 0.0),
                              "env_s": timings.get("env_s", 0.0), "episodes": played}

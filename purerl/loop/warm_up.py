@@ -29,10 +29,8 @@ def warm_up(state: TrainState, task: Task, config: JobConfig, policy: CausalLM,
         rows = [task.records[(step * env_config.sft_rows + i) % len(task.records)] for i in range(env_config.sft_rows)]
         played = [episode_of_transcript(setup.codec, demonstration(r), stop=setup.env.stop,
                                         template_kwargs=dict(setup.template_kwargs)) for r in rows]
-        rollout = episodes_rollout(played, range(len(played)), pad_token_id=setup.pad_token_id, version=0)
-        sequences = rollout.sequences
-        sequences = type(sequences)(*(x.to(device) for x in (sequences.input_ids, sequences.attention_mask,
-                                                            sequences.response_mask)))
+        sequences = episodes_rollout(played, range(len(played)), pad_token_id=setup.pad_token_id, version=0,
+                                     device=device).sequences
         state, metrics = sft_step(state, sequences, policy=policy, config=config)
         losses.append(metrics["sft/loss"])
         if metrics.get("sft/diverged") or metrics.get("sft/rejected_updates"):
