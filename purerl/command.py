@@ -78,5 +78,8 @@ def main(argv: Sequence[str] | None, *, prog: str, description: str | None, defa
     run_dir = Path(inv.out_dir)
     curve = plot_curve(run_dir, summary.pop("records"), summary["accuracy_before"], summary["accuracy_after"],
                        title(inv.config), summary.get("sft", {}).get("accuracy_before_sft"))
-    print(f"wrote {run_dir / 'summary.json'}, {curve}, {summary['export']} (from_pretrained loads it)", flush=True)
+    adapter = f", {summary['adapter']} (the LoRA adapter: peft's PeftModel.from_pretrained loads it)" \
+        if "adapter" in summary else ""
+    print(f"wrote {run_dir / 'summary.json'}, {curve}, {summary['export']} (from_pretrained loads it){adapter}",
+          flush=True)
     return summary

@@ -49,6 +49,7 @@ from purerl.models import (
     smollm2_gguf,
 )
 from purerl.models.hf import export_hf
+from purerl.models.lora import LoraSpec, apply_lora, export_peft
 from purerl.rewards import RewardFn, math_reward, reward_function
 from purerl.rollout.engine import make_engine
 from purerl.state import RngState, TrainState
@@ -154,7 +155,7 @@ def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
         context = {"max_position_embeddings": max(256, config.env.max_tokens)} if config.env.multi_turn else {}
         model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64, **context),
                                               seed=config.trainer.seed, dtype=dtype, device=_driver_device(config))
-        return model, params, tokenizer
+        return (*_adapted(config, model, params), tokenizer)
     from transformers import AutoTokenizer
 
     path = Path(config.model.path) if config.model.path else smollm2_gguf()
@@ -164,14 +165,27 @@ def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
         tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     model, params = load_causal_lm(path, dtype=dtype, device=_driver_device(config))
-    return model, params, tokenizer
+    return (*_adapted(config, model, params), tokenizer)
+
+
+def _adapted(config: JobConfig, model: CausalLM, params: Params) -> tuple[CausalLM, Params]:
+    """With ``actor.lora_rank``, the LoRA policy on the base ``model`` and its adapters."""
+    actor = config.actor
+    if not actor.lora_rank:
+        return model, params
+    try:
+        return apply_lora(model, params, LoraSpec(actor.lora_rank, actor.lora_alpha, tuple(actor.lora_targets)),
+                          seed=config.trainer.seed)
+    except ValueError as err:
+        raise DataError(f"actor.lora_targets: {err}") from None
 
 
 def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Critic | None, Params | None]:
     """The value model when the estimator reads values: a zero value head on a copy of the policy's
-    backbone, or on the base of ``critic.model``; (None, None) otherwise."""
+    backbone (a LoRA policy's base), or on the base of ``critic.model``; (None, None) otherwise."""
     if not config.algorithm.estimator.needs_values:
         return None, None
+    params = model.full(params) if model.lora is None else model.frozen
     if config.critic.model:
         policy_vocab = model.config.vocab_size
         model, params = load_causal_lm(Path(config.critic.model), dtype=getattr(torch, config.model.dtype),
@@ -183,12 +197,15 @@ def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Cri
 
 
 def initial_state(config: JobConfig, params: Params, critic_params: Params | None = None) -> TrainState:
-    """Step 0: the policy and its optimizer state, a frozen reference copy when a KL term reads it,
-    the critic and its optimizer state when there is one, the KL controller, RNG and data cursor."""
-    needs_reference = config.actor.kl_loss_coef > 0 or config.algorithm.use_kl_in_reward
+    """Step 0: the policy and its optimizer state, a frozen reference copy when a KL term reads it
+    (with LoRA, ``{}``: the base itself, no copy), the critic and its optimizer state when there is
+    one, the KL controller, RNG and data cursor."""
+    reference = None
+    if config.actor.kl_loss_coef > 0 or config.algorithm.use_kl_in_reward:
+        reference = {} if config.actor.lora_rank else tree_clone(params)
     state = TrainState(policy=params, policy_opt=actor_optimizer(config).init(params),
                        kl=kl_controller_of(config).init(), rng=RngState(config.trainer.seed),
-                       data=DataCursor(config.trainer.seed), reference=tree_clone(params) if needs_reference else None)
+                       data=DataCursor(config.trainer.seed), reference=reference)
     if critic_params is not None:
         state = attrs.evolve(state, critic=critic_params, critic_opt=critic_optimizer(config).init(critic_params))
     return state
@@ -295,9 +312,14 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     with make_executor(config, model, critic, options, run_dir) as executor:
         summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop)
         state = summary.pop("_state")
-        export = export_hf(model, executor.full_state(state).policy, run_dir / "export", tokenizer)
+        policy = executor.full_state(state).policy
+        export = export_hf(model, policy, run_dir / "export", tokenizer)
+        adapter = {}
+        if model.lora is not None:
+            base = str(config.model.path or ("tiny" if config.model.tiny else smollm2_gguf()))
+            adapter = {"adapter": str(export_peft(model, policy, run_dir / "adapter", base_model=base))}
     return {**summary, **counts, **data_counts, **sft, "wall_seconds": time.time() - wall_start, "export": str(export),
-            "config": recorded}
+            **adapter, "config": recorded}
 
 
 def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dict[str, Any], train_task: Task,

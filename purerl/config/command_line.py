@@ -51,6 +51,8 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--policy-loss", "actor.policy_loss", dict(help="policy loss (vanilla: PPO clip)")),
     ("--kl-coef", "actor.kl_loss_coef", dict(type=float, help="KL-to-reference loss coefficient (0: no reference)")),
     ("--clip-high", "actor.clip_high", dict(type=float, help="upper clip ratio (DAPO clip-higher)")),
+    ("--lora-rank", "actor.lora_rank", dict(type=int, help="train LoRA adapters of this rank (0: every weight); "
+                                                          "use a ~10x larger --lr")),
     ("--micro-batch", "actor.micro_batch_rows", dict(type=int, help="rows per forward/backward")),
     ("--strict-answers", "reward.fn", dict(action="store_const", const="strict",
                                            help="count only answers after '####' or boxed (else the last number)")),

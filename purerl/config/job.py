@@ -40,6 +40,7 @@ from purerl.algo.kl_control import KL_CONTROLLERS
 from purerl.algo.policy_loss import POLICY_LOSSES
 from purerl.checks import at_least, in_range, positive
 from purerl.config.loading import ConfigError, one_of, section
+from purerl.models.lora import DEFAULT_TARGETS
 from purerl.rollout.sampling import SamplingParams
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "DataConfig", "ExecutorConfig",
@@ -185,6 +186,12 @@ def _clip_c(instance: Any, attribute: attrs.Attribute, value: float | None) -> N
         raise ConfigError(f"clip_c must be > 1 (or none to disable the dual clip), got {value}")
 
 
+def _targets(_: Any, attribute: Any, value: tuple[str, ...]) -> None:
+    if not value or not all(isinstance(name, str) and name for name in value):
+        raise ConfigError(f"{attribute.name}: give the names of the linear layers to adapt "
+                          f"(e.g. {list(DEFAULT_TARGETS)}), got {list(value)!r}")
+
+
 @section
 class ActorConfig:
     """The policy update. ``kl_loss_coef > 0`` adds the KL-to-reference loss (and keeps a frozen
@@ -195,7 +202,12 @@ class ActorConfig:
     ``loss_agg_mode``, ``loss_norm`` the constant of ``seq-mean-token-sum-norm``.
     ``skip_zero_advantage_rows``: rows whose advantages are all 0 skip the forward and backward
     where the loss lets them (the update is the same; ``actor/skipped_rows_frac`` counts them).
-    ``compute_entropy``: report ``actor/entropy`` even without an entropy bonus."""
+    ``compute_entropy``: report ``actor/entropy`` even without an entropy bonus.
+    ``lora_rank`` > 0 trains LoRA adapters of that rank on the ``lora_targets`` layers (scale
+    ``lora_alpha / lora_rank``) instead of every weight; the reference is then the base itself.
+    LoRA wants a larger ``lr`` than full fine-tuning (about 10×; "LoRA Without Regret").
+    ``offload_params``/``offload_optimizer``: under FSDP2 (the Ray executor), the sharded params
+    (policy and reference) / optimizer state wait in host memory between uses (no-ops on a CPU)."""
 
     lr: float = attrs.field(default=2e-5, validator=positive)
     warmup_steps: int = attrs.field(default=2, validator=at_least(0))
@@ -218,6 +230,11 @@ class ActorConfig:
     skip_zero_advantage_rows: bool = True
     compute_entropy: bool = True
     loss_options: LossOptions = LossOptions()
+    lora_rank: int = attrs.field(default=0, validator=at_least(0))
+    lora_alpha: float = attrs.field(default=32.0, validator=positive)
+    lora_targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=tuple, validator=_targets)
+    offload_params: bool = False
+    offload_optimizer: bool = False
 
     @property
     def loss(self) -> Any:

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from purerl.algo.aggregation import SumCount
 from purerl.batch import Sequences
 from purerl.models import CausalLM, Critic, LayerCheckpoint, Params
+from purerl.models.lora import adapters_off
 from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -108,9 +109,17 @@ def shard_module(skeleton: nn.Module, params: Params, *, mesh: Any, buffers: dic
 
 
 def shard_causal_lm(model: CausalLM, params: Params, *, mesh: Any, trainable: bool = True) -> tuple[nn.Module, Params]:
-    """:func:`shard_module` for a causal LM skeleton (its buffers and tied aliases)."""
-    return shard_module(model.module, params, mesh=mesh, buffers=model.buffers, aliases=model.aliases,
-                        trainable=trainable)
+    """:func:`shard_module` for a causal LM skeleton (its buffers and tied aliases). A LoRA policy's
+    module shards its frozen base beside the adapters; only the adapters are returned (and
+    trainable): the base gets no gradient."""
+    module, sharded = shard_module(model.module, model.full(params), mesh=mesh, buffers=model.buffers,
+                                   aliases=model.aliases, trainable=trainable)
+    if model.lora is None:
+        return module, sharded
+    for name, p in sharded.items():
+        if name not in params:
+            p.requires_grad_(False)
+    return module, {name: sharded[name] for name in params}
 
 
 def shard_like(tree: Any, params: Params) -> Any:
@@ -169,15 +178,22 @@ class ShardedCausalLM(CausalLM):
 
     @classmethod
     def of(cls, model: CausalLM, modules: list[tuple[nn.Module, Params]]) -> "ShardedCausalLM":
+        """``modules``: the policy's ``(module, params)`` first (with LoRA, the params ``{}``, the
+        reference, run it with its adapters off)."""
         return cls(model.module, model.buffers, model.aliases, model.config, model.checkpointed,
-                   lean=False, owners=_owners(modules))  # lean: FSDP's modules gather the shards
-
-    def __call__(self, params: Params, **kwargs: Any) -> Any:
-        return _owner(self.owners, params)(**kwargs)
+                   lean=False, lora=model.lora, owners=_owners(modules))  # lean: FSDP's modules gather the shards
 
     @contextlib.contextmanager
     def bind(self, params: Params) -> Iterator[nn.Module]:
-        yield _owner(self.owners, params)
+        if self.lora is not None and not params:
+            with adapters_off():
+                yield next(iter(self.owners.values()))
+        else:
+            yield _owner(self.owners, params)
+
+    def __call__(self, params: Params, **kwargs: Any) -> Any:
+        with self.bind(params) as module:
+            return module(**kwargs)
 
     def map_rows(self, fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
         return map_rows_data_parallel(fn, seqs)

@@ -28,8 +28,10 @@ from torch.nn.utils import stateless
 from purerl.algo.aggregation import SumCount
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.batch import Sequences
+from purerl.models import lora
 from purerl.models.checkpointing import LayerCheckpoint
 from purerl.models.families import Family, family_of
+from purerl.models.lora import LoraSpec
 from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -70,6 +72,10 @@ class CausalLM:
     :func:`response_logits` runs the family's forward (not when checkpointed) instead of the HF
     module; ``attrs.evolve(model, lean=False)`` forces the module. ``cache_keyword``: the
     ``forward`` keyword of a KV cache in the installed transformers (:meth:`cache_arguments`).
+
+    A LoRA policy (:func:`purerl.models.lora.apply_lora`) has ``lora`` set and its frozen base
+    weights in ``frozen``: its params trees hold the adapters only, and ``{}`` is the base (the
+    reference policy). Every forward reads :meth:`full` params.
     """
 
     module: nn.Module
@@ -81,12 +87,28 @@ class CausalLM:
     lean: bool = attrs.field(default=attrs.Factory(lambda self: not self.checkpointed and self.family is not None,
                                                    takes_self=True))
     cache_keyword: str = attrs.field(default=attrs.Factory(_cache_keyword, takes_self=True))
+    lora: LoraSpec | None = None
+    frozen: Params = attrs.field(factory=dict)
+
+    def full(self, params: Params) -> Params:
+        """The frozen base weights (a LoRA policy's) overlaid with ``params``."""
+        return {**self.frozen, **params} if self.frozen else params
+
+    def merged(self, params: Params) -> Params:
+        """A plain params tree computing what ``params`` computes: a LoRA policy's adapters folded
+        into its base weights (new tensors), any other model's ``params`` themselves."""
+        return params if self.lora is None else lora.merged(self.frozen, params, self.lora.scale)
 
     def bound(self, params: Params) -> dict[str, Tensor]:
-        """The name → tensor map functional_call needs: params, tied aliases, buffers."""
-        named = dict(params)
+        """The name → tensor map functional_call needs: params, tied aliases, buffers (and, for a
+        LoRA policy called without adapters, rank-0 ones: its base layers alone)."""
+        named = dict(self.full(params))
+        if self.lora is not None and not any(name.endswith(".lora_A.weight") for name in params):
+            off = torch.empty(0)
+            for name in lora.adapted_layers(self.module, self.lora.targets):
+                named[f"{name}.lora_A.weight"] = named[f"{name}.lora_B.weight"] = off
         for alias, canonical in self.aliases.items():
-            named[alias] = params[canonical]
+            named[alias] = named[canonical]
         named.update(self.buffers)
         return named
 
@@ -248,6 +270,7 @@ def value_and_grad(
 
 
 def full_state_dict(model: CausalLM, params: Params) -> dict[str, Tensor]:
-    """Params plus persistent buffers (tied aliases left out): what ``save_pretrained`` wants."""
+    """Params (a LoRA policy's merged into its base) plus persistent buffers (tied aliases left
+    out): what ``save_pretrained`` wants."""
     persistent = set(model.module.state_dict())  # the meta skeleton knows which buffers persist
-    return {**params, **{name: b for name, b in model.buffers.items() if name in persistent}}
+    return {**model.merged(params), **{name: b for name, b in model.buffers.items() if name in persistent}}

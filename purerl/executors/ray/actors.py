@@ -91,8 +91,8 @@ class TrainRank:
         state = from_wire(wire_state)
         module, params = shard_causal_lm(self.skeleton, state.policy, mesh=self.mesh)
         modules = [(module, params)]
-        reference = None
-        if state.reference is not None:
+        reference = state.reference  # a LoRA policy's is {}: its own base, adapters off
+        if state.reference:
             ref_module, reference = shard_causal_lm(self.skeleton, state.reference, mesh=self.mesh, trainable=False)
             modules.append((ref_module, reference))
         self.model = ShardedCausalLM.of(self.skeleton, modules)

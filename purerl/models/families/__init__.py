@@ -67,9 +67,10 @@ def family_of(model: "CausalLM") -> Family | None:
 
 def _llama_response_logits(model: "CausalLM", params: "Params", seqs: "Sequences",
                            shared: tuple[Tensor, Tensor] | None) -> Tensor:
-    return llama.response_logits(params, model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(model.config),
-                                 seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
-                                 shared)
+    return llama.response_logits(model.full(params), model.buffers["model.rotary_emb.inv_freq"],
+                                 llama.layout_of(model.config), seqs.input_ids, seqs.attention_mask,
+                                 seqs.position_ids(), seqs.response_length, shared,
+                                 None if model.lora is None else model.lora.scale)
 
 
 FAMILIES.register("llama")(Family(llama.supports, _llama_response_logits, llama_decode.decoding))

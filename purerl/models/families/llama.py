@@ -30,6 +30,7 @@ __all__ = [
     "LlamaLayout",
     "RotaryTable",
     "FusedWeights",
+    "Lora",
     "supports",
     "layout_of",
     "fused_weights",
@@ -134,6 +135,21 @@ class LayerWeights:
     post_norm: Tensor
     gate_up: Tensor
     down: Tensor
+    qkv_lora: "Lora | None" = None
+    out_lora: "Lora | None" = None
+    gate_up_lora: "Lora | None" = None
+    down_lora: "Lora | None" = None
+
+
+@attrs.frozen(eq=False)
+class Lora:
+    """The LoRA update of a (fused) projection, ``s · (x @ a) @ b``: ``a`` ``[in, R]`` is the
+    parts' ``lora_A`` side by side, ``b`` ``[R, out]`` their ``lora_B`` block-diagonal (part ``j``'s
+    rank columns feed part ``j``'s outputs only), both transposed like the layers' matrices."""
+
+    a: Tensor
+    b: Tensor
+    scale: float
 
 
 @attrs.frozen(eq=False)
@@ -147,9 +163,12 @@ class FusedWeights:
     head_bias: Tensor | None
 
 
-def fused_weights(params: dict[str, Tensor], layout: LlamaLayout) -> FusedWeights:
+def fused_weights(params: dict[str, Tensor], layout: LlamaLayout, lora_scale: float | None = None) -> FusedWeights:
     """The params tree rearranged for the lean forward. The fused matrices are concatenations:
-    copies, rebuilt after every update, and differentiable (gradients flow back to ``params``)."""
+    copies, rebuilt after every update, and differentiable (gradients flow back to ``params``).
+    LoRA adapters in the tree (``….lora_A.weight``/``….lora_B.weight``, scale ``lora_scale``)
+    become each fused projection's :class:`Lora` (a projection some of whose parts have none
+    gets zero blocks for those)."""
 
     def cat(*names: str) -> Tensor | None:
         parts = [params.get(n) for n in names]
@@ -157,6 +176,16 @@ def fused_weights(params: dict[str, Tensor], layout: LlamaLayout) -> FusedWeight
 
     def t(name: str) -> Tensor:
         return params[name].t()
+
+    def lora(*names: str) -> Lora | None:
+        a = [params.get(f"{n}.lora_A.weight") for n in names]
+        if lora_scale is None or all(x is None for x in a):
+            return None
+        b = [params.get(f"{n}.lora_B.weight") for n in names]
+        weights = [params[f"{n}.weight"] for n in names]
+        a = [x if x is not None else w.new_zeros(0, w.shape[1]) for x, w in zip(a, weights)]
+        b = [x if x is not None else w.new_zeros(w.shape[0], 0) for x, w in zip(b, weights)]
+        return Lora(torch.cat(a).t(), torch.block_diag(*b).t() if len(b) > 1 else b[0].t(), lora_scale)
 
     layers = []
     for i in range(layout.layers):
@@ -169,7 +198,9 @@ def fused_weights(params: dict[str, Tensor], layout: LlamaLayout) -> FusedWeight
             cat(f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"),
             t(f"{a}.o_proj.weight"), params.get(f"{a}.o_proj.bias"),
             params[f"model.layers.{i}.post_attention_layernorm.weight"],
-            cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight").t(), t(f"{m}.down_proj.weight")))
+            cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight").t(), t(f"{m}.down_proj.weight"),
+            lora(f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"), lora(f"{a}.o_proj"),
+            lora(f"{m}.gate_proj", f"{m}.up_proj"), lora(f"{m}.down_proj")))
     embed = params["model.embed_tokens.weight"]
     return FusedWeights(embed, layers, params["model.norm.weight"],
                         params.get("lm_head.weight", embed).t(),  # tied: only the embedding is in the tree
@@ -193,7 +224,7 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
     h = F.embedding(ids.reshape(-1), weights.embed)
     n = s
     for i, w in enumerate(weights.layers):
-        qkv = project(rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias)
+        qkv = project(rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias, lora=w.qkv_lora)
         qkv = qkv.view(b, s, qk_heads + kv_heads, head_dim).transpose(1, 2)
         # q and k are adjacent heads of the fused product: one rotation for both
         qk = rotate(qkv[:, :qk_heads], cos, sin)
@@ -203,9 +234,9 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
             h = h.view(b, s, -1)[:, keep].reshape(-1, h.shape[-1])
             n = q.shape[2]
         attn = attention(i, q, qk[:, heads:], qkv[:, qk_heads:], queries).transpose(1, 2).reshape(b * n, -1)
-        h = project(attn, w.out, w.out_bias, residual=h)
-        gate, up = project(rms_norm(h, w.post_norm, layout.eps), w.gate_up).chunk(2, dim=-1)
-        h = project(F.silu(gate) * up, w.down, residual=h)
+        h = project(attn, w.out, w.out_bias, residual=h, lora=w.out_lora)
+        gate, up = project(rms_norm(h, w.post_norm, layout.eps), w.gate_up, lora=w.gate_up_lora).chunk(2, dim=-1)
+        h = project(F.silu(gate) * up, w.down, residual=h, lora=w.down_lora)
     return h.view(b, n, -1)
 
 
@@ -216,13 +247,19 @@ def logits_of(weights: FusedWeights, layout: LlamaLayout, hidden: Float[Tensor, 
     return project(flat, weights.head, weights.head_bias).view(*shape, -1)
 
 
-def project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None) -> Tensor:
+def project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
+            lora: Lora | None = None) -> Tensor:
     """``residual + x @ weight + bias`` for 2-d ``x`` and a transposed ``weight`` ``[in, out]``
-    (what ``F.linear`` computes, one kernel)."""
+    (what ``F.linear`` computes, one kernel), plus ``lora``'s low-rank update when given
+    (:class:`~purerl.models.lora.LoraLinear`'s order: the base output, then the update added)."""
     if residual is None:
-        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
-    out = torch.addmm(residual, x, weight)
-    return out if bias is None else out + bias
+        out = torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+    else:
+        out = torch.addmm(residual, x, weight)
+        out = out if bias is None else out + bias
+    if lora is not None:
+        out = out + lora.scale * torch.mm(torch.mm(x, lora.a), lora.b)
+    return out
 
 
 def attention_mask(valid: Bool[Tensor, "b stop"], start: int) -> Bool[Tensor, "b 1 s stop"]:
@@ -244,6 +281,7 @@ def response_logits(
     positions: Int[Tensor, "b s"],
     response_length: int,
     shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None,
+    lora_scale: float | None = None,
 ) -> Float[Tensor, "b t v"]:
     """Logits predicting the last ``t = response_length`` tokens: positions ``s-t-1 … s-2``.
     Differentiable in ``params``; ``valid`` is the attention mask (False on padding).
@@ -252,9 +290,10 @@ def response_logits(
     (its first ``s - t`` columns) is row ``first[inverse[i]]``'s, so the distinct prompts run
     once, their keys and values are indexed out to every row and the responses run against them.
     Same values (to float rounding), and the same gradients: autograd adds those of a shared
-    prompt's keys and values over its rows.
+    prompt's keys and values over its rows. ``lora_scale``: the scale of the LoRA adapters in
+    ``params`` (see :func:`fused_weights`).
     """
-    weights = fused_weights(params, layout)
+    weights = fused_weights(params, layout, lora_scale)
     scale = layout.head_dim ** -0.5
     gqa = layout.heads != layout.kv_heads
 

@@ -28,7 +28,8 @@ class TorchEngine:
 
     Colocated with the trainer: :meth:`sync` keeps a reference to the params (no copy), so the
     donated optimizer update and the engine share buffers; the version tag records which update
-    they hold. ``decode`` (token ids → text) is needed only for stop strings. Models of a family
+    they hold (a LoRA policy's adapters are merged into a copy of the base once per version
+    instead: decoding then costs what the base's does). ``decode`` (token ids → text) is needed only for stop strings. Models of a family
     with a lean decoder (``model.family``: Llama, Qwen2, SmolLM2) decode through it (a static KV
     cache, no module dispatch); ``lean=False`` forces the HF module path, which every other model
     takes. On CUDA the lean decoding step is captured once per generate call and replayed as a
@@ -54,7 +55,7 @@ class TorchEngine:
         self.drop_finished = drop_finished
 
     def sync(self, params: Params, version: int) -> None:
-        self._params = params
+        self._params = self.model.merged(params)  # a LoRA policy decodes merged: at the base's speed
         self.version = version
 
     def close(self) -> None:
