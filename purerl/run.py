@@ -62,6 +62,7 @@ __all__ = ["MAY_CHANGE_ON_RESUME", "check_context", "engine_options", "episodes_
 
 MAY_CHANGE_ON_RESUME = {"trainer.steps", "trainer.eval_every", "trainer.checkpoint_every", "trainer.log",
                         "trainer.progress", "trainer.threads", "model.device", "actor.micro_batch_rows",
+                        "actor.offload_params", "actor.offload_optimizer",
                         "rollout.engine_options", "executor"}
 """Settings a resumed run may change (a section name covers its keys); all others must equal the
 run's ``config.json``."""
@@ -240,9 +241,12 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
     from purerl.executors.ray import RayExecutor
 
     ray_init = {"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir else None
+    from purerl.executors.fsdp import Offload
+
     ray_executor = RayExecutor(None, model, engine_kwargs=options, config=executor, engine=rollout.engine,
                                reward_model=config.reward.model, ray_init=ray_init, critic=critic,
-                               make_step_fn=functools.partial(step_function, config))
+                               make_step_fn=functools.partial(step_function, config),
+                               offload=Offload(config.actor.offload_params, config.actor.offload_optimizer))
     if run_dir is not None:
         (run_dir / "workers.json").write_text(json.dumps(ray_executor.worker_pids()))
     return ray_executor

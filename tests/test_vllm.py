@@ -221,3 +221,49 @@ def test_the_tool_math_job_runs_multi_turn_episodes_on_the_vllm_engine(tmp_path)
     assert any(r["episode/tool_calls_mean"] > 0 for r in rows)  # the warm-up taught the call format
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "val/episode/turns_mean" in summary["final_evaluation"]
+
+
+def test_a_lora_policy_syncs_its_adapters_alone_samples_the_adapted_policy_and_refuses_a_stale_adapter(smollm2):
+    from purerl.models.lora import LoraSpec, apply_lora
+
+    model, params, prompts, eos = smollm2
+    lm, adapters = apply_lora(model, params, LoraSpec(8, 32.0))
+    g = torch.Generator().manual_seed(0)
+    trained = [{k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in adapters.items()} for _ in range(2)]
+    sampling = SamplingParams(max_new_tokens=12, n=2, temperature=1.0)
+    greedy = SamplingParams(max_new_tokens=12, n=1, temperature=0.0)
+    engine = _engine(lm, eos)
+    try:
+        engine.sync(adapters, 0)  # vLLM starts on the base, LoRA enabled; the zero adapter is the base
+        assert engine.adapter_sync and engine.last_probe_gap <= 1e-3
+        base = engine.generate(prompts, greedy, RngState(0), version=0)
+        for version, tree in enumerate(trained, start=1):
+            engine.sync(tree, version)
+            assert engine.last_probe_gap <= 1e-3
+            rollout = engine.generate(prompts, sampling, RngState(version), version=version)
+            gap = (_trainer_logprobs(lm, tree, rollout, sampling) - rollout.behaviour_logprobs)[
+                rollout.sequences.response_mask].abs().max().item()
+            assert gap <= 1e-3, (version, gap)  # sampled from the adapted policy of this version
+        assert engine._llm.llm_engine.list_loras() == {3}  # older versions retired
+        adapted = engine.generate(prompts, greedy, RngState(0), version=2)
+        assert not torch.equal(adapted.sequences.input_ids, base.sequences.input_ids)
+
+        # a sync whose adapter does not reach vLLM (here: the previous version's loaded again) stops
+        load = engine._load_adapter
+        engine._load_adapter = lambda tree, version: load(trained[0], version)
+        stale = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in adapters.items()}
+        with pytest.raises(RuntimeError, match="sync of weights version 3 did not take"):
+            engine.sync(stale, 3)
+    finally:
+        engine.close()
+
+    merged = make_engine("vllm", lm, eos_token_ids=[eos], pad_token_id=eos, lora_sync="merged")
+    try:
+        merged.sync(trained[1], 2)  # the fallback: the merged weights, loaded as a full model
+        assert not merged.adapter_sync and merged.last_probe_gap <= 1e-3
+        rollout = merged.generate(prompts, sampling, RngState(2), version=2)
+        gap = (_trainer_logprobs(lm, trained[1], rollout, sampling) - rollout.behaviour_logprobs)[
+            rollout.sequences.response_mask].abs().max().item()
+        assert gap <= 1e-4, gap
+    finally:
+        merged.close()

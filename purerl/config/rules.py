@@ -47,6 +47,9 @@ def problems(config: JobConfig) -> list[str]:
                                                   config.trainer)
     estimator = algorithm.estimator
     found = []
+    if (actor.offload_params or actor.offload_optimizer) and config.executor.kind != "ray":
+        found.append("actor.offload_params/offload_optimizer: offloading moves FSDP2's shards to host memory, so it "
+                     "needs executor.kind ray (the local executor keeps every tensor on model.device)")
     if estimator.grouped and rollout.n < 2:
         found.append(f"rollout.n {rollout.n}: {algorithm.adv_estimator} compares samples of a prompt, so it needs "
                      "≥ 2 (with 1, every advantage is 0 and nothing is learned)")

@@ -39,11 +39,13 @@ from purerl.models.lora import adapters_off
 from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
+    "Offload",
     "ShardedCausalLM",
     "ShardedCritic",
     "full_params",
     "is_sharded",
     "map_rows_data_parallel",
+    "moved",
     "shard_causal_lm",
     "shard_like",
     "shard_module",
@@ -87,17 +89,46 @@ def _materialise(skeleton: nn.Module, params: Params, buffers: dict[str, Tensor]
     return module
 
 
+@attrs.frozen
+class Offload:
+    """What waits in host memory between uses (verl's ``param_offload``/``optimizer_offload``):
+    ``params``, FSDP2's sharded params and gradients (``CPUOffloadPolicy``: the optimizer then
+    steps on the host); ``optimizer``, the optimizer state, moved to the params' device for each
+    step and back after it (:func:`moved`). Both change where tensors live, never their values."""
+
+    params: bool = False
+    optimizer: bool = False
+
+
+def moved(tree: Any, device: torch.device | str) -> Any:
+    """``tree`` with every tensor on ``device`` (a sharded one keeps its mesh and placements; its
+    local shard moves). Tensors already there are the same tensors, not copies."""
+    from torch.distributed.tensor import DTensor
+
+    def move(x: Any) -> Any:
+        if is_sharded(x):
+            local = x.to_local()
+            there = local.to(device, non_blocking=True)
+            return x if there is local else DTensor.from_local(there, x.device_mesh, x.placements, run_check=False,
+                                                               shape=x.shape, stride=x.stride())
+        return x.to(device, non_blocking=True) if isinstance(x, Tensor) else x
+
+    return tree_map(move, tree)
+
+
 def shard_module(skeleton: nn.Module, params: Params, *, mesh: Any, buffers: dict[str, Tensor] | None = None,
-                 aliases: dict[str, str] | None = None, trainable: bool = True) -> tuple[nn.Module, Params]:
+                 aliases: dict[str, str] | None = None, trainable: bool = True,
+                 offload: bool = False) -> tuple[nn.Module, Params]:
     """Materialise ``params`` in a copy of ``skeleton`` and ``fully_shard`` it over ``mesh`` (each
     decoder layer, then the root). Returns the module and its sharded params tree, keyed by the
-    same names as ``params``."""
-    from torch.distributed.fsdp import fully_shard
+    same names as ``params``. ``offload``: the shards live in host memory (``CPUOffloadPolicy``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     module = _materialise(skeleton, params, buffers or {}, aliases or {}, torch.device(mesh.device_type))
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")} if offload else {}
     for layer in _decoder_layers(module):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(module, mesh=mesh, **policy)
     if not trainable:
         for p in module.parameters():
             p.requires_grad_(False)
@@ -108,12 +139,13 @@ def shard_module(skeleton: nn.Module, params: Params, *, mesh: Any, buffers: dic
     return module, {name: sharded[name] for name in params}
 
 
-def shard_causal_lm(model: CausalLM, params: Params, *, mesh: Any, trainable: bool = True) -> tuple[nn.Module, Params]:
+def shard_causal_lm(model: CausalLM, params: Params, *, mesh: Any, trainable: bool = True,
+                    offload: bool = False) -> tuple[nn.Module, Params]:
     """:func:`shard_module` for a causal LM skeleton (its buffers and tied aliases). A LoRA policy's
     module shards its frozen base beside the adapters; only the adapters are returned (and
     trainable): the base gets no gradient."""
     module, sharded = shard_module(model.module, model.full(params), mesh=mesh, buffers=model.buffers,
-                                   aliases=model.aliases, trainable=trainable)
+                                   aliases=model.aliases, trainable=trainable, offload=offload)
     if model.lora is None:
         return module, sharded
     for name, p in sharded.items():

@@ -103,7 +103,7 @@ class CausalLM:
         """The name → tensor map functional_call needs: params, tied aliases, buffers (and, for a
         LoRA policy called without adapters, rank-0 ones: its base layers alone)."""
         named = dict(self.full(params))
-        if self.lora is not None and not any(name.endswith(".lora_A.weight") for name in params):
+        if self.lora is not None and not any(lora.is_adapter(name) for name in params):
             off = torch.empty(0)
             for name in lora.adapted_layers(self.module, self.lora.targets):
                 named[f"{name}.lora_A.weight"] = named[f"{name}.lora_B.weight"] = off

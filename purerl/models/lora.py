@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 __all__ = ["DEFAULT_TARGETS", "LoraLinear", "LoraSpec", "adapted_layers", "adapters_off", "apply_lora",
-           "export_peft", "merged"]
+           "export_peft", "is_adapter", "layer_names", "merged"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Every linear layer of attention and MLP in Llama-family models (and most decoders)."""
@@ -133,14 +133,20 @@ def layer_names(adapters: dict[str, Tensor]) -> list[str]:
     return [name[: -len(".lora_A.weight")] for name in adapters if name.endswith(".lora_A.weight")]
 
 
-def merged(frozen: dict[str, Tensor], adapters: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
-    """The base weights with every adapter folded in, ``W + s·B·A`` (new tensors for the adapted
-    weights, the others shared with ``frozen``): the plain params tree of the adapted policy."""
-    out = dict(frozen)
+def is_adapter(name: str) -> bool:
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
+def merged(frozen: dict[str, Tensor], params: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
+    """The plain params tree of the adapted policy: ``frozen`` overlaid with the other weights of
+    ``params``, and every adapter of ``params`` folded into its layer, ``W + s·B·A`` (new tensors
+    for the adapted weights, the others shared). A tree with no adapters (merged already) comes
+    back as the overlay."""
+    out = {**frozen, **{name: t for name, t in params.items() if not is_adapter(name)}}
     with torch.no_grad():
-        for name in layer_names(adapters):
-            a, b = adapters[f"{name}.lora_A.weight"], adapters[f"{name}.lora_B.weight"]
-            out[f"{name}.weight"] = torch.addmm(frozen[f"{name}.weight"], b.detach(), a.detach(), alpha=scale)
+        for name in layer_names(params):
+            a, b = params[f"{name}.lora_A.weight"], params[f"{name}.lora_B.weight"]
+            out[f"{name}.weight"] = torch.addmm(out[f"{name}.weight"], b.detach(), a.detach(), alpha=scale)
     return out
 
 

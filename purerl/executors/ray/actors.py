@@ -45,9 +45,12 @@ class TrainRank:
 
     def __init__(self, rank: int, world: int, policy: CausalLM, critic: Critic | None, step_fn: Callable,
                  build: bool, threads: int, engine_kwargs: dict[str, Any] | None, device: str,
-                 engine: str = "torch") -> None:
+                 engine: str = "torch", offload: Any = None) -> None:
+        from purerl.executors.fsdp import Offload
+
         torch.set_num_threads(threads)
         self.rank, self.world, self.skeleton, self.critic_skeleton, self.device = rank, world, policy, critic, device
+        self.offload = offload or Offload()
         self.step_fn = step_fn() if build else step_fn
         self.engine = make_engine(engine, policy, device=device, **engine_kwargs) if engine_kwargs is not None else None
         self.state: TrainState | None = None
@@ -89,11 +92,13 @@ class TrainRank:
         )
 
         state = from_wire(wire_state)
-        module, params = shard_causal_lm(self.skeleton, state.policy, mesh=self.mesh)
+        offload = self.offload.params
+        module, params = shard_causal_lm(self.skeleton, state.policy, mesh=self.mesh, offload=offload)
         modules = [(module, params)]
         reference = state.reference  # a LoRA policy's is {}: its own base, adapters off
         if state.reference:
-            ref_module, reference = shard_causal_lm(self.skeleton, state.reference, mesh=self.mesh, trainable=False)
+            ref_module, reference = shard_causal_lm(self.skeleton, state.reference, mesh=self.mesh, trainable=False,
+                                                    offload=offload)
             modules.append((ref_module, reference))
         self.model = ShardedCausalLM.of(self.skeleton, modules)
         changes = dict(policy=params, policy_opt=shard_like(state.policy_opt, params), reference=reference)
@@ -102,11 +107,19 @@ class TrainRank:
             if self.critic_skeleton is None:
                 raise ValueError("the state has critic params but the executor was given no critic model")
             critic_module, critic = shard_module(self.critic_skeleton.module, state.critic, mesh=self.mesh,
-                                                 buffers=self.critic_skeleton.buffers)
+                                                 buffers=self.critic_skeleton.buffers, offload=offload)
             self.critic = ShardedCritic.of(self.critic_skeleton, [(critic_module, critic)])
             changes.update(critic=critic, critic_opt=shard_like(state.critic_opt, critic))
-        self.state = replace(state, **changes)
+        self.state = self._optimizers_to("cpu", replace(state, **changes))
         self.value_and_grad = sharded_value_and_grad(self.rank, self.world)
+
+    def _optimizers_to(self, device: str, state: TrainState) -> TrainState:
+        """With optimizer offload, ``state`` with its optimizer states on ``device``."""
+        from purerl.executors.fsdp import moved
+
+        if not self.offload.optimizer:
+            return state
+        return replace(state, policy_opt=moved(state.policy_opt, device), critic_opt=moved(state.critic_opt, device))
 
     def step(self, small: Any, batch: Any) -> tuple[Any, dict[str, float]]:
         """``small``: the driver's state; ``batch``: ``(rollout, scores)``, the same on every rank."""
@@ -115,14 +128,21 @@ class TrainRank:
         effects = dict(policy=self.model, value_and_grad=self.value_and_grad)
         if self.critic is not None:
             effects["critic"] = self.critic
-        self.state, metrics = self.step_fn(with_params(small, self.state), rollout, scores, **effects)
+        state = self._optimizers_to(self._params_device(), with_params(small, self.state))
+        state, metrics = self.step_fn(state, rollout, scores, **effects)
+        self.state = self._optimizers_to("cpu", state)
         return to_wire(without_params(self.state)), metrics
+
+    def _params_device(self) -> str:
+        """Where the policy's shards are (the host under params offload): the optimizer steps there."""
+        return "cpu" if self.offload.params else self.device
 
     def full_state(self) -> Any:
         """The whole state with full tensors (all ranks must call it; rank 0 returns it)."""
         from purerl.executors.fsdp import is_sharded
 
-        full = tree_map(lambda x: x.full_tensor() if is_sharded(x) else x, self.state)
+        state = self._optimizers_to(self._params_device(), self.state)  # collectives run on the device
+        full = tree_map(lambda x: x.full_tensor() if is_sharded(x) else x, state)
         full = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, full)
         return to_wire(full) if self.rank == 0 else None
 

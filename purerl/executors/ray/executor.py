@@ -69,7 +69,8 @@ class RayExecutor:
     function that builds the step function on each rank (for step functions that close over
     objects that do not pickle, e.g. under jaxtyping's import hook in the test suite). With a
     ``critic`` (PPO), a state with critic params gets a sharded critic, passed to the step
-    function as ``critic=``.
+    function as ``critic=``. ``offload``: an :class:`~purerl.executors.fsdp.Offload` (what the
+    ranks keep in host memory between uses).
 
     The driver keeps the small part of the state (:func:`~purerl.state.without_params`); params
     and optimizer states stay on the ranks. Its engine generates on the rollout workers; in
@@ -80,12 +81,13 @@ class RayExecutor:
     def __init__(self, step_fn: StepFn | None, policy: CausalLM, *, engine_kwargs: dict[str, Any],
                  config: ExecutorConfig = ExecutorConfig(kind="ray"), engine: str = "torch",
                  reward_model: str | None = None, ray_init: dict[str, Any] | None = None,
-                 make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None) -> None:
+                 make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None,
+                 offload: Any = None) -> None:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
         self.config, self.reward_model = config, reward_model
         self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,
-                                   ray_init, engine=engine, reward_model=reward_model)
+                                   ray_init, engine=engine, reward_model=reward_model, offload=offload)
         self.train, self.rollout, self.reward = self.groups.train, self.groups.rollout, self.groups.reward
         self.slot = EngineSlot(RemoteEngine(self, engine_kwargs["pad_token_id"]), self._load)
         self._published = Published()

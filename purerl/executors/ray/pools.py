@@ -98,7 +98,7 @@ class WorkerGroups:
 
     def __init__(self, config: ExecutorConfig, policy: CausalLM, critic: Critic | None, step_fn: Callable,
                  build_step_fn: bool, engine_kwargs: dict[str, Any], ray_init: dict[str, Any] | None, *,
-                 engine: str = "torch", reward_model: str | None = None) -> None:
+                 engine: str = "torch", reward_model: str | None = None, offload: Any = None) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -139,7 +139,7 @@ class WorkerGroups:
             device, threads = config.device, config.threads_per_worker
             self.train = [ray.remote(TrainRank).options(**on("train", r)).remote(
                 r, config.train_ranks, policy, critic, step_fn, build_step_fn, threads,
-                engine_kwargs if colocated else None, device, engine) for r in range(config.train_ranks)]
+                engine_kwargs if colocated else None, device, engine, offload) for r in range(config.train_ranks)]
             self.actors += [(a, f"train rank {r}") for r, a in enumerate(self.train)]
             if colocated:
                 self.rollout = self.train

@@ -11,6 +11,15 @@ prefix cache, whose entries were computed with the old weights. A later sync mus
 the names of the first: vLLM itself only warns about weights it was not given, which would leave
 a silently partial update.
 
+A LoRA policy (:mod:`purerl.models.lora`) syncs its adapters alone by default: vLLM starts on the
+frozen base with LoRA enabled, and each sync loads that version's adapters as a new adapter
+(``purerl-v{version}``, written as a PEFT folder) and retires the one before; prefix-cache entries
+are keyed by adapter, so none computed with older weights is reused. ``lora_sync="merged"`` loads
+the merged weights in place instead (the full-weight path above). After every sync of a LoRA
+policy the engine's log-probs of a fixed probe sequence must match the trainer's (its own forward
+on the synced params) within ``probe_tolerance``, or the sync fails naming its version: an
+adapter that silently did not apply cannot pass for staleness.
+
 Sampling: each of the ``n`` samples of a prompt is its own request with its own seed, drawn from
 the rollout's :class:`~purerl.state.RngState`, so the same state gives the same responses;
 log-probs are those of the distribution that sampled (``logprobs_mode="processed_logprobs"``:
@@ -80,14 +89,21 @@ class VllmEngine:
     token completing it (:func:`~purerl.rollout.sampling.stop_length`; the rest is never trained
     on). On a
     CPU the defaults are a 1 GiB KV cache, eager mode (``enforce_eager=False`` compiles) and
-    whole-prompt prefill.
+    whole-prompt prefill. ``lora_sync`` (``adapter`` or ``merged``) and ``probe_tolerance`` (None:
+    by dtype, 0.02 in float32, 0.15 in half precision) concern LoRA policies (module docstring).
     """
 
     def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
-                 **llm_options: Any) -> None:
+                 lora_sync: str = "adapter", probe_tolerance: float | None = None, **llm_options: Any) -> None:
         if not eos_token_ids:
             raise ValueError("VllmEngine: at least one EOS token id is needed")
+        if lora_sync not in ("adapter", "merged"):
+            raise ValueError(f"VllmEngine: lora_sync must be 'adapter' or 'merged', got {lora_sync!r}")
+        self.adapter_sync = model.lora is not None and lora_sync == "adapter"
+        self.probe_tolerance = probe_tolerance
+        self._adapter: Any = None  # the LoRARequest of the version held (adapter sync)
+        self.last_probe_gap: float | None = None  # the probe's largest log-prob gap at the last sync
         self._vllm = import_vllm()
         self.model = model
         self.eos = sorted(set(eos_token_ids))
@@ -105,25 +121,90 @@ class VllmEngine:
         return ", ".join(getattr(self.model.config, "architectures", None) or [type(self.model.module).__name__])
 
     def sync(self, params: Params, version: int) -> None:
+        synced = params
+        if self.model.lora is not None and not self.adapter_sync:
+            params = self.model.merged(params)
         if self._llm is None:
-            self._start(params)
-        else:
+            self._start({} if self.adapter_sync else params)
+        elif not self.adapter_sync:
             self._check_names(params)
             weights = [(name, tensor.detach()) for name, tensor in params.items()]
             self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             if self.model.aliases:
                 self._llm.collective_rpc(_retie, args=(dict(self.model.aliases),))
             self._llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
+        if self.adapter_sync:
+            self._load_adapter(synced, version)
         self.version = version
+        if self.model.lora is not None:
+            self._probe(synced, version)
+
+    def _load_adapter(self, adapters: Params, version: int) -> None:
+        """Load ``adapters`` as the adapter of ``version`` and retire the one before it."""
+        from vllm.lora.request import LoRARequest
+
+        from purerl.models.lora import export_peft
+
+        folder = tempfile.mkdtemp(prefix=f"purerl-lora-v{version}-")
+        try:
+            export_peft(self.model, adapters, folder)
+            request = LoRARequest(f"purerl-v{version}", version + 1, folder)
+            old = self._adapter
+            if old is not None and old.lora_int_id == request.lora_int_id:
+                self._llm.llm_engine.remove_lora(old.lora_int_id)  # the same version again: reload it
+                old = None
+            if not self._llm.llm_engine.add_lora(request):
+                raise RuntimeError(f"vllm engine: vLLM refused the adapter of weights version {version}")
+            if old is not None:
+                self._llm.llm_engine.remove_lora(old.lora_int_id)
+            self._adapter = request
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # loaded: vLLM holds the tensors
+
+    def probe_ids(self) -> list[int]:
+        """The fixed probe sequence: 24 token ids spread over the vocabulary."""
+        vocab = self.model.config.vocab_size
+        return [(7919 * i + 13) % vocab for i in range(24)]
+
+    def _probe(self, params: Params, version: int) -> None:
+        """The engine's log-probs of :meth:`probe_ids` against the trainer's forward on ``params``;
+        ``RuntimeError`` naming the sync when they differ by more than the tolerance."""
+        from purerl.batch import Sequences
+        from purerl.models import response_logprobs
+
+        ids = self.probe_ids()
+        setting = self._vllm.SamplingParams(n=1, max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        out = self._llm.generate([self._vllm.TokensPrompt(prompt_token_ids=ids)], setting, use_tqdm=False,
+                                 lora_request=self._adapter)[0]
+        engine = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])])
+        device = next(iter(self.model.full(params).values())).device
+        tokens = torch.tensor([ids], device=device)
+        seqs = Sequences(tokens, torch.ones_like(tokens, dtype=torch.bool), torch.ones_like(tokens[:, 1:], dtype=torch.bool))
+        with torch.no_grad():
+            trainer = response_logprobs(self.model, params, seqs)[0].float().cpu()
+        gap = float((engine - trainer).abs().max())
+        dtype = next(iter(self.model.full(params).values())).dtype
+        tolerance = self.probe_tolerance if self.probe_tolerance is not None else (
+            0.02 if dtype == torch.float32 else 0.15)
+        if not gap <= tolerance:
+            raise RuntimeError(f"vllm engine: the sync of weights version {version} did not take: the engine's "
+                               f"log-probs of the probe differ from the trainer's by {gap:.3g} (> {tolerance}); "
+                               "the adapter (or weights) vLLM holds are not the synced ones")
+        self.last_probe_gap = gap
 
     def _start(self, params: Params) -> None:
         from purerl.models.hf import export_hf
 
         self._folder = tempfile.mkdtemp(prefix="purerl-vllm-")
         export_hf(self.model, params, self._folder)
-        dtype = next(iter(params.values())).dtype
+        dtype = next(iter(self.model.full(params).values())).dtype
         options = {"dtype": dtype, "skip_tokenizer_init": True, "logprobs_mode": "processed_logprobs",
                    "generation_config": "vllm", "enable_prefix_caching": True, **self.llm_options}
+        if self.adapter_sync:
+            rank = self.model.lora.rank
+            options.setdefault("enable_lora", True)
+            options.setdefault("max_lora_rank", next(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank))
+            options.setdefault("max_loras", 1)
         if self.device.type == "cpu":
             # a prompt prefilled in parts rewinds its request's seeded generator, which CPU
             # generators cannot do ("CPU Generator does not use offset"): prefill prompts whole
@@ -140,7 +221,7 @@ class VllmEngine:
             self.close()
             raise RuntimeError(f"vllm engine: vLLM could not load the model ({self.architecture}): "
                                f"{type(err).__name__}: {err}") from err
-        self._names = frozenset(params)
+        self._names = frozenset(self.model.full(params))
         shutil.rmtree(self._folder, ignore_errors=True)  # loaded: later syncs come from memory
         self._folder = None
 
@@ -162,7 +243,7 @@ class VllmEngine:
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed, stop_token_ids=self.eos,
             detokenize=False) for seed in seeds]
-        outputs = self._llm.generate(requests, settings, use_tqdm=False)
+        outputs = self._llm.generate(requests, settings, use_tqdm=False, lora_request=self._adapter)
         return self._rollout(prompts, [out.outputs[0] for out in outputs], n, sampling.stop)
 
     def _rollout(self, prompts: Sequence[Sequence[int]], completions: list[Any], n: int,
@@ -196,7 +277,7 @@ class VllmEngine:
             engine_core = getattr(self._llm.llm_engine, "engine_core", None)
             if engine_core is not None and hasattr(engine_core, "shutdown"):
                 engine_core.shutdown()
-            self._llm = None
+            self._llm, self._adapter = None, None
             gc.collect()
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
