@@ -1,7 +1,7 @@
 """The CUDA paths a user runs: fused capturable AdamW, the engine (eager and CUDA graphs), the lean
 forward, GRPO steps (KL loss; skipped rows, mini- and micro-batches) and a PPO step against the
-same steps on the CPU, an FSDP2 rank over NCCL, the main job in float32 and bfloat16, and the
-Ray executor on the GPU when Ray is installed.
+same steps on the CPU, a LoRA step and merged LoRA decoding, an FSDP2 rank over NCCL, the main job
+in float32 and bfloat16 (and with LoRA), and the Ray executor on the GPU when Ray is installed.
 
 Skipped without a GPU (CI has none): a device mix-up (a CPU index into a CUDA tensor) is
 invisible on a CPU, so run these first on any GPU machine: ``python3 -m pytest tests/test_gpu.py``.
@@ -142,6 +142,33 @@ def test_a_grpo_step_on_cuda_matches_the_same_step_on_cpu(config):
         assert gpu[1]["actor/skipped_rows_frac"] > 0
 
 
+def test_a_lora_step_on_cuda_matches_the_same_step_on_cpu_and_the_engine_decodes_the_adapters():
+    from purerl.models.lora import LoraSpec, apply_lora
+
+    base, params, step_fn, _, rollout, scores = _setup()
+    model, adapters = apply_lora(base, params, LoraSpec(4, 8.0))
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
+    kl = make_kl_controller("fixed", coef=0.001)
+
+    def fresh(tree):
+        return TrainState(policy=tree, policy_opt=optimizer.init(tree), kl=kl.init(), rng=RngState(0), reference={})
+
+    gpu = step_fn(fresh(tree_clone(adapters)), rollout, scores, policy=model)
+    cpu_model, cpu_adapters = apply_lora(*causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0),
+                                         LoraSpec(4, 8.0))
+    cpu = step_fn(fresh(cpu_adapters), _on_cpu(rollout), scores.cpu(), policy=cpu_model)
+    _assert_same_step(gpu, cpu)
+    assert gpu[1]["actor/kl_loss"] == 0.0
+    trained = gpu[0].policy
+    for graphs in (True, False):  # merged decoding, captured or eager, samples what the trainer computes
+        engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, device="cuda", cuda_graphs=graphs)
+        engine.sync(trained, 1)
+        out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=2, temperature=1.0), RngState(3), version=1)
+        mask = out.sequences.response_mask
+        torch.testing.assert_close(response_logprobs(model, trained, out.sequences)[mask],
+                                   out.behaviour_logprobs[mask], rtol=0, atol=1e-4)
+
+
 def test_a_ppo_step_with_a_critic_on_cuda_matches_the_same_step_on_cpu():
     model, params, _, _, rollout, scores = _setup()
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3))
@@ -231,6 +258,11 @@ def _main_job(out: Path, *flags: str) -> dict:
 def test_the_main_job_runs_on_cuda(tmp_path, dtype):
     summary = _main_job(tmp_path, "--dtype", dtype, "--micro-batch", "3")
     assert summary["steps"] == 3 and (tmp_path / "checkpoints" / "step_00000002").is_dir()
+
+
+def test_the_main_job_trains_lora_on_cuda_in_bfloat16(tmp_path):
+    summary = _main_job(tmp_path, "--dtype", "bfloat16", "--lora-rank", "4", "--lr", "1e-3", "--kl-coef", "0.01")
+    assert summary["steps"] == 3 and (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_the_main_job_runs_on_the_ray_executor_on_cuda(tmp_path):

@@ -285,3 +285,32 @@ def test_fsdp2_ranks_train_the_adapters_like_the_local_step_and_rollout_workers_
     mine = engine.generate(PROMPTS, sampling, RngState(2), version=1)
     assert torch.equal(mine.sequences.input_ids, remote.sequences.input_ids)
     assert not tree_equal(ray_full.policy, adapters)
+
+
+def test_lora_on_a_checkpointed_model_gives_the_same_gradients():
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, dtype=torch.float64)
+    checkpointed, _ = causal_lm_from_config(tiny_llama_config(), seed=0, dtype=torch.float64,
+                                            activation_checkpointing=True)
+    seqs = random_sequences(4, 5, 4, 128, seed=5)
+    grads = []
+    for skeleton in (model, checkpointed):
+        lm, adapters = apply_lora(skeleton, params, LoraSpec(4, 8.0), seed=3)
+
+        def loss_fn(p, lm=lm):
+            logp = response_logprobs(lm, p, seqs)
+            return SumCount((logp * seqs.response_mask).sum(), seqs.response_mask.sum()), None
+
+        grads.append(value_and_grad(loss_fn)(_trained(adapters))[2])
+    assert checkpointed.checkpointed
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("flags", [["--adv-estimator", "gae"], ["--async", "--max-staleness", "1"]],
+                         ids=["ppo-with-a-critic", "async"])
+def test_the_job_runs_lora_with_a_critic_and_asynchronously(tmp_path, flags):
+    summary = run_job(["--tiny", "--lora-rank", "4", "--lr", "1e-3", "--kl-coef", "0.05", *SMALL, "--steps", "2",
+                       "--out-dir", str(tmp_path / "r"), *flags])
+    assert summary["steps"] == 2 and (tmp_path / "r" / "adapter" / "adapter_model.safetensors").is_file()
+    records = summary["records"]
+    assert all(r["actor/rejected_updates"] == 0 for r in records if "actor/rejected_updates" in r)
