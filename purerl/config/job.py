@@ -203,6 +203,9 @@ class ActorConfig:
     ``skip_zero_advantage_rows``: rows whose advantages are all 0 skip the forward and backward
     where the loss lets them (the update is the same; ``actor/skipped_rows_frac`` counts them).
     ``compute_entropy``: report ``actor/entropy`` even without an entropy bonus.
+    ``max_tokens_per_micro_batch``: micro-batches (of the updates and the no-grad forwards) filled
+    up to that many positions, rows ordered by length and padding trimmed, instead of
+    ``micro_batch_rows`` rows (the same gradient; see :mod:`purerl.step.micro_batches`).
     ``lora_rank`` > 0 trains LoRA adapters of that rank on the ``lora_targets`` layers (scale
     ``lora_alpha / lora_rank``) instead of every weight; the reference is then the base itself.
     LoRA wants a larger ``lr`` than full fine-tuning (about 10×; "LoRA Without Regret").
@@ -230,6 +233,7 @@ class ActorConfig:
     skip_zero_advantage_rows: bool = True
     compute_entropy: bool = True
     loss_options: LossOptions = LossOptions()
+    max_tokens_per_micro_batch: int | None = attrs.field(default=None, validator=at_least(1))
     lora_rank: int = attrs.field(default=0, validator=at_least(0))
     lora_alpha: float = attrs.field(default=32.0, validator=positive)
     lora_targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=tuple, validator=_targets)
@@ -247,13 +251,15 @@ class CriticConfig:
     """The value model of ``gae``. ``model`` None: a value head on a copy of the policy's
     backbone (zero-initialised head); else a local HF model folder whose base model gets the head.
     ``value_clip``: verl's ``cliprange_value`` (None: no clipping). It updates with the actor's
-    epochs, mini- and micro-batches and aggregation."""
+    epochs, mini- and micro-batches and aggregation; ``max_tokens_per_micro_batch`` (None: the
+    actor's) is its own token budget."""
 
     model: str | None = None
     lr: float = attrs.field(default=1e-5, validator=positive)
     warmup_steps: int = attrs.field(default=0, validator=at_least(0))
     grad_clip: float = attrs.field(default=1.0, validator=positive)
     value_clip: float | None = attrs.field(default=0.5, validator=positive)
+    max_tokens_per_micro_batch: int | None = attrs.field(default=None, validator=at_least(1))
 
 
 @section

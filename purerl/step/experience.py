@@ -17,9 +17,10 @@ from purerl.batch import Rewards, Rollout, Sequences
 from purerl.config.job import JobConfig
 from purerl.models import CausalLM, Critic, Params, response_logits, response_values
 from purerl.state import TrainState
+from purerl.step.micro_batches import chunks, token_budget_rows, trimmed_sequences
 from purerl.tree import pytree
 
-__all__ = ["Experience", "chunks", "make_experience"]
+__all__ = ["Experience", "make_experience"]
 
 
 @pytree
@@ -42,15 +43,22 @@ class Experience:
     token_rewards: Float[Tensor, "b t"] | None = None
 
 
-def chunks(n: int, size: int) -> list[slice]:
-    """``range(n)`` in consecutive slices of at most ``size``."""
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
 @torch.no_grad()
-def _batched(model: CausalLM | Critic, fn: Callable[[Sequences], Tensor], seqs: Sequences, rows: int) -> Tensor:
-    """``fn`` (row-wise) over ``seqs`` in chunks of ``rows``, without gradients, concatenated."""
-    return torch.cat([model.map_rows(fn, seqs.rows(sl)) for sl in chunks(len(seqs), rows)])
+def _batched(model: CausalLM | Critic, fn: Callable[[Sequences], Tensor], seqs: Sequences, rows: int,
+             max_tokens: int | None = None) -> Tensor:
+    """``fn`` (row-wise, ``[b, t, …]`` out) over ``seqs`` without gradients: in chunks of ``rows``,
+    or in micro-batches of at most ``max_tokens`` positions with their padding trimmed (the
+    trimmed response columns, which no row uses, come back 0)."""
+    if max_tokens is None:
+        return torch.cat([model.map_rows(fn, seqs.rows(sl)) for sl in chunks(len(seqs), rows)])
+    out = None
+    for index in token_budget_rows(seqs, max_tokens):
+        part, kept = trimmed_sequences(seqs.rows(index))
+        values = model.map_rows(fn, part)
+        if out is None:
+            out = values.new_zeros((len(seqs), seqs.response_length, *values.shape[2:]))
+        out[index, :kept] = values
+    return out
 
 
 def _logprobs_fn(model: CausalLM, params: Params, temperature: float) -> Callable[[Sequences], Tensor]:
@@ -77,27 +85,32 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
     ``actor.recompute_old_logprobs`` is False, recomputed otherwise), reference log-probs (when the state holds reference
     params), values (when given a ``critic``; the state must hold its params) and ``Σπ²`` (when the
     estimator needs it), all without gradients, at ``rollout.temperature``, in chunks of
-    ``actor.micro_batch_rows``. ``rewards``: one score per row, or :class:`~purerl.batch.Rewards`
+    ``actor.micro_batch_rows`` (or of ``actor.max_tokens_per_micro_batch`` positions; the critic's
+    own budget for values). ``rewards``: one score per row, or :class:`~purerl.batch.Rewards`
     with ReMax baselines / GDPO components."""
     rewards = Rewards.of(rewards)
     seqs, temperature = rollout.sequences, config.rollout.temperature
     rows, sum_pi_squared, old = config.actor.micro_batch_rows, None, rollout.behaviour_logprobs
+    budget = config.actor.max_tokens_per_micro_batch
+    critic_budget = config.critic.max_tokens_per_micro_batch or budget
     recompute = config.actor.recompute_old_logprobs is not False  # None (not resolved): the safe choice
     if config.algorithm.estimator.needs_sum_pi_squared:  # Σπ² of π_old: the recomputed policy, whatever the flag
-        both = _batched(policy, _logprobs_and_sum_pi_squared_fn(policy, state.policy, temperature), seqs, rows)
+        both = _batched(policy, _logprobs_and_sum_pi_squared_fn(policy, state.policy, temperature), seqs, rows,
+                        budget)
         sum_pi_squared = both[..., 1]
         if recompute:
             old = both[..., 0]
     elif recompute:
-        old = _batched(policy, _logprobs_fn(policy, state.policy, temperature), seqs, rows)
+        old = _batched(policy, _logprobs_fn(policy, state.policy, temperature), seqs, rows, budget)
     ref = None
     if state.reference is not None:
-        ref = _batched(policy, _logprobs_fn(policy, state.reference, temperature), seqs, rows)
+        ref = _batched(policy, _logprobs_fn(policy, state.reference, temperature), seqs, rows, budget)
     values = None
     if critic is not None:
         if state.critic is None:
             raise ValueError("make_experience: a critic without TrainState.critic params")
-        values = _batched(critic, functools.partial(response_values, critic, state.critic), seqs, rows)
+        values = _batched(critic, functools.partial(response_values, critic, state.critic), seqs, rows,
+                          critic_budget)
         values = torch.where(seqs.response_mask, values, 0.0)
     return Experience(seqs, rollout.group, rewards.scores.to(torch.float32), old, rollout.behaviour_logprobs, ref,
                       values, rewards.baselines, rewards.components, sum_pi_squared,

@@ -29,9 +29,9 @@ from purerl.config.job import JobConfig
 from purerl.models import CausalLM, Critic, Params, response_logits, response_values
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import RngState
-from purerl.step.experience import chunks
+from purerl.step.micro_batches import chunks, micro_batch_rows, trimmed
 from purerl.step.shaping import Metrics, TrainBatch
-from purerl.tree import tree_all_finite, tree_leaves, tree_map
+from purerl.tree import replace, tree_all_finite, tree_leaves, tree_map
 
 __all__ = ["ValueAndGrad", "actor_update", "critic_update"]
 
@@ -108,10 +108,12 @@ def _actor_loss(policy: CausalLM, config: JobConfig, rng: RngState) -> Callable:
 
 
 def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, indices: list[Tensor],
-            loss_fn: Callable[[Params, TrainBatch], tuple[SumCount, Any]], micro_batch_rows: int,
+            loss_fn: Callable[[Params, TrainBatch], tuple[SumCount, Any]], rows_per_micro_batch: int,
             value_and_grad: ValueAndGrad, prefix: str, agg: str,
-            needed: Bool[Tensor, " b"] | None = None) -> tuple[Params, Any, Metrics]:
+            needed: Bool[Tensor, " b"] | None = None, max_tokens: int | None = None) -> tuple[Params, Any, Metrics]:
     """Mini-batch × micro-batch gradient steps; micro-batch gradients add up to the mini-batch's.
+    Micro-batches hold ``rows_per_micro_batch`` rows, or at most ``max_tokens`` positions once
+    their padding is trimmed (:mod:`purerl.step.micro_batches`).
 
     The micro-batch is an argument of the differentiated function (not closed over), so a
     data-parallel ``value_and_grad`` can take its own rank's rows of it. Rows where ``needed`` is
@@ -128,9 +130,11 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
             skipped, rows = skipped + len(rows) - len(kept), kept
         mini = batch.rows(rows)
         grads, mini_loss = None, None
-        parts = chunks(len(rows), micro_batch_rows)
+        parts = micro_batch_rows(mini.sequences, rows_per_micro_batch, max_tokens)
         for sl in parts:
-            micro = mini if len(parts) == 1 else mini.rows(sl)
+            micro = mini if len(parts) == 1 and max_tokens is None else mini.rows(sl)
+            if max_tokens is not None:
+                micro = trimmed(micro)
             loss, aux, g = grad_fn(params, micro, denominator=denominator.clamp_min(1))
             grads = _accumulate(grads, g)
             mini_loss = loss if mini_loss is None else mini_loss + loss
@@ -172,8 +176,20 @@ def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: C
     skip = (actor.skip_zero_advantage_rows and actor.entropy_coeff == 0 and actor.kl_loss_coef == 0
             and actor.loss.vanishes_at_zero_advantage(actor, actor.loss_options))
     needed = (batch.advantages != 0).any(-1) if skip else None
-    return _update(params, opt_state, optimizer, batch, indices, _actor_loss(policy, config, rng),
-                   actor.micro_batch_rows, value_and_grad, "actor", actor.loss.aggregation_of(actor.loss_agg), needed)
+    return _update(params, opt_state, optimizer, batch, indices, _actor_loss(policy, _fixed_norm(config, batch), rng),
+                   actor.micro_batch_rows, value_and_grad, "actor", actor.loss.aggregation_of(actor.loss_agg), needed,
+                   actor.max_tokens_per_micro_batch)
+
+
+def _fixed_norm(config: JobConfig, batch: TrainBatch) -> JobConfig:
+    """With a token budget, ``actor.loss_norm`` None (the padded length, verl's default) is fixed to
+    the batch's response width, so trimming a micro-batch's padding does not change the loss."""
+    actor = config.actor
+    if actor.max_tokens_per_micro_batch is None and config.critic.max_tokens_per_micro_batch is None:
+        return config
+    if actor.loss_norm is not None:
+        return config
+    return replace(config, actor=replace(actor, loss_norm=float(batch.sequences.response_length)))
 
 
 def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: Critic, optimizer: Any,
@@ -181,6 +197,7 @@ def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: 
                   value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
     """Clipped value-loss updates (``critic.value_clip``) with the actor's epochs, mini- and
     micro-batches and aggregation (donates ``params``/``opt_state``)."""
+    config = _fixed_norm(config, batch)
     actor = config.actor
 
     def loss_fn(p: Params, micro: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
@@ -192,4 +209,5 @@ def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: 
     indices = _minibatches(len(batch.sequences), actor.mini_batch_rows, actor.ppo_epochs, rng,
                            batch.returns.device)
     return _update(params, opt_state, optimizer, batch, indices, loss_fn, actor.micro_batch_rows, value_and_grad,
-                   "critic", actor.loss_agg)
+                   "critic", actor.loss_agg, max_tokens=config.critic.max_tokens_per_micro_batch
+                   or actor.max_tokens_per_micro_batch)

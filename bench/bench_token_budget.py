@@ -1,0 +1,136 @@
+"""Token-budget micro-batches against fixed-row micro-batches on a long-tailed batch.
+
+The batch: ``--rows`` sequences, prompts of 32-128 tokens, responses of log-normal lengths clipped
+to 16-``--longest`` tokens (most short, a few long), padded to the batch's longest as a rollout is.
+One actor update (GRPO-style loss, clipping, fused AdamW) in micro-batches of ``--micro-rows`` rows
+(each padded to the batch's width), against micro-batches filled up to the same number of
+positions a fixed-row micro-batch holds (rows ordered by length, each micro-batch's own padding
+trimmed): the same bound on a forward's size, the same gradient. Times are medians of interleaved
+runs; peak memory is each variant's resident-set high-water mark in a fresh process during one
+update after a warm-up (glibc returning freed tensors), as in ``bench_lora.py``.
+
+    python bench/bench_token_budget.py                 # a 4-layer, 256-wide random Llama
+    python bench/bench_token_budget.py --rows 16 --longest 256 --iters 2   # quicker
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from purerl.batch import Sequences  # noqa: E402
+from purerl.models import causal_lm_from_config  # noqa: E402
+from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
+from purerl.state import RngState  # noqa: E402
+from purerl.step.shaping import TrainBatch  # noqa: E402
+from purerl.step.update import actor_update  # noqa: E402
+from purerl.tiny import tiny_llama_config  # noqa: E402
+from purerl.tree import tree_clone  # noqa: E402
+from tests.jobs import step_config  # noqa: E402
+
+
+def long_tailed(rows: int, longest: int, vocab: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(32, 129, (rows,), generator=g)
+    responses = torch.exp(torch.randn(rows, generator=g) * 1.0 + 4.2).long().clamp(16, longest)
+    p, t = int(prompts.max()), int(responses.max())
+    ids = torch.randint(2, vocab, (rows, p + t), generator=g)
+    attend = torch.zeros(rows, p + t, dtype=torch.bool)
+    mask = torch.zeros(rows, t, dtype=torch.bool)
+    for i in range(rows):
+        attend[i, p - prompts[i]: p + responses[i]] = True
+        mask[i, : responses[i]] = True
+    seqs = Sequences(torch.where(attend, ids, 0), attend, mask)
+    advantages = torch.randn(rows, 1, generator=g).expand(rows, t) * mask
+    old = torch.full((rows, t), -3.0)
+    return TrainBatch(seqs, old, None, advantages, advantages, None)
+
+
+def setup(args):
+    config = tiny_llama_config(vocab_size=args.vocab, hidden_size=args.hidden, layers=args.layers,
+                               num_attention_heads=8, num_key_value_heads=4,
+                               max_position_embeddings=args.longest + 256)
+    model, params = causal_lm_from_config(config, seed=0)
+    batch = long_tailed(args.rows, args.longest, args.vocab)
+    width = batch.sequences.input_ids.shape[1]
+    configs = {"fixed rows": step_config(micro_batch_rows=args.micro_rows),
+               "token budget": step_config(micro_batch_rows=args.micro_rows,
+                                           max_tokens_per_micro_batch=args.micro_rows * width)}
+    return model, params, batch, configs
+
+
+def update(model, params, batch, config):
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-5))
+    p = tree_clone(params)
+    return actor_update(p, optimizer.init(p), batch, policy=model, optimizer=optimizer, config=config,
+                        rng=RngState(0))
+
+
+def memory(args) -> None:
+    model, params, batch, configs = setup(args)
+    config = configs[args.memory]
+    update(model, params, batch, config)
+    held = psutil.Process().memory_info().rss
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM
+    update(model, params, batch, config)
+    status = Path("/proc/self/status").read_text()
+    peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
+    print(json.dumps({"held": held, "peak": peak}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--longest", type=int, default=1024)
+    ap.add_argument("--micro-rows", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--memory", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.memory:
+        return memory(args)
+    model, params, batch, configs = setup(args)
+    seqs = batch.sequences
+    tokens = int(seqs.attention_mask.sum())
+    lengths = seqs.response_mask.sum(-1)
+    print(f"{args.rows} rows, responses {int(lengths.min())}-{int(lengths.max())} tokens (median "
+          f"{int(lengths.median())}), {tokens} real tokens in a {tuple(seqs.input_ids.shape)} padded batch "
+          f"({tokens / seqs.input_ids.numel():.0%} real)")
+    times = {name: [] for name in configs}
+    for name, config in configs.items():
+        update(model, params, batch, config)  # warm-up
+    for _ in range(args.iters):
+        for name, config in configs.items():
+            start = time.perf_counter()
+            update(model, params, batch, config)
+            times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    for name in configs:
+        print(f"{name}: {med[name]:.2f} s per update, {tokens / med[name]:.0f} real tokens/s")
+    print(f"token budget: {med['fixed rows'] / med['token budget']:.2f}x the fixed-row update's tokens/s")
+    mem = {}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    flags = [a for a in sys.argv[1:]]
+    for name in configs:
+        out = subprocess.run([sys.executable, __file__, *flags, "--memory", name], capture_output=True, text=True,
+                             check=True, env=env)
+        mem[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    mib = 2**20
+    print("peak resident set of an update: " + "; ".join(
+        f"{name} {m['peak'] / mib:.0f} MiB (+{(m['peak'] - m['held']) / mib:.0f} over the held state)"
+        for name, m in mem.items()) + f"; ratio {mem['fixed rows']['peak'] / mem['token budget']['peak']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
