@@ -470,3 +470,28 @@ def test_offloading_params_and_optimizer_state_leaves_every_weight_unchanged(ray
     plain, offloaded = finals
     assert tree_equal(plain.policy, offloaded.policy) and tree_equal(plain.policy_opt, offloaded.policy_opt)
     assert not tree_equal(plain.policy, fresh().policy)
+
+
+def _make_budget_step_fn():
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
+    config = _job(actor={"kl_loss_coef": 0.1, "micro_batch_rows": 2, "max_tokens_per_micro_batch": 24})
+    return functools.partial(grpo_step, optimizer=optimizer, kl_controller=make_kl_controller("fixed", coef=0.001),
+                             config=config)
+
+
+def test_token_budget_micro_batches_on_fsdp2_ranks_equal_the_local_step(ray_cluster):
+    model, _, _, fresh = _setup(2)
+    engine = TorchEngine(model, **ENGINE)
+    engine.sync(fresh().policy, 0)
+    batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(3), version=0)
+    scores = _even_tokens(batch)
+    config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, step_timeout=120, sync_timeout=60)
+    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
+                                  make_step_fn=_make_budget_step_fn) as executor:
+        state, metrics = executor.step(executor.start(fresh()), batch, scores)
+        ray_full = executor.full_state(state)
+    local_state, local_metrics = LocalExecutor(_make_budget_step_fn(), model, engine).step(fresh(), batch, scores)
+    for name, value in local_state.policy.items():
+        torch.testing.assert_close(ray_full.policy[name], value, rtol=0, atol=1e-5)
+    for key, value in local_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
