@@ -42,7 +42,7 @@ class ScriptedEngine:
     def close(self):
         pass
 
-    def generate(self, prompts, sampling, rng, *, version=None):
+    def generate(self, prompts, sampling, rng, *, version=None, streams=None):
         self.calls += 1
         self.prompts += [list(p) for p in prompts]
         rows = [self.script(self.tokenizer.decode(p), self.calls)[: sampling.max_new_tokens]

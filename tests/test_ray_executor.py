@@ -495,3 +495,26 @@ def test_token_budget_micro_batches_on_fsdp2_ranks_equal_the_local_step(ray_clus
         torch.testing.assert_close(ray_full.policy[name], value, rtol=0, atol=1e-5)
     for key, value in local_metrics.items():
         assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_the_samples_do_not_depend_on_the_number_of_rollout_workers(ray_cluster):
+    """Every worker samples its shard with the step's RNG and the prompts' own streams (no
+    per-shard RNG): 2 or 3 workers draw the samples one local engine draws."""
+    model, _, make_step_fn, fresh = _setup(2)
+    local = TorchEngine(model, **ENGINE)
+    local.sync(fresh().policy, 0)
+    prompts, streams = [*PROMPTS, [14, 15], [16]], [9, 2, 7, 0, 5]
+    sampling = SamplingParams(max_new_tokens=8, n=2, temperature=1.0)
+    expected = local.generate(prompts, sampling, RngState(4), version=0, streams=streams)
+    width = expected.sequences.response_length
+    for workers in (2, 3):
+        config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=workers, step_timeout=120,
+                                sync_timeout=60)
+        with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
+                                      make_step_fn=make_step_fn) as executor:
+            executor.start(fresh())
+            with executor.engine(executor.newest(0)) as engine:
+                got = engine.generate(prompts, sampling, RngState(4), version=0, streams=streams)
+        assert got.sequences.response_length == width
+        assert torch.equal(got.sequences.responses(), expected.sequences.responses()), workers
+        assert torch.equal(got.sequences.response_mask, expected.sequences.response_mask), workers

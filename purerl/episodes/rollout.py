@@ -107,7 +107,8 @@ def run_episodes(engine: RolloutEngine, env: Env, codec: ChatCodec, tasks: Seque
                  timings: dict[str, float] | None = None, reuse_cache: bool = True) -> list[Episode]:
     """``sampling.n`` episodes per task (prompt-major: episodes ``i·n … i·n+n-1`` play task ``i``
     from one initial state, ``env.reset(task, seeds[i])``; seeds default to ``0, 1, …``), sampled
-    with weights ``version`` from ``rng`` (turn ``k > 0`` from ``rng.fold_in(k)``). ``decode``:
+    with weights ``version`` from ``rng`` (turn ``k > 0`` from ``rng.fold_in(k)``), each episode on
+    its own stream (task ``i``'s is ``seeds[i]``). ``decode``:
     ids → the text ``step`` reads. ``timings`` (when given) gains the seconds spent sampling
     (``gen_s``) and stepping environments (``env_s``). With ``reuse_cache``, an engine that
     offers a ``session()`` (the embedded one) keeps each episode's KV cache across its turns and
@@ -137,10 +138,13 @@ def run_episodes(engine: RolloutEngine, env: Env, codec: ChatCodec, tasks: Seque
         asked = prompts if turn == 0 else [episodes[i].ids for i in active]
         start = time.perf_counter()
         turn_rng = rng if turn == 0 else rng.fold_in(turn)
+        # a task's stream is its seed; later turns, episode j of it continues on stream seed·n + j
+        streams = list(seeds) if turn == 0 else [seeds[i // sampling.n] * sampling.n + i % sampling.n
+                                                 for i in active]
         if session is None:
-            rollout = engine.generate(asked, turn_sampling, turn_rng, version=version)
+            rollout = engine.generate(asked, turn_sampling, turn_rng, version=version, streams=streams)
         else:  # the KV cache of each episode's earlier turns is reused: only the new ids are prefilled
-            rollout = session.generate(asked, turn_sampling, turn_rng, version=version,
+            rollout = session.generate(asked, turn_sampling, turn_rng, version=version, streams=streams,
                                        previous=None if turn == 0 else [rows_before[i] for i in active])
         rows_before = {i: row for row, i in enumerate(active)}
         timings["gen_s"] = timings.get("gen_s", 0.0) + time.perf_counter() - start

@@ -200,7 +200,8 @@ def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indice
         texts = [episode.actions[-1] for episode in sums["episodes"]]
     else:
         start = time.perf_counter()
-        rollout = engine.generate([task.prompt_ids[i] for i in indices], sampling, rng, version=version)
+        rollout = engine.generate([task.prompt_ids[i] for i in indices], sampling, rng, version=version,
+                                  streams=indices)
         sums = {"gen_s": time.perf_counter() - start}
         texts = decode_responses(rollout, task.decode)
     sums.update(rows=float(len(rollout.group)), tokens=float(rollout.sequences.response_mask.sum()))

@@ -33,9 +33,12 @@ class RolloutEngine(Protocol):
         """Make ``params`` (the trainer's params tree) the weights of version ``version``."""
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
-                 *, version: int | None = None) -> Rollout:
-        """Sample ``sampling.n`` responses per prompt (token ids), reproducibly from ``rng``.
-        Raises ``RuntimeError`` when ``version`` is given and is not the one held."""
+                 *, version: int | None = None, streams: Sequence[int] | None = None) -> Rollout:
+        """Sample ``sampling.n`` responses per prompt (token ids), reproducibly from ``rng``: sample
+        ``j`` of ``prompts[i]`` draws from the stream ``(rng, streams[i], j)`` alone
+        (:func:`~purerl.rollout.sampling.sample_keys`; ``streams`` default ``0 … len-1``), so it
+        draws the same in any batch, shard or worker. Raises ``RuntimeError`` when ``version`` is
+        given and is not the one held."""
 
     def close(self) -> None:
         """Release the engine's memory and processes (idempotent)."""

@@ -6,7 +6,7 @@ log-probs a rollout reports are exact; with ``top_k = 0`` and ``top_p = 1`` they
 trainer's ``log_softmax(logits / temperature)``.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -14,8 +14,10 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from purerl.checks import at_least, in_range
+from purerl.state import RngState
 
-__all__ = ["SamplingParams", "sampling_logprobs", "sample_tokens", "stop_length"]
+__all__ = ["SamplingParams", "sample_keys", "sample_seeds", "sample_tokens", "sample_uniforms", "sampling_logprobs",
+           "stop_length"]
 
 
 @attrs.frozen
@@ -64,6 +66,52 @@ def sampling_logprobs(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.log_softmax(scaled, -1)
+
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer (splitmix64's increment)
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _shifted(x: Tensor, k: int) -> Tensor:
+    """``x >>> k``: a logical shift of int64 bits (torch's ``>>`` keeps the sign)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _fold(h: Tensor, value: Tensor | int) -> Tensor:
+    """splitmix64's finaliser of ``h + (value + 1)·golden`` (wrapping int64 arithmetic): a
+    counter-based step, like ``jax.random.fold_in``."""
+    x = h + (torch.as_tensor(value, dtype=torch.int64) + 1) * _GOLDEN
+    x = (x ^ _shifted(x, 30)) * _MIX1
+    x = (x ^ _shifted(x, 27)) * _MIX2
+    return x ^ _shifted(x, 31)
+
+
+def _int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
+def sample_keys(rng: RngState, streams: Sequence[int], n: int) -> Int[Tensor, " rows"]:
+    """One 64-bit key per sample, row ``i·n + j`` for sample ``j`` of stream ``streams[i]``: a
+    function of ``(rng.seed, rng.counter, streams[i], j)`` only, so a sample draws the same
+    whatever else is in its batch, whichever shard or worker samples it (CPU, int64)."""
+    h = _fold(torch.tensor(_int64(rng.seed)), _int64(rng.counter))
+    stream = torch.as_tensor(list(streams), dtype=torch.int64).repeat_interleave(n)
+    sample = torch.arange(n, dtype=torch.int64).repeat(len(streams))
+    return _fold(_fold(h, stream), sample)
+
+
+def sample_uniforms(rng: RngState, streams: Sequence[int], n: int, steps: int) -> Float[Tensor, "steps rows"]:
+    """The ``[steps, rows]`` uniform draws in ``[0, 1)`` of :func:`sample_keys`' rows, one per
+    decoding step (float32, multiples of 2⁻²⁴; computed on the CPU, the same on every device)."""
+    keys = sample_keys(rng, streams, n)
+    bits = _shifted(_fold(keys[None], torch.arange(steps, dtype=torch.int64)[:, None]), 40)
+    return bits.to(torch.float32) * 2.0**-24
+
+
+def sample_seeds(rng: RngState, streams: Sequence[int], n: int) -> list[int]:
+    """One 31-bit seed per sample (for engines that seed each request), from :func:`sample_keys`."""
+    return (_shifted(sample_keys(rng, streams, n), 33)).tolist()
 
 
 def sample_tokens(logprobs: Float[Tensor, "b v"], uniform: Float[Tensor, " b"] | None) -> Int[Tensor, " b"]:

@@ -167,8 +167,9 @@ class TrainRank:
         self.engine.sync(full, version)
         return params_digest(full) if checksum else None
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int) -> Any:
-        return to_wire(self.engine.generate(prompts, sampling, rng, version=version))
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int,
+                 streams: list[int] | None = None) -> Any:
+        return to_wire(self.engine.generate(prompts, sampling, rng, version=version, streams=streams))
 
 
 class RolloutWorker:
@@ -192,8 +193,9 @@ class RolloutWorker:
         self.engine.sync(params, version)
         return params_digest(params) if buckets[0].sha256 is not None else None
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int) -> Any:
-        return to_wire(self.engine.generate(prompts, sampling, rng, version=version))
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int,
+                 streams: list[int] | None = None) -> Any:
+        return to_wire(self.engine.generate(prompts, sampling, rng, version=version, streams=streams))
 
 
 class RewardWorker:

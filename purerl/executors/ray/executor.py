@@ -43,12 +43,15 @@ class RemoteEngine:
                         "never passed in from the driver")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
-                 *, version: int | None = None) -> Rollout:
+                 *, version: int | None = None, streams: Sequence[int] | None = None) -> Rollout:
+        """Each worker samples its shard of the prompts with the same ``rng`` and the shard's
+        streams: the samples do not depend on the number of workers."""
         ex = self.executor
         version = self.version if version is None else version
+        streams = list(range(len(prompts)) if streams is None else streams)
         shards = prompt_shards(len(prompts), len(ex.rollout))
-        calls = [(w.generate.remote([list(p) for p in prompts[sl]], sampling, rng if len(shards) == 1 else
-                                    rng.fold_in(i), version), ex.groups.rollout_label(i))
+        calls = [(w.generate.remote([list(p) for p in prompts[sl]], sampling, rng, version, streams[sl]),
+                  ex.groups.rollout_label(i))
                  for i, (w, sl) in enumerate(zip(ex.rollout, shards))]
         parts = ex.wait(calls, ex.config.step_timeout, "generate")
         return concat_rollouts([from_wire(p) for p in parts], self.pad_token_id)

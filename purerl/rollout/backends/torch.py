@@ -16,7 +16,7 @@ from purerl.models import CausalLM, Params
 from purerl.models.families import Decoding
 from purerl.models.families.llama_decode import StaticCache
 from purerl.rollout.engine import ENGINES, check_weights
-from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
+from purerl.rollout.sampling import SamplingParams, sample_tokens, sample_uniforms, sampling_logprobs
 from purerl.state import RngState
 
 __all__ = ["EngineSession", "TorchEngine", "left_pad"]
@@ -62,15 +62,16 @@ class TorchEngine:
         self._params, self.version = None, None  # the trainer's params: nothing else to release
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
-                 *, version: int | None = None) -> Rollout:
-        return self._generate(prompts, sampling, rng, version)
+                 *, version: int | None = None, streams: Sequence[int] | None = None) -> Rollout:
+        return self._generate(prompts, sampling, rng, version, streams=streams)
 
     def session(self) -> "EngineSession":
         """Generate calls that continue one another (the turns of episodes): see :class:`EngineSession`."""
         return EngineSession(self)
 
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
-                  version: int | None, continuing: "_Continuation | None" = None) -> Rollout:
+                  version: int | None, continuing: "_Continuation | None" = None,
+                  streams: Sequence[int] | None = None) -> Rollout:
         check_weights("TorchEngine", self._params is not None, self.version, version)
         if sampling.stop and self.decode is None:
             raise ValueError("TorchEngine: stop strings need a decode function")
@@ -78,15 +79,16 @@ class TorchEngine:
         # inference mode: ~10 % less overhead per op than no_grad; its tensors are cloned out of
         # it, as autograd may not save them
         with torch.inference_mode():
+            streams = range(len(prompts)) if streams is None else streams
             if continuing is None:
-                decoded = self._decode(prompt_ids, prompt_mask, sampling, rng)
+                decoded = self._decode(prompt_ids, prompt_mask, sampling, rng, streams)
             else:
-                decoded = self._decode(*continuing.new_ids, sampling, rng, positions=continuing.positions,
+                decoded = self._decode(*continuing.new_ids, sampling, rng, streams, positions=continuing.positions,
                                        context=continuing.context(self, sampling), drop=False)
         tokens, logprobs, alive, reasons = (x.clone() for x in decoded)
         return rollout_of(prompt_ids, prompt_mask, tokens, logprobs, alive, reasons, sampling.n, self.version)
 
-    def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState, *,
+    def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState, streams: Sequence[int], *,
                 positions: Tensor | None = None, context: contextlib.AbstractContextManager[Decoding] | None = None,
                 drop: bool | None = None):
         """Sample ``sampling.n`` responses for each of the ``[g, P]`` left-padded prompts: rows
@@ -98,9 +100,10 @@ class TorchEngine:
         default to the attended positions).
         """
         rows = ids.shape[0] * sampling.n
-        # one uniform draw per output row and step, whether or not the row is still in the batch
-        uniforms = None if sampling.greedy else torch.rand((sampling.max_new_tokens, rows), device=self.device,
-                                                             generator=rng.generator(self.device))
+        # one uniform draw per output row and step, whether or not the row is still in the batch: a
+        # function of (rng, the row's stream and sample index, the step) only
+        uniforms = None if sampling.greedy else sample_uniforms(rng, streams, sampling.n,
+                                                                sampling.max_new_tokens).to(self.device)
         eos = int(self.eos[0]) if len(self.eos) == 1 else self.eos
         if positions is None:
             positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
@@ -223,7 +226,7 @@ class EngineSession:
     prompt that extends a row of the previous call's output (its prompt, its sampled ids, then new
     ids) reuses that row's KV cache and prefills only the new ids, instead of the whole context.
 
-    ``generate(prompts, sampling, rng, version=…, previous=rows)``: ``previous[k]`` is the row of
+    ``generate(prompts, sampling, rng, version=…, previous=rows, streams=…)``: ``previous[k]`` is the row of
     the previous call's output that ``prompts[k]`` extends. Where the cache cannot serve (the first
     call, a prompt that does not extend its row, ``n > 1``, a model without a lean decoder) the
     call prefills in full; either way the result is the engine's ``generate``'s, up to float
@@ -239,11 +242,12 @@ class EngineSession:
         """New ids prefilled over the session's calls (prompts in full, or only their new ids)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState, *,
-                 version: int | None = None, previous: Sequence[int] | None = None) -> Rollout:
+                 version: int | None = None, previous: Sequence[int] | None = None,
+                 streams: Sequence[int] | None = None) -> Rollout:
         engine = self.engine
         if not engine.lean:
             self.prefilled_tokens += sum(len(p) for p in prompts)
-            return engine.generate(prompts, sampling, rng, version=version)
+            return engine.generate(prompts, sampling, rng, version=version, streams=streams)
         continuing = None
         if (previous is not None and self._cache is not None and sampling.n == 1 and len(previous) == len(prompts)
                 and all(len(p) > len(self._ids[j]) and list(p[: len(self._ids[j])]) == self._ids[j]
@@ -257,7 +261,7 @@ class EngineSession:
             continuing = _Continuation(None, None, [list(p) for p in prompts], [0] * len(prompts), engine)
         continuing.keep_cache = kept.append
         self.prefilled_tokens += sum(len(ids) for ids in continuing.new)
-        rollout = engine._generate(prompts, sampling, rng, version, continuing)
+        rollout = engine._generate(prompts, sampling, rng, version, continuing, streams)
         with torch.inference_mode():
             self._remember(kept[0], prompts, sampling.n, rollout)
         return rollout

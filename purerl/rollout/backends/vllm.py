@@ -20,8 +20,9 @@ policy the engine's log-probs of a fixed probe sequence must match the trainer's
 on the synced params) within ``probe_tolerance``, or the sync fails naming its version: an
 adapter that silently did not apply cannot pass for staleness.
 
-Sampling: each of the ``n`` samples of a prompt is its own request with its own seed, drawn from
-the rollout's :class:`~purerl.state.RngState`, so the same state gives the same responses;
+Sampling: each of the ``n`` samples of a prompt is its own request with its own seed, a function of
+the rollout's :class:`~purerl.state.RngState` and the sample's stream
+(:func:`~purerl.rollout.sampling.sample_seeds`), so the same state gives the same responses;
 log-probs are those of the distribution that sampled (``logprobs_mode="processed_logprobs"``:
 after temperature, top-k and top-p), as :func:`~purerl.rollout.sampling.sampling_logprobs` gives.
 
@@ -41,7 +42,7 @@ import torch
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
 from purerl.models import CausalLM, Params
 from purerl.rollout.engine import ENGINES, INSTALL_HINT, check_weights
-from purerl.rollout.sampling import SamplingParams, stop_length
+from purerl.rollout.sampling import SamplingParams, sample_seeds, stop_length
 from purerl.state import RngState
 
 __all__ = ["INSTALL_HINT", "VllmEngine", "import_vllm"]
@@ -232,12 +233,12 @@ class VllmEngine:
                              f"unknown: {sorted(unknown)[:5]}, missing: {sorted(missing)[:5]}")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
-                 *, version: int | None = None) -> Rollout:
+                 *, version: int | None = None, streams: Sequence[int] | None = None) -> Rollout:
         check_weights("vllm engine", self._llm is not None, self.version, version)
         if sampling.stop and self.decode is None:
             raise ValueError("vllm engine: stop strings need a decode function (vLLM holds no tokenizer)")
         n = sampling.n
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts) * n,), generator=rng.generator()).tolist()
+        seeds = sample_seeds(rng, range(len(prompts)) if streams is None else streams, n)
         requests = [self._vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(n)]
         settings = [self._vllm.SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
