@@ -37,7 +37,16 @@ def grouped(seqs: Sequences, n: int) -> Sequences:
     return Sequences(ids, mask, seqs.response_mask)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["every row", "shared prompts"])
+def _with_pad_tokens_attended(seqs: Sequences, pad: int) -> Sequences:
+    """Every third attended token replaced by the padding id: a sampled pad token is a real token."""
+    ids = seqs.input_ids.clone()
+    attended = seqs.attention_mask.nonzero()
+    chosen = attended[::3]
+    ids[chosen[:, 0], chosen[:, 1]] = pad
+    return Sequences(ids, seqs.attention_mask, seqs.response_mask)
+
+
+@pytest.mark.parametrize("shared", [False, True, "pad"], ids=["every row", "shared prompts", "pad tokens attended"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_and_gradients_equal_the_modules(name, shared):
     config = CONFIGS[name]
@@ -45,8 +54,11 @@ def test_logits_and_gradients_equal_the_modules(name, shared):
     assert model.lean
     g = torch.Generator().manual_seed(1)
     params = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in params.items()}  # biases ≠ 0
-    seqs = grouped(random_sequences(8, 7, 6, config.vocab_size, seed=3), 4) if shared else \
+    seqs = grouped(random_sequences(8, 7, 6, config.vocab_size, seed=3), 4) if shared is True else \
         random_sequences(8, 7, 6, config.vocab_size, seed=3)
+    if shared == "pad":  # the module's embedding passes no gradient to its padding row: neither may the lean one
+        seqs = _with_pad_tokens_attended(seqs, config.pad_token_id if config.pad_token_id is not None else 0)
+        shared = False
     assert (shared_prompts(seqs) is not None) == shared  # response_logits takes the path under test
     module = AutoModelForCausalLM.from_config(config).eval()
     tied = {"lm_head.weight": params["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}

@@ -3,6 +3,7 @@ HF module, the merged weights, the engines, FSDP2 ranks, checkpoints and the PEF
 compute the same adapted policy."""
 
 import json
+from pathlib import Path
 
 import attrs
 import pytest
@@ -28,6 +29,7 @@ from purerl.tree import tree_clone, tree_leaves
 from tests.jobs import SMALL, parse, run_job, step_config
 
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
@@ -185,8 +187,9 @@ def test_the_peft_export_loads_with_peft_and_gives_the_trainers_logits(tmp_path)
 
 def test_the_job_trains_lora_exports_its_adapter_and_resumes_bit_exactly(tmp_path):
     # a constant learning rate: the run cut at step 2 has the schedule of the 4-step one
+    # a reward that varies between samples (the tiny model's answers are all wrong): the adapters move
     argv = ["--tiny", "--lora-rank", "4", "--lr", "1e-3", "--kl-coef", "0.05", *SMALL, "--warmup-steps", "0",
-            "actor.min_lr_ratio=1.0"]
+            "actor.min_lr_ratio=1.0", f"reward.fn={ROOT / 'tests' / 'golden' / 'reward.py'}:digit_fraction"]
     full = run_job([*argv, "--steps", "4", "--checkpoint-every", "2", "--out-dir", str(tmp_path / "full")])
     assert full["adapter"] == str(tmp_path / "full" / "adapter")
     tensors = load_file(tmp_path / "full" / "adapter" / "adapter_model.safetensors")

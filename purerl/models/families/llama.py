@@ -73,12 +73,14 @@ class LlamaLayout:
     kv_heads: int
     head_dim: int
     eps: float
+    padding_idx: int | None = None  # the embedding row that takes no gradient (HF's nn.Embedding padding_idx)
 
 
 def layout_of(config: Any) -> LlamaLayout:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pad = getattr(config, "pad_token_id", None)
     return LlamaLayout(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-                       head_dim, float(config.rms_norm_eps))
+                       head_dim, float(config.rms_norm_eps), pad if isinstance(pad, int) else None)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -221,7 +223,9 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
     heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
     cos, sin = rope
     qk_heads, last = heads + kv_heads, layout.layers - 1
-    h = F.embedding(ids.reshape(-1), weights.embed)
+    # as the module's nn.Embedding: the padding row's lookups pass no gradient back, even where that
+    # token was sampled and is attended (its LM-head use, when tied, still does)
+    h = F.embedding(ids.reshape(-1), weights.embed, padding_idx=layout.padding_idx)
     n = s
     for i, w in enumerate(weights.layers):
         qkv = project(rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias, lora=w.qkv_lora)
