@@ -18,18 +18,17 @@ it decodes with the adapters merged once per version (the merge timed apart).
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from peak_memory import held_and_peak, in_fresh_process  # noqa: E402
 
 from purerl.algo.aggregation import aggregate_loss  # noqa: E402
 from purerl.io.checkpoint import save_checkpoint  # noqa: E402
@@ -81,16 +80,9 @@ def nbytes(tree) -> int:
 
 
 def memory(args) -> None:
-    """In this fresh process, after one warm-up update (the optimizer moments touched): the resident
-    set held between updates and the peak of the next update (Linux's high-water mark, reset first)."""
+    """In this fresh process: the resident set held between updates and an update's peak."""
     model, params, optimizer, state, seqs, weights = variant(args, args.memory)
-    update(model, optimizer, state, seqs, weights)
-    held = psutil.Process().memory_info().rss
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM, the peak resident set
-    update(model, optimizer, state, seqs, weights)
-    status = Path("/proc/self/status").read_text()
-    peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
-    print(json.dumps({"held": held, "peak": peak}))
+    print(json.dumps(held_and_peak(lambda: update(model, optimizer, state, seqs, weights))))
 
 
 def main() -> None:
@@ -121,15 +113,7 @@ def main() -> None:
           f"full {med['full']:.2f} s, LoRA r{args.rank} {med['lora']:.2f} s: "
           f"LoRA {med['full'] / med['lora']:.2f}x faster ({tokens / med['lora']:.0f} vs {tokens / med['full']:.0f} tok/s)")
 
-    flags = [a for a in sys.argv[1:]]
-    mem = {}
-    for name in runs:
-        # tensors over 64 KiB mmapped and unmapped when freed: the resident set follows live tensors, not
-        # what glibc's heap keeps after a free
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-        out = subprocess.run([sys.executable, __file__, *flags, "--memory", name], capture_output=True, text=True,
-                             check=True, env=env)
-        mem[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    mem = {name: in_fresh_process(__file__, sys.argv[1:], name) for name in runs}
     mib = 2**20
     print("resident memory (fresh process each): " + "; ".join(
         f"{label} held between updates {m['held'] / mib:.0f} MiB, update peak {m['peak'] / mib:.0f} MiB "

@@ -15,19 +15,20 @@ update after a warm-up (glibc returning freed tensors), as in ``bench_lora.py``.
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from peak_memory import held_and_peak, in_fresh_process  # noqa: E402
+
 from purerl.batch import Sequences  # noqa: E402
+from purerl.config.job import JobConfig  # noqa: E402
+from purerl.config.loading import build  # noqa: E402
 from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
 from purerl.state import RngState  # noqa: E402
@@ -35,7 +36,6 @@ from purerl.step.shaping import TrainBatch  # noqa: E402
 from purerl.step.update import actor_update  # noqa: E402
 from purerl.tiny import tiny_llama_config  # noqa: E402
 from purerl.tree import tree_clone  # noqa: E402
-from tests.jobs import step_config  # noqa: E402
 
 
 def long_tailed(rows: int, longest: int, vocab: int) -> TrainBatch:
@@ -62,9 +62,11 @@ def setup(args):
     model, params = causal_lm_from_config(config, seed=0)
     batch = long_tailed(args.rows, args.longest, args.vocab)
     width = batch.sequences.input_ids.shape[1]
-    configs = {"fixed rows": step_config(micro_batch_rows=args.micro_rows),
-               "token budget": step_config(micro_batch_rows=args.micro_rows,
-                                           max_tokens_per_micro_batch=args.micro_rows * width)}
+    actor = {"clip_high": 0.2, "micro_batch_rows": args.micro_rows}
+    rollout = {"temperature": 1.0}
+    configs = {"fixed rows": build(JobConfig, {"actor": actor, "rollout": rollout}),
+               "token budget": build(JobConfig, {"rollout": rollout, "actor": {
+                   **actor, "max_tokens_per_micro_batch": args.micro_rows * width}})}
     return model, params, batch, configs
 
 
@@ -77,14 +79,7 @@ def update(model, params, batch, config):
 
 def memory(args) -> None:
     model, params, batch, configs = setup(args)
-    config = configs[args.memory]
-    update(model, params, batch, config)
-    held = psutil.Process().memory_info().rss
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM
-    update(model, params, batch, config)
-    status = Path("/proc/self/status").read_text()
-    peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
-    print(json.dumps({"held": held, "peak": peak}))
+    print(json.dumps(held_and_peak(lambda: update(model, params, batch, configs[args.memory]))))
 
 
 def main() -> None:
@@ -119,13 +114,7 @@ def main() -> None:
     for name in configs:
         print(f"{name}: {med[name]:.2f} s per update, {tokens / med[name]:.0f} real tokens/s")
     print(f"token budget: {med['fixed rows'] / med['token budget']:.2f}x the fixed-row update's tokens/s")
-    mem = {}
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    flags = [a for a in sys.argv[1:]]
-    for name in configs:
-        out = subprocess.run([sys.executable, __file__, *flags, "--memory", name], capture_output=True, text=True,
-                             check=True, env=env)
-        mem[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    mem = {name: in_fresh_process(__file__, sys.argv[1:], name) for name in configs}
     mib = 2**20
     print("peak resident set of an update: " + "; ".join(
         f"{name} {m['peak'] / mib:.0f} MiB (+{(m['peak'] - m['held']) / mib:.0f} over the held state)"

@@ -186,7 +186,7 @@ def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Cri
     backbone (a LoRA policy's base), or on the base of ``critic.model``; (None, None) otherwise."""
     if not config.algorithm.estimator.needs_values:
         return None, None
-    params = model.full(params) if model.lora is None else model.frozen
+    params = params if model.lora is None else model.frozen
     if config.critic.model:
         policy_vocab = model.config.vocab_size
         model, params = load_causal_lm(Path(config.critic.model), dtype=getattr(torch, config.model.dtype),

@@ -105,13 +105,17 @@ def moved(tree: Any, device: torch.device | str) -> Any:
     local shard moves). Tensors already there are the same tensors, not copies."""
     from torch.distributed.tensor import DTensor
 
+    # to the host blocking (a pageable host buffer must be complete before anyone reads it); to an
+    # accelerator asynchronously, ordered on its stream before the step that reads it
+    non_blocking = torch.device(device).type != "cpu"
+
     def move(x: Any) -> Any:
         if is_sharded(x):
             local = x.to_local()
-            there = local.to(device, non_blocking=True)
+            there = local.to(device, non_blocking=non_blocking)
             return x if there is local else DTensor.from_local(there, x.device_mesh, x.placements, run_check=False,
                                                                shape=x.shape, stride=x.stride())
-        return x.to(device, non_blocking=True) if isinstance(x, Tensor) else x
+        return x.to(device, non_blocking=non_blocking) if isinstance(x, Tensor) else x
 
     return tree_map(move, tree)
 

@@ -178,15 +178,14 @@ class VllmEngine:
         out = self._llm.generate([self._vllm.TokensPrompt(prompt_token_ids=ids)], setting, use_tqdm=False,
                                  lora_request=self._adapter)[0]
         engine = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])])
-        device = next(iter(self.model.full(params).values())).device
-        tokens = torch.tensor([ids], device=device)
+        weight = next(iter(self.model.full(params).values()))
+        tokens = torch.tensor([ids], device=weight.device)
         seqs = Sequences(tokens, torch.ones_like(tokens, dtype=torch.bool), torch.ones_like(tokens[:, 1:], dtype=torch.bool))
         with torch.no_grad():
             trainer = response_logprobs(self.model, params, seqs)[0].float().cpu()
         gap = float((engine - trainer).abs().max())
-        dtype = next(iter(self.model.full(params).values())).dtype
         tolerance = self.probe_tolerance if self.probe_tolerance is not None else (
-            0.02 if dtype == torch.float32 else 0.15)
+            0.02 if weight.dtype == torch.float32 else 0.15)
         if not gap <= tolerance:
             raise RuntimeError(f"vllm engine: the sync of weights version {version} did not take: the engine's "
                                f"log-probs of the probe differ from the trainer's by {gap:.3g} (> {tolerance}); "
