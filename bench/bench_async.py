@@ -15,13 +15,23 @@ shorter one: ≤ 2× when they are equal).
 
 The defaults balance generation and training on a 2-core CPU; on other machines, pick sizes
 where the synchronous run's gen and train medians are close.
+
+``--straggler F`` measures many generators instead: one rollout worker takes F× its compute time
+per call (:meth:`~purerl.executors.ray.actors.RolloutWorker.straggle`), and these modes train the
+same job in one run: synchronous with one generator sharding each batch over 2 workers (the
+batch waits for the straggler), asynchronous with that one generator, and 2 and 3 independent
+streaming generators (one worker each, the straggler among them).
+
+    python bench/bench_async.py --straggler 3 [--steps 16 --warmup 3 --prompts 6 --new 48]
 """
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -96,6 +106,66 @@ def run_mode(mode: str, args: argparse.Namespace, model, params, task: Task) -> 
             "generator_idle": timed[-1].get("async/generator_idle_frac", float("nan")), "report": report}
 
 
+STRAGGLER_MODES = (("sync, 1 generator × 2 shards", 0, 2), ("async, 1 generator × 2 shards", 1, 2),
+                   ("async, 2 streaming generators", 2, 2), ("async, 3 streaming generators", 3, 3))
+
+
+def straggler_mode(name: str, generators: int, workers: int, args: argparse.Namespace, model, params,
+                   task: Task) -> dict:
+    """Train with ``generators`` generators (0: the synchronous loop) over ``workers`` rollout
+    workers, the last one a straggler; trained samples per second after ``--warmup`` steps."""
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-4, weight_decay=0.0))
+    kl = make_kl_controller("fixed", coef=0.0)
+    asynchronous = generators > 0
+    config = build(JobConfig, {
+        "trainer": {"steps": args.steps, "progress": False}, "data": {"prompts_per_step": args.prompts},
+        "rollout": {"max_new_tokens": args.new, "n": args.n, "temperature": 1.0},
+        "actor": {"clip_high": 0.2, "micro_batch_rows": args.micro_batch, "compute_entropy": False,
+                  "recompute_old_logprobs": asynchronous},
+        "algorithm": {"rollout_correction": "token-tis" if asynchronous else "none"},
+        "asynchronous": {"enable": asynchronous, "max_staleness": args.max_staleness,
+                         "queue_batches": args.max_staleness, "generators": max(generators, 1)}})
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=config)
+    state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
+                       data=DataCursor(0))
+    executor_config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=workers, placement="split")
+    with tempfile.TemporaryDirectory() as run_dir, RayExecutor(step_fn, model, engine_kwargs=ENGINE,
+                                                                config=executor_config,
+                                                                generators=generators) as executor:
+        import ray
+
+        ray.get(executor.rollout[-1].straggle.remote(args.straggler))
+        log = MetricsLog(run_dir)
+        state = executor.start(state)
+        if asynchronous:
+            _, report = train_async(state, executor=executor, task=task, config=config, run_dir=run_dir, log=log)
+        else:
+            train(state, executor=executor, task=task, config=config, run_dir=run_dir, log=log)
+        log.close()
+        records = MetricsLog.read(log.path)
+        status = json.loads((Path(run_dir) / "status.json").read_text()) if asynchronous else None
+    timed = records[args.warmup:]
+    seconds = timed[-1]["time"] - records[args.warmup - 1]["time"]
+    groups = [g["groups"] for g in status["generators"]] if status else None
+    return {"name": name, "samples_per_s": len(timed) * args.prompts * args.n / seconds, "seconds": seconds,
+            "groups": groups, "staleness": report["staleness_histogram"] if asynchronous else None}
+
+
+def straggler_bench(args: argparse.Namespace, model, params, task: Task) -> None:
+    runs = [[straggler_mode(name, g, w, args, model, params, task) for name, g, w in STRAGGLER_MODES]
+            for _ in range(args.repeats)]
+    print(f"\n## Many generators with a {args.straggler:g}× straggler (Ray, 1 training rank, 1 thread per worker)\n")
+    print(f"{args.prompts} prompts × {args.n} samples per step, ≤ {args.new} new tokens, {args.steps} steps "
+          f"({args.warmup} not timed), max_staleness {args.max_staleness}, {args.repeats} round(s)\n")
+    print("| mode | samples/s | × sync (same round) | groups per generator | staleness |")
+    print("|---|---|---|---|---|")
+    for results in runs:
+        base = results[0]["samples_per_s"]
+        for r in results:
+            print(f"| {r['name']} | {r['samples_per_s']:.2f} | {r['samples_per_s'] / base:.2f}× | "
+                  f"{r['groups'] or '-'} | {r['staleness'] or '-'} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
@@ -108,19 +178,27 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="sync/async pairs, alternating (this box is noisy)")
+    ap.add_argument("--straggler", type=float, default=0.0,
+                    help="instead: many generators, one rollout worker this many times slower")
     args = ap.parse_args()
     if not 1 <= args.warmup < args.steps:
         ap.error("need 1 ≤ --warmup < --steps")
 
     import ray
 
-    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+    # the straggler modes hold 1 rank + up to 3 rollout workers: Ray's CPUs are bundles, not cores
+    ray.init(address="local", num_cpus=max(4 if args.straggler else 2, os.cpu_count() or 2), include_dashboard=False,
+             log_to_driver=False,
              _temp_dir=tempfile.mkdtemp(prefix="ray"))
     config = tiny_llama_config(vocab_size=128, hidden_size=args.hidden, layers=args.layers,
                                intermediate_size=3 * args.hidden, max_position_embeddings=512)
     model, params = causal_lm_from_config(config, seed=0)
     records = [PromptRecord(({"role": "user", "content": str(i)},), "0") for i in range(256)]
     task = Task([[5 + i % 100, 6, 7, 8, 9, 10, 11, 12] for i in range(256)], records, reward, decode)
+    if args.straggler:
+        straggler_bench(args, model, params, task)
+        ray.shutdown()
+        return
     results: dict[str, list[dict]] = {"sync": [], "async": []}
     for _ in range(args.repeats):
         for mode in ("sync", "async"):

@@ -224,17 +224,17 @@ def engine_options(config: JobConfig, model: CausalLM, tokenizer: Any) -> dict[s
 
 def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any],
                   run_dir: Path | None = None) -> Executor:
-    """The local executor (with a generator engine of its own when asynchronous), or the Ray one,
+    """The local executor (with an engine per generator when asynchronous), or the Ray one,
     which builds the step function on each rank from the config and writes its workers' PIDs to
     ``workers.json`` in ``run_dir``."""
     rollout, executor = config.rollout, config.executor
     if executor.kind == "local":
         engine = make_engine(rollout.engine, model, device=config.model.device, **options)
-        generator = None
-        if config.asynchronous.enable:  # its own model copy: it shares no module with the trainer
-            own = attrs.evolve(model, module=copy.deepcopy(model.module))
-            generator = make_engine(rollout.engine, own, device=config.model.device, **options)
-        return LocalExecutor(step_function(config), model, engine, generator_engine=generator, critic=critic,
+        generators = []
+        for _ in range(config.asynchronous.generators if config.asynchronous.enable else 0):
+            own = attrs.evolve(model, module=copy.deepcopy(model.module))  # no module shared with another thread
+            generators.append(make_engine(rollout.engine, own, device=config.model.device, **options))
+        return LocalExecutor(step_function(config), model, engine, generator_engines=generators, critic=critic,
                              reward_model=config.reward.model)
     import functools
 
@@ -246,7 +246,8 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
     ray_executor = RayExecutor(None, model, engine_kwargs=options, config=executor, engine=rollout.engine,
                                reward_model=config.reward.model, ray_init=ray_init, critic=critic,
                                make_step_fn=functools.partial(step_function, config),
-                               offload=Offload(config.actor.offload_params, config.actor.offload_optimizer))
+                               offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
+                               generators=config.asynchronous.generators if config.asynchronous.enable else 0)
     if run_dir is not None:
         (run_dir / "workers.json").write_text(json.dumps(ray_executor.worker_pids()))
     return ray_executor

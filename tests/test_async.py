@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import json
 import time
 
 import attrs
@@ -10,7 +11,7 @@ import pytest
 from purerl.algo.kl_control import make_kl_controller
 from purerl.config.job import AsyncConfig, JobConfig
 from purerl.config.loading import build
-from purerl.data.cursor import DataCursor
+from purerl.data.cursor import DataCursor, next_indices
 from purerl.data.records import PromptRecord
 from purerl.executors.base import ExecutorError
 from purerl.executors.local import LocalExecutor
@@ -46,30 +47,46 @@ def _config(steps=4, **asynchronous) -> JobConfig:
                              "asynchronous": {"enable": True, **asynchronous}})
 
 
-def _setup(slow_step: float = 0.0):
+def _setup(slow_step: float = 0.0, generators: int = 1, trained: list | None = None):
+    """The state, a local executor with ``generators`` engines, the first engine; ``trained``
+    collects each step's prompt indices (a prompt's first token is 5 + its index)."""
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-2))
     kl = make_kl_controller("fixed")
     step = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=_config())
 
-    def step_fn(*args, **kwargs):
+    def step_fn(state, rollout, *args, **kwargs):
         time.sleep(slow_step)  # a trainer slower than the generator
-        return step(*args, **kwargs)
+        if trained is not None:
+            trained.append((rollout.sequences.input_ids[::3, 0] - 5).tolist())
+        return step(state, rollout, *args, **kwargs)
 
     state = TrainState(policy=tree_clone(params), policy_opt=optimizer.init(params), kl=kl.init(),
                        rng=RngState(0), data=DataCursor(0))
-    # the generator's engine: its own skeleton copy, so the two threads never share a module
-    generator = TorchEngine(attrs.evolve(model, module=copy.deepcopy(model.module)), **ENGINE)
-    executor = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE), generator_engine=generator)
-    return executor.start(state), executor, generator
+    # each generator's engine: its own skeleton copy, so no two threads share a module
+    engines = [TorchEngine(attrs.evolve(model, module=copy.deepcopy(model.module)), **ENGINE)
+               for _ in range(generators)]
+    executor = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE), generator_engines=engines)
+    return executor.start(state), executor, engines[0] if generators == 1 else engines
 
 
-def _run_async(tmp_path, config, slow_step=0.0):
-    state, executor, _ = _setup(slow_step)
+def _run_async(tmp_path, config, slow_step=0.0, generators=1, trained=None, change=None):
+    state, executor, engines = _setup(slow_step, generators, trained)
+    if change is not None:
+        change(engines)
     log = MetricsLog(tmp_path)
     state, report = train_async(state, executor=executor, task=TASK, config=config, run_dir=tmp_path, log=log)
     log.close()
     return state, report, list(MetricsLog.read(log.path))
+
+
+def _cursor_order(steps: int) -> list[list[int]]:
+    """The prompts of steps 1 … steps as the synchronous loop takes them."""
+    order, cursor = [], DataCursor(0)
+    for _ in range(steps):
+        indices, cursor = next_indices(cursor, len(TASK.records), 2)
+        order.append(indices)
+    return order
 
 
 def test_staleness_zero_is_the_synchronous_trainer_bit_for_bit(tmp_path):
@@ -103,7 +120,7 @@ def test_the_drop_policy_drops_stale_batches_and_counts_them(tmp_path):
     assert all(r["async/staleness"] == 0 for r in records)
     assert report["dropped_batches"] >= 1
     # every batch the generator queued was trained, dropped, or still queued at the end
-    assert report["trained"] == 4 and report["discarded"] <= 2
+    assert report["trained"] == 4 and report["discarded"] <= 3
     assert report["generated"] == report["trained"] + report["dropped_batches"] + report["discarded"]
 
 
@@ -115,14 +132,105 @@ def test_a_failing_generator_stops_the_run_naming_it(tmp_path):
 
     generator.generate = broken
     start = time.monotonic()
-    with pytest.raises(ExecutorError, match="generator failed: RuntimeError\\('engine exploded'\\)"):
-        train_async(state, executor=executor, task=TASK, config=_config(), run_dir=tmp_path)
+    with pytest.raises(ExecutorError, match=r"generator 0 failed \(after 0 restart\(s\) in the run, asynchronous.restarts=0\): RuntimeError\(.engine exploded.\)"):
+        train_async(state, executor=executor, task=TASK, config=_config(restarts=0), run_dir=tmp_path)
     assert time.monotonic() - start < 10
+
+
+def test_two_generators_with_staleness_zero_are_the_synchronous_trainer_bit_for_bit(tmp_path):
+    """Each step's two prompt groups come from two generators (one group per call): every sample
+    draws from its own stream, so the batch is the synchronous one."""
+    state, executor, _ = _setup()
+    log = MetricsLog(tmp_path / "sync")
+    sync_state = train(state, executor=executor, task=TASK, config=_config(steps=5), run_dir=tmp_path / "sync",
+                       log=log)
+    log.close()
+    sync_records = list(MetricsLog.read(log.path))
+    trained = []
+    async_state, report, async_records = _run_async(
+        tmp_path / "async", _config(steps=5, max_staleness=0, generators=2, groups_per_call=1), generators=2,
+        trained=trained)
+    assert_async_k0_equals_sync(sync_state, sync_records, async_state, async_records, report, steps=5,
+                                logprob_tol=1e-5)
+    assert trained == _cursor_order(5)
+    status = json.loads((tmp_path / "async" / "status.json").read_text())
+    assert status["trainer"]["step"] == 5 and len(status["generators"]) == 2
+    assert sum(g["groups"] for g in status["generators"]) == 10  # under "wait" nothing is made in vain
+
+
+@pytest.mark.parametrize("policy", ["wait", "drop"])
+def test_three_generators_lose_no_group_and_train_none_twice(tmp_path, policy):
+    """Generators run ahead of a slow trainer in any order; the trainer still takes every step's
+    groups in cursor order (a dropped batch's prompts are skipped, as with one generator)."""
+    trained = []
+    config = _config(steps=6, max_staleness=1, stale_policy=policy, generators=3, groups_per_call=1)
+    state, report, records = _run_async(tmp_path, config, slow_step=0.1, generators=3, trained=trained)
+    assert state.step == 6 and len(trained) == 6
+    batches = report["trained"] + report["dropped_batches"]
+    order = _cursor_order(batches)
+    assert trained == [b for b, kept in zip(order, _kept(records, batches)) if kept]
+    assert all(r["async/staleness"] <= 1 for r in records)
+    # the checkpointed cursor says which prompts were trained: those before it, and no others
+    after_last = next_indices(DataCursor(0), len(TASK.records), 2 * len(_kept(records, batches)))[1]
+    assert attrs.astuple(state.data) == attrs.astuple(after_last)
+
+
+def _kept(records, batches):
+    """Which of the first ``batches`` batches were trained: a dropped one is counted in the next
+    trained step's ``async/dropped_batches``."""
+    kept, dropped = [], 0
+    for r in records:
+        newly = int(r["async/dropped_batches"]) - dropped
+        kept += [False] * newly + [True]
+        dropped += newly
+    return (kept + [False] * batches)[:batches]
+
+
+def test_a_failing_generator_is_restarted_and_its_groups_handed_out_again(tmp_path):
+    trained, calls = [], []
+
+    def fail_once(engines):
+        engine = engines[1]
+        generate = engine.generate
+
+        def flaky(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("engine exploded once")
+            return generate(*args, **kwargs)
+
+        engine.generate = flaky
+
+    config = _config(steps=4, max_staleness=0, generators=2, groups_per_call=1, restart_backoff_s=0.01)
+    state, report, records = _run_async(tmp_path, config, generators=2, trained=trained, change=fail_once)
+    assert state.step == 4 and report["restarts"] == 1 and records[-1]["async/generator_restarts"] == 1
+    assert trained == _cursor_order(4)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert [g["restarts"] for g in status["generators"]] == [0, 1]
+
+
+def test_a_straggling_generator_hands_in_fewer_groups_and_stalls_nobody(tmp_path):
+    def slow_second(engines):
+        generate = engines[1].generate
+
+        def slow(*args, **kwargs):
+            time.sleep(0.5)
+            return generate(*args, **kwargs)
+
+        engines[1].generate = slow
+
+    trained = []
+    config = _config(steps=6, max_staleness=2, generators=2, groups_per_call=1, queue_batches=2)
+    state, report, _ = _run_async(tmp_path, config, generators=2, trained=trained, change=slow_second)
+    assert trained == _cursor_order(6)
+    fast, slow = json.loads((tmp_path / "status.json").read_text())["generators"]
+    assert fast["groups"] >= 2 * slow["groups"], (fast, slow)
 
 
 @pytest.mark.parametrize("kwargs, message", [({"max_staleness": -1}, "max_staleness"),
                                              ({"stale_policy": "block"}, "stale_policy"),
-                                             ({"queue_batches": 0}, "queue_batches")])
+                                             ({"queue_batches": 0}, "queue_batches"),
+                                             ({"generators": 0}, "generators")])
 def test_bad_async_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AsyncConfig(**kwargs)

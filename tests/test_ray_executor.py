@@ -8,6 +8,7 @@ the run with an error naming the worker, quickly.
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -234,28 +235,33 @@ def _tiny_task(prompts: int = 8) -> Task:
                 lambda text, truth: float(text.count("a")) / max(len(text), 1), lambda ids: "".join(map(chr, ids)))
 
 
-def test_async_with_staleness_zero_on_ray_is_the_synchronous_trainer_bit_for_bit(ray_cluster, tmp_path):
+@pytest.mark.parametrize("generators", [1, 2])
+def test_async_with_staleness_zero_on_ray_is_the_synchronous_trainer_bit_for_bit(ray_cluster, tmp_path, generators):
     """Generators on the rollout pool, ranks on the train pool: with k = 0 ("wait") every batch is
-    sampled by the weights the synchronous loop would have used, so weights and metrics agree."""
+    sampled by the weights the synchronous loop would have used, so weights and metrics agree.
+    Two generators, each with its rollout worker, sample one prompt group of two each: the samples
+    are the same (per-sample streams), the engine's log-probs up to float rounding."""
     model, _, make_step_fn, fresh = _setup(4)
     task = _tiny_task()
-    config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, placement="split", step_timeout=120)
+    config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=generators, placement="split",
+                            step_timeout=120)
     results = {}
     for mode in ("sync", "async"):
         log = MetricsLog(tmp_path / mode)
-        with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
-                                      make_step_fn=make_step_fn) as executor:
+        with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config, make_step_fn=make_step_fn,
+                                      generators=generators if mode == "async" else 0) as executor:
             state = executor.start(fresh())
             common = dict(executor=executor, task=task, run_dir=tmp_path / mode, log=log)
             if mode == "sync":
                 state, report = train(state, config=_job(steps=5), **common), None
             else:
-                job = _job(steps=5, asynchronous={"enable": True, "max_staleness": 0})
+                job = _job(steps=5, asynchronous={"enable": True, "max_staleness": 0, "generators": generators})
                 state, report = train_async(state, config=job, **common)
             results[mode] = executor.full_state(state), list(MetricsLog.read(log.path)), report
         log.close()
     (sync_state, sync_records, _), (async_state, async_records, report) = results["sync"], results["async"]
-    assert_async_k0_equals_sync(sync_state, sync_records, async_state, async_records, report, steps=5)
+    assert_async_k0_equals_sync(sync_state, sync_records, async_state, async_records, report, steps=5,
+                                logprob_tol=1e-5 if generators > 1 else 0.0)
 
 
 def test_async_on_ray_with_staleness_one_overlaps_and_stays_in_bounds(ray_cluster, tmp_path):
@@ -371,7 +377,8 @@ def _alive(pid: int) -> bool:
                          ids=["sync-kill-rank", "sync-stop-rank", "async-kill-rollout", "async-kill-rank"])
 def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim, sig):
     """experiments/grpo_math.py --executor ray: SIGKILL (or SIGSTOP) one worker after the first
-    step (a training rank; in async mode also the generator's rollout worker). The run ends
+    step (a training rank; in async mode also the generator's rollout worker, with no restarts
+    allowed). The run ends
     quickly with a one-line message naming it first (a stopped rank, not the peer that timed out
     waiting for it) and leaves no Ray process behind; a checkpoint written before loads."""
     out = tmp_path / "run"
@@ -380,7 +387,7 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim
            "--steps", "500", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
            "--eval-size", "2", "--train-size", "40", "--eval-every", "0", "--checkpoint-every", "1",
            "--no-progress", "--threads", "1", "--out-dir", str(out), "--ray-temp-dir", ray_temp,
-           *(["--async", "--train-ranks", "1"] if mode == "async" else []),
+           *(["--async", "--train-ranks", "1", "asynchronous.restarts=0"] if mode == "async" else []),
            *(["--step-timeout", "15"] if sig == signal.SIGSTOP else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -423,6 +430,45 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
         assert f"resumed from {out / 'checkpoints'}" in resumed.stdout
         assert json.loads((out / "summary.json").read_text())["steps"] == step + 1
+
+
+def test_a_killed_generator_worker_is_restarted_and_the_run_finishes(tmp_path):
+    """The issue's command, with two generators (one rollout worker each): SIGKILL generator 1's
+    rollout worker after the first step. Its part is handed out again, the worker started anew,
+    and the run finishes every step with the restart counted in the metrics and status.json."""
+    out = tmp_path / "run"
+    ray_temp = tempfile.mkdtemp(prefix="ray")
+    cmd = [sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--steps", "12", "--async",
+           "--generators", "2", "--executor", "ray", "--train-ranks", "1", "--prompts-per-step", "4",
+           "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size", "2", "--train-size", "40",
+           "--eval-every", "0", "--checkpoint-every", "0", "--no-progress", "--threads", "1", "--out-dir", str(out),
+           "--ray-temp-dir", ray_temp, "asynchronous.status_every_s=0.5", "asynchronous.restart_backoff_s=0.1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the run did not finish a step"
+            time.sleep(0.1)
+        assert json.loads((out / "status.json").read_text())["generators"][1]["restarts"] == 0
+        os.kill(json.loads((out / "workers.json").read_text())["rollout worker 1"], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        shutil.rmtree(ray_temp, ignore_errors=True)
+    assert proc.returncode == 0, output
+    assert re.search(r"generator 1 failed \((generate|weight sync): rollout worker 1 died", output), output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["async"]["restarts"] == 1
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13)) and records[-1]["async/generator_restarts"] == 1
+    status = json.loads((out / "status.json").read_text())
+    assert [g["restarts"] for g in status["generators"]] == [0, 1] and status["trainer"]["step"] == 12
+    assert all(g["parts"] > 0 for g in status["generators"])
 
 
 def test_the_job_scores_with_a_reward_model_and_a_user_function_on_reward_workers(ray_cluster, tmp_path):

@@ -361,13 +361,28 @@ class AsyncConfig:
     batch of step ``i`` before version ``i − 1 − k`` is published, so no batch is ever too stale
     (``k = 0`` is the synchronous trainer, step for step); ``drop``, generators never wait for
     weights and the trainer drops (and counts) the batches that are too stale.
-    ``queue_batches``: how many scored batches may wait for the trainer (a generator blocks while
-    the queue is full)."""
+    ``queue_batches``: the bound of the queue: at most ``queue_batches + 1`` batches are under way
+    or waiting for the trainer (generators stop taking prompts meanwhile), so at most
+    ``queue_batches`` wait when the trainer takes one.
+
+    ``generators``: independent generator loops, each with its engine (locally, a model copy of
+    its own; on Ray, its share of the rollout workers), taking the next ``groups_per_call``
+    prompt groups (0: a step's prompts shared equally among the generators) from one cursor and
+    handing them in as they finish; the trainer takes each step's groups in prompt order.
+    A generator that fails is restarted (on Ray, with new rollout workers) after a back-off of
+    ``restart_backoff_s`` doubling each time, its groups handed out again, up to ``restarts``
+    times in the run; then the run fails, naming it. The run folder's ``status.json`` is
+    rewritten every ``status_every_s`` seconds."""
 
     enable: bool = False
     max_staleness: int = attrs.field(default=1, validator=at_least(0))
     stale_policy: str = attrs.field(default="wait", validator=one_of(("wait", "drop"), "stale policy"))
     queue_batches: int = attrs.field(default=2, validator=at_least(1))
+    generators: int = attrs.field(default=1, validator=at_least(1))
+    groups_per_call: int = attrs.field(default=0, validator=at_least(0))
+    restarts: int = attrs.field(default=3, validator=at_least(0))
+    restart_backoff_s: float = attrs.field(default=1.0, validator=at_least(0))
+    status_every_s: float = attrs.field(default=5.0, validator=positive)
 
 
 def _environment(instance: Any, attribute: Any, value: str) -> None:

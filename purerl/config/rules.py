@@ -24,7 +24,8 @@ def resolve(config: JobConfig) -> JobConfig:
     """Automatic values made explicit: ``model.device`` (``auto``: the GPU when there is one),
     ``algorithm.rollout_correction`` (None: ``token-tis`` when asynchronous, else ``none``) and
     ``actor.recompute_old_logprobs`` (None: recompute unless the engine's log-probs are exactly
-    the trainer's: the embedded engine, synchronous, no top-p, no correction)."""
+    the trainer's: the embedded engine, synchronous, no top-p, no correction) and
+    ``executor.rollout_workers`` (asynchronous on Ray: at least one per generator)."""
     device = config.model.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,9 +37,12 @@ def resolve(config: JobConfig) -> JobConfig:
     if recompute is None:
         recompute = (rollout.top_p < 1.0 or correction != "none" or config.asynchronous.enable
                      or rollout.engine != "torch")
+    executor = config.executor
+    if config.asynchronous.enable:
+        executor = attrs.evolve(executor, rollout_workers=max(executor.rollout_workers, config.asynchronous.generators))
     return attrs.evolve(config, model=attrs.evolve(config.model, device=device),
                         algorithm=attrs.evolve(algorithm, rollout_correction=correction),
-                        actor=attrs.evolve(actor, recompute_old_logprobs=recompute))
+                        actor=attrs.evolve(actor, recompute_old_logprobs=recompute), executor=executor)
 
 
 def problems(config: JobConfig) -> list[str]:
@@ -143,4 +147,7 @@ def _executor_problems(config: JobConfig) -> list[str]:
         if config.rollout.engine != "torch":
             # vLLM sets up a process group of its own, which clashes with the training ranks' FSDP group
             found.append(f"rollout.engine={config.rollout.engine} runs on rollout workers: executor.placement=split")
+    generators = config.asynchronous.generators
+    if generators > 1 and not config.asynchronous.enable:
+        found.append(f"asynchronous.generators={generators} needs asynchronous training (--async)")
     return found

@@ -54,9 +54,15 @@ class Executor(Protocol):
         """The newest published version once it is ``≥ at_least`` (blocks until then; None if
         ``stop`` is set first)."""
 
-    def engine(self, weights: Weights, purpose: str = "generate") -> contextlib.AbstractContextManager[RolloutEngine]:
-        """Exclusive use of the engine for ``purpose`` (``generate``: training rollouts;
-        ``evaluate``: held-out answers), holding ``weights`` (loaded if it holds another version)."""
+    def engine(self, weights: Weights, purpose: str = "generate",
+               generator: int = 0) -> contextlib.AbstractContextManager[RolloutEngine]:
+        """Exclusive use of the engine for ``purpose`` (``generate``: training rollouts, on
+        asynchronous generator ``generator``'s own engine; ``evaluate``: held-out answers),
+        holding ``weights`` (loaded if it holds another version)."""
+
+    def restart_generator(self, generator: int) -> None:
+        """Make generator ``generator``'s engine usable again after a failure (the Ray executor
+        starts its rollout workers anew); raises :class:`ExecutorError` when it cannot."""
 
     def full_state(self, state: TrainState) -> TrainState:
         """The complete state, params and optimizer state included (for checkpoints and export)."""
@@ -80,6 +86,12 @@ class EngineSlot:
 
     def __init__(self, engine: RolloutEngine, load: Callable[[RolloutEngine, Weights], None]) -> None:
         self.engine, self._load, self._lock = engine, load, threading.Lock()
+
+    def restart(self, start: Callable[[RolloutEngine], None]) -> None:
+        """``start(engine)`` makes the engine usable again, between two uses; it then holds no version."""
+        with self._lock:
+            start(self.engine)
+            self.engine.version = None
 
     @contextlib.contextmanager
     def use(self, weights: Weights) -> Iterator[RolloutEngine]:

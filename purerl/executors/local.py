@@ -32,15 +32,16 @@ class LocalExecutor:
     ``value_and_grad``, and ``engine`` shares the trainer's params (loading a version is a
     copy-free tag).
 
-    ``generator_engine``: an engine of its own (another model copy) for asynchronous generation;
-    the published versions are then snapshots, so the trainer can go on updating in place while
-    it samples. Without one, ``engine`` does everything. ``reward_model``: a local HF reward-model
+    ``generator_engines``: engines of their own (other model copies), one per asynchronous
+    generator; the published versions are then snapshots (one per version, shared by them), so the
+    trainer can go on updating in place while they sample. Without them, ``engine`` does
+    everything. ``reward_model``: a local HF reward-model
     folder (or a loaded :class:`~purerl.rewards.model.RewardModel`) for :meth:`score_model`,
     loaded on first use in this process on ``reward_model_device`` (default: the engine's device,
     else the CPU)."""
 
     def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine, *,
-                 generator_engine: RolloutEngine | None = None, critic: Critic | None = None,
+                 generator_engines: Sequence[RolloutEngine] = (), critic: Critic | None = None,
                  value_and_grad: Callable = pure_value_and_grad, reward_model: str | Path | RewardModel | None = None,
                  reward_model_device: str | None = None, reward_batch_size: int = 16) -> None:
         self.step_fn, self.policy, self.value_and_grad = step_fn, policy, value_and_grad
@@ -50,7 +51,7 @@ class LocalExecutor:
         if critic is not None:
             self.effects["critic"] = critic
         self.evaluator = EngineSlot(engine, _load)
-        self.generator = self.evaluator if generator_engine is None else EngineSlot(generator_engine, _load)
+        self.generators = [EngineSlot(e, _load) for e in generator_engines] or [self.evaluator]
         self._published = Published()
 
     def start(self, state: TrainState) -> TrainState:
@@ -66,14 +67,23 @@ class LocalExecutor:
     def publish(self, state: TrainState) -> None:
         """The policy as version ``state.step``: the params themselves, or (with a generator engine
         of its own) a copy, independent of what any later step does to the trainer's."""
-        separate = self.generator is not self.evaluator
+        separate = self.generators[0] is not self.evaluator
         self._published.publish(Weights(state.step, tree_clone(state.policy) if separate else state.policy))
 
     def newest(self, at_least: int = 0, stop: threading.Event | None = None) -> Weights | None:
         return self._published.newest(at_least, stop)
 
-    def engine(self, weights: Weights, purpose: str = "generate") -> contextlib.AbstractContextManager[RolloutEngine]:
-        return (self.generator if purpose == "generate" else self.evaluator).use(weights)
+    def engine(self, weights: Weights, purpose: str = "generate",
+               generator: int = 0) -> contextlib.AbstractContextManager[RolloutEngine]:
+        if purpose != "generate":
+            return self.evaluator.use(weights)
+        if not 0 <= generator < len(self.generators):
+            raise ValueError(f"LocalExecutor: generator {generator}, but it has {len(self.generators)} generator "
+                             "engine(s) (generator_engines)")
+        return self.generators[generator].use(weights)
+
+    def restart_generator(self, generator: int) -> None:
+        """In-process engines keep nothing broken between calls: the generator reuses its engine."""
 
     def full_state(self, state: TrainState) -> TrainState:
         return state
@@ -93,7 +103,7 @@ class LocalExecutor:
         return self.reward_model.score(prompts, responses, batch_size=self.reward_batch_size)
 
     def close(self) -> None:
-        for slot in {id(self.generator): self.generator, id(self.evaluator): self.evaluator}.values():
+        for slot in {id(s): s for s in [*self.generators, self.evaluator]}.values():
             slot.engine.close()
 
     def __enter__(self) -> "LocalExecutor":

@@ -31,12 +31,13 @@ from purerl.episodes.rollout import (
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.mix import mixed_rewards, uses_reward_model
 from purerl.rollout.engine import RolloutEngine
-from purerl.rollout.merge import concat_rollouts
+from purerl.rollout.merge import concat_rewards, concat_rollouts
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.tree import replace
 
-__all__ = ["Episodes", "Task", "decode_responses", "prompt_text", "rollout_batch", "rollout_rng", "sample_batch"]
+__all__ = ["Episodes", "SampledPart", "Task", "decode_responses", "joined_batch", "prompt_text", "rollout_batch",
+           "rollout_rng", "sample_batch", "sample_part"]
 
 
 @attrs.frozen
@@ -100,6 +101,18 @@ Score = Callable[..., Scores]
 ScoreModel = Callable[[Sequence[str], Sequence[str]], torch.Tensor]
 
 
+@attrs.frozen(eq=False)
+class SampledPart:
+    """Some consecutive prompts of a batch, sampled and scored: ``sums`` are what the batch's
+    metrics are made of (added over parts: seconds, counts, rows, tokens; ``episodes`` and
+    ``messages`` joined), ``data`` the cursor after its prompts."""
+
+    rollout: Rollout
+    rewards: Rewards
+    sums: dict[str, Any]
+    data: DataCursor
+
+
 def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: DataCursor, rng: RngState,
                  version: int, *, score: Score = score_responses,
                  score_model: ScoreModel | None = None) -> tuple[Rollout, Rewards, dict[str, float], DataCursor]:
@@ -111,30 +124,44 @@ def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: Dat
     Returns the rollout, its rewards, metrics (with the failed calls' messages under
     ``reward/error_messages`` when there are any, and ``reward/all_failed`` when no call
     succeeded), and the cursor after its prompts."""
+    part = sample_part(engine, task, config, data, rng, version, score=score, score_model=score_model)
+    return (*joined_batch([part], config), part.data)
+
+
+def sample_part(engine: RolloutEngine, task: Task, config: JobConfig, data: DataCursor, rng: RngState,
+                version: int, *, prompts: int | None = None, score: Score = score_responses,
+                score_model: ScoreModel | None = None) -> SampledPart:
+    """The next ``prompts`` prompts after ``data`` (default: a whole step's), as
+    :func:`sample_batch` samples them. A part's samples do not depend on how a batch is cut
+    into parts: every sample draws from its own stream (its prompt's index, its sample index).
+    Dynamic sampling's rounds need the whole batch in one part."""
     algorithm, sampling = config.algorithm, config.rollout
     prompts_per_step, n = config.data.prompts_per_step, sampling.n
+    prompts = prompts_per_step if prompts is None else prompts
+    if algorithm.dynamic_sampling and prompts != prompts_per_step:
+        raise ValueError(f"sample_part: dynamic sampling samples whole batches ({prompts_per_step} prompts), "
+                         f"not {prompts}")
     baselines = algorithm.estimator.needs_baselines
-    sampled: dict[str, float] = {}  # sums over the sampled rounds
-    baseline_s = errors = timeouts = baseline_rows = 0.0
-    messages: list[str] = []
+    sampled: dict[str, Any] = {"messages": [], "baseline_s": 0.0, "baseline_rows": 0.0}  # sums over the rounds
     kept: list[tuple[Rollout, Rewards]] = []
     groups, rounds, cursor = 0, 0, data
     while True:
-        indices, cursor = next_indices(cursor, len(task.records), prompts_per_step)
+        indices, cursor = next_indices(cursor, len(task.records), prompts)
         round_rng = rng if rounds == 0 else rng.fold_in(rounds)
         rollout, rewards, sums, failed = _scored_rollout(engine, task, config, indices, round_rng, version, score,
                                                          score_model, sampling)
-        messages += failed
+        sampled["messages"] += failed
         for key, value in sums.items():
             sampled[key] = sampled.get(key, [] if key == "episodes" else 0.0) + value
         if baselines:
             greedy = attrs.evolve(sampling, temperature=0.0, top_p=1.0, top_k=0, n=1)
             _, base, cost, failed = _scored_rollout(engine, task, config, indices, RngState(0), version, score,
                                                     score_model, greedy)
-            messages += failed
-            baseline_rows += cost["rows"]
-            baseline_s += cost["gen_s"] + cost["reward_s"]
-            errors, timeouts = errors + cost["errors"], timeouts + cost["timeouts"]
+            sampled["messages"] += failed
+            sampled["baseline_rows"] += cost["rows"]
+            sampled["baseline_s"] += cost["gen_s"] + cost["reward_s"]
+            sampled["errors"] += cost["errors"]
+            sampled["timeouts"] += cost["timeouts"]
             rewards = attrs.evolve(rewards, baselines=base.scores.repeat_interleave(n))
         rounds += 1
         if not algorithm.dynamic_sampling:
@@ -149,34 +176,44 @@ def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: Dat
                 kept.append((rollout, rewards))
             break
     rollout = concat_rollouts([r for r, _ in kept], pad_token_id=_pad_id(kept[0][0]))
-    width = rollout.sequences.response_length  # rounds' token rewards padded to the joined rollout's width
-    rewards = Rewards(*(None if parts[0] is None else torch.cat(parts)
-                        for parts in zip(*((w.scores, w.baselines, w.components) for _, w in kept))),
-                      token_rewards=None if kept[0][1].token_rewards is None else torch.cat(
-                          [torch.nn.functional.pad(w.token_rewards, (0, width - w.token_rewards.shape[1]))
-                           for _, w in kept]))
-    metrics = {"reward/errors": sampled["errors"] + errors, "reward/timeouts": sampled["timeouts"] + timeouts,
-               "timing/gen_s": sampled["gen_s"], "timing/reward_s": sampled["reward_s"],
-               "perf/gen_tokens_per_s": sampled["tokens"] / max(sampled["gen_s"], 1e-9)}
-    if baselines:
-        metrics["timing/baseline_s"] = baseline_s
-    if "episodes" in sampled:
-        metrics.update(episode_metrics(sampled["episodes"]))
-        metrics["timing/env_s"] = sampled["env_s"]
-    if messages:  # only when some call failed: taken out before logging (purerl.loop.recording)
-        metrics["reward/error_messages"] = messages
-        if metrics["reward/errors"] + metrics["reward/timeouts"] >= sampled["rows"] + baseline_rows:
-            metrics["reward/all_failed"] = 1.0
-    for name in ("model", "overlong_penalty"):  # means over every sampled response, kept or not
-        if name in sampled:
-            metrics[f"reward/{name}_mean"] = sampled[name] / max(sampled["rows"], 1.0)
+    rewards = concat_rewards([w for _, w in kept], rollout.sequences.response_length)
     if algorithm.dynamic_sampling:
         rows = min(len(rewards.scores), prompts_per_step * n)
         index = torch.arange(rows, device=rewards.scores.device)
         rollout, rewards = rollout.rows(index), rewards.rows(index)
-        metrics["sampling/rounds"] = float(rounds)
-        metrics["sampling/varied_groups"] = float(groups)
-    return rollout, rewards, metrics, cursor
+        sampled["sampling/rounds"], sampled["sampling/varied_groups"] = float(rounds), float(groups)
+    return SampledPart(rollout, rewards, sampled, cursor)
+
+
+def joined_batch(parts: Sequence[SampledPart], config: JobConfig) -> tuple[Rollout, Rewards, dict[str, Any]]:
+    """One batch of ``parts`` (consecutive, in prompt order): the joined rollout (its version the
+    oldest part's: staleness counts from it) and rewards, and the batch's metrics."""
+    rollout = concat_rollouts([p.rollout for p in parts], pad_token_id=_pad_id(parts[0].rollout),
+                              mixed_versions=True)
+    rewards = concat_rewards([p.rewards for p in parts], rollout.sequences.response_length)
+    sampled: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.sums.items():
+            sampled[key] = sampled[key] + value if key in sampled else value
+    metrics: dict[str, Any] = {
+        "reward/errors": sampled["errors"], "reward/timeouts": sampled["timeouts"], "timing/gen_s": sampled["gen_s"],
+        "timing/reward_s": sampled["reward_s"], "perf/gen_tokens_per_s": sampled["tokens"] / max(sampled["gen_s"], 1e-9)}
+    if config.algorithm.estimator.needs_baselines:
+        metrics["timing/baseline_s"] = sampled["baseline_s"]
+    if "episodes" in sampled:
+        metrics.update(episode_metrics(sampled["episodes"]))
+        metrics["timing/env_s"] = sampled["env_s"]
+    if sampled["messages"]:  # only when some call failed: taken out before logging (purerl.loop.recording)
+        metrics["reward/error_messages"] = sampled["messages"]
+        if metrics["reward/errors"] + metrics["reward/timeouts"] >= sampled["rows"] + sampled["baseline_rows"]:
+            metrics["reward/all_failed"] = 1.0
+    for name in ("model", "overlong_penalty"):  # means over every sampled response, kept or not
+        if name in sampled:
+            metrics[f"reward/{name}_mean"] = sampled[name] / max(sampled["rows"], 1.0)
+    for name in ("sampling/rounds", "sampling/varied_groups"):
+        if name in sampled:
+            metrics[name] = sampled[name]
+    return rollout, rewards, metrics
 
 
 def _pad_id(rollout: Rollout) -> int:

@@ -1,12 +1,12 @@
-"""Joining rollouts generated in shards (one per rollout worker) into one batch."""
+"""Joining rollouts generated in shards (per rollout worker, per generator) into one batch."""
 
 from collections.abc import Sequence
 
 import torch
 
-from purerl.batch import Rollout, Sequences
+from purerl.batch import Rewards, Rollout, Sequences
 
-__all__ = ["concat_rollouts", "prompt_shards"]
+__all__ = ["concat_rewards", "concat_rollouts", "prompt_shards"]
 
 
 def prompt_shards(count: int, shards: int) -> list[slice]:
@@ -22,15 +22,19 @@ def prompt_shards(count: int, shards: int) -> list[slice]:
     return out
 
 
-def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
+def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int, *, mixed_versions: bool = False) -> Rollout:
     """Rows of ``rollouts`` in order, re-padded to the widest prompt (on the left) and the longest
     response (on the right); group ids are offset so that groups stay distinct and prompt-major.
 
-    All parts must carry the same weights version.
+    All parts must carry the same weights version, unless ``mixed_versions`` (parts of one batch
+    made by several generators): the result then carries the oldest, which staleness counts from
+    (each row's behaviour log-probs are its own version's, so the correction stays exact).
     """
     if not rollouts:
         raise ValueError("concat_rollouts: nothing to join")
     versions = {r.version for r in rollouts}
+    if mixed_versions:
+        versions = {min(versions)}
     if len(versions) != 1:
         raise ValueError(f"concat_rollouts: parts were generated with different weights versions {sorted(versions)}")
     if len(rollouts) == 1:
@@ -54,3 +58,15 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
     return Rollout(Sequences(torch.cat(ids), torch.cat(attention), torch.cat(response_mask)),
                    torch.cat(logprobs), torch.cat([r.finish_reasons for r in rollouts]), torch.cat(groups),
                    versions.pop())
+
+
+def concat_rewards(parts: Sequence[Rewards], width: int) -> Rewards:
+    """The rewards of rollouts joined by :func:`concat_rollouts`, in order; token rewards are
+    padded with 0 to the joined rollout's response ``width``."""
+    if len(parts) == 1 and (parts[0].token_rewards is None or parts[0].token_rewards.shape[1] == width):
+        return parts[0]
+    joined = [None if values[0] is None else torch.cat(values)
+              for values in zip(*((w.scores, w.baselines, w.components) for w in parts))]
+    tokens = None if parts[0].token_rewards is None else torch.cat(
+        [torch.nn.functional.pad(w.token_rewards, (0, width - w.token_rewards.shape[1])) for w in parts])
+    return Rewards(*joined, token_rewards=tokens)

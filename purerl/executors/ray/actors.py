@@ -9,6 +9,7 @@ numpy (:mod:`purerl.executors.wire`).
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -181,9 +182,15 @@ class RolloutWorker:
         self.engine = make_engine(engine, policy, device=device, **engine_kwargs)
         self.device = device
         self.names: set[str] | None = None
+        self.slowdown = 1.0
 
     def pid(self) -> int:
         return os.getpid()
+
+    def straggle(self, factor: float) -> None:
+        """Fault injection for benchmarks and tests: each ``generate`` call then takes ``factor``
+        times its compute time (it sleeps the rest), as on a slower device."""
+        self.slowdown = float(factor)
 
     def load_weights(self, version: int, buckets: list[Any]) -> str | None:
         """Load synced weights (each bucket's checksum verified when it has one); returns the
@@ -195,7 +202,11 @@ class RolloutWorker:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int,
                  streams: list[int] | None = None) -> Any:
-        return to_wire(self.engine.generate(prompts, sampling, rng, version=version, streams=streams))
+        start = time.perf_counter()
+        rollout = to_wire(self.engine.generate(prompts, sampling, rng, version=version, streams=streams))
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
+        return rollout
 
 
 class RewardWorker:

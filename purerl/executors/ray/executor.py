@@ -30,12 +30,13 @@ __all__ = ["RayExecutor"]
 
 
 class RemoteEngine:
-    """The driver's view of the rollout workers, with the :class:`RolloutEngine` interface:
-    ``generate`` shards the prompts over the workers, which hold the weights the executor loaded
-    (:meth:`RayExecutor.engine`)."""
+    """The driver's view of rollout workers ``workers`` (indices into the rollout group), with the
+    :class:`RolloutEngine` interface: ``generate`` shards the prompts over them; they hold the
+    weights the executor loaded (:meth:`RayExecutor.engine`). ``fatal``: a failed call stops the
+    whole executor (else it only raises: an asynchronous generator's workers are restarted)."""
 
-    def __init__(self, executor: "RayExecutor", pad_token_id: int) -> None:
-        self.executor, self.pad_token_id = executor, pad_token_id
+    def __init__(self, executor: "RayExecutor", pad_token_id: int, workers: Sequence[int], fatal: bool = True) -> None:
+        self.executor, self.pad_token_id, self.workers, self.fatal = executor, pad_token_id, list(workers), fatal
         self.version: int | None = None
 
     def sync(self, params: Any, version: int) -> None:
@@ -49,11 +50,11 @@ class RemoteEngine:
         ex = self.executor
         version = self.version if version is None else version
         streams = list(range(len(prompts)) if streams is None else streams)
-        shards = prompt_shards(len(prompts), len(ex.rollout))
-        calls = [(w.generate.remote([list(p) for p in prompts[sl]], sampling, rng, version, streams[sl]),
+        shards = prompt_shards(len(prompts), len(self.workers))
+        calls = [(ex.rollout[i].generate.remote([list(p) for p in prompts[sl]], sampling, rng, version, streams[sl]),
                   ex.groups.rollout_label(i))
-                 for i, (w, sl) in enumerate(zip(ex.rollout, shards))]
-        parts = ex.wait(calls, ex.config.step_timeout, "generate")
+                 for i, sl in zip(self.workers, shards)]
+        parts = ex.groups.wait(calls, ex.config.step_timeout, "generate", fatal=self.fatal)
         return concat_rollouts([from_wire(p) for p in parts], self.pad_token_id)
 
     def close(self) -> None:
@@ -73,7 +74,9 @@ class RayExecutor:
     objects that do not pickle, e.g. under jaxtyping's import hook in the test suite). With a
     ``critic`` (PPO), a state with critic params gets a sharded critic, passed to the step
     function as ``critic=``. ``offload``: an :class:`~purerl.executors.fsdp.Offload` (what the
-    ranks keep in host memory between uses).
+    ranks keep in host memory between uses). ``generators``: asynchronous generators, each
+    driving its own share of the rollout workers (restarted when they fail); evaluation takes
+    turns with generator 0.
 
     The driver keeps the small part of the state (:func:`~purerl.state.without_params`); params
     and optimizer states stay on the ranks. Its engine generates on the rollout workers; in
@@ -85,14 +88,21 @@ class RayExecutor:
                  config: ExecutorConfig = ExecutorConfig(kind="ray"), engine: str = "torch",
                  reward_model: str | None = None, ray_init: dict[str, Any] | None = None,
                  make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None,
-                 offload: Any = None) -> None:
+                 offload: Any = None, generators: int = 0) -> None:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
         self.config, self.reward_model = config, reward_model
         self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,
                                    ray_init, engine=engine, reward_model=reward_model, offload=offload)
         self.train, self.rollout, self.reward = self.groups.train, self.groups.rollout, self.groups.reward
-        self.slot = EngineSlot(RemoteEngine(self, engine_kwargs["pad_token_id"]), self._load)
+        pad = engine_kwargs["pad_token_id"]
+        if generators > len(self.rollout):
+            self.close()
+            raise ValueError(f"RayExecutor: {generators} generators need as many rollout workers, it has "
+                             f"{len(self.rollout)}")
+        self.slots = ([EngineSlot(RemoteEngine(self, pad, range(len(self.rollout))), self._load)] if generators < 1
+                      else [EngineSlot(RemoteEngine(self, pad, range(len(self.rollout))[sl], fatal=False), self._load)
+                            for sl in prompt_shards(len(self.rollout), generators)])
         self._published = Published()
         self.last_sync_digests: list[str | None] = []  # per rollout engine, in checksum mode
         self.driver_reward_model: RewardModel | None = None  # with no reward workers, loaded on first use
@@ -154,16 +164,27 @@ class RayExecutor:
     def newest(self, at_least: int = 0, stop: threading.Event | None = None) -> Weights | None:
         return self._published.newest(at_least, stop)
 
-    def engine(self, weights: Weights, purpose: str = "generate") -> contextlib.AbstractContextManager[RemoteEngine]:
-        """The rollout workers (or, colocated, the ranks' engines) holding ``weights``: generation
-        and evaluation take turns on them."""
-        return self.slot.use(weights)
+    def engine(self, weights: Weights, purpose: str = "generate",
+               generator: int = 0) -> contextlib.AbstractContextManager[RemoteEngine]:
+        """The rollout workers of ``generator`` (or, colocated, the ranks' engines) holding
+        ``weights``: evaluation takes turns with generator 0."""
+        if not 0 <= generator < len(self.slots):
+            raise ValueError(f"RayExecutor: generator {generator}, but it has {len(self.slots)} (generators=)")
+        return self.slots[0 if purpose != "generate" else generator].use(weights)
+
+    def restart_generator(self, generator: int) -> None:
+        """Start generator ``generator``'s rollout workers anew; they load the next version it uses."""
+        def start(engine: RemoteEngine) -> None:
+            for i in engine.workers:
+                self.groups.restart_rollout_worker(i)
+
+        self.slots[generator].restart(start)
 
     def _load(self, engine: RemoteEngine, weights: Weights) -> None:
         if weights.payload is None:  # colocated: every rank's own engine gets the gathered policy
             self.last_sync_digests = sync_colocated(self.groups, weights.version)
         else:
-            self.last_sync_digests = load_published(self.groups, weights.payload)
+            self.last_sync_digests = load_published(self.groups, weights.payload, engine.workers, fatal=engine.fatal)
         engine.version = weights.version
 
     def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,

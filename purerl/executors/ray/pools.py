@@ -137,6 +137,8 @@ class WorkerGroups:
                         "num_cpus": config.cpus_per_worker, "num_gpus": gpus, "max_restarts": 0}
 
             device, threads = config.device, config.threads_per_worker
+            self._new_rollout_worker = lambda i: ray.remote(RolloutWorker).options(**on("rollout", i)).remote(
+                policy, engine_kwargs, threads, device, engine)
             self.train = [ray.remote(TrainRank).options(**on("train", r)).remote(
                 r, config.train_ranks, policy, critic, step_fn, build_step_fn, threads,
                 engine_kwargs if colocated else None, device, engine, offload) for r in range(config.train_ranks)]
@@ -144,8 +146,7 @@ class WorkerGroups:
             if colocated:
                 self.rollout = self.train
             else:
-                self.rollout = [ray.remote(RolloutWorker).options(**on("rollout", i)).remote(
-                    policy, engine_kwargs, threads, device, engine) for i in range(config.rollout_workers)]
+                self.rollout = [self._new_rollout_worker(i) for i in range(config.rollout_workers)]
                 self.actors += [(a, f"rollout worker {i}") for i, a in enumerate(self.rollout)]
             reward_device = "cuda" if config.reward_gpus_per_worker > 0 else "cpu"
             self.reward = [ray.remote(RewardWorker).options(**on("reward", i)).remote(
@@ -172,13 +173,33 @@ class WorkerGroups:
     def rollout_label(self, i: int) -> str:
         return f"train rank {i}" if self.config.placement == "colocated" else f"rollout worker {i}"
 
-    def wait(self, calls: list[tuple[Any, str]], timeout: float, what: str) -> list[Any]:
+    def restart_rollout_worker(self, i: int) -> None:
+        """Kill rollout worker ``i`` (if it still runs) and start a new one on its bundle; it holds
+        no weights until it is sent a version."""
+        import ray
+
+        if self.failure is not None:
+            raise ExecutorError(self.failure)
+        label = f"rollout worker {i}"
+        with self._lock:
+            old = self.rollout[i]
+            try:
+                ray.kill(old, no_restart=True)
+            except Exception:  # already gone
+                pass
+            self.rollout[i] = new = self._new_rollout_worker(i)
+            self.actors = [(new, label) if actor is old else (actor, name) for actor, name in self.actors]
+        self.wait([(new.pid.remote(), label)], self.config.start_timeout, "restart", fatal=False)
+
+    def wait(self, calls: list[tuple[Any, str]], timeout: float, what: str, *, fatal: bool = True) -> list[Any]:
         """The results of ``calls`` (``(ObjectRef, label)``), failing closed on the first error or
         when ``timeout`` seconds pass.
 
         After a first failure the other calls get a short grace period, so that when one rank dies
         and its peers then fail in a broken collective, the message names the dead one first. Safe
         to call from several threads: once one call has failed, every wait raises that failure.
+        With ``fatal=False`` (calls to workers that can be restarted, e.g. an asynchronous
+        generator's rollout workers) a failure raises :class:`ExecutorError` and stops nothing.
         """
         import ray
 
@@ -206,6 +227,8 @@ class WorkerGroups:
                       if pending and not failures else
                       [f"{', '.join(labels[r] for r in pending)} did not answer (stopped or hung?)"] if pending else [])
             messages = deaths + silent + [m for died, m in failures if not died]
+            if not fatal:
+                raise ExecutorError(f"{what}: {'; '.join(messages)}")
             self.stop(f"{what}: {'; '.join(messages)}; the run is stopped")
             raise ExecutorError(self.failure)
         return [results[ref] for ref, _ in calls]

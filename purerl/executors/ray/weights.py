@@ -7,6 +7,7 @@ hands the reference to the rollout workers, and the object store frees the bucke
 holds the reference.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -33,10 +34,14 @@ def publish(groups: WorkerGroups, version: int) -> PublishedWeights:
     return PublishedWeights(version, answers[0][0])
 
 
-def load_published(groups: WorkerGroups, published: PublishedWeights) -> list[str | None]:
-    """Load ``published`` into every rollout worker; their sha256 digests in checksum mode."""
-    return groups.wait([(w.load_weights.remote(published.version, published.buckets), f"rollout worker {i}")
-                        for i, w in enumerate(groups.rollout)], groups.config.sync_timeout, "weight sync")
+def load_published(groups: WorkerGroups, published: PublishedWeights, workers: Sequence[int] | None = None, *,
+                   fatal: bool = True) -> list[str | None]:
+    """Load ``published`` into rollout workers ``workers`` (default: all); their sha256 digests in
+    checksum mode. ``fatal`` as in :meth:`WorkerGroups.wait`."""
+    workers = range(len(groups.rollout)) if workers is None else workers
+    return groups.wait([(groups.rollout[i].load_weights.remote(published.version, published.buckets),
+                         f"rollout worker {i}") for i in workers], groups.config.sync_timeout, "weight sync",
+                       fatal=fatal)
 
 
 def sync_colocated(groups: WorkerGroups, version: int) -> list[str | None]:
