@@ -234,3 +234,13 @@ def test_a_straggling_generator_hands_in_fewer_groups_and_stalls_nobody(tmp_path
 def test_bad_async_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AsyncConfig(**kwargs)
+
+
+def test_generators_need_async_and_get_a_rollout_worker_each_on_ray():
+    from purerl.config.rules import problems, resolve
+
+    alone = resolve(build(JobConfig, {"asynchronous": {"generators": 2}}))
+    assert any("asynchronous.generators=2 needs asynchronous training (--async)" in p for p in problems(alone))
+    on_ray = resolve(build(JobConfig, {"asynchronous": {"enable": True, "generators": 3},
+                                       "executor": {"kind": "ray", "rollout_workers": 1}}))
+    assert on_ray.executor.rollout_workers == 3 and not problems(on_ray)

@@ -39,6 +39,10 @@ def test_files_then_overrides_build_a_typed_tree(tmp_path):
     ({"actor": {"clip_c": "x"}}, "actor.clip_c: expected float or none"),
     ({"lr": 1e-6}, "unknown key lr; did you mean actor.lr?"),
     ({"actor": 3}, "actor: expected a table of keys"),
+    ({"executor": {"pool_resources": {"rollouts": {"gpu_node": 1}}}},
+     "executor.pool_resources: no pool 'rollouts' (pools: train, rollout, reward)"),
+    ({"executor": {"pool_resources": {"rollout": {"gpu_node": 0}}}}, "executor.pool_resources.rollout: a table"),
+    ({"asynchronous": {"generators": 0}}, "generators"),
 ])
 def test_a_bad_key_or_value_is_named_with_the_closest_valid_key(layer, message):
     with pytest.raises(ConfigError) as err:

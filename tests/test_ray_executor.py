@@ -471,6 +471,51 @@ def test_a_killed_generator_worker_is_restarted_and_the_run_finishes(tmp_path):
     assert all(g["parts"] > 0 for g in status["generators"])
 
 
+def test_generators_on_other_nodes_of_a_cluster_survive_losing_a_node(tmp_path):
+    """A simulated multi-node cluster (``ray.cluster_utils.Cluster``: three raylets on this machine,
+    each a node with its own object store): the training rank on the head node (custom resource
+    ``trainer_node``), two generators' rollout workers spread over two other nodes
+    (``generator_node``). The job joins it with ``--ray-address``; one generator node is removed
+    mid-run, its rollout worker is started again on the surviving node, and the run finishes."""
+    from ray.cluster_utils import Cluster
+
+    ray_temp = tempfile.mkdtemp(prefix="ray")
+    node = {"num_cpus": 2, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={**node, "resources": {"trainer_node": 1}, "temp_dir": ray_temp})
+    proc = None
+    try:
+        generator_nodes = [cluster.add_node(**node, resources={"generator_node": 2}) for _ in range(2)]
+        out = tmp_path / "run"
+        cmd = [sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--steps", "10", "--async",
+               "--generators", "2", "--executor", "ray", "--ray-address", cluster.address, "--train-ranks", "1",
+               "--prompts-per-step", "4", "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size", "2",
+               "--train-size", "40", "--eval-every", "0", "--checkpoint-every", "0", "--no-progress", "--threads", "1",
+               "--out-dir", str(out), "executor.pool_resources.train.trainer_node=1",
+               "executor.pool_resources.rollout.generator_node=1", "asynchronous.restart_backoff_s=0.5",
+               "asynchronous.status_every_s=0.5"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.monotonic() + 240
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the run did not finish a step"
+            time.sleep(0.1)
+        cluster.remove_node(generator_nodes[1])
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        cluster.shutdown()
+        shutil.rmtree(ray_temp, ignore_errors=True)
+    assert proc.returncode == 0, output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["async"]["restarts"] >= 1, output
+    assert re.search(r"generator \d failed \((generate|weight sync): rollout worker \d (died|failed)", output), output
+
+
 def test_the_job_scores_with_a_reward_model_and_a_user_function_on_reward_workers(ray_cluster, tmp_path):
     from purerl.rewards.model import save_tiny_reward_model
 

@@ -262,13 +262,20 @@ def test_rewards_must_be_numbers_a_float32_holds():
 
 
 # 15, 16. counters over the whole run; the final evaluation's failures recorded
-def test_async_counters_cover_the_whole_run_across_resumes(tmp_path):
+@pytest.mark.parametrize("generators", [1, 2])
+def test_async_counters_cover_the_whole_run_across_resumes(tmp_path, generators):
+    """Also with two generators: the resumed run keeps the staleness bound and trains on from the
+    checkpoint's cursor."""
     out = tmp_path / "run"
-    assert _job(out, "--async", "--checkpoint-every", "2", steps=4).returncode == 0
-    assert _job(out, "--async", "--checkpoint-every", "2", "--resume", steps=6).returncode == 0
+    flags = ("--async", "--max-staleness", "1", "--generators", str(generators), "--checkpoint-every", "2")
+    assert _job(out, *flags, steps=4).returncode == 0
+    assert _job(out, *flags, "--resume", steps=6).returncode == 0
     report = json.loads((out / "summary.json").read_text())["async"]
     assert sum(report["staleness_histogram"].values()) == report["trained"] == 6
+    assert set(report["staleness_histogram"]) <= {"0", "1"}
     assert report["generated"] == report["trained"] + report["dropped_batches"] + report["discarded"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and all(r["async/staleness"] <= 1 for r in records)
 
 
 def test_the_final_evaluations_reward_failures_are_in_the_summary(tmp_path):

@@ -307,6 +307,19 @@ class TrainerConfig:
     progress: bool = True
 
 
+POOLS = ("train", "rollout", "reward")
+
+
+def _pool_resources(_: Any, attribute: Any, value: dict) -> None:
+    for pool, resources in value.items():
+        if pool not in POOLS:
+            raise ConfigError(f"executor.pool_resources: no pool {pool!r} (pools: {', '.join(POOLS)})")
+        if not isinstance(resources, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in resources.items()):
+            raise ConfigError(f"executor.pool_resources.{pool}: a table of resource names to amounts > 0, "
+                              f"got {resources!r}")
+
+
 @section
 class ExecutorConfig:
     """``local``: one process; ``ray``: FSDP2 training ranks, rollout workers (``split``) or the
@@ -318,7 +331,10 @@ class ExecutorConfig:
     (they hold the reward model, scoring ``reward_batch_size`` texts at a time). Weights travel
     in buckets of ``bucket_bytes``, sha256-checked with ``sync_checksum``. ``step_timeout``,
     ``sync_timeout`` and ``start_timeout`` (seconds) bound a step, a weight sync and starting the
-    workers: a worker silent longer ends the run, naming it."""
+    workers: a worker silent longer ends the run, naming it. ``pool_resources``: custom Ray
+    resources that each worker of a pool (``train``, ``rollout``, ``reward``) asks for besides
+    its CPUs and GPUs, to pin roles to nodes (start the generating nodes with
+    ``ray start --resources='{"rollout_node": 8}'`` and set ``pool_resources.rollout.rollout_node = 1``)."""
 
     kind: str = attrs.field(default="local", validator=one_of(("local", "ray"), "executor"))
     ray_address: str | None = None
@@ -336,6 +352,7 @@ class ExecutorConfig:
     sync_timeout: float = attrs.field(default=600.0, validator=positive)
     start_timeout: float = attrs.field(default=300.0, validator=positive)
     ray_temp_dir: str | None = None
+    pool_resources: dict[str, dict[str, float]] = attrs.field(factory=dict, validator=_pool_resources)
 
     @property
     def device(self) -> str:

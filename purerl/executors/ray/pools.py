@@ -117,19 +117,24 @@ class WorkerGroups:
                 start_local_ray(cpus, **{"log_to_driver": True, **(ray_init or {})})
             else:
                 join_ray(config.ray_address, **{"log_to_driver": True, **(ray_init or {})})
+        extra = config.pool_resources
         bundle = {"CPU": config.cpus_per_worker, **({"GPU": config.gpus_per_worker} if config.gpus_per_worker else {})}
         try:
-            self.pools["train"] = placement_group([bundle] * config.train_ranks, strategy="PACK")
-            if not colocated:
-                self.pools["rollout"] = placement_group([bundle] * config.rollout_workers, strategy="PACK")
+            self.pools["train"] = placement_group([{**bundle, **extra.get("train", {})}] * config.train_ranks,
+                                                  strategy="PACK")
+            if not colocated:  # spread: generators on several nodes do not all fail with one
+                self.pools["rollout"] = placement_group([{**bundle, **extra.get("rollout", {})}]
+                                                        * config.rollout_workers, strategy="SPREAD")
             reward_bundle = {"CPU": config.cpus_per_worker,
-                             **({"GPU": config.reward_gpus_per_worker} if config.reward_gpus_per_worker else {})}
+                             **({"GPU": config.reward_gpus_per_worker} if config.reward_gpus_per_worker else {}),
+                             **extra.get("reward", {})}
             if config.reward_workers:
                 self.pools["reward"] = placement_group([reward_bundle] * config.reward_workers, strategy="SPREAD")
             for name, pool in self.pools.items():
                 if not pool.wait(config.start_timeout):
-                    raise ExecutorError(f"Ray could not reserve the {name} pool ({len(pool.bundle_specs)} × {bundle}) "
-                                        f"within {config.start_timeout:.0f} s: not enough resources in the cluster")
+                    raise ExecutorError(f"Ray could not reserve the {name} pool ({len(pool.bundle_specs)} × "
+                                        f"{pool.bundle_specs[0]}) within {config.start_timeout:.0f} s: not enough "
+                                        "resources in the cluster")
 
             def on(pool: str, index: int) -> dict[str, Any]:
                 gpus = config.reward_gpus_per_worker if pool == "reward" else config.gpus_per_worker
