@@ -20,7 +20,8 @@ where the synchronous run's gen and train medians are close.
 per call (:meth:`~purerl.executors.ray.actors.RolloutWorker.straggle`), and these modes train the
 same job in one run: synchronous with one generator sharding each batch over 2 workers (the
 batch waits for the straggler), asynchronous with that one generator, and 2 and 3 independent
-streaming generators (one worker each, the straggler among them).
+streaming generators (one worker each, the straggler among them), 2 also with interruptible
+rollouts (rows continued on newer weights).
 
     python bench/bench_async.py --straggler 3 [--steps 16 --warmup 3 --prompts 6 --new 48]
 """
@@ -106,12 +107,14 @@ def run_mode(mode: str, args: argparse.Namespace, model, params, task: Task) -> 
             "generator_idle": timed[-1].get("async/generator_idle_frac", float("nan")), "report": report}
 
 
-STRAGGLER_MODES = (("sync, 1 generator × 2 shards", 0, 2), ("async, 1 generator × 2 shards", 1, 2),
-                   ("async, 2 streaming generators", 2, 2), ("async, 3 streaming generators", 3, 3))
+STRAGGLER_MODES = (("sync, 1 generator × 2 shards", 0, 2, False), ("async, 1 generator × 2 shards", 1, 2, False),
+                   ("async, 2 streaming generators", 2, 2, False),
+                   ("async, 2 streaming generators, interruptible", 2, 2, True),
+                   ("async, 3 streaming generators", 3, 3, False))
 
 
-def straggler_mode(name: str, generators: int, workers: int, args: argparse.Namespace, model, params,
-                   task: Task) -> dict:
+def straggler_mode(name: str, generators: int, workers: int, interruptible: bool, args: argparse.Namespace, model,
+                   params, task: Task) -> dict:
     """Train with ``generators`` generators (0: the synchronous loop) over ``workers`` rollout
     workers, the last one a straggler; trained samples per second after ``--warmup`` steps."""
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-4, weight_decay=0.0))
@@ -124,7 +127,8 @@ def straggler_mode(name: str, generators: int, workers: int, args: argparse.Name
                   "recompute_old_logprobs": asynchronous},
         "algorithm": {"rollout_correction": "token-tis" if asynchronous else "none"},
         "asynchronous": {"enable": asynchronous, "max_staleness": args.max_staleness,
-                         "queue_batches": args.max_staleness, "generators": max(generators, 1)}})
+                         "queue_batches": args.max_staleness, "generators": max(generators, 1),
+                         "interruptible": interruptible}})
     step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=config)
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
                        data=DataCursor(0))
@@ -147,23 +151,25 @@ def straggler_mode(name: str, generators: int, workers: int, args: argparse.Name
     timed = records[args.warmup:]
     seconds = timed[-1]["time"] - records[args.warmup - 1]["time"]
     groups = [g["groups"] for g in status["generators"]] if status else None
+    continued = sum(g["continued_rows"] for g in status["generators"]) if status else 0
     return {"name": name, "samples_per_s": len(timed) * args.prompts * args.n / seconds, "seconds": seconds,
-            "groups": groups, "staleness": report["staleness_histogram"] if asynchronous else None}
+            "groups": groups, "staleness": report["staleness_histogram"] if asynchronous else None,
+            "continued": continued}
 
 
 def straggler_bench(args: argparse.Namespace, model, params, task: Task) -> None:
-    runs = [[straggler_mode(name, g, w, args, model, params, task) for name, g, w in STRAGGLER_MODES]
+    runs = [[straggler_mode(name, g, w, i, args, model, params, task) for name, g, w, i in STRAGGLER_MODES]
             for _ in range(args.repeats)]
     print(f"\n## Many generators with a {args.straggler:g}× straggler (Ray, 1 training rank, 1 thread per worker)\n")
     print(f"{args.prompts} prompts × {args.n} samples per step, ≤ {args.new} new tokens, {args.steps} steps "
           f"({args.warmup} not timed), max_staleness {args.max_staleness}, {args.repeats} round(s)\n")
-    print("| mode | samples/s | × sync (same round) | groups per generator | staleness |")
-    print("|---|---|---|---|---|")
+    print("| mode | samples/s | × sync (same round) | groups per generator | rows continued | staleness |")
+    print("|---|---|---|---|---|---|")
     for results in runs:
         base = results[0]["samples_per_s"]
         for r in results:
             print(f"| {r['name']} | {r['samples_per_s']:.2f} | {r['samples_per_s'] / base:.2f}× | "
-                  f"{r['groups'] or '-'} | {r['staleness'] or '-'} |")
+                  f"{r['groups'] or '-'} | {r['continued']} | {r['staleness'] or '-'} |")
 
 
 def main() -> None:

@@ -17,11 +17,12 @@ from torch import Tensor
 from purerl.checks import check_bool, check_rank
 from purerl.tree import pytree
 
-__all__ = ["FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Rewards", "Rollout", "Sequences", "left_pad",
-           "rollout_of"]
+__all__ = ["FINISH_EOS", "FINISH_INTERRUPTED", "FINISH_LENGTH", "FINISH_STOP", "Rewards", "Rollout", "Sequences",
+           "left_pad", "rollout_of"]
 
-FINISH_EOS, FINISH_LENGTH, FINISH_STOP = 0, 1, 2
-"""Why a response ended: an EOS token, the length limit, a stop string."""
+FINISH_EOS, FINISH_LENGTH, FINISH_STOP, FINISH_INTERRUPTED = 0, 1, 2, 3
+"""Why a response ended: an EOS token, the length limit, a stop string; or it did not end yet: its
+engine was interrupted for newer weights and the row is to be continued (never in a trained batch)."""
 
 
 @pytree

@@ -227,6 +227,32 @@ def test_a_straggling_generator_hands_in_fewer_groups_and_stalls_nobody(tmp_path
     assert fast["groups"] >= 2 * slow["groups"], (fast, slow)
 
 
+def test_interruptible_generators_continue_open_rows_on_newer_weights(tmp_path):
+    """Decoding slowed (each poll of the interrupt waits 20 ms) so that versions are published
+    mid-generation: rows are continued on the newer weights, and the run still trains every
+    step's groups in order within the staleness bound."""
+    def slow_polls(engines):
+        for engine in engines:
+            def slowed(*args, generate=engine.generate, interrupt=None, **kwargs):
+                if interrupt is not None:
+                    def interrupt(check=interrupt):
+                        time.sleep(0.02)
+                        return check()
+                return generate(*args, interrupt=interrupt, **kwargs)
+
+            engine.generate = slowed
+
+    trained = []
+    config = _config(steps=5, max_staleness=2, generators=2, interruptible=True)
+    state, report, records = _run_async(tmp_path, config, slow_step=0.1, generators=2, trained=trained,
+                                        change=slow_polls)
+    assert state.step == 5 and trained == _cursor_order(5)
+    assert all(r["async/staleness"] <= 2 for r in records)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert sum(g["interruptions"] for g in status["generators"]) >= 1
+    assert sum(g["continued_rows"] for g in status["generators"]) >= 1
+
+
 @pytest.mark.parametrize("kwargs, message", [({"max_staleness": -1}, "max_staleness"),
                                              ({"stale_policy": "block"}, "stale_policy"),
                                              ({"queue_batches": 0}, "queue_batches"),
@@ -244,3 +270,8 @@ def test_generators_need_async_and_get_a_rollout_worker_each_on_ray():
     on_ray = resolve(build(JobConfig, {"asynchronous": {"enable": True, "generators": 3},
                                        "executor": {"kind": "ray", "rollout_workers": 1}}))
     assert on_ray.executor.rollout_workers == 3 and not problems(on_ray)
+    for extra, message in ((({"rollout": {"engine": "vllm"}}), "rollout.engine=vllm cannot stop and continue a row"),
+                           ({"rollout": {"stop": ["</answer>"]}}, "a stop string could span"),
+                           ({"env": {"name": "calculator"}}, "episodes (env.multi_turn) are not continued")):
+        config = resolve(build(JobConfig, {"asynchronous": {"enable": True, "interruptible": True}, **extra}))
+        assert any(message in p for p in problems(config)), (message, problems(config))

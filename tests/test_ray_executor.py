@@ -294,6 +294,38 @@ def test_async_on_ray_with_staleness_one_overlaps_and_stays_in_bounds(ray_cluste
     assert evaluated == [(3, 3), (6, 6)]
 
 
+def test_rollout_workers_stop_open_rows_when_interrupted_and_continue_them(ray_cluster):
+    """Ray's view of a generator's two rollout workers: an interrupt polled on the driver reaches
+    each worker while it generates (two methods at once); the rows still open stop, and
+    continuing them completes the rollout with the trainer's log-probs."""
+    from purerl.batch import FINISH_INTERRUPTED
+    from purerl.models import response_logprobs
+    from purerl.rollout.partial import Interruptible
+    from purerl.rollout.queue import Weights
+
+    model, _, _, fresh = _setup(4)
+    config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=2, placement="split")
+    sampling = SamplingParams(max_new_tokens=200, temperature=1.0, n=2)
+    with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config,
+                                  generators=1) as executor:
+        state = fresh()
+        executor.start(state)
+        with executor.engine(executor.newest(0)) as engine:
+            whole = engine.generate(PROMPTS, sampling, RngState(1), version=0)
+            cut = engine.generate(PROMPTS, sampling, RngState(1), version=0, interrupt=lambda: True)
+            polls = []
+            resumed = Interruptible(engine, lambda v: (polls.append(v), Weights(1) if len(polls) == 1 else None)[1],
+                                    lambda w: None)  # "newer" weights that are the same: nothing to load
+            again = resumed.generate(PROMPTS, sampling, RngState(1), version=0)
+    assert (cut.finish_reasons == FINISH_INTERRUPTED).any() and cut.sequences.response_length < 200
+    k, alive = cut.sequences.response_length, cut.sequences.response_mask  # each worker stopped at its own step
+    assert torch.equal(cut.sequences.responses()[alive], whole.sequences.responses()[:, :k][alive])  # same draws
+    assert resumed.interruptions == 1 and not (again.finish_reasons == FINISH_INTERRUPTED).any()
+    trainer = response_logprobs(model, state.policy, again.sequences)
+    mask = again.sequences.response_mask
+    torch.testing.assert_close(again.behaviour_logprobs[mask], trainer[mask], rtol=0, atol=1e-4)
+
+
 def _sleeping_step(state, rollout, scores, **effects):
     time.sleep(60)
 

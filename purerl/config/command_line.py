@@ -85,7 +85,9 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--max-staleness", "asynchronous.max_staleness", dict(type=int)),
     ("--stale-policy", "asynchronous.stale_policy", dict(choices=["wait", "drop"])),
     ("--queue-batches", "asynchronous.queue_batches", dict(type=int)),
-    ("--generators", "asynchronous.generators", dict(type=int)),
+    ("--generators", "asynchronous.generators", dict(type=int, help="independent generator loops (--async)")),
+    ("--interruptible", "asynchronous.interruptible", dict(action="store_const", const=True,
+                                                           help="generators continue open rows on newer weights")),
     ("--env", "env.name", dict(help="the task's environment: single_turn (default), calculator, or module:name of "
                                     "an environment (purerl's Env or a TRL environment_factory class)")),
     ("--no-tool", "env.tools", dict(action="store_const", const=False, help="the environment without its tools "

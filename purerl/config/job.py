@@ -389,7 +389,10 @@ class AsyncConfig:
     A generator that fails is restarted (on Ray, with new rollout workers) after a back-off of
     ``restart_backoff_s`` doubling each time, its groups handed out again, up to ``restarts``
     times in the run; then the run fails, naming it. The run folder's ``status.json`` is
-    rewritten every ``status_every_s`` seconds."""
+    rewritten every ``status_every_s`` seconds. ``interruptible``: a generator that sees newer
+    weights published mid-generation stops, keeps the tokens sampled so far (with their
+    log-probs), loads the new weights and continues the open rows (:mod:`purerl.rollout.partial`;
+    the embedded engine only)."""
 
     enable: bool = False
     max_staleness: int = attrs.field(default=1, validator=at_least(0))
@@ -400,6 +403,7 @@ class AsyncConfig:
     restarts: int = attrs.field(default=3, validator=at_least(0))
     restart_backoff_s: float = attrs.field(default=1.0, validator=at_least(0))
     status_every_s: float = attrs.field(default=5.0, validator=positive)
+    interruptible: bool = attrs.field(default=False, validator=_boolean)
 
 
 def _environment(instance: Any, attribute: Any, value: str) -> None:

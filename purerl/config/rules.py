@@ -148,6 +148,17 @@ def _executor_problems(config: JobConfig) -> list[str]:
             # vLLM sets up a process group of its own, which clashes with the training ranks' FSDP group
             found.append(f"rollout.engine={config.rollout.engine} runs on rollout workers: executor.placement=split")
     generators = config.asynchronous.generators
+    if config.asynchronous.interruptible:
+        if config.rollout.engine != "torch":
+            found.append(f"asynchronous.interruptible: rollout.engine={config.rollout.engine} cannot stop and continue "
+                         "a row (the embedded torch engine can)")
+        if config.rollout.stop:
+            found.append("asynchronous.interruptible with rollout.stop: a stop string could span the point where a "
+                         "row is continued")
+        if config.env.multi_turn:
+            found.append("asynchronous.interruptible: episodes (env.multi_turn) are not continued across weights")
+        if not config.asynchronous.enable:
+            found.append("asynchronous.interruptible needs asynchronous training (--async)")
     if generators > 1 and not config.asynchronous.enable:
         found.append(f"asynchronous.generators={generators} needs asynchronous training (--async)")
     return found

@@ -60,6 +60,10 @@ class Executor(Protocol):
         asynchronous generator ``generator``'s own engine; ``evaluate``: held-out answers),
         holding ``weights`` (loaded if it holds another version)."""
 
+    def reload(self, weights: Weights, generator: int = 0) -> None:
+        """Inside :meth:`engine` (its holder only): load newer ``weights`` into generator
+        ``generator``'s engine (an interrupted rollout continues on them)."""
+
     def restart_generator(self, generator: int) -> None:
         """Make generator ``generator``'s engine usable again after a failure (the Ray executor
         starts its rollout workers anew); raises :class:`ExecutorError` when it cannot."""
@@ -92,6 +96,10 @@ class EngineSlot:
         with self._lock:
             start(self.engine)
             self.engine.version = None
+
+    def load_held(self, weights: Weights) -> None:
+        """Load ``weights`` into the engine; only for the thread inside :meth:`use`."""
+        self._load(self.engine, weights)
 
     @contextlib.contextmanager
     def use(self, weights: Weights) -> Iterator[RolloutEngine]:

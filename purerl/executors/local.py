@@ -82,6 +82,9 @@ class LocalExecutor:
                              "engine(s) (generator_engines)")
         return self.generators[generator].use(weights)
 
+    def reload(self, weights: Weights, generator: int = 0) -> None:
+        self.generators[generator].load_held(weights)
+
     def restart_generator(self, generator: int) -> None:
         """In-process engines keep nothing broken between calls: the generator reuses its engine."""
 

@@ -28,7 +28,8 @@ from purerl.config.job import JobConfig
 from purerl.data.cursor import DataCursor, next_indices
 from purerl.executors.base import Executor, ExecutorError
 from purerl.loop.sampling import SampledPart, Task, joined_batch, rollout_rng, sample_part
-from purerl.rollout.queue import ScoredBatch
+from purerl.rollout.partial import Interruptible
+from purerl.rollout.queue import ScoredBatch, Weights
 from purerl.state import RngState
 
 __all__ = ["Batches", "Generators", "Part"]
@@ -148,6 +149,8 @@ class _Record:
     busy: float = 0.0
     idle: float = 0.0
     restarts: int = 0
+    interruptions: int = 0
+    continued_rows: int = 0
     state: str = "starting"
     heartbeat: float = attrs.Factory(time.time)
 
@@ -210,9 +213,15 @@ class Generators:
                     record.now("generating")
                     work = time.perf_counter()
                     record.idle += work - start
+                    if settings.interruptible:
+                        engine = Interruptible(engine, self._newer, lambda w: self.executor.reload(w, generator=i))
                     sampled = sample_part(engine, self.task, self.config, part.data, part.rng, weights.version,
                                           prompts=part.prompts, score=self.executor.score,
                                           score_model=self.executor.score_model)
+                    if settings.interruptible:
+                        record.interruptions += engine.interruptions
+                        record.continued_rows += engine.continued_rows
+                        record.version = engine.version
                 record.busy += time.perf_counter() - work
                 record.parts, record.groups = record.parts + 1, record.groups + part.prompts
                 record.tokens += sampled.sums["tokens"]
@@ -222,6 +231,11 @@ class Generators:
                 self.batches.hand_back(part)
                 if not self._restart(i, err, settings.restarts, settings.restart_backoff_s):
                     return
+
+    def _newer(self, version: int) -> Weights | None:
+        """The newest published weights if newer than ``version``."""
+        weights = self.executor.newest(0)
+        return weights if weights is not None and weights.version > version else None
 
     def _restart(self, i: int, err: BaseException, allowed: int, backoff: float) -> bool:
         """After generator ``i`` failed with ``err``: back off and restart it (True), or, when the
@@ -252,13 +266,14 @@ class Generators:
 
     def status(self) -> dict[str, Any]:
         """Per generator: the version it last sampled with, parts and groups handed in, tokens/s of
-        its sampling time, seconds since its last part, restarts, what it does now; the queue and
-        the trainer."""
+        its sampling time, seconds since its last heartbeat, restarts, interruptions (and the rows
+        it continued on newer weights), what it does now; the queue and the trainer."""
         now = time.time()
         return {"time": now, "trainer": self.trainer(), "ready_batches": self.batches.ready, "restarts": self.restarts,
                 "generators": [{"generator": i, "version": r.version, "parts": r.parts, "groups": r.groups,
                                 "tokens_per_s": r.tokens / max(r.busy, 1e-9), "last_heartbeat_s": now - r.heartbeat,
                                 "idle_frac": r.idle / max(r.idle + r.busy, 1e-9), "restarts": r.restarts,
+                                "interruptions": r.interruptions, "continued_rows": r.continued_rows,
                                 "state": r.state} for i, r in enumerate(self.records)]}
 
     def write_status(self) -> None:

@@ -38,7 +38,14 @@ class RolloutEngine(Protocol):
         ``j`` of ``prompts[i]`` draws from the stream ``(rng, streams[i], j)`` alone
         (:func:`~purerl.rollout.sampling.sample_keys`; ``streams`` default ``0 … len-1``), so it
         draws the same in any batch, shard or worker. Raises ``RuntimeError`` when ``version`` is
-        given and is not the one held."""
+        given and is not the one held.
+
+        Engines that can be interrupted (``interruptible = True``: the embedded one and the Ray
+        executor's view of its workers) also take ``interrupt`` (a callable polled between
+        decoding steps: once it returns True, unfinished rows stop with ``FINISH_INTERRUPTED``),
+        and ``samples`` / ``start`` (with ``n = 1``: prompt ``i`` continues sample
+        ``samples[i]`` of its stream from decoding step ``start``;
+        :mod:`purerl.rollout.partial`)."""
 
     def close(self) -> None:
         """Release the engine's memory and processes (idempotent)."""

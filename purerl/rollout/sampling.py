@@ -101,11 +101,22 @@ def sample_keys(rng: RngState, streams: Sequence[int], n: int) -> Int[Tensor, " 
     return _fold(_fold(h, stream), sample)
 
 
-def sample_uniforms(rng: RngState, streams: Sequence[int], n: int, steps: int) -> Float[Tensor, "steps rows"]:
+def sample_uniforms(rng: RngState, streams: Sequence[int], n: int, steps: int, *,
+                    samples: Sequence[int] | None = None, start: int = 0) -> Float[Tensor, "steps rows"]:
     """The ``[steps, rows]`` uniform draws in ``[0, 1)`` of :func:`sample_keys`' rows, one per
-    decoding step (float32, multiples of 2⁻²⁴; computed on the CPU, the same on every device)."""
-    keys = sample_keys(rng, streams, n)
-    bits = _shifted(_fold(keys[None], torch.arange(steps, dtype=torch.int64)[:, None]), 40)
+    decoding step ``start … start + steps − 1`` (float32, multiples of 2⁻²⁴; computed on the CPU,
+    the same on every device). ``samples``: with ``n = 1``, row ``i`` is sample ``samples[i]`` of
+    ``streams[i]`` (a continued row draws on where it stopped)."""
+    if samples is None:
+        keys = sample_keys(rng, streams, n)
+    else:
+        if n != 1 or len(samples) != len(streams):
+            raise ValueError(f"sample_uniforms: samples need n = 1 and one per stream, got n = {n}, "
+                             f"{len(samples)} samples for {len(streams)} streams")
+        h = _fold(torch.tensor(_int64(rng.seed)), _int64(rng.counter))
+        keys = _fold(_fold(h, torch.as_tensor(list(streams), dtype=torch.int64)),
+                     torch.as_tensor(list(samples), dtype=torch.int64))
+    bits = _shifted(_fold(keys[None], torch.arange(start, start + steps, dtype=torch.int64)[:, None]), 40)
     return bits.to(torch.float32) * 2.0**-24
 
 

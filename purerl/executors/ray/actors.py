@@ -183,6 +183,7 @@ class RolloutWorker:
         self.device = device
         self.names: set[str] | None = None
         self.slowdown = 1.0
+        self.calls: set[int] = set()  # generate calls to interrupt (the actor runs two methods at once)
 
     def pid(self) -> int:
         return os.getpid()
@@ -201,12 +202,25 @@ class RolloutWorker:
         return params_digest(params) if buckets[0].sha256 is not None else None
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int,
-                 streams: list[int] | None = None) -> Any:
-        start = time.perf_counter()
-        rollout = to_wire(self.engine.generate(prompts, sampling, rng, version=version, streams=streams))
+                 streams: list[int] | None = None, samples: list[int] | None = None, start: int = 0,
+                 call: int | None = None) -> Any:
+        began = time.perf_counter()
+        options: dict[str, Any] = {} if call is None else {"interrupt": lambda: call in self.calls}
+        if samples is not None or start:  # a continued row (engines that cannot continue never get one)
+            options.update(samples=samples, start=start)
+        try:
+            rollout = to_wire(self.engine.generate(prompts, sampling, rng, version=version, streams=streams,
+                                                   **options))
+        finally:
+            self.calls.discard(call)
         if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - began))
         return rollout
+
+    def interrupt(self, call: int) -> None:
+        """Stop the open rows of generate call ``call`` (a late signal names a call that has ended:
+        call ids are never reused, so it changes nothing)."""
+        self.calls.add(call)
 
 
 class RewardWorker:

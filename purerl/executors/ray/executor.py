@@ -2,8 +2,9 @@
 rollout workers as one rollout engine."""
 
 import contextlib
+import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,34 @@ from purerl.step.recipes import StepFn
 __all__ = ["RayExecutor"]
 
 
+_CALLS = itertools.count()
+
+
+@contextlib.contextmanager
+def _interrupting(workers: list[Any], call: int | None, interrupt: Callable[[], bool] | None) -> Iterator[None]:
+    """While entered, poll ``interrupt`` (now, then every 50 ms) and, once it is True, tell ``workers`` to
+    stop their open rows of generate call ``call``."""
+    if interrupt is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not interrupt():
+            if done.wait(0.05):
+                return
+        for worker in workers:
+            worker.interrupt.remote(call)
+
+    watcher = threading.Thread(target=watch, name="purerl-interrupt", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
 class RemoteEngine:
     """The driver's view of rollout workers ``workers`` (indices into the rollout group), with the
     :class:`RolloutEngine` interface: ``generate`` shards the prompts over them; they hold the
@@ -38,24 +67,31 @@ class RemoteEngine:
     def __init__(self, executor: "RayExecutor", pad_token_id: int, workers: Sequence[int], fatal: bool = True) -> None:
         self.executor, self.pad_token_id, self.workers, self.fatal = executor, pad_token_id, list(workers), fatal
         self.version: int | None = None
+        self.interruptible = executor.engine_name == "torch"  # its workers can stop and continue rows
 
     def sync(self, params: Any, version: int) -> None:
         raise TypeError("RemoteEngine: its weights are loaded by the Ray executor (RayExecutor.engine), "
                         "never passed in from the driver")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
-                 *, version: int | None = None, streams: Sequence[int] | None = None) -> Rollout:
+                 *, version: int | None = None, streams: Sequence[int] | None = None,
+                 interrupt: Callable[[], bool] | None = None, samples: Sequence[int] | None = None,
+                 start: int = 0) -> Rollout:
         """Each worker samples its shard of the prompts with the same ``rng`` and the shard's
-        streams: the samples do not depend on the number of workers."""
+        streams: the samples do not depend on the number of workers. ``interrupt`` is polled on
+        the driver; once True, the workers are told to stop their open rows."""
         ex = self.executor
         version = self.version if version is None else version
         streams = list(range(len(prompts)) if streams is None else streams)
         shards = prompt_shards(len(prompts), len(self.workers))
-        calls = [(ex.rollout[i].generate.remote([list(p) for p in prompts[sl]], sampling, rng, version, streams[sl]),
-                  ex.groups.rollout_label(i))
+        call = None if interrupt is None else next(_CALLS)
+        part = lambda xs, sl: None if xs is None else list(xs[sl])  # noqa: E731
+        calls = [(ex.rollout[i].generate.remote([list(p) for p in prompts[sl]], sampling, rng, version, streams[sl],
+                                                part(samples, sl), start, call), ex.groups.rollout_label(i))
                  for i, sl in zip(self.workers, shards)]
-        parts = ex.groups.wait(calls, ex.config.step_timeout, "generate", fatal=self.fatal)
-        return concat_rollouts([from_wire(p) for p in parts], self.pad_token_id)
+        with _interrupting([ex.rollout[i] for i, _ in zip(self.workers, shards)], call, interrupt):
+            parts = ex.groups.wait(calls, ex.config.step_timeout, "generate", fatal=self.fatal)
+        return concat_rollouts([from_wire(p) for p in parts], self.pad_token_id, mixed_versions=True)
 
     def close(self) -> None:
         """Nothing of its own: the workers it drives are the executor's, stopped by its ``close``."""
@@ -91,7 +127,7 @@ class RayExecutor:
                  offload: Any = None, generators: int = 0) -> None:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
-        self.config, self.reward_model = config, reward_model
+        self.config, self.reward_model, self.engine_name = config, reward_model, engine
         self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,
                                    ray_init, engine=engine, reward_model=reward_model, offload=offload)
         self.train, self.rollout, self.reward = self.groups.train, self.groups.rollout, self.groups.reward
@@ -171,6 +207,9 @@ class RayExecutor:
         if not 0 <= generator < len(self.slots):
             raise ValueError(f"RayExecutor: generator {generator}, but it has {len(self.slots)} (generators=)")
         return self.slots[0 if purpose != "generate" else generator].use(weights)
+
+    def reload(self, weights: Weights, generator: int = 0) -> None:
+        self.slots[generator].load_held(weights)
 
     def restart_generator(self, generator: int) -> None:
         """Start generator ``generator``'s rollout workers anew; they load the next version it uses."""

@@ -142,8 +142,11 @@ class WorkerGroups:
                         "num_cpus": config.cpus_per_worker, "num_gpus": gpus, "max_restarts": 0}
 
             device, threads = config.device, config.threads_per_worker
-            self._new_rollout_worker = lambda i: ray.remote(RolloutWorker).options(**on("rollout", i)).remote(
-                policy, engine_kwargs, threads, device, engine)
+            # the embedded engine's workers run two methods at once, so that ``interrupt`` reaches
+            # them while they generate (other engines keep the actor's main thread to themselves)
+            concurrency = 2 if engine == "torch" else 1
+            self._new_rollout_worker = lambda i: ray.remote(RolloutWorker).options(
+                **on("rollout", i), max_concurrency=concurrency).remote(policy, engine_kwargs, threads, device, engine)
             self.train = [ray.remote(TrainRank).options(**on("train", r)).remote(
                 r, config.train_ranks, policy, critic, step_fn, build_step_fn, threads,
                 engine_kwargs if colocated else None, device, engine, offload) for r in range(config.train_ranks)]

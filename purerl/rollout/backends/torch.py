@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
+from purerl.batch import FINISH_EOS, FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
 from purerl.models import CausalLM, Params
 from purerl.models.families import Decoding
 from purerl.models.families.llama_decode import StaticCache
@@ -61,9 +61,14 @@ class TorchEngine:
     def close(self) -> None:
         self._params, self.version = None, None  # the trainer's params: nothing else to release
 
+    interruptible = True
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
-                 *, version: int | None = None, streams: Sequence[int] | None = None) -> Rollout:
-        return self._generate(prompts, sampling, rng, version, streams=streams)
+                 *, version: int | None = None, streams: Sequence[int] | None = None,
+                 interrupt: Callable[[], bool] | None = None, samples: Sequence[int] | None = None,
+                 start: int = 0) -> Rollout:
+        return self._generate(prompts, sampling, rng, version, streams=streams, interrupt=interrupt,
+                              samples=samples, start=start)
 
     def session(self) -> "EngineSession":
         """Generate calls that continue one another (the turns of episodes): see :class:`EngineSession`."""
@@ -71,7 +76,8 @@ class TorchEngine:
 
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
                   version: int | None, continuing: "_Continuation | None" = None,
-                  streams: Sequence[int] | None = None) -> Rollout:
+                  streams: Sequence[int] | None = None, interrupt: Callable[[], bool] | None = None,
+                  samples: Sequence[int] | None = None, start: int = 0) -> Rollout:
         check_weights("TorchEngine", self._params is not None, self.version, version)
         if sampling.stop and self.decode is None:
             raise ValueError("TorchEngine: stop strings need a decode function")
@@ -81,7 +87,8 @@ class TorchEngine:
         with torch.inference_mode():
             streams = range(len(prompts)) if streams is None else streams
             if continuing is None:
-                decoded = self._decode(prompt_ids, prompt_mask, sampling, rng, streams)
+                decoded = self._decode(prompt_ids, prompt_mask, sampling, rng, streams, interrupt=interrupt,
+                                       samples=samples, start=start)
             else:
                 decoded = self._decode(*continuing.new_ids, sampling, rng, streams, positions=continuing.positions,
                                        context=continuing.context(self, sampling), drop=False)
@@ -90,20 +97,23 @@ class TorchEngine:
 
     def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState, streams: Sequence[int], *,
                 positions: Tensor | None = None, context: contextlib.AbstractContextManager[Decoding] | None = None,
-                drop: bool | None = None):
+                drop: bool | None = None, interrupt: Callable[[], bool] | None = None,
+                samples: Sequence[int] | None = None, start: int = 0):
         """Sample ``sampling.n`` responses for each of the ``[g, P]`` left-padded prompts: rows
         ``i·n … i·n+n-1`` continue prompt ``i``, whose prefill runs once for all of them.
 
         Rows that finish stop costing compute: once a quarter of the rows still in the batch have
         finished, the batch (and its KV cache) is cut down to the open rows (unless ``drop`` is
         False). ``context``: the decoding to run (default: prefill ``ids`` at ``positions``, which
-        default to the attended positions).
+        default to the attended positions). ``interrupt``: polled after each step; once True, the
+        open rows end with ``FINISH_INTERRUPTED``. ``samples`` / ``start``: the draws of
+        :func:`~purerl.rollout.sampling.sample_uniforms` (continued rows).
         """
         rows = ids.shape[0] * sampling.n
         # one uniform draw per output row and step, whether or not the row is still in the batch: a
         # function of (rng, the row's stream and sample index, the step) only
-        uniforms = None if sampling.greedy else sample_uniforms(rng, streams, sampling.n,
-                                                                sampling.max_new_tokens).to(self.device)
+        uniforms = None if sampling.greedy else sample_uniforms(rng, streams, sampling.n, sampling.max_new_tokens,
+                                                                samples=samples, start=start).to(self.device)
         eos = int(self.eos[0]) if len(self.eos) == 1 else self.eos
         if positions is None:
             positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
@@ -113,6 +123,7 @@ class TorchEngine:
         finished = torch.zeros(rows, dtype=torch.bool, device=self.device)  # of the batch's rows
         ended = torch.zeros(rows, dtype=torch.bool, device=self.device)  # of the output rows, once dropped
         stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)  # by a stop string (rows never drop)
+        interrupted = False
         steps: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # (active, finished before, token, log-prob)
         capacity = ids.shape[1] + sampling.max_new_tokens
         if context is None:
@@ -135,6 +146,9 @@ class TorchEngine:
                 still_open = batch - int(finished.sum())
                 if still_open == 0 or step + 1 == sampling.max_new_tokens:
                     break
+                if interrupt is not None and interrupt():
+                    interrupted = True
+                    break
                 if (drop_finished and keep is not None and not sampling.stop
                         and still_open <= 0.75 * batch):
                     kept = (~finished).nonzero().squeeze(-1)
@@ -146,6 +160,8 @@ class TorchEngine:
                 position = position + 1
         ended[active] = finished
         reasons = torch.where(stopped, FINISH_STOP, torch.where(ended, FINISH_EOS, FINISH_LENGTH))
+        if interrupted:
+            reasons = torch.where(ended, reasons, FINISH_INTERRUPTED)
         return (*self._assemble(steps, rows), reasons)
 
     def _assemble(self, steps: list[tuple[Tensor, Tensor, Tensor, Tensor]], rows: int) -> tuple[Tensor, Tensor, Tensor]:
