@@ -28,7 +28,7 @@ from purerl.episodes import ChatCodec, TemplateError
 from purerl.episodes.adapters import environment
 from purerl.episodes.calculator import demonstration
 from purerl.episodes.rollout import EpisodeLimits
-from purerl.executors.base import Executor
+from purerl.executors.base import Executor, ExecutorError
 from purerl.executors.local import LocalExecutor
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
 from purerl.io.metrics import MetricsLog
@@ -372,11 +372,20 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
     (driver's) state under ``_state``."""
     log = MetricsLog(run_dir, tuple(config.trainer.log), config=to_dict(config))
 
-    def evaluate_fn(state: TrainState) -> dict[str, Any]:
+    def evaluate_on_engine(state: TrainState) -> dict[str, Any]:
         with executor.engine(executor.newest(state.step), "evaluate") as engine:
             return evaluate(engine, eval_task, version=state.step, max_new_tokens=config.rollout.max_new_tokens,
                             reward_timeout=config.reward.timeout, batch_timeout=config.reward.batch_timeout,
                             score=executor.score)
+
+    def evaluate_fn(state: TrainState) -> dict[str, Any]:
+        broken = set(getattr(executor, "broken", ()))  # Ray: generators waiting for new workers
+        try:
+            return evaluate_on_engine(state)
+        except ExecutorError:
+            if set(getattr(executor, "broken", ())) == broken:
+                raise
+            return evaluate_on_engine(state)  # a generator's workers died under it: once more, on another's
 
     baseline = run_dir / "baseline.json"
     if resume and (checkpoint := latest_checkpoint(run_dir / "checkpoints")) is not None:

@@ -235,12 +235,13 @@ def _tiny_task(prompts: int = 8) -> Task:
                 lambda text, truth: float(text.count("a")) / max(len(text), 1), lambda ids: "".join(map(chr, ids)))
 
 
-@pytest.mark.parametrize("generators", [1, 2])
+@pytest.mark.parametrize("generators", [1])  # 2 generators: tests/test_async.py (local), and below (restarts)
 def test_async_with_staleness_zero_on_ray_is_the_synchronous_trainer_bit_for_bit(ray_cluster, tmp_path, generators):
     """Generators on the rollout pool, ranks on the train pool: with k = 0 ("wait") every batch is
     sampled by the weights the synchronous loop would have used, so weights and metrics agree.
-    Two generators, each with its rollout worker, sample one prompt group of two each: the samples
-    are the same (per-sample streams), the engine's log-probs up to float rounding."""
+    With two generators, each with its rollout worker and one prompt group of two, the samples
+    are the same (per-sample streams), the engine's log-probs equal up to float rounding (measured:
+    it passes with ``[1, 2]``; the local test runs the two-generator case in the suite)."""
     model, _, make_step_fn, fresh = _setup(4)
     task = _tiny_task()
     config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=generators, placement="split",

@@ -64,8 +64,10 @@ class RemoteEngine:
     weights the executor loaded (:meth:`RayExecutor.engine`). ``fatal``: a failed call stops the
     whole executor (else it only raises: an asynchronous generator's workers are restarted)."""
 
-    def __init__(self, executor: "RayExecutor", pad_token_id: int, workers: Sequence[int], fatal: bool = True) -> None:
+    def __init__(self, executor: "RayExecutor", pad_token_id: int, workers: Sequence[int], fatal: bool = True,
+                 generator: int = 0) -> None:
         self.executor, self.pad_token_id, self.workers, self.fatal = executor, pad_token_id, list(workers), fatal
+        self.generator = generator
         self.version: int | None = None
         self.interruptible = executor.engine_name == "torch"  # its workers can stop and continue rows
 
@@ -85,11 +87,14 @@ class RemoteEngine:
         streams = list(range(len(prompts)) if streams is None else streams)
         shards = prompt_shards(len(prompts), len(self.workers))
         call = None if interrupt is None else next(_CALLS)
-        part = lambda xs, sl: None if xs is None else list(xs[sl])  # noqa: E731
+        # only a continued or interruptible call names the extras (colocated ranks take neither)
+        extra = lambda sl: {} if call is None and samples is None and not start else {  # noqa: E731
+            "samples": None if samples is None else list(samples[sl]), "start": start, "call": call}
         calls = [(ex.rollout[i].generate.remote([list(p) for p in prompts[sl]], sampling, rng, version, streams[sl],
-                                                part(samples, sl), start, call), ex.groups.rollout_label(i))
+                                                **extra(sl)), ex.groups.rollout_label(i))
                  for i, sl in zip(self.workers, shards)]
-        with _interrupting([ex.rollout[i] for i, _ in zip(self.workers, shards)], call, interrupt):
+        with _interrupting([ex.rollout[i] for i, _ in zip(self.workers, shards)], call, interrupt), \
+                ex.marking_broken(self):
             parts = ex.groups.wait(calls, ex.config.step_timeout, "generate", fatal=self.fatal)
         return concat_rollouts([from_wire(p) for p in parts], self.pad_token_id, mixed_versions=True)
 
@@ -137,8 +142,10 @@ class RayExecutor:
             raise ValueError(f"RayExecutor: {generators} generators need as many rollout workers, it has "
                              f"{len(self.rollout)}")
         self.slots = ([EngineSlot(RemoteEngine(self, pad, range(len(self.rollout))), self._load)] if generators < 1
-                      else [EngineSlot(RemoteEngine(self, pad, range(len(self.rollout))[sl], fatal=False), self._load)
-                            for sl in prompt_shards(len(self.rollout), generators)])
+                      else [EngineSlot(RemoteEngine(self, pad, range(len(self.rollout))[sl], fatal=False, generator=g),
+                                       self._load)
+                            for g, sl in enumerate(prompt_shards(len(self.rollout), generators))])
+        self.broken: set[int] = set()  # generators whose workers failed and are not restarted yet
         self._published = Published()
         self.last_sync_digests: list[str | None] = []  # per rollout engine, in checksum mode
         self.driver_reward_model: RewardModel | None = None  # with no reward workers, loaded on first use
@@ -203,10 +210,23 @@ class RayExecutor:
     def engine(self, weights: Weights, purpose: str = "generate",
                generator: int = 0) -> contextlib.AbstractContextManager[RemoteEngine]:
         """The rollout workers of ``generator`` (or, colocated, the ranks' engines) holding
-        ``weights``: evaluation takes turns with generator 0."""
+        ``weights``: evaluation takes turns with the first generator whose workers are not
+        waiting for a restart."""
         if not 0 <= generator < len(self.slots):
             raise ValueError(f"RayExecutor: generator {generator}, but it has {len(self.slots)} (generators=)")
-        return self.slots[0 if purpose != "generate" else generator].use(weights)
+        if purpose != "generate":
+            generator = min(set(range(len(self.slots))) - self.broken, default=0)
+        return self.slots[generator].use(weights)
+
+    @contextlib.contextmanager
+    def marking_broken(self, engine: RemoteEngine) -> Iterator[None]:
+        """While entered, a failure of ``engine``'s (restartable) workers marks its generator broken."""
+        try:
+            yield
+        except ExecutorError:
+            if not engine.fatal:
+                self.broken.add(engine.generator)
+            raise
 
     def reload(self, weights: Weights, generator: int = 0) -> None:
         self.slots[generator].load_held(weights)
@@ -218,12 +238,15 @@ class RayExecutor:
                 self.groups.restart_rollout_worker(i)
 
         self.slots[generator].restart(start)
+        self.broken.discard(generator)
 
     def _load(self, engine: RemoteEngine, weights: Weights) -> None:
         if weights.payload is None:  # colocated: every rank's own engine gets the gathered policy
             self.last_sync_digests = sync_colocated(self.groups, weights.version)
         else:
-            self.last_sync_digests = load_published(self.groups, weights.payload, engine.workers, fatal=engine.fatal)
+            with self.marking_broken(engine):
+                self.last_sync_digests = load_published(self.groups, weights.payload, engine.workers,
+                                                        fatal=engine.fatal)
         engine.version = weights.version
 
     def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
