@@ -465,51 +465,15 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim
         assert json.loads((out / "summary.json").read_text())["steps"] == step + 1
 
 
-def test_a_killed_generator_worker_is_restarted_and_the_run_finishes(tmp_path):
-    """The issue's command, with two generators (one rollout worker each): SIGKILL generator 1's
-    rollout worker after the first step. Its part is handed out again, the worker started anew,
-    and the run finishes every step with the restart counted in the metrics and status.json."""
-    out = tmp_path / "run"
-    ray_temp = tempfile.mkdtemp(prefix="ray")
-    cmd = [sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--steps", "12", "--async",
-           "--generators", "2", "--executor", "ray", "--train-ranks", "1", "--prompts-per-step", "4",
-           "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size", "2", "--train-size", "40",
-           "--eval-every", "0", "--checkpoint-every", "0", "--no-progress", "--threads", "1", "--out-dir", str(out),
-           "--ray-temp-dir", ray_temp, "asynchronous.status_every_s=0.5", "asynchronous.restart_backoff_s=0.1"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 240
-        metrics = out / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the run did not finish a step"
-            time.sleep(0.1)
-        assert json.loads((out / "status.json").read_text())["generators"][1]["restarts"] == 0
-        os.kill(json.loads((out / "workers.json").read_text())["rollout worker 1"], signal.SIGKILL)
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        shutil.rmtree(ray_temp, ignore_errors=True)
-    assert proc.returncode == 0, output
-    assert re.search(r"generator 1 failed \((generate|weight sync): rollout worker 1 died", output), output
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 12 and summary["async"]["restarts"] == 1
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 13)) and records[-1]["async/generator_restarts"] == 1
-    status = json.loads((out / "status.json").read_text())
-    assert [g["restarts"] for g in status["generators"]] == [0, 1] and status["trainer"]["step"] == 12
-    assert all(g["parts"] > 0 for g in status["generators"])
-
-
 def test_generators_on_other_nodes_of_a_cluster_survive_losing_a_node(tmp_path):
-    """A simulated multi-node cluster (``ray.cluster_utils.Cluster``: three raylets on this machine,
-    each a node with its own object store): the training rank on the head node (custom resource
-    ``trainer_node``), two generators' rollout workers spread over two other nodes
+    """The issue's command (``--tiny --async --generators 2 --executor ray``) on a simulated
+    multi-node cluster (``ray.cluster_utils.Cluster``: three raylets on this machine, each a node
+    with its own object store): the training rank on the head node (custom resource
+    ``trainer_node``), the two generators' rollout workers spread over two other nodes
     (``generator_node``). The job joins it with ``--ray-address``; one generator node is removed
-    mid-run, its rollout worker is started again on the surviving node, and the run finishes."""
+    mid-run, killing a rollout worker; the generator hands its part back, its worker is started
+    again on the surviving node, and the run finishes every step with the restart counted in the
+    metrics, the summary and status.json."""
     from ray.cluster_utils import Cluster
 
     ray_temp = tempfile.mkdtemp(prefix="ray")
@@ -535,6 +499,7 @@ def test_generators_on_other_nodes_of_a_cluster_survive_losing_a_node(tmp_path):
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "the run did not finish a step"
             time.sleep(0.1)
+        assert [g["restarts"] for g in json.loads((out / "status.json").read_text())["generators"]] == [0, 0]
         cluster.remove_node(generator_nodes[1])
         output, _ = proc.communicate(timeout=240)
     finally:
@@ -547,6 +512,12 @@ def test_generators_on_other_nodes_of_a_cluster_survive_losing_a_node(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 10 and summary["async"]["restarts"] >= 1, output
     assert re.search(r"generator \d failed \((generate|weight sync): rollout worker \d (died|failed)", output), output
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert records[-1]["async/generator_restarts"] == summary["async"]["restarts"]
+    status = json.loads((out / "status.json").read_text())
+    assert sum(g["restarts"] for g in status["generators"]) == summary["async"]["restarts"]
+    assert status["trainer"]["step"] == 10 and all(g["parts"] > 0 for g in status["generators"])
 
 
 def test_the_job_scores_with_a_reward_model_and_a_user_function_on_reward_workers(ray_cluster, tmp_path):
