@@ -247,7 +247,8 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
                                reward_model=config.reward.model, ray_init=ray_init, critic=critic,
                                make_step_fn=functools.partial(step_function, config),
                                offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
-                               generators=config.asynchronous.generators if config.asynchronous.enable else 0)
+                               generators=config.asynchronous.generators if config.asynchronous.enable else 0,
+                               generate_timeout=config.asynchronous.generate_timeout)
     if run_dir is not None:
         (run_dir / "workers.json").write_text(json.dumps(ray_executor.worker_pids()))
     return ray_executor

@@ -327,6 +327,32 @@ def test_rollout_workers_stop_open_rows_when_interrupted_and_continue_them(ray_c
     torch.testing.assert_close(again.behaviour_logprobs[mask], trainer[mask], rtol=0, atol=1e-4)
 
 
+def test_a_hung_generator_worker_is_given_up_after_the_generate_timeout_and_restarted(ray_cluster):
+    """A generator's rollout worker that outlasts ``generate_timeout`` fails that generator alone
+    (the ranks keep running); restarting it starts a new worker, which loads the weights again
+    and samples what the old one sampled."""
+    model, _, _, fresh = _setup(4)
+    config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split")
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, n=2)
+    with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config, generators=1,
+                                  generate_timeout=2.0) as executor:
+        executor.start(fresh())
+        with executor.engine(executor.newest(0)) as engine:
+            before = engine.generate(PROMPTS, sampling, RngState(1), version=0)
+        executor.wait([(executor.rollout[0].straggle.remote(10_000.0), "rollout worker 0")], 30.0, "straggle")
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"generate: rollout worker 0 did not answer within 2 s"), \
+                executor.engine(executor.newest(0)) as engine:
+            engine.generate(PROMPTS, sampling, RngState(1), version=0)
+        assert time.monotonic() - start < 15 and executor.broken == {0}
+        executor.wait([(executor.train[0].pid.remote(), "train rank 0")], 10.0, "ping")  # nothing else stopped
+        executor.restart_generator(0)
+        with executor.engine(executor.newest(0)) as engine:
+            after = engine.generate(PROMPTS, sampling, RngState(1), version=0)
+        assert executor.broken == set()
+    assert torch.equal(after.sequences.input_ids, before.sequences.input_ids)
+
+
 def _sleeping_step(state, rollout, scores, **effects):
     time.sleep(60)
 

@@ -392,7 +392,9 @@ class AsyncConfig:
     rewritten every ``status_every_s`` seconds. ``interruptible``: a generator that sees newer
     weights published mid-generation stops, keeps the tokens sampled so far (with their
     log-probs), loads the new weights and continues the open rows (:mod:`purerl.rollout.partial`;
-    the embedded engine only)."""
+    the embedded engine only). ``generate_timeout``: on Ray, seconds a generator's workers may
+    take for one generate call before the generator counts as failed and is restarted (None:
+    ``executor.step_timeout``)."""
 
     enable: bool = False
     max_staleness: int = attrs.field(default=1, validator=at_least(0))
@@ -404,6 +406,7 @@ class AsyncConfig:
     restart_backoff_s: float = attrs.field(default=1.0, validator=at_least(0))
     status_every_s: float = attrs.field(default=5.0, validator=positive)
     interruptible: bool = attrs.field(default=False, validator=_boolean)
+    generate_timeout: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive))
 
 
 def _environment(instance: Any, attribute: Any, value: str) -> None:

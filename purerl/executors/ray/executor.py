@@ -95,7 +95,7 @@ class RemoteEngine:
                  for i, sl in zip(self.workers, shards)]
         with _interrupting([ex.rollout[i] for i, _ in zip(self.workers, shards)], call, interrupt), \
                 ex.marking_broken(self):
-            parts = ex.groups.wait(calls, ex.config.step_timeout, "generate", fatal=self.fatal)
+            parts = ex.groups.wait(calls, ex.generate_timeout or ex.config.step_timeout, "generate", fatal=self.fatal)
         return concat_rollouts([from_wire(p) for p in parts], self.pad_token_id, mixed_versions=True)
 
     def close(self) -> None:
@@ -116,8 +116,9 @@ class RayExecutor:
     ``critic`` (PPO), a state with critic params gets a sharded critic, passed to the step
     function as ``critic=``. ``offload``: an :class:`~purerl.executors.fsdp.Offload` (what the
     ranks keep in host memory between uses). ``generators``: asynchronous generators, each
-    driving its own share of the rollout workers (restarted when they fail); evaluation takes
-    turns with generator 0.
+    driving its own share of the rollout workers (restarted when they fail, or when a generate
+    call outlasts ``generate_timeout`` seconds; default ``config.step_timeout``); evaluation takes
+    turns with the first generator whose workers are not waiting for a restart.
 
     The driver keeps the small part of the state (:func:`~purerl.state.without_params`); params
     and optimizer states stay on the ranks. Its engine generates on the rollout workers; in
@@ -129,10 +130,11 @@ class RayExecutor:
                  config: ExecutorConfig = ExecutorConfig(kind="ray"), engine: str = "torch",
                  reward_model: str | None = None, ray_init: dict[str, Any] | None = None,
                  make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None,
-                 offload: Any = None, generators: int = 0) -> None:
+                 offload: Any = None, generators: int = 0, generate_timeout: float | None = None) -> None:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
         self.config, self.reward_model, self.engine_name = config, reward_model, engine
+        self.generate_timeout = generate_timeout
         self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,
                                    ray_init, engine=engine, reward_model=reward_model, offload=offload)
         self.train, self.rollout, self.reward = self.groups.train, self.groups.rollout, self.groups.reward
