@@ -131,6 +131,34 @@ def test_cuda_graph_decoding_samples_what_eager_decoding_samples():
     torch.testing.assert_close(rollouts[0].behaviour_logprobs, rollouts[1].behaviour_logprobs, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
+def test_an_interrupted_rollout_continued_on_cuda_is_the_uninterrupted_one(graphs):
+    """Interruptible rollouts on the GPU: rows stopped twice and continued on the same weights
+    sample the uninterrupted rows (the continuation's draws are CPU-computed, then moved)."""
+    from purerl.rollout.partial import Interruptible
+    from purerl.rollout.queue import Weights
+
+    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, device="cuda", cuda_graphs=graphs)
+    engine.sync(params, 0)
+    sampling = SamplingParams(max_new_tokens=16, n=3, temperature=1.0)
+    whole = engine.generate(PROMPTS, sampling, RngState(2), version=0)
+    polls = []
+
+    def newer(version):
+        polls.append(version)
+        return Weights(version + 1, params) if len(polls) in (3, 9) else None
+
+    interruptible = Interruptible(engine, newer, lambda w: engine.sync(w.payload, w.version))
+    got = interruptible.generate(PROMPTS, sampling, RngState(2), version=0)
+    assert interruptible.interruptions >= 1 and got.sequences.input_ids.device.type == "cuda"
+    width = whole.sequences.response_length
+    alive = whole.sequences.response_mask
+    assert torch.equal(got.sequences.responses()[:, :width][alive], whole.sequences.responses()[alive])
+    torch.testing.assert_close(got.behaviour_logprobs[:, :width][alive], whole.behaviour_logprobs[alive],
+                               rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("config", STEP_CONFIGS.values(), ids=STEP_CONFIGS.keys())
 def test_a_grpo_step_on_cuda_matches_the_same_step_on_cpu(config):
     model, params, step_fn, fresh, rollout, scores = _setup(config)
@@ -263,6 +291,12 @@ def test_the_main_job_runs_on_cuda(tmp_path, dtype):
 def test_the_main_job_trains_lora_on_cuda_in_bfloat16(tmp_path):
     summary = _main_job(tmp_path, "--dtype", "bfloat16", "--lora-rank", "4", "--lr", "1e-3", "--kl-coef", "0.01")
     assert summary["steps"] == 3 and (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_the_main_job_runs_two_interruptible_generators_on_cuda(tmp_path):
+    summary = _main_job(tmp_path, "--async", "--generators", "2", "--interruptible", "--max-staleness", "1")
+    assert summary["steps"] == 3 and summary["async"]["trained"] == 3
+    assert len(json.loads((tmp_path / "status.json").read_text())["generators"]) == 2
 
 
 def test_the_main_job_runs_on_the_ray_executor_on_cuda(tmp_path):
