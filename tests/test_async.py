@@ -89,13 +89,17 @@ def _cursor_order(steps: int) -> list[list[int]]:
     return order
 
 
-def test_staleness_zero_is_the_synchronous_trainer_bit_for_bit(tmp_path):
+def _run_sync(run_dir, steps):
+    """The synchronous loop's final state and records."""
     state, executor, _ = _setup()
-    log = MetricsLog(tmp_path / "sync")
-    sync_state = train(state, executor=executor, task=TASK, config=_config(steps=5), run_dir=tmp_path / "sync",
-                       log=log)
+    log = MetricsLog(run_dir)
+    state = train(state, executor=executor, task=TASK, config=_config(steps=steps), run_dir=run_dir, log=log)
     log.close()
-    sync_records = list(MetricsLog.read(log.path))
+    return state, list(MetricsLog.read(log.path))
+
+
+def test_staleness_zero_is_the_synchronous_trainer_bit_for_bit(tmp_path):
+    sync_state, sync_records = _run_sync(tmp_path / "sync", steps=5)
     async_state, report, async_records = _run_async(tmp_path / "async", _config(steps=5, max_staleness=0))
     assert_async_k0_equals_sync(sync_state, sync_records, async_state, async_records, report, steps=5)
     assert attrs.astuple(async_state.data) == attrs.astuple(sync_state.data)
@@ -140,12 +144,7 @@ def test_a_failing_generator_stops_the_run_naming_it(tmp_path):
 def test_two_generators_with_staleness_zero_are_the_synchronous_trainer_bit_for_bit(tmp_path):
     """Each step's two prompt groups come from two generators (one group per call): every sample
     draws from its own stream, so the batch is the synchronous one."""
-    state, executor, _ = _setup()
-    log = MetricsLog(tmp_path / "sync")
-    sync_state = train(state, executor=executor, task=TASK, config=_config(steps=5), run_dir=tmp_path / "sync",
-                       log=log)
-    log.close()
-    sync_records = list(MetricsLog.read(log.path))
+    sync_state, sync_records = _run_sync(tmp_path / "sync", steps=5)
     trained = []
     async_state, report, async_records = _run_async(
         tmp_path / "async", _config(steps=5, max_staleness=0, generators=2, groups_per_call=1), generators=2,

@@ -407,6 +407,17 @@ def test_the_job_joins_a_running_cluster_with_ray_address_and_leaves_it_running(
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
 
 
+def _after_first_step(proc: subprocess.Popen, out: Path) -> Path:
+    """Wait (up to 240 s) until the job ``proc`` has recorded a step in ``out``; its metrics file."""
+    deadline = time.monotonic() + 240
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the run did not finish a step"
+        time.sleep(0.1)
+    return metrics
+
+
 def _processes_mentioning(text: str) -> list[int]:
     """PIDs of live processes whose command line contains ``text`` (Ray's daemons name their
     session folder)."""
@@ -451,12 +462,7 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        deadline = time.monotonic() + 240
-        metrics = out / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the run did not finish a step"
-            time.sleep(0.2)
+        _after_first_step(proc, out)
         pids = json.loads((out / "workers.json").read_text())
         os.kill(pids[victim], sig)
         killed = time.monotonic()
@@ -519,12 +525,7 @@ def test_generators_on_other_nodes_of_a_cluster_survive_losing_a_node(tmp_path):
                "asynchronous.status_every_s=0.5"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        deadline = time.monotonic() + 240
-        metrics = out / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the run did not finish a step"
-            time.sleep(0.1)
+        metrics = _after_first_step(proc, out)
         assert [g["restarts"] for g in json.loads((out / "status.json").read_text())["generators"]] == [0, 0]
         cluster.remove_node(generator_nodes[1])
         output, _ = proc.communicate(timeout=240)

@@ -55,7 +55,7 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, config: Jo
     (queued batches are discarded).
     """
     settings = config.asynchronous
-    batches = Batches(task, config, state.data, state.rng, state.step, settings.generators)
+    batches = Batches(task, config, state.data, state.rng, state.step)
     log = MetricsLog(run_dir) if log is None else log
     # a resumed run counts on from its records (batches queued when it stopped are not known)
     before = [r for r in (MetricsLog.read(log.path) if log.path.exists() else []) if r["step"] <= state.step]
@@ -64,15 +64,13 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, config: Jo
     generated_before, waited = sum(staleness_seen.values()) + dropped, 0.0
     start = time.perf_counter()
     trainer = {"step": state.step, "idle_frac": 0.0, "waiting": True}
-    generators = Generators(executor, task, config, batches, settings.generators, Path(run_dir), lambda: dict(trainer))
-    taken = 0
+    generators = Generators(executor, task, config, batches, Path(run_dir), lambda: dict(trainer))
     with StepRecorder(state, executor, config.trainer, run_dir, log, evaluate_fn, stop) as record, generators:
         record.check(state)
         while state.step < config.trainer.steps:
             step_start = time.perf_counter()
             trainer["waiting"] = True
-            item = batches.take(config)
-            taken += 1
+            item = batches.take()
             trainer["waiting"] = False
             wait = time.perf_counter() - step_start
             waited += wait
@@ -99,5 +97,5 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, config: Jo
     discarded = batches.ready
     return state, {"staleness_histogram": dict(sorted(staleness_seen.items())), "trained": trained,
                    "dropped_batches": dropped, "discarded": discarded,
-                   "generated": generated_before + taken + discarded,
+                   "generated": generated_before + batches.taken + discarded,
                    "restarts": generators.restarts}

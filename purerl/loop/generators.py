@@ -37,8 +37,8 @@ __all__ = ["Batches", "Generators", "Part"]
 
 @attrs.frozen
 class Part:
-    """Prompts ``[start, start + prompts)`` of batch ``batch`` (numbered from 0 in this run),
-    beginning at cursor ``data``, sampled from ``rng`` with a version ``≥ at_least``."""
+    """Part ``index`` of batch ``batch`` (numbered from 0 in this run): ``prompts`` prompts from
+    cursor ``data``, sampled from ``rng`` with a version ``≥ at_least``."""
 
     batch: int
     index: int
@@ -55,19 +55,18 @@ class Batches:
     parts need version ``≥ step + b − max_staleness``. At most ``queue_batches + 1`` batches are
     open (handed out but not yet taken) at once: the bounded queue."""
 
-    def __init__(self, task: Task, config: JobConfig, data: DataCursor, rng: RngState, step: int,
-                 generators: int) -> None:
+    def __init__(self, task: Task, config: JobConfig, data: DataCursor, rng: RngState, step: int) -> None:
         settings, prompts = config.asynchronous, config.data.prompts_per_step
         self.records, self.rng, self.step, self.settings = len(task.records), rng, step, settings
-        self.dynamic = config.algorithm.dynamic_sampling
-        per_call = settings.groups_per_call or math.ceil(prompts / generators)
+        self.config, self.dynamic = config, config.algorithm.dynamic_sampling
+        per_call = settings.groups_per_call or math.ceil(prompts / settings.generators)
         self.sizes = [prompts] if self.dynamic else [min(per_call, prompts - s) for s in range(0, prompts, per_call)]
         self.batches = config.trainer.steps - step if settings.stale_policy == "wait" else None  # None: unbounded
         self._cond = threading.Condition()
         self._cursor: DataCursor | None = data  # where the next batch starts (None: not known yet)
         self._pending: collections.deque[Part] = collections.deque()  # to hand out, in order
         self._done: dict[int, dict[int, SampledPart]] = {}
-        self._opened = self._taken = 0
+        self._opened = self.taken = 0
         self.failure: BaseException | None = None
 
     @property
@@ -85,7 +84,7 @@ class Batches:
                     return self._pending.popleft()
                 if self.batches is not None and self._opened >= self.batches:
                     return None
-                if self._cursor is not None and self._opened - self._taken <= self.settings.queue_batches:
+                if self._cursor is not None and self._opened - self.taken <= self.settings.queue_batches:
                     self._open()
                     continue
                 self._cond.wait(0.1)
@@ -120,21 +119,19 @@ class Batches:
             self.failure = self.failure or error
             self._cond.notify_all()
 
-    def take(self, config: JobConfig, stop: threading.Event | None = None) -> ScoredBatch | None:
-        """The next batch in prompt order, once all its parts are in; None if ``stop`` is set first.
+    def take(self) -> ScoredBatch:
+        """The next batch in prompt order, once all its parts are in (``taken`` counts them).
         Raises the generators' failure."""
         with self._cond:
-            b = self._taken
+            b = self.taken
             while len(self._done.get(b, {})) < len(self.sizes):
                 if self.failure is not None:
                     raise self.failure
-                if stop is not None and stop.is_set():
-                    return None
                 self._cond.wait(0.1)
             parts = [p for _, p in sorted(self._done.pop(b).items())]
-            self._taken += 1
+            self.taken += 1
             self._cond.notify_all()
-        rollout, rewards, metrics = joined_batch(parts, config)
+        rollout, rewards, metrics = joined_batch(parts, self.config)
         return ScoredBatch(rollout, rewards, metrics, parts[-1].data)
 
 
@@ -159,13 +156,14 @@ class _Record:
 
 
 class Generators:
-    """``count`` generator threads over ``batches``, each on its own engine of ``executor``
+    """``asynchronous.generators`` threads over ``batches``, each on its own engine of ``executor``
     (``executor.engine(weights, generator=i)``), restarted on failure as the ``asynchronous``
     section says; a status thread rewrites ``run_dir/status.json``. A context manager: the threads
     run while it is entered."""
 
-    def __init__(self, executor: Executor, task: Task, config: JobConfig, batches: Batches, count: int,
-                 run_dir: Path, trainer: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, executor: Executor, task: Task, config: JobConfig, batches: Batches, run_dir: Path,
+                 trainer: Callable[[], dict[str, Any]]) -> None:
+        count = config.asynchronous.generators
         self.executor, self.task, self.config, self.batches = executor, task, config, batches
         self.run_dir, self.trainer = Path(run_dir), trainer
         self.stop = threading.Event()

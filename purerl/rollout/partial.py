@@ -92,15 +92,16 @@ def spliced(rollout: Rollout, rows: Sequence[int], more: Rollout, pad_token_id: 
     continuation goes right after its row's ``k`` tokens, with its log-probs, mask and finish
     reason; the version is the oldest of the two."""
     seqs, extra = rollout.sequences, more.sequences
-    t = seqs.response_length
-    done = seqs.response_mask.sum(-1)
-    width = max(t, max(int(done[r]) for r in rows) + extra.response_length)
+    t, w = seqs.response_length, extra.response_length
+    done = seqs.response_mask.sum(-1).tolist()
+    width = max(t, max(done[r] for r in rows) + w)
     pad = lambda x, value: torch.nn.functional.pad(x, (0, width - t), value=value)  # noqa: E731
     tokens, alive = pad(seqs.responses(), pad_token_id), pad(seqs.response_mask, False)
     logprobs, reasons = pad(rollout.behaviour_logprobs, 0.0), rollout.finish_reasons.clone()
+    continued = extra.responses()
     for i, r in enumerate(rows):
-        k, w = int(done[r]), extra.response_length
-        tokens[r, k:k + w], alive[r, k:k + w] = extra.responses()[i], extra.response_mask[i]
+        k = done[r]
+        tokens[r, k:k + w], alive[r, k:k + w] = continued[i], extra.response_mask[i]
         logprobs[r, k:k + w], reasons[r] = more.behaviour_logprobs[i], more.finish_reasons[i]
     prompt = seqs.input_ids.shape[1] - t
     return Rollout(Sequences(torch.cat([seqs.input_ids[:, :prompt], tokens], 1),

@@ -91,13 +91,23 @@ def _int64(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
 
 
-def sample_keys(rng: RngState, streams: Sequence[int], n: int) -> Int[Tensor, " rows"]:
+def sample_keys(rng: RngState, streams: Sequence[int], n: int, *,
+                samples: Sequence[int] | None = None) -> Int[Tensor, " rows"]:
     """One 64-bit key per sample, row ``i·n + j`` for sample ``j`` of stream ``streams[i]``: a
     function of ``(rng.seed, rng.counter, streams[i], j)`` only, so a sample draws the same
-    whatever else is in its batch, whichever shard or worker samples it (CPU, int64)."""
+    whatever else is in its batch, whichever shard or worker samples it (CPU, int64).
+    ``samples``: with ``n = 1``, row ``i`` is sample ``samples[i]`` of ``streams[i]`` (a row
+    continued on its own)."""
     h = _fold(torch.tensor(_int64(rng.seed)), _int64(rng.counter))
-    stream = torch.as_tensor(list(streams), dtype=torch.int64).repeat_interleave(n)
-    sample = torch.arange(n, dtype=torch.int64).repeat(len(streams))
+    if samples is None:
+        stream = torch.as_tensor(list(streams), dtype=torch.int64).repeat_interleave(n)
+        sample = torch.arange(n, dtype=torch.int64).repeat(len(streams))
+    else:
+        if n != 1 or len(samples) != len(streams):
+            raise ValueError(f"sample_keys: samples need n = 1 and one per stream, got n = {n}, "
+                             f"{len(samples)} samples for {len(streams)} streams")
+        stream = torch.as_tensor(list(streams), dtype=torch.int64)
+        sample = torch.as_tensor(list(samples), dtype=torch.int64)
     return _fold(_fold(h, stream), sample)
 
 
@@ -107,15 +117,7 @@ def sample_uniforms(rng: RngState, streams: Sequence[int], n: int, steps: int, *
     decoding step ``start … start + steps − 1`` (float32, multiples of 2⁻²⁴; computed on the CPU,
     the same on every device). ``samples``: with ``n = 1``, row ``i`` is sample ``samples[i]`` of
     ``streams[i]`` (a continued row draws on where it stopped)."""
-    if samples is None:
-        keys = sample_keys(rng, streams, n)
-    else:
-        if n != 1 or len(samples) != len(streams):
-            raise ValueError(f"sample_uniforms: samples need n = 1 and one per stream, got n = {n}, "
-                             f"{len(samples)} samples for {len(streams)} streams")
-        h = _fold(torch.tensor(_int64(rng.seed)), _int64(rng.counter))
-        keys = _fold(_fold(h, torch.as_tensor(list(streams), dtype=torch.int64)),
-                     torch.as_tensor(list(samples), dtype=torch.int64))
+    keys = sample_keys(rng, streams, n, samples=samples)
     bits = _shifted(_fold(keys[None], torch.arange(start, start + steps, dtype=torch.int64)[:, None]), 40)
     return bits.to(torch.float32) * 2.0**-24
 
