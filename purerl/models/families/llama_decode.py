@@ -13,6 +13,7 @@ Shapes: ``b`` rows, ``s`` new positions, ``t`` cache capacity (prompt width + ma
 """
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -144,6 +145,9 @@ def decode_step_static(
     return logits_of(weights, layout, hidden[:, -1])
 
 
+_CAPTURE_LOCK = threading.Lock()
+
+
 class GraphedDecoder:
     """:func:`decode_step_static` captured once in a CUDA graph and replayed per token.
 
@@ -171,7 +175,10 @@ class GraphedDecoder:
                 run()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # Several generators (threads) decode beside the trainer on one GPU: a capture must not
+        # forbid their CUDA calls (the default "global" mode fails them and invalidates the
+        # capture), and captures run one at a time, each on its own stream.
+        with _CAPTURE_LOCK, torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
             self.logits = run()
         cache.valid.copy_(valid)
 
