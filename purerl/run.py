@@ -222,11 +222,9 @@ def engine_options(config: JobConfig, model: CausalLM, tokenizer: Any) -> dict[s
                 **config.rollout.engine_options)
 
 
-def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any],
-                  run_dir: Path | None = None) -> Executor:
+def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any]) -> Executor:
     """The local executor (with an engine per generator when asynchronous), or the Ray one,
-    which builds the step function on each rank from the config and writes its workers' PIDs to
-    ``workers.json`` in ``run_dir``."""
+    which builds the step function on each rank from the config."""
     rollout, executor = config.rollout, config.executor
     if executor.kind == "local":
         engine = make_engine(rollout.engine, model, device=config.model.device, **options)
@@ -249,8 +247,6 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
                                offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
                                generators=config.asynchronous.generators if config.asynchronous.enable else 0,
                                generate_timeout=config.asynchronous.generate_timeout)
-    if run_dir is not None:
-        (run_dir / "workers.json").write_text(json.dumps(ray_executor.worker_pids()))
     return ray_executor
 
 
@@ -315,7 +311,7 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     sft: dict[str, Any] = {}
     if config.env.sft_steps and not (resume and latest_checkpoint(run_dir / "checkpoints") is not None):
         state, sft = _warm_up(config, state, model, options, train_task, eval_task)
-    with make_executor(config, model, critic, options, run_dir) as executor:
+    with make_executor(config, model, critic, options) as executor:
         summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop)
         state = summary.pop("_state")
         policy = executor.full_state(state).policy
@@ -348,6 +344,12 @@ def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dic
           f"{report['sft_loss_last']:.3f} in {report['sft_seconds']:.0f} s", flush=True)
     return state, {"sft": {**report, "accuracy_before_sft": before["val/accuracy"],
                            "evaluation_before_sft": {k: v for k, v in before.items() if k.startswith("val/")}}}
+
+
+def _write_workers(executor: Executor, run_dir: Path) -> None:
+    """The PIDs of a Ray executor's workers, once started (the roles' pools too), in ``workers.json``."""
+    if hasattr(executor, "worker_pids"):
+        (run_dir / "workers.json").write_text(json.dumps(executor.worker_pids()))
 
 
 def _trained(run_dir: Path) -> bool:
@@ -391,6 +393,7 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
     baseline = run_dir / "baseline.json"
     if resume and (checkpoint := latest_checkpoint(run_dir / "checkpoints")) is not None:
         state = executor.start(load_checkpoint(checkpoint, state))
+        _write_workers(executor, run_dir)
         log.truncate_after(state.step)
         before = _read_baseline(baseline)
         print(f"resumed from {checkpoint} at step {state.step}"
@@ -399,6 +402,7 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
     else:
         log.path.unlink(missing_ok=True)
         state = executor.start(state)
+        _write_workers(executor, run_dir)
         first = evaluate_fn(state)
         record_reward_errors(run_dir, 0, first)
         baseline.write_text(json.dumps(first))

@@ -188,10 +188,10 @@ def test_ray_reward_workers_score_verl_functions_and_the_reward_model(ray_cluste
                               data_sources=["abc", "d"]).values == [4.0, 3.0]
 
 
-def _make_ppo_step_fn():
+def _make_ppo_step_fn(**actor):
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
     config = _job(algorithm={"adv_estimator": "gae"}, actor={"micro_batch_rows": 4, "mini_batch_rows": 6,
-                                                             "ppo_epochs": 2})
+                                                             "ppo_epochs": 2, **actor})
     return functools.partial(ppo_step, optimizer=optimizer, critic_optimizer=optimizer,
                              kl_controller=make_kl_controller("fixed", coef=0.001), config=config), optimizer
 
@@ -227,6 +227,84 @@ def test_ppo_with_a_sharded_critic_and_checkpointed_policy_equals_local(ray_clus
     assert "critic/vf_loss" in metrics
     for key, value in local_metrics.items():
         assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+PRESETS = {  # placement: (training ranks, workers of the other pools); at most the session cluster's 6 CPUs
+    "fully_collocated": dict(train_ranks=2),
+    "hybrid_engine": dict(train_ranks=2, reward_workers=1),
+    "split_collocate": dict(train_ranks=1, critic_workers=2),  # the critic's own pool sharded over 2 ranks
+    "standalone": dict(train_ranks=2, reward_workers=1),
+}
+
+
+@pytest.mark.parametrize("placement", list(PRESETS))
+def test_every_placement_runs_ppo_with_a_critic_a_reference_and_a_reward_model_like_the_local_executor(
+        ray_cluster, tmp_path, placement):
+    """Each preset puts the rollout, the reference, the critic and the reward model on its pools;
+    the same step function then gives the local executor's samples, reward-model scores, metrics
+    and params (to float rounding: sums reduced over other ranks in another order)."""
+    from purerl.rewards.model import RewardModel, save_tiny_reward_model
+
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    critic, critic_params = critic_from_causal_lm(model, params)
+    step_fn, optimizer = _make_ppo_step_fn(kl_loss_coef=0.1)
+    kl = make_kl_controller("fixed", coef=0.001)
+    reward_model = save_tiny_reward_model(tmp_path / "rm")
+    sampling = SamplingParams(max_new_tokens=6, n=2, temperature=1.0)
+
+    def fresh():
+        p, c = tree_clone(params), tree_clone(critic_params)
+        return TrainState(policy=p, policy_opt=optimizer.init(p), kl=kl.init(), rng=RngState(0),
+                          critic=c, critic_opt=optimizer.init(c), reference=tree_clone(p))
+
+    def texts(rollout):
+        prompts = ["".join(chr(97 + t % 26) for t in p) for p in PROMPTS for _ in range(sampling.n)]
+        responses = ["".join(chr(97 + int(t) % 26) for t, m in zip(row, mask) if m)
+                     for row, mask in zip(rollout.sequences.responses(), rollout.sequences.response_mask)]
+        return prompts, responses
+
+    def two_steps(executor, score, step_scores=None):
+        """Two steps on the executor's own samples, with its reward model's scores (or, to compare
+        the steps alone, ``step_scores``: the two runs' scores differ by float rounding)."""
+        state, rollouts, scores, metrics = executor.start(fresh()), [], [], []
+        for step in range(2):
+            with executor.engine(executor.newest(step)) as engine:
+                rollouts.append(engine.generate(PROMPTS, sampling, RngState(7).fold_in(step), version=step))
+            scores.append(score(*texts(rollouts[-1])))
+            state, m = executor.step(state, rollouts[-1], scores[-1] if step_scores is None else step_scores[step])
+            metrics.append(m)
+        return executor.full_state(state), rollouts, scores, metrics
+
+    local_rm = RewardModel(str(reward_model))
+    local = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE), critic=critic)
+    want, want_rollouts, want_scores, want_metrics = two_steps(local, local_rm.score)
+
+    config = ExecutorConfig(kind="ray", placement=placement, step_timeout=120, **PRESETS[placement])
+    make = functools.partial(lambda: _make_ppo_step_fn(kl_loss_coef=0.1)[0])
+    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config, make_step_fn=make,
+                                  critic=critic, reward_model=str(reward_model)) as executor:
+        got, rollouts, scores, metrics = two_steps(executor, executor.score_model, want_scores)
+        labels = {label.rsplit(" ", 1)[0] for _, label in executor.groups.actors}
+    assert labels == {"fully_collocated": {"train rank"}, "hybrid_engine": {"train rank", "reward worker"},
+                      "split_collocate": {"train rank", "rollout worker", "critic rank"},
+                      "standalone": {"train rank", "rollout worker", "reward worker", "critic rank",
+                                     "reference rank"}}[placement]
+    for ours, theirs in zip(rollouts, want_rollouts):
+        assert torch.equal(ours.sequences.input_ids, theirs.sequences.input_ids)
+    for ours, theirs in zip(scores, want_scores):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)  # rows padded in other shards
+    for ours, theirs in zip(metrics, want_metrics):
+        assert "critic/vf_loss" in ours and "actor/kl_loss" in ours
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert ours[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for tree in ("policy", "critic", "reference"):
+        for name, value in getattr(want, tree).items():
+            torch.testing.assert_close(getattr(got, tree)[name], value, rtol=0, atol=1e-5)
+    want_opt, got_opt = tree_leaves(want.critic_opt), tree_leaves(got.critic_opt)  # the pool's optimizer state
+    assert len(got_opt) == len(want_opt) > 2
+    for ours, theirs in zip(got_opt, want_opt):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def _tiny_task(prompts: int = 8) -> Task:
@@ -443,14 +521,16 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("mode, victim, sig", [("sync", "train rank 1", signal.SIGKILL),
                                                ("sync", "train rank 1", signal.SIGSTOP),
                                                ("async", "rollout worker 0", signal.SIGKILL),
-                                               ("async", "train rank 0", signal.SIGKILL)],
-                         ids=["sync-kill-rank", "sync-stop-rank", "async-kill-rollout", "async-kill-rank"])
+                                               ("async", "train rank 0", signal.SIGKILL),
+                                               ("sync", "critic rank 0", signal.SIGKILL)],
+                         ids=["sync-kill-rank", "sync-stop-rank", "async-kill-rollout", "async-kill-rank",
+                              "sync-kill-critic"])
 def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim, sig):
     """experiments/grpo_math.py --executor ray: SIGKILL (or SIGSTOP) one worker after the first
     step (a training rank; in async mode also the generator's rollout worker, with no restarts
-    allowed). The run ends
-    quickly with a one-line message naming it first (a stopped rank, not the peer that timed out
-    waiting for it) and leaves no Ray process behind; a checkpoint written before loads."""
+    allowed; a rank of the critic's own pool, PPO with ``--placement split_collocate``). The run
+    ends quickly with a one-line message naming it first (a stopped rank, not the peer that timed
+    out waiting for it) and leaves no Ray process behind; a checkpoint written before loads."""
     out = tmp_path / "run"
     ray_temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 107 bytes
     cmd = [sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--executor", "ray",
@@ -458,7 +538,8 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim
            "--eval-size", "2", "--train-size", "40", "--eval-every", "0", "--checkpoint-every", "1",
            "--no-progress", "--threads", "1", "--out-dir", str(out), "--ray-temp-dir", ray_temp,
            *(["--async", "--train-ranks", "1", "asynchronous.restarts=0"] if mode == "async" else []),
-           *(["--step-timeout", "15"] if sig == signal.SIGSTOP else [])]
+           *(["--step-timeout", "15"] if sig == signal.SIGSTOP else []),
+           *(["--placement", "split_collocate", "--adv-estimator", "gae"] if victim.startswith("critic") else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

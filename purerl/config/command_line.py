@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from purerl.algo.correction import IS_CORRECTIONS
-from purerl.config.job import JobConfig
+from purerl.config.job import PLACEMENTS, JobConfig
 from purerl.config.loading import ConfigError, build, load_file, merge, nest, overrides, to_dict
 from purerl.config.rules import problems, resolve
 
@@ -70,7 +70,10 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--executor", "executor.kind", dict(choices=["local", "ray"], help="local: one process (default); ray: FSDP2 "
                                                                        "training ranks + rollout workers")),
     ("--ray-address", "executor.ray_address", dict(help="join this Ray cluster ('auto' or host:port)")),
-    ("--placement", "executor.placement", dict(choices=["split", "colocated"])),
+    ("--placement", "executor.placement", dict(choices=list(PLACEMENTS), help="where each role lives (Ray): split "
+                                                                             "(default), colocated = hybrid_engine, "
+                                                                             "fully_collocated, split_collocate, "
+                                                                             "standalone")),
     ("--train-ranks", "executor.train_ranks", dict(type=int)),
     ("--rollout-workers", "executor.rollout_workers", dict(type=int)),
     ("--reward-workers", "executor.reward_workers", dict(type=int, help="CPU workers scoring rewards (0: driver)")),

@@ -45,7 +45,7 @@ from purerl.rollout.sampling import SamplingParams
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "DataConfig", "ExecutorConfig",
            "EnvConfig", "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig", "RewardConfig", "RolloutConfig",
-           "TrainerConfig"]
+           "PLACEMENTS", "TrainerConfig"]
 
 
 @section
@@ -307,7 +307,23 @@ class TrainerConfig:
     progress: bool = True
 
 
-POOLS = ("train", "rollout", "reward")
+POOLS = ("train", "rollout", "reward", "critic", "reference")
+
+ROLES = ("rollout", "reference", "critic", "reward_model")
+PLACEMENTS = {
+    # rollout workers apart; the reference and the critic with the actor; the reward model on the reward workers
+    "split": {"rollout": "rollout", "reference": "train", "critic": "train", "reward_model": "reward"},
+    # the actor's ranks generate too (verl's hybrid engine)
+    "colocated": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "reward"},
+    "hybrid_engine": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "reward"},
+    # every role on the training ranks (DeepSpeed-Chat)
+    "fully_collocated": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "train"},
+    # actor + reference, critic + reward model, rollout: three pools (OpenRLHF's and NeMo-Aligner's default)
+    "split_collocate": {"rollout": "rollout", "reference": "train", "critic": "critic", "reward_model": "critic"},
+    # every role a pool of its own
+    "standalone": {"rollout": "rollout", "reference": "reference", "critic": "critic", "reward_model": "reward"},
+}
+"""Where each role lives under each ``executor.placement``: the pool (``train`` is the actor's)."""
 
 
 def _pool_resources(_: Any, attribute: Any, value: dict) -> None:
@@ -334,14 +350,23 @@ class ExecutorConfig:
     workers: a worker silent longer ends the run, naming it. ``pool_resources``: custom Ray
     resources that each worker of a pool (``train``, ``rollout``, ``reward``) asks for besides
     its CPUs and GPUs, to pin roles to nodes (start the generating nodes with
-    ``ray start --resources='{"rollout_node": 8}'`` and set ``pool_resources.rollout.rollout_node = 1``)."""
+    ``ray start --resources='{"rollout_node": 8}'`` and set ``pool_resources.rollout.rollout_node = 1``).
+
+    ``placement`` names where each role lives (:data:`PLACEMENTS`): ``split`` (default: rollout
+    workers apart), ``colocated`` = ``hybrid_engine`` (the ranks generate), ``fully_collocated``
+    (every role on the ranks, the reward model too), ``split_collocate`` (the critic and the reward
+    model on a ``critic`` pool of ``critic_workers``), ``standalone`` (the critic on a ``critic``
+    pool, the reference on a ``reference`` pool of ``reference_workers``, the reward model on the
+    reward workers). A pool of several workers shards its role with FSDP2 like the ranks."""
 
     kind: str = attrs.field(default="local", validator=one_of(("local", "ray"), "executor"))
     ray_address: str | None = None
-    placement: str = attrs.field(default="split", validator=one_of(("split", "colocated"), "placement"))
+    placement: str = attrs.field(default="split", validator=one_of(tuple(PLACEMENTS), "placement"))
     train_ranks: int = attrs.field(default=2, validator=at_least(1))
     rollout_workers: int = attrs.field(default=1, validator=at_least(1))
     reward_workers: int = attrs.field(default=0, validator=at_least(0))
+    critic_workers: int = attrs.field(default=1, validator=at_least(1))
+    reference_workers: int = attrs.field(default=1, validator=at_least(1))
     gpus_per_worker: float = attrs.field(default=0.0, validator=at_least(0))
     cpus_per_worker: float = attrs.field(default=1.0, validator=positive)
     reward_gpus_per_worker: float = attrs.field(default=0.0, validator=at_least(0))
@@ -364,9 +389,23 @@ class ExecutorConfig:
         return max(1, math.floor(self.cpus_per_worker))
 
     @property
+    def roles(self) -> dict[str, str]:
+        """``{role: pool}`` for the rollout, the reference, the critic and the reward model."""
+        return PLACEMENTS[self.placement]
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the training ranks generate (no rollout pool)."""
+        return self.roles["rollout"] == "train"
+
+    @property
     def workers(self) -> int:
-        """Ray actors in all: training ranks, rollout workers (split) and reward workers."""
-        return self.train_ranks + (self.rollout_workers if self.placement == "split" else 0) + self.reward_workers
+        """Ray actors at most: training ranks, rollout workers (not colocated), reward workers and
+        the critic's and the reference's pools (when the placement has them)."""
+        pools = set(self.roles.values())
+        return (self.train_ranks + (0 if self.colocated else self.rollout_workers) + self.reward_workers
+                + (self.critic_workers if "critic" in pools else 0)
+                + (self.reference_workers if "reference" in pools else 0))
 
 
 @section

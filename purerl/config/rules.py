@@ -140,13 +140,18 @@ def _executor_problems(config: JobConfig) -> list[str]:
     executor = config.executor
     if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         found.append(f"rollout.engine=vllm: {INSTALL_HINT}")
-    if executor.kind == "ray" and executor.placement == "colocated":
+    if executor.kind == "ray" and executor.colocated:
         if config.asynchronous.enable:
-            found.append("asynchronous training on the Ray executor needs executor.placement=split (colocated "
-                         "ranks cannot generate while they train)")
+            found.append(f"asynchronous training on the Ray executor needs rollout workers apart (executor.placement="
+                         f"{executor.placement}: the ranks cannot generate while they train; split, split_collocate "
+                         "or standalone)")
         if config.rollout.engine != "torch":
             # vLLM sets up a process group of its own, which clashes with the training ranks' FSDP group
-            found.append(f"rollout.engine={config.rollout.engine} runs on rollout workers: executor.placement=split")
+            found.append(f"rollout.engine={config.rollout.engine} runs on rollout workers: executor.placement=split "
+                         f"(not {executor.placement})")
+    if executor.kind == "ray" and executor.roles["reference"] != "train" and config.actor.lora_rank:
+        found.append(f"executor.placement={executor.placement} puts the reference on a pool of its own, but a LoRA "
+                     "policy's reference is its own base (adapters off): it lives with the actor")
     generators = config.asynchronous.generators
     if config.asynchronous.interruptible:
         if config.rollout.engine != "torch":

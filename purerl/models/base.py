@@ -150,7 +150,8 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        return self.value_head(hidden[:, -keep:]).squeeze(-1)
+        # a copy, not a view: FSDP2 warns of (and cannot hook) an in-place op on a view it returns
+        return self.value_head(hidden[:, -keep:]).squeeze(-1).clone()
 
 
 @attrs.frozen(eq=False)

@@ -7,6 +7,7 @@ Devices: the stages run where the rollout's tensors are (CPU or one GPU).
 
 import functools
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float, Int
@@ -20,7 +21,7 @@ from purerl.state import TrainState
 from purerl.step.micro_batches import chunks, token_budget_rows, trimmed_sequences
 from purerl.tree import pytree
 
-__all__ = ["Experience", "make_experience"]
+__all__ = ["CriticValues", "Experience", "ReferenceLogprobs", "critic_values", "make_experience", "reference_logprobs"]
 
 
 @pytree
@@ -79,20 +80,60 @@ def _logprobs_and_sum_pi_squared_fn(model: CausalLM, params: Params,
     return both
 
 
+def critic_values(critic: Critic, params: Params | None, seqs: Sequences, *, config: JobConfig) -> Float[Tensor, "b t"]:
+    """The critic's values at each response position (0 on padding), without gradients, in
+    micro-batches of the critic's token budget (``critic.max_tokens_per_micro_batch``, else the
+    actor's) or of ``actor.micro_batch_rows``."""
+    if params is None:
+        raise ValueError("make_experience: a critic without TrainState.critic params")
+    budget = config.critic.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
+    values = _batched(critic, functools.partial(response_values, critic, params), seqs, config.actor.micro_batch_rows,
+                      budget)
+    return torch.where(seqs.response_mask, values, 0.0)
+
+
+def reference_logprobs(policy: CausalLM, params: Params, seqs: Sequences, *,
+                       config: JobConfig) -> Float[Tensor, "b t"]:
+    """Log-probs of the responses under the reference params, without gradients, at
+    ``rollout.temperature``, in the actor's micro-batches."""
+    return _batched(policy, _logprobs_fn(policy, params, config.rollout.temperature), seqs,
+                    config.actor.micro_batch_rows, config.actor.max_tokens_per_micro_batch)
+
+
+@runtime_checkable
+class CriticValues(Protocol):
+    """What :func:`make_experience` asks of a critic role (:mod:`purerl.step.roles`)."""
+
+    def values(self, params: Params | None, seqs: Sequences, *, config: JobConfig) -> Tensor: ...
+
+
+@runtime_checkable
+class ReferenceLogprobs(Protocol):
+    """What :func:`make_experience` asks of a reference role (:mod:`purerl.step.roles`)."""
+
+    def logprobs(self, params: Params | None, seqs: Sequences, *, config: JobConfig) -> Tensor: ...
+
+
 def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] | Rewards, *,
-                    policy: CausalLM, config: JobConfig, critic: Critic | None = None) -> Experience:
+                    policy: CausalLM, config: JobConfig, critic: Critic | CriticValues | None = None,
+                    reference: ReferenceLogprobs | None = None) -> Experience:
     """Old log-probs (the policy before the update; the rollout's behaviour log-probs when
-    ``actor.recompute_old_logprobs`` is False, recomputed otherwise), reference log-probs (when the state holds reference
-    params), values (when given a ``critic``; the state must hold its params) and ``Σπ²`` (when the
-    estimator needs it), all without gradients, at ``rollout.temperature``, in chunks of
-    ``actor.micro_batch_rows`` (or of ``actor.max_tokens_per_micro_batch`` positions; the critic's
-    own budget for values). ``rewards``: one score per row, or :class:`~purerl.batch.Rewards`
-    with ReMax baselines / GDPO components."""
+    ``actor.recompute_old_logprobs`` is False, recomputed otherwise), reference log-probs, values
+    (with a ``critic``) and ``Σπ²`` (when the estimator needs it), all without gradients, at
+    ``rollout.temperature``, in chunks of ``actor.micro_batch_rows`` (or of
+    ``actor.max_tokens_per_micro_batch`` positions; the critic's own budget for values).
+    ``rewards``: one score per row, or :class:`~purerl.batch.Rewards` with ReMax baselines / GDPO
+    components.
+
+    ``critic``: a :class:`~purerl.models.Critic` (computed here with ``state.critic``) or a critic
+    role, whose ``values`` may run wherever the critic lives. ``reference``: a reference role (an
+    executor's, for a reference that lives on a pool of its own: its params are not in
+    ``state``); without one, the reference log-probs are computed here when ``state.reference``
+    holds params."""
     rewards = Rewards.of(rewards)
     seqs, temperature = rollout.sequences, config.rollout.temperature
     rows, sum_pi_squared, old = config.actor.micro_batch_rows, None, rollout.behaviour_logprobs
     budget = config.actor.max_tokens_per_micro_batch
-    critic_budget = config.critic.max_tokens_per_micro_batch or budget
     recompute = config.actor.recompute_old_logprobs is not False  # None (not resolved): the safe choice
     if config.algorithm.estimator.needs_sum_pi_squared:  # Σπ² of π_old: the recomputed policy, whatever the flag
         both = _batched(policy, _logprobs_and_sum_pi_squared_fn(policy, state.policy, temperature), seqs, rows,
@@ -103,15 +144,15 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
     elif recompute:
         old = _batched(policy, _logprobs_fn(policy, state.policy, temperature), seqs, rows, budget)
     ref = None
-    if state.reference is not None:
-        ref = _batched(policy, _logprobs_fn(policy, state.reference, temperature), seqs, rows, budget)
+    if reference is not None:
+        ref = reference.logprobs(state.reference, seqs, config=config)
+    elif state.reference is not None:
+        ref = reference_logprobs(policy, state.reference, seqs, config=config)
     values = None
-    if critic is not None:
-        if state.critic is None:
-            raise ValueError("make_experience: a critic without TrainState.critic params")
-        values = _batched(critic, functools.partial(response_values, critic, state.critic), seqs, rows,
-                          critic_budget)
-        values = torch.where(seqs.response_mask, values, 0.0)
+    if isinstance(critic, Critic):
+        values = critic_values(critic, state.critic, seqs, config=config)
+    elif critic is not None:
+        values = critic.values(state.critic, seqs, config=config)
     return Experience(seqs, rollout.group, rewards.scores.to(torch.float32), old, rollout.behaviour_logprobs, ref,
                       values, rewards.baselines, rewards.components, sum_pi_squared,
                       None if rewards.token_rewards is None else rewards.token_rewards.to(torch.float32))

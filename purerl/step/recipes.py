@@ -24,8 +24,9 @@ from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.optim import Optimizer, adamw, chain, clip_by_global_norm, warmup_cosine_schedule
 from purerl.state import TrainState
 from purerl.step.experience import Experience, make_experience
+from purerl.step.roles import CriticRole, ReferenceRole, critic_role
 from purerl.step.shaping import Metrics, shape_rewards
-from purerl.step.update import ValueAndGrad, actor_update, critic_update
+from purerl.step.update import ValueAndGrad, actor_update
 
 __all__ = ["StepFn", "actor_optimizer", "critic_optimizer", "grpo_step", "kl_controller_of", "ppo_step", "step_function"]
 
@@ -46,10 +47,12 @@ def _rollout_metrics(rollout: Rollout, experience: Experience) -> Metrics:
 
 
 def grpo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] | Rewards, *, policy: CausalLM,
-              config: JobConfig, optimizer: Any, kl_controller: Any,
-              value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[TrainState, Metrics]:
-    """One critic-free step on a scored rollout: experience, advantages, actor update."""
-    experience = make_experience(state, rollout, rewards, policy=policy, config=config)
+              config: JobConfig, optimizer: Any, kl_controller: Any, value_and_grad: ValueAndGrad = pure_value_and_grad,
+              reference: ReferenceRole | None = None) -> tuple[TrainState, Metrics]:
+    """One critic-free step on a scored rollout: experience, advantages, actor update.
+    ``reference``: where the reference log-probs come from when the reference lives on a pool of
+    its own (the executor's role); without it, from ``state.reference`` here."""
+    experience = make_experience(state, rollout, rewards, policy=policy, config=config, reference=reference)
     batch, kl_state, metrics = shape_rewards(experience, state.kl, kl_controller, config=config)
     params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt, batch, policy=policy,
                                                     optimizer=optimizer, config=config, rng=state.rng,
@@ -60,16 +63,22 @@ def grpo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] 
 
 
 def ppo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] | Rewards, *, policy: CausalLM,
-             critic: Critic, config: JobConfig, optimizer: Any, critic_optimizer: Any, kl_controller: Any,
-             value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[TrainState, Metrics]:
+             critic: Critic | CriticRole, config: JobConfig, optimizer: Any, critic_optimizer: Any, kl_controller: Any,
+             value_and_grad: ValueAndGrad = pure_value_and_grad,
+             reference: ReferenceRole | None = None) -> tuple[TrainState, Metrics]:
     """One PPO step: experience with values, advantages, critic update, then actor update. During
     the first ``trainer.critic_warmup`` steps (``state.step < critic_warmup``) only the critic
-    trains (verl's ``trainer.critic_warmup``): the policy and its optimizer state come back unchanged."""
-    experience = make_experience(state, rollout, rewards, policy=policy, config=config, critic=critic)
+    trains (verl's ``trainer.critic_warmup``): the policy and its optimizer state come back unchanged.
+
+    ``critic``: a :class:`~purerl.models.Critic` (its stages computed here with ``state.critic``,
+    gradients by ``value_and_grad``) or a critic role (:mod:`purerl.step.roles`: an executor's, for a
+    critic on a pool of its own); ``reference`` as in :func:`grpo_step`."""
+    critic = critic_role(critic, value_and_grad)
+    experience = make_experience(state, rollout, rewards, policy=policy, config=config, critic=critic,
+                                 reference=reference)
     batch, kl_state, metrics = shape_rewards(experience, state.kl, kl_controller, config=config)
-    critic_params, critic_opt, critic_metrics = critic_update(
-        state.critic, state.critic_opt, batch, critic=critic, optimizer=critic_optimizer, config=config,
-        rng=state.rng, value_and_grad=value_and_grad)
+    critic_params, critic_opt, critic_metrics = critic.update(state.critic, state.critic_opt, batch,
+                                                              optimizer=critic_optimizer, config=config, rng=state.rng)
     if state.step < config.trainer.critic_warmup:
         params, opt_state, actor_metrics = state.policy, state.policy_opt, {"actor/critic_warmup": 1.0}
     else:

@@ -32,7 +32,7 @@ from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState, with_params, without_params
 from purerl.tree import replace, tree_map
 
-__all__ = ["RewardWorker", "RolloutWorker", "ShippedRewardFn", "TrainRank"]
+__all__ = ["Rank", "RewardModelHost", "RewardWorker", "RoleRank", "RolloutWorker", "ShippedRewardFn", "TrainRank"]
 
 
 def _free_port(host: str) -> int:
@@ -41,20 +41,34 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class TrainRank:
-    """One training rank: sharded params, the step function, optionally an engine (colocated)."""
+class RewardModelHost:
+    """The reward model on a worker that hosts it (a reward worker, or a rank whose pool the
+    placement gives it): loaded once, by :meth:`load_reward_model`."""
 
-    def __init__(self, rank: int, world: int, policy: CausalLM, critic: Critic | None, step_fn: Callable,
-                 build: bool, threads: int, engine_kwargs: dict[str, Any] | None, device: str,
-                 engine: str = "torch", offload: Any = None) -> None:
-        from purerl.executors.fsdp import Offload
+    reward_model_path: str | None = None
+    reward_model: RewardModel | None = None
+    reward_device: str = "cpu"
+    reward_batch_size: int = 16
 
-        torch.set_num_threads(threads)
-        self.rank, self.world, self.skeleton, self.critic_skeleton, self.device = rank, world, policy, critic, device
-        self.offload = offload or Offload()
-        self.step_fn = step_fn() if build else step_fn
-        self.engine = make_engine(engine, policy, device=device, **engine_kwargs) if engine_kwargs is not None else None
-        self.state: TrainState | None = None
+    def load_reward_model(self) -> None:
+        """Load the reward model (once; a no-op after)."""
+        if self.reward_model is None:
+            if self.reward_model_path is None:
+                raise ValueError("this worker was given no reward model (RayExecutor(reward_model=...))")
+            self.reward_model = RewardModel(self.reward_model_path, device=self.reward_device)
+
+    def score_model(self, prompts: list[str], responses: list[str]) -> np.ndarray:
+        """:meth:`RewardModel.score` of this shard, as float32 numpy."""
+        self.load_reward_model()
+        return self.reward_model.score(prompts, responses, batch_size=self.reward_batch_size).numpy()
+
+
+class Rank(RewardModelHost):
+    """A member of a ``torch.distributed`` group (the training ranks, or a role's pool)."""
+
+    rank: int
+    world: int
+    device: str
 
     def pid(self) -> int:
         return os.getpid()
@@ -67,8 +81,8 @@ class TrainRank:
         return ray.get_runtime_context().get_node_id(), ip, _free_port(ip)
 
     def init_process_group(self, init_method: str, timeout_s: float) -> None:
-        """Join the ranks' group at ``init_method``: a ``file://`` rendezvous when every rank runs
-        on this node (nothing listens on the network: collectives on loopback), else ``tcp://``."""
+        """Join the group at ``init_method``: a ``file://`` rendezvous when every rank runs on
+        this node (nothing listens on the network: collectives on loopback), else ``tcp://``."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -79,6 +93,39 @@ class TrainRank:
         dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=timeout_s))
         self.mesh = init_device_mesh(self.device, (self.world,))
+
+    def host_reward_model(self, path: str, device: str, batch_size: int) -> None:
+        """Host the reward model at ``path`` too (loaded now: a bad folder fails the start)."""
+        self.reward_model_path, self.reward_device, self.reward_batch_size = path, device, batch_size
+        self.load_reward_model()
+
+
+class TrainRank(Rank):
+    """One training rank: sharded params, the step function, optionally an engine (colocated),
+    and the roles the placement puts on other pools (:meth:`attach_roles`)."""
+
+    def __init__(self, rank: int, world: int, policy: CausalLM, critic: Critic | None, step_fn: Callable,
+                 build: bool, threads: int, engine_kwargs: dict[str, Any] | None, device: str,
+                 engine: str = "torch", offload: Any = None) -> None:
+        from purerl.executors.fsdp import Offload
+
+        torch.set_num_threads(threads)
+        self.rank, self.world, self.skeleton, self.critic_skeleton, self.device = rank, world, policy, critic, device
+        self.offload = offload or Offload()
+        self.step_fn = step_fn() if build else step_fn
+        self.engine = make_engine(engine, policy, device=device, **engine_kwargs) if engine_kwargs is not None else None
+        self.state: TrainState | None = None
+        self.remote_roles: dict[str, Any] = {}
+
+    def attach_roles(self, pools: dict[str, list[Any]], timeout_s: float) -> None:
+        """The critic and/or the reference live on ``pools`` (``{"critic": [rank handles], …}``):
+        the step function gets roles that run their stages there (rank 0 calls, every rank gets
+        the result)."""
+        from purerl.executors.ray.roles import RemoteCritic, RemoteReference
+
+        kinds = {"critic": RemoteCritic, "reference": RemoteReference}
+        self.remote_roles = {name: kinds[name](ranks, self.rank, self.device, timeout_s)
+                             for name, ranks in pools.items()}
 
     def load(self, wire_state: Any) -> None:
         """Shard a full state: policy, reference and critic through FSDP2, each optimizer state
@@ -129,6 +176,7 @@ class TrainRank:
         effects = dict(policy=self.model, value_and_grad=self.value_and_grad)
         if self.critic is not None:
             effects["critic"] = self.critic
+        effects.update(self.remote_roles)
         state = self._optimizers_to(self._params_device(), with_params(small, self.state))
         state, metrics = self.step_fn(state, rollout, scores, **effects)
         self.state = self._optimizers_to("cpu", state)
@@ -171,6 +219,82 @@ class TrainRank:
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int,
                  streams: list[int] | None = None) -> Any:
         return to_wire(self.engine.generate(prompts, sampling, rng, version=version, streams=streams))
+
+
+class RoleRank(Rank):
+    """One rank of a pool that holds a role apart from the actor: the critic (values, updates),
+    the reference (log-probs) and, where the placement says so, the reward model
+    (:meth:`host_reward_model`). The ranks of a pool shard their params with FSDP2 and split each
+    batch's rows, like the training ranks; every rank of the pool is called, rank 0 answers."""
+
+    def __init__(self, rank: int, world: int, policy: CausalLM, critic: Critic | None, threads: int,
+                 device: str) -> None:
+        torch.set_num_threads(threads)
+        self.rank, self.world, self.device = rank, world, device
+        self.skeleton, self.critic_skeleton = policy, critic
+        self.held: dict[str, Any] = {}  # "critic", "critic_opt", "reference": this pool's part of the state
+
+    def load(self, wire_params: Any) -> None:
+        """Shard this pool's part of the state: ``{"critic": params, "critic_opt": state}`` and/or
+        ``{"reference": params}``."""
+        from purerl.executors.fsdp import (
+            ShardedCausalLM,
+            ShardedCritic,
+            shard_causal_lm,
+            shard_like,
+            shard_module,
+            sharded_value_and_grad,
+        )
+
+        parts = from_wire(wire_params)
+        if "critic" in parts:
+            if self.critic_skeleton is None:
+                raise ValueError("the critic's pool was given critic params but no critic model")
+            module, params = shard_module(self.critic_skeleton.module, parts["critic"], mesh=self.mesh,
+                                          buffers=self.critic_skeleton.buffers)
+            self.critic = ShardedCritic.of(self.critic_skeleton, [(module, params)])
+            self.held.update(critic=params, critic_opt=shard_like(parts["critic_opt"], params))
+        if "reference" in parts:
+            module, params = shard_causal_lm(self.skeleton, parts["reference"], mesh=self.mesh, trainable=False)
+            self.reference = ShardedCausalLM.of(self.skeleton, [(module, params)])
+            self.held["reference"] = params
+        self.value_and_grad = sharded_value_and_grad(self.rank, self.world)
+
+    def _here(self, wire: Any) -> Any:
+        return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, from_wire(wire))
+
+    def values(self, seqs: Any, config: Any) -> Any:
+        """The critic's values of ``seqs`` (:func:`~purerl.step.experience.critic_values`)."""
+        from purerl.step.experience import critic_values
+
+        out = critic_values(self.critic, self.held["critic"], self._here(seqs), config=config)
+        return to_wire(out) if self.rank == 0 else None
+
+    def update_critic(self, batch: Any, optimizer: Any, config: Any, rng: RngState) -> dict[str, float]:
+        """One critic update on the shaped ``batch`` with the step's ``optimizer``; its metrics."""
+        from purerl.step.update import critic_update
+
+        params, opt_state, metrics = critic_update(self.held["critic"], self.held["critic_opt"], self._here(batch),
+                                                   critic=self.critic, optimizer=optimizer, config=config, rng=rng,
+                                                   value_and_grad=self.value_and_grad)
+        self.held.update(critic=params, critic_opt=opt_state)
+        return metrics
+
+    def reference_logprobs(self, seqs: Any, config: Any) -> Any:
+        """Log-probs of ``seqs``' responses under the reference
+        (:func:`~purerl.step.experience.reference_logprobs`)."""
+        from purerl.step.experience import reference_logprobs
+
+        out = reference_logprobs(self.reference, self.held["reference"], self._here(seqs), config=config)
+        return to_wire(out) if self.rank == 0 else None
+
+    def full_state(self) -> Any:
+        """This pool's part of the state with full tensors (all ranks must call it; rank 0 returns it)."""
+        from purerl.executors.fsdp import is_sharded
+
+        full = tree_map(lambda x: x.full_tensor() if is_sharded(x) else x, self.held)
+        full = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, full)
+        return to_wire(full) if self.rank == 0 else None
 
 
 class RolloutWorker:
@@ -223,15 +347,14 @@ class RolloutWorker:
         self.calls.add(call)
 
 
-class RewardWorker:
+class RewardWorker(RewardModelHost):
     """A reward worker: scores one shard of the responses with a reward function and, given a
     reward-model folder, with that model (loaded once, by :meth:`load_reward_model`)."""
 
     def __init__(self, reward_model: str | None = None, device: str = "cpu", threads: int = 1,
                  batch_size: int = 16) -> None:
         torch.set_num_threads(threads)
-        self.reward_model_path, self.device, self.batch_size = reward_model, device, batch_size
-        self.reward_model: RewardModel | None = None
+        self.reward_model_path, self.reward_device, self.reward_batch_size = reward_model, device, batch_size
 
     def pid(self) -> int:
         return os.getpid()
@@ -241,19 +364,6 @@ class RewardWorker:
               batch_timeout: float | None = None) -> Scores:
         return score_responses(fn, responses, truths, timeout=timeout, penalty=penalty, first_index=first_index,
                                data_sources=data_sources, extra_infos=extra_infos, batch_timeout=batch_timeout)
-
-    def load_reward_model(self) -> None:
-        """Load the reward model (once; a no-op after)."""
-        if self.reward_model is None:
-            if self.reward_model_path is None:
-                raise ValueError("this reward worker was given no reward model (RayExecutor(reward_model=...))")
-            self.reward_model = RewardModel(self.reward_model_path, device=self.device)
-
-    def score_model(self, prompts: list[str], responses: list[str]) -> np.ndarray:
-        """:meth:`RewardModel.score` of this shard, as float32 numpy."""
-        self.load_reward_model()
-        return self.reward_model.score(prompts, responses, batch_size=self.batch_size).numpy()
-
 
 class ShippedRewardFn:
     """A reward function on its way to the reward workers with the driver's ``sys.path``:

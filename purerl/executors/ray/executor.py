@@ -26,11 +26,15 @@ from purerl.rollout.queue import Published, Weights
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState, with_params, without_params
 from purerl.step.recipes import StepFn
+from purerl.tree import replace
 
 __all__ = ["RayExecutor"]
 
 
 _CALLS = itertools.count()
+# a training rank waiting on a role's pool gives up before the driver's step deadline, so the
+# driver hears which pool rank failed rather than a silent training rank
+_ROLE_SHARE = 0.7
 
 
 @contextlib.contextmanager
@@ -134,7 +138,7 @@ class RayExecutor:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
         self.config, self.reward_model, self.engine_name = config, reward_model, engine
-        self.generate_timeout = generate_timeout
+        self.generate_timeout, self.policy, self.critic = generate_timeout, policy, critic
         self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,
                                    ray_init, engine=engine, reward_model=reward_model, offload=offload)
         self.train, self.rollout, self.reward = self.groups.train, self.groups.rollout, self.groups.reward
@@ -148,6 +152,7 @@ class RayExecutor:
                                        self._load)
                             for g, sl in enumerate(prompt_shards(len(self.rollout), generators))])
         self.broken: set[int] = set()  # generators whose workers failed and are not restarted yet
+        self.remote_parts: set[str] = set()  # the state's parts on pools of their own ("critic", "reference")
         self._published = Published()
         self.last_sync_digests: list[str | None] = []  # per rollout engine, in checksum mode
         self.driver_reward_model: RewardModel | None = None  # with no reward workers, loaded on first use
@@ -174,10 +179,33 @@ class RayExecutor:
 
     # ---- the executor interface -----------------------------------------------------------------
     def start(self, state: TrainState) -> TrainState:
-        """Send the full ``state`` to the training ranks (they shard it) and publish its policy;
-        the driver keeps the rest."""
+        """Send the full ``state`` to where its parts live (the training ranks shard the policy;
+        the critic's and the reference's pools, when the placement has them, start now and shard
+        theirs) and publish its policy; the driver keeps the rest."""
         import ray
 
+        roles, parts = self.config.roles, {}
+        if roles["critic"] == "critic" and state.critic is not None:
+            parts["critic"] = {"critic": state.critic, "critic_opt": state.critic_opt}
+            state = replace(state, critic=None, critic_opt=None)
+        if roles["reference"] == "reference" and state.reference:
+            parts["reference"] = {"reference": state.reference}
+            state = replace(state, reference=None)
+        rm_pool = roles["reward_model"] if self.reward_model is not None else None
+        for pool in ("critic", "reference"):
+            if (pool in parts or rm_pool == pool) and pool not in self.groups.role_ranks:
+                ranks = self.groups.start_role_pool(pool, self.policy, self.critic)
+                if rm_pool == pool:
+                    self.groups.host_reward_model(ranks, f"{pool} rank", self.reward_model)
+        for pool, part in parts.items():
+            ref = ray.put(to_wire(part))
+            self.wait([(w.load.remote(ref), f"{pool} rank {r}") for r, w in enumerate(self.groups.role_ranks[pool])],
+                      self.config.start_timeout, "load state")
+        if parts:
+            remote = {pool: self.groups.role_ranks[pool] for pool in parts}
+            self.wait([(w.attach_roles.remote(remote, _ROLE_SHARE * self.config.step_timeout), f"train rank {r}")
+                       for r, w in enumerate(self.train)], self.config.start_timeout, "attach roles")
+        self.remote_parts = set(parts)
         ref = ray.put(to_wire(state))
         self.wait([(w.load.remote(ref), f"train rank {r}") for r, w in enumerate(self.train)],
                   self.config.start_timeout, "load state")
@@ -203,7 +231,7 @@ class RayExecutor:
         """The policy at ``state.step``: with split placement, gathered from the shards into Ray's
         object store (the driver holds only a reference) for the rollout workers to load, while the
         ranks go on training; colocated, it stays on the ranks until their engines load it."""
-        payload = publish(self.groups, state.step) if self.config.placement == "split" else None
+        payload = None if self.config.colocated else publish(self.groups, state.step)
         self._published.publish(Weights(state.step, payload))
 
     def newest(self, at_least: int = 0, stop: threading.Event | None = None) -> Weights | None:
@@ -272,25 +300,38 @@ class RayExecutor:
         return Scores.concat(self.wait(calls, 2 * (batch_timeout or timeout) + 30, "reward"))
 
     def score_model(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
-        """The reward model's scores (float32 ``[n]``, in order): contiguous shards on the reward
-        workers, each holding the model; with no reward workers, on the driver's CPU (loaded on
-        first use)."""
+        """The reward model's scores (float32 ``[n]``, in order): contiguous shards on the workers
+        of the pool the placement gives it (the reward workers by default, each holding the model);
+        with no reward workers, on the driver's CPU (loaded on first use)."""
         if self.reward_model is None:
             raise ValueError("RayExecutor.score_model: no reward model (RayExecutor(reward_model=path))")
         if len(prompts) != len(responses):
             raise ValueError(f"score_model: {len(prompts)} prompts but {len(responses)} responses")
-        if not self.reward:
+        pool = self.config.roles["reward_model"]
+        hosts = {"reward": self.reward, "train": self.train}.get(pool) or self.groups.role_ranks.get(pool)
+        if hosts is None:
+            raise ValueError(f"RayExecutor.score_model: the reward model lives on the {pool} pool, started by "
+                             "RayExecutor.start")
+        if not hosts:
             if self.driver_reward_model is None:
                 self.driver_reward_model = RewardModel(self.reward_model)
             return self.driver_reward_model.score(prompts, responses, batch_size=self.config.reward_batch_size)
-        shards = prompt_shards(len(prompts), len(self.reward))
-        calls = [(w.score_model.remote(list(prompts[sl]), list(responses[sl])), f"reward worker {i}")
-                 for i, (w, sl) in enumerate(zip(self.reward, shards))]
+        label = {"reward": "reward worker", "train": "train rank"}.get(pool, f"{pool} rank")
+        shards = prompt_shards(len(prompts), len(hosts))
+        calls = [(w.score_model.remote(list(prompts[sl]), list(responses[sl])), f"{label} {i}")
+                 for i, (w, sl) in enumerate(zip(hosts, shards))]
         parts = self.wait(calls, self.config.step_timeout, "reward model")
         return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0)
 
     def full_state(self, state: TrainState) -> TrainState:
-        """The full state gathered from the ranks, with the driver's step, RNG, cursor and KL."""
+        """The full state gathered from the ranks (and from the critic's and the reference's pools),
+        with the driver's step, RNG, cursor and KL."""
         parts = self.wait([(w.full_state.remote(), f"train rank {r}") for r, w in enumerate(self.train)],
                           self.config.sync_timeout, "gather state")
-        return with_params(state, from_wire(parts[0]))
+        full = from_wire(parts[0])
+        for pool in sorted(self.remote_parts):
+            ranks = self.groups.role_ranks[pool]
+            held = self.wait([(w.full_state.remote(), f"{pool} rank {r}") for r, w in enumerate(ranks)],
+                             self.config.sync_timeout, "gather state")
+            full = replace(full, **from_wire(held[0]))
+        return with_params(state, full)

@@ -19,7 +19,7 @@ from typing import Any
 
 from purerl.config.job import ExecutorConfig
 from purerl.executors.base import ExecutorError
-from purerl.executors.ray.actors import RewardWorker, RolloutWorker, TrainRank
+from purerl.executors.ray.actors import RewardWorker, RoleRank, RolloutWorker, TrainRank
 from purerl.models import CausalLM, Critic
 
 __all__ = ["WorkerGroups", "join_ray", "start_local_ray"]
@@ -101,7 +101,6 @@ class WorkerGroups:
                  engine: str = "torch", reward_model: str | None = None, offload: Any = None) -> None:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.config = config
         self.actors: list[tuple[Any, str]] = []
@@ -109,7 +108,8 @@ class WorkerGroups:
         self.failure: str | None = None
         self._lock = threading.Lock()
         self._closed = False
-        colocated = config.placement == "colocated"
+        colocated = config.colocated
+        self.role_ranks: dict[str, list[Any]] = {}  # the critic's and the reference's pools, once started
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             if config.ray_address is None:
@@ -136,11 +136,8 @@ class WorkerGroups:
                                         f"{pool.bundle_specs[0]}) within {config.start_timeout:.0f} s: not enough "
                                         "resources in the cluster")
 
-            def on(pool: str, index: int) -> dict[str, Any]:
-                gpus = config.reward_gpus_per_worker if pool == "reward" else config.gpus_per_worker
-                return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pools[pool], index),
-                        "num_cpus": config.cpus_per_worker, "num_gpus": gpus, "max_restarts": 0}
-
+            self._bundle = bundle
+            on = self._on
             device, threads = config.device, config.threads_per_worker
             # the embedded engine's workers run two methods at once, so that ``interrupt`` reaches
             # them while they generate (other engines keep the actor's main thread to themselves)
@@ -161,25 +158,72 @@ class WorkerGroups:
                 reward_model, reward_device, threads, config.reward_batch_size)
                 for i in range(config.reward_workers)]
             self.actors += [(a, f"reward worker {i}") for i, a in enumerate(self.reward)]
-            places = self.wait([(w.place.remote(), f"train rank {r}") for r, w in enumerate(self.train)],
-                               config.start_timeout, "start")
-            if len({node for node, _, _ in places}) == 1:  # one node: a file rendezvous, collectives on loopback
-                init_method = f"file://{tempfile.gettempdir()}/purerl-rendezvous-{uuid.uuid4().hex}"
-            else:
-                _, host, port = places[0]
-                init_method = f"tcp://{host}:{port}"
-            collective_timeout = _COLLECTIVE_SHARE * config.step_timeout
-            self.wait([(w.init_process_group.remote(init_method, collective_timeout), f"train rank {r}")
-                       for r, w in enumerate(self.train)], config.start_timeout, "init_process_group")
-            if reward_model is not None:  # each reward worker loads it once, now: a bad folder fails here
+            self._join_group(self.train, "train rank")
+            if reward_model is not None and config.roles["reward_model"] == "reward":
+                # each reward worker loads it once, now: a bad folder fails here
                 self.wait([(w.load_reward_model.remote(), f"reward worker {i}") for i, w in enumerate(self.reward)],
                           config.start_timeout, "load reward model")
+            if reward_model is not None and config.roles["reward_model"] == "train":
+                self.host_reward_model(self.train, "train rank", reward_model)
         except BaseException:
             self.close()
             raise
 
+    def _on(self, pool: str, index: int) -> dict[str, Any]:
+        """Ray options placing a worker on bundle ``index`` of ``pool``."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        config = self.config
+        gpus = config.reward_gpus_per_worker if pool == "reward" else config.gpus_per_worker
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pools[pool], index),
+                "num_cpus": config.cpus_per_worker, "num_gpus": gpus, "max_restarts": 0}
+
+    def _join_group(self, ranks: list[Any], label: str) -> None:
+        """Make ``ranks`` one ``torch.distributed`` group of their own."""
+        config = self.config
+        places = self.wait([(w.place.remote(), f"{label} {r}") for r, w in enumerate(ranks)], config.start_timeout,
+                           "start")
+        if len({node for node, _, _ in places}) == 1:  # one node: a file rendezvous, collectives on loopback
+            init_method = f"file://{tempfile.gettempdir()}/purerl-rendezvous-{uuid.uuid4().hex}"
+        else:
+            _, host, port = places[0]
+            init_method = f"tcp://{host}:{port}"
+        collective_timeout = _COLLECTIVE_SHARE * config.step_timeout
+        self.wait([(w.init_process_group.remote(init_method, collective_timeout), f"{label} {r}")
+                   for r, w in enumerate(ranks)], config.start_timeout, "init_process_group")
+
+    def host_reward_model(self, ranks: list[Any], label: str, path: str) -> None:
+        """``ranks`` load the reward model at ``path`` (each once, now: a bad folder fails here)."""
+        config = self.config
+        self.wait([(w.host_reward_model.remote(path, config.device, config.reward_batch_size), f"{label} {r}")
+                   for r, w in enumerate(ranks)], config.start_timeout, "load reward model")
+
+    def start_role_pool(self, pool: str, policy: CausalLM, critic: Critic | None) -> list[Any]:
+        """Reserve pool ``pool`` (``critic`` or ``reference``) and start its ranks
+        (``executor.critic_workers`` / ``reference_workers``), one group of their own."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        config = self.config
+        count = config.critic_workers if pool == "critic" else config.reference_workers
+        try:
+            self.pools[pool] = group = placement_group([{**self._bundle, **config.pool_resources.get(pool, {})}] * count,
+                                                       strategy="PACK")
+            if not group.wait(config.start_timeout):
+                raise ExecutorError(f"Ray could not reserve the {pool} pool ({count} × {group.bundle_specs[0]}) within "
+                                    f"{config.start_timeout:.0f} s: not enough resources in the cluster")
+            ranks = [ray.remote(RoleRank).options(**self._on(pool, r)).remote(
+                r, count, policy, critic, config.threads_per_worker, config.device) for r in range(count)]
+            self.actors += [(a, f"{pool} rank {r}") for r, a in enumerate(ranks)]
+            self._join_group(ranks, f"{pool} rank")
+        except BaseException:
+            self.close()
+            raise
+        self.role_ranks[pool] = ranks
+        return ranks
+
     def rollout_label(self, i: int) -> str:
-        return f"train rank {i}" if self.config.placement == "colocated" else f"rollout worker {i}"
+        return f"train rank {i}" if self.config.colocated else f"rollout worker {i}"
 
     def restart_rollout_worker(self, i: int) -> None:
         """Kill rollout worker ``i`` (if it still runs) and start a new one on its bundle; it holds

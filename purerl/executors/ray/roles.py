@@ -1,0 +1,84 @@
+"""The critic and the reference as roles on a pool of their own (:mod:`purerl.step.roles`), as the
+training ranks see them.
+
+The step function runs on every training rank; it asks these roles for the critic's values and
+update and for the reference log-probs. Rank 0 calls every rank of the role's pool (they split
+the rows and answer through their rank 0) and broadcasts the answer to the other training ranks,
+so the pool does each stage once per step whatever the number of training ranks. The params the
+step passes in are ``None``: the pool holds them (and the critic's optimizer state).
+"""
+
+from typing import Any
+
+import torch
+
+from purerl.executors.wire import from_wire, to_wire
+from purerl.state import RngState
+
+__all__ = ["RemoteCritic", "RemoteReference"]
+
+
+class _RemoteRole:
+    pool = ""
+
+    def __init__(self, ranks: list[Any], rank: int, device: str, timeout_s: float) -> None:
+        self.ranks, self.rank, self.device, self.timeout_s = ranks, rank, device, timeout_s
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Rank 0: ``method(*args)`` on every rank of the pool, its rank 0's answer; then every
+        training rank has that answer. A dead or silent pool rank raises, naming it."""
+        import torch.distributed as dist
+
+        answer = None
+        if self.rank == 0:
+            answer = self._ask(method, args)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [answer]
+            device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else None
+            dist.broadcast_object_list(box, src=0, device=device)
+            answer = box[0]
+        return answer
+
+    def _ask(self, method: str, args: tuple[Any, ...]) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        answers = []
+        for i, ref in enumerate(refs):
+            label = f"{self.pool} rank {i}"
+            try:
+                answers.append(ray.get(ref, timeout=self.timeout_s))
+            except RayActorError as e:
+                raise RuntimeError(f"{label} died during {method} ({type(e).__name__})") from None
+            except GetTimeoutError:
+                raise RuntimeError(f"{label} did not answer {method} within {self.timeout_s:.0f} s") from None
+            except RayTaskError as e:
+                cause = e.cause if e.cause is not None else e
+                raise RuntimeError(f"{label} failed in {method}: {type(cause).__name__}: {cause}") from None
+        return answers[0]
+
+    def _tensor(self, wire: Any) -> torch.Tensor:
+        return from_wire(wire).to(self.device)
+
+
+class RemoteCritic(_RemoteRole):
+    """The critic on its own pool (:class:`~purerl.step.roles.CriticRole`)."""
+
+    pool = "critic"
+
+    def values(self, params: Any, seqs: Any, *, config: Any) -> torch.Tensor:
+        return self._tensor(self._call("values", to_wire(seqs), config))
+
+    def update(self, params: Any, opt_state: Any, batch: Any, *, optimizer: Any, config: Any,
+               rng: RngState) -> tuple[None, None, dict[str, float]]:
+        return None, None, self._call("update_critic", to_wire(batch), optimizer, config, rng)
+
+
+class RemoteReference(_RemoteRole):
+    """The reference on its own pool (:class:`~purerl.step.roles.ReferenceRole`)."""
+
+    pool = "reference"
+
+    def logprobs(self, params: Any, seqs: Any, *, config: Any) -> torch.Tensor:
+        return self._tensor(self._call("reference_logprobs", to_wire(seqs), config))
