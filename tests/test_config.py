@@ -40,7 +40,7 @@ def test_files_then_overrides_build_a_typed_tree(tmp_path):
     ({"lr": 1e-6}, "unknown key lr; did you mean actor.lr?"),
     ({"actor": 3}, "actor: expected a table of keys"),
     ({"executor": {"pool_resources": {"rollouts": {"gpu_node": 1}}}},
-     "executor.pool_resources: no pool 'rollouts' (pools: train, rollout, reward)"),
+     "executor.pool_resources: no pool 'rollouts' (pools: train, rollout, reward, critic, reference)"),
     ({"executor": {"pool_resources": {"rollout": {"gpu_node": 0}}}}, "executor.pool_resources.rollout: a table"),
     ({"asynchronous": {"generators": 0}}, "generators"),
 ])

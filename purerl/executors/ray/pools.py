@@ -278,7 +278,7 @@ class WorkerGroups:
             silent = ([f"{', '.join(labels[r] for r in pending)} did not answer within {timeout:.0f} s"]
                       if pending and not failures else
                       [f"{', '.join(labels[r] for r in pending)} did not answer (stopped or hung?)"] if pending else [])
-            messages = deaths + silent + [m for died, m in failures if not died]
+            messages = list(dict.fromkeys(deaths + silent + [m for died, m in failures if not died]))
             if not fatal:
                 raise ExecutorError(f"{what}: {'; '.join(messages)}")
             self.stop(f"{what}: {'; '.join(messages)}; the run is stopped")
@@ -298,6 +298,8 @@ class WorkerGroups:
             return True, f"{label} died ({type(e).__name__})"
         except RayTaskError as e:
             cause = e.cause if e.cause is not None else e
+            if isinstance(cause, ExecutorError):  # the worker names another that failed (a role's pool rank)
+                return True, str(cause)
             return False, f"{label} failed: {type(cause).__name__}: {cause}"
 
     def stop(self, failure: str) -> None:

@@ -5,13 +5,16 @@ The step function runs on every training rank; it asks these roles for the criti
 update and for the reference log-probs. Rank 0 calls every rank of the role's pool (they split
 the rows and answer through their rank 0) and broadcasts the answer to the other training ranks,
 so the pool does each stage once per step whatever the number of training ranks. The params the
-step passes in are ``None``: the pool holds them (and the critic's optimizer state).
+step passes in are ``None``: the pool holds them (and the critic's optimizer state). A pool rank
+that fails fails every training rank's step with one :class:`ExecutorError` naming it, which the
+driver reports as the run's error.
 """
 
 from typing import Any
 
 import torch
 
+from purerl.executors.base import ExecutorError
 from purerl.executors.wire import from_wire, to_wire
 from purerl.state import RngState
 
@@ -26,17 +29,23 @@ class _RemoteRole:
 
     def _call(self, method: str, *args: Any) -> Any:
         """Rank 0: ``method(*args)`` on every rank of the pool, its rank 0's answer; then every
-        training rank has that answer. A dead or silent pool rank raises, naming it."""
+        training rank has that answer. A dead, failed or silent pool rank raises
+        :class:`ExecutorError` naming it, on every training rank (none is left waiting for rank 0)."""
         import torch.distributed as dist
 
-        answer = None
+        answer, failure = None, None
         if self.rank == 0:
-            answer = self._ask(method, args)
+            try:
+                answer = self._ask(method, args)
+            except ExecutorError as e:
+                failure = str(e)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [answer]
+            box = [(answer, failure)]
             device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else None
             dist.broadcast_object_list(box, src=0, device=device)
-            answer = box[0]
+            answer, failure = box[0]
+        if failure is not None:
+            raise ExecutorError(failure)
         return answer
 
     def _ask(self, method: str, args: tuple[Any, ...]) -> Any:
@@ -50,12 +59,12 @@ class _RemoteRole:
             try:
                 answers.append(ray.get(ref, timeout=self.timeout_s))
             except RayActorError as e:
-                raise RuntimeError(f"{label} died during {method} ({type(e).__name__})") from None
+                raise ExecutorError(f"{label} died ({type(e).__name__}, in {method})") from None
             except GetTimeoutError:
-                raise RuntimeError(f"{label} did not answer {method} within {self.timeout_s:.0f} s") from None
+                raise ExecutorError(f"{label} did not answer {method} within {self.timeout_s:.0f} s") from None
             except RayTaskError as e:
                 cause = e.cause if e.cause is not None else e
-                raise RuntimeError(f"{label} failed in {method}: {type(cause).__name__}: {cause}") from None
+                raise ExecutorError(f"{label} failed in {method}: {type(cause).__name__}: {cause}") from None
         return answers[0]
 
     def _tensor(self, wire: Any) -> torch.Tensor:
