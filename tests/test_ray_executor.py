@@ -538,7 +538,7 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim
            "--eval-size", "2", "--train-size", "40", "--eval-every", "0", "--checkpoint-every", "1",
            "--no-progress", "--threads", "1", "--out-dir", str(out), "--ray-temp-dir", ray_temp,
            *(["--async", "--train-ranks", "1", "asynchronous.restarts=0"] if mode == "async" else []),
-           *(["--step-timeout", "15"] if sig == signal.SIGSTOP else []),
+           *(["--step-timeout", "10"] if sig == signal.SIGSTOP else []),
            *(["--placement", "split_collocate", "--adv-estimator", "gae"] if victim.startswith("critic") else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

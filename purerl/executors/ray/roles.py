@@ -5,11 +5,14 @@ The step function runs on every training rank; it asks these roles for the criti
 update and for the reference log-probs. Rank 0 calls every rank of the role's pool (they split
 the rows and answer through their rank 0) and broadcasts the answer to the other training ranks,
 so the pool does each stage once per step whatever the number of training ranks. The params the
-step passes in are ``None``: the pool holds them (and the critic's optimizer state). A pool rank
-that fails fails every training rank's step with one :class:`ExecutorError` naming it, which the
-driver reports as the run's error.
+step passes in are ``None``: the pool holds them (and the critic's optimizer state). The critic's
+update runs on its pool while the step goes on: its metrics are waited for when first read
+(:func:`~purerl.step.ppo_step` reads them after the actor's update, so the two updates overlap).
+A pool rank that fails fails every training rank's step with one :class:`ExecutorError` naming
+it, which the driver reports as the run's error.
 """
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,6 +24,27 @@ from purerl.state import RngState
 __all__ = ["RemoteCritic", "RemoteReference"]
 
 
+class _Answer(Mapping[str, float]):
+    """Metrics a pool is still computing: the first read waits for them."""
+
+    def __init__(self, wait: Callable[[], dict[str, float]]) -> None:
+        self._wait, self._metrics = wait, None
+
+    def _got(self) -> dict[str, float]:
+        if self._metrics is None:
+            self._metrics = self._wait()
+        return self._metrics
+
+    def __getitem__(self, key: str) -> float:
+        return self._got()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._got())
+
+    def __len__(self) -> int:
+        return len(self._got())
+
+
 class _RemoteRole:
     pool = ""
 
@@ -28,15 +52,24 @@ class _RemoteRole:
         self.ranks, self.rank, self.device, self.timeout_s = ranks, rank, device, timeout_s
 
     def _call(self, method: str, *args: Any) -> Any:
-        """Rank 0: ``method(*args)`` on every rank of the pool, its rank 0's answer; then every
-        training rank has that answer. A dead, failed or silent pool rank raises
-        :class:`ExecutorError` naming it, on every training rank (none is left waiting for rank 0)."""
+        """``method(*args)`` on the pool (see :meth:`_send`), waited for."""
+        return self._send(method, *args)()
+
+    def _send(self, method: str, *args: Any) -> Callable[[], Any]:
+        """Rank 0 calls ``method(*args)`` on every rank of the pool now; the returned function waits
+        for its rank 0's answer, which every training rank then has (every training rank must call
+        it, at the same point of the step: the answer is broadcast). A dead, failed or silent pool
+        rank raises :class:`ExecutorError` naming it, on every training rank."""
+        refs = [getattr(r, method).remote(*args) for r in self.ranks] if self.rank == 0 else []
+        return lambda: self._answer(method, refs)
+
+    def _answer(self, method: str, refs: list[Any]) -> Any:
         import torch.distributed as dist
 
         answer, failure = None, None
         if self.rank == 0:
             try:
-                answer = self._ask(method, args)
+                answer = self._wait(method, refs)
             except ExecutorError as e:
                 failure = str(e)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -48,11 +81,10 @@ class _RemoteRole:
             raise ExecutorError(failure)
         return answer
 
-    def _ask(self, method: str, args: tuple[Any, ...]) -> Any:
+    def _wait(self, method: str, refs: list[Any]) -> Any:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-        refs = [getattr(r, method).remote(*args) for r in self.ranks]
         answers = []
         for i, ref in enumerate(refs):
             label = f"{self.pool} rank {i}"
@@ -80,8 +112,8 @@ class RemoteCritic(_RemoteRole):
         return self._tensor(self._call("values", to_wire(seqs), config))
 
     def update(self, params: Any, opt_state: Any, batch: Any, *, optimizer: Any, config: Any,
-               rng: RngState) -> tuple[None, None, dict[str, float]]:
-        return None, None, self._call("update_critic", to_wire(batch), optimizer, config, rng)
+               rng: RngState) -> tuple[None, None, Mapping[str, float]]:
+        return None, None, _Answer(self._send("update_critic", to_wire(batch), optimizer, config, rng))
 
 
 class RemoteReference(_RemoteRole):
