@@ -32,7 +32,7 @@ from purerl.state import RngState  # noqa: E402
 from purerl.step import step_function  # noqa: E402
 from purerl.tiny import tiny_llama_config  # noqa: E402
 
-ENGINE = dict(eos_token_ids=[], pad_token_id=0)
+ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
 
 
 def job(args: argparse.Namespace) -> JobConfig:
