@@ -1,11 +1,13 @@
-"""Token-budget micro-batches against fixed-row micro-batches on a long-tailed batch.
+"""Token-budget micro-batches and packed forwards against fixed-row micro-batches on a long-tailed batch.
 
 The batch: ``--rows`` sequences, prompts of 32-128 tokens, responses of log-normal lengths clipped
 to 16-``--longest`` tokens (most short, a few long), padded to the batch's longest as a rollout is.
 One actor update (GRPO-style loss, clipping, fused AdamW) in micro-batches of ``--micro-rows`` rows
 (each padded to the batch's width), against micro-batches filled up to the same number of
 positions a fixed-row micro-batch holds (rows ordered by length, each micro-batch's own padding
-trimmed): the same bound on a forward's size, the same gradient. Times are medians of interleaved
+trimmed): the same bound on a forward's size, the same gradient; and both again with packed
+forwards (``actor.packed_forwards``: each micro-batch's rows as one stream of their attended
+tokens, attention per row: no compute on padding at all). Times are medians of interleaved
 runs; peak memory is each variant's resident-set high-water mark in a fresh process during one
 update after a warm-up (glibc returning freed tensors), as in ``bench_lora.py``.
 
@@ -20,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -64,17 +67,19 @@ def setup(args):
     width = batch.sequences.input_ids.shape[1]
     actor = {"clip_high": 0.2, "micro_batch_rows": args.micro_rows}
     rollout = {"temperature": 1.0}
-    configs = {"fixed rows": build(JobConfig, {"actor": actor, "rollout": rollout}),
-               "token budget": build(JobConfig, {"rollout": rollout, "actor": {
-                   **actor, "max_tokens_per_micro_batch": args.micro_rows * width}})}
+    fixed = build(JobConfig, {"actor": actor, "rollout": rollout})
+    budget = build(JobConfig, {"rollout": rollout, "actor": {**actor, "max_tokens_per_micro_batch": args.micro_rows * width}})
+    configs = {"fixed rows": (fixed, False), "token budget": (budget, False), "packed, fixed rows": (fixed, True),
+               "packed + token budget": (budget, True)}
     return model, params, batch, configs
 
 
-def update(model, params, batch, config):
+def update(model, params, batch, variant):
+    config, packed = variant
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-5))
     p = tree_clone(params)
-    return actor_update(p, optimizer.init(p), batch, policy=model, optimizer=optimizer, config=config,
-                        rng=RngState(0))
+    return actor_update(p, optimizer.init(p), batch, policy=attrs.evolve(model, packed=packed), optimizer=optimizer,
+                        config=config, rng=RngState(0))
 
 
 def memory(args) -> None:
@@ -113,12 +118,13 @@ def main() -> None:
     med = {name: statistics.median(t) for name, t in times.items()}
     for name in configs:
         print(f"{name}: {med[name]:.2f} s per update, {tokens / med[name]:.0f} real tokens/s")
-    print(f"token budget: {med['fixed rows'] / med['token budget']:.2f}x the fixed-row update's tokens/s")
+    for name in list(configs)[1:]:
+        print(f"{name}: {med['fixed rows'] / med[name]:.2f}x the fixed-row update's tokens/s")
     mem = {name: in_fresh_process(__file__, sys.argv[1:], name) for name in configs}
     mib = 2**20
     print("peak resident set of an update: " + "; ".join(
         f"{name} {m['peak'] / mib:.0f} MiB (+{(m['peak'] - m['held']) / mib:.0f} over the held state)"
-        for name, m in mem.items()) + f"; ratio {mem['fixed rows']['peak'] / mem['token budget']['peak']:.2f}")
+        for name, m in mem.items()))
 
 
 if __name__ == "__main__":

@@ -170,8 +170,15 @@ def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
 
 
 def _adapted(config: JobConfig, model: CausalLM, params: Params) -> tuple[CausalLM, Params]:
-    """With ``actor.lora_rank``, the LoRA policy on the base ``model`` and its adapters."""
+    """With ``actor.packed_forwards``, ``model`` computing its training forwards packed; with
+    ``actor.lora_rank``, the LoRA policy on that base and its adapters."""
     actor = config.actor
+    if actor.packed_forwards:
+        if not model.lean:
+            raise DataError(f"actor.packed_forwards: this {type(model.module).__name__} runs through its HF module "
+                            "(no lean family supports it, or its layers are checkpointed); packing needs the lean "
+                            "forward: leave actor.packed_forwards off")
+        model = attrs.evolve(model, packed=True)
     if not actor.lora_rank:
         return model, params
     try:

@@ -1,5 +1,6 @@
 """purerl.models.families.llama's lean training forward computes what the HF module computes: logits and gradients."""
 
+import attrs
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -46,11 +47,13 @@ def _with_pad_tokens_attended(seqs: Sequences, pad: int) -> Sequences:
     return Sequences(ids, seqs.attention_mask, seqs.response_mask)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("shared", [False, True, "pad"], ids=["every row", "shared prompts", "pad tokens attended"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_logits_and_gradients_equal_the_modules(name, shared):
+def test_logits_and_gradients_equal_the_modules(name, shared, packed):
     config = CONFIGS[name]
     model, params = causal_lm_from_config(config, seed=0)
+    model = attrs.evolve(model, packed=packed)
     assert model.lean
     g = torch.Generator().manual_seed(1)
     params = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in params.items()}  # biases ≠ 0

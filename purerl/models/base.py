@@ -70,8 +70,10 @@ class CausalLM:
     layers' activations in the backward (:class:`LayerCheckpoint`). ``family``: the lean
     implementation that supports this model (:func:`purerl.models.families.family_of`), if any. ``lean``:
     :func:`response_logits` runs the family's forward (not when checkpointed) instead of the HF
-    module; ``attrs.evolve(model, lean=False)`` forces the module. ``cache_keyword``: the
-    ``forward`` keyword of a KV cache in the installed transformers (:meth:`cache_arguments`).
+    module; ``attrs.evolve(model, lean=False)`` forces the module. ``packed``: the lean forward
+    runs the rows packed into one stream of their valid tokens, with no compute on padding
+    (``actor.packed_forwards``). ``cache_keyword``: the ``forward`` keyword of a KV cache in the
+    installed transformers (:meth:`cache_arguments`).
 
     A LoRA policy (:func:`purerl.models.lora.apply_lora`) has ``lora`` set and its frozen base
     weights in ``frozen``: its params trees hold the adapters only, and ``{}`` is the base (the
@@ -89,6 +91,7 @@ class CausalLM:
     cache_keyword: str = attrs.field(default=attrs.Factory(_cache_keyword, takes_self=True))
     lora: LoraSpec | None = None
     frozen: Params = attrs.field(factory=dict)
+    packed: bool = False
 
     def full(self, params: Params) -> Params:
         """The frozen base weights (a LoRA policy's) overlaid with ``params``."""

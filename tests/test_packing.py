@@ -1,0 +1,144 @@
+"""Packed training forwards (``actor.packed_forwards``): the rows' valid tokens run as one stream,
+attention stays inside each row, and the log-probs, entropies and gradients are the padded
+forward's (float64 here, so "equal" means to 1e-10) and each row's computed alone.
+
+A packed forward is where peers corrupted log-probs silently: a ``torch.roll`` over the packed
+stream gave each sequence's last token the next sequence's first token as its label (verl#6475);
+a missing position reset shifted rotary positions (OpenRLHF#217). The oracle here is each row run
+by itself with no padding at all, and the last response token of every row is checked on its own.
+"""
+
+import attrs
+import pytest
+import torch
+
+from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from purerl.batch import Sequences
+from purerl.models import causal_lm_from_config, response_logits, shared_prompts
+from purerl.models import value_and_grad as pure_value_and_grad
+from purerl.tiny import random_sequences, tiny_llama_config
+from purerl.tree import tree_clone
+from tests.test_llama import grouped
+
+
+def _model(packed: bool):
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    g = torch.Generator().manual_seed(1)
+    params = {k: (v + 0.02 * torch.randn(v.shape, generator=g)).double() for k, v in params.items()}
+    model = attrs.evolve(model, packed=packed, buffers={k: v.double() for k, v in model.buffers.items()})
+    return model, params
+
+
+def _extremes(seqs: Sequences) -> Sequences:
+    """The same rows with row 0's response cut to one token and row 1's prompt and response full
+    (no padding at all), besides the others' left-padded prompts and right-padded responses."""
+    p = seqs.input_ids.shape[1] - seqs.response_length
+    ids, mask, response = seqs.input_ids.clone(), seqs.attention_mask.clone(), seqs.response_mask.clone()
+    mask[0, p + 1:] = response[0, 1:] = False
+    ids[0, p + 1:] = 0
+    mask[1] = response[1] = True
+    ids[1] = torch.where(ids[1] == 0, 5, ids[1])
+    return Sequences(ids, mask, response[:, :])
+
+
+def _alone(model, params, seqs: Sequences, i: int) -> torch.Tensor:
+    """Row ``i``'s response log-probs from a forward over that row's attended tokens alone."""
+    mask = seqs.attention_mask[i]
+    ids = seqs.input_ids[i][mask][None]
+    responses = int(seqs.response_mask[i].sum())
+    single = Sequences(ids, torch.ones_like(ids, dtype=torch.bool), torch.ones((1, responses), dtype=torch.bool))
+    logits = response_logits(attrs.evolve(model, packed=False), params, single)
+    return logprobs_from_logits(logits, single.responses())[0]
+
+
+SEQS = {
+    "left-padded prompts, right-padded responses": lambda: random_sequences(6, 7, 9, 128, seed=3),
+    "a one-token response and a row with no padding": lambda: _extremes(random_sequences(6, 7, 9, 128, seed=3)),
+    "shared prompts": lambda: grouped(random_sequences(8, 7, 9, 128, seed=4), 4),
+}
+
+
+@pytest.mark.parametrize("layout", list(SEQS))
+def test_packed_logprobs_entropies_and_gradients_equal_the_padded_ones_and_each_row_alone(layout):
+    seqs = SEQS[layout]()
+    assert (shared_prompts(seqs) is not None) == (layout == "shared prompts")
+    mask = seqs.response_mask
+    g = torch.Generator().manual_seed(2)
+    weights = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    out = {}
+    for packed in (False, True):
+        model, params = _model(packed)
+
+        def loss(p, seqs=seqs, model=model):
+            logits = response_logits(model, p, seqs)
+            logprobs = logprobs_from_logits(logits, seqs.responses())
+            entropy = entropy_from_logits(logits)
+            total = ((logprobs + 0.1 * entropy) * weights)[mask].sum()
+            from purerl.algo.aggregation import SumCount
+
+            return SumCount(total, torch.tensor(1.0, dtype=torch.float64)), (logprobs, entropy)
+
+        _, (logprobs, entropy), grads = pure_value_and_grad(loss)(params)
+        out[packed] = logprobs, entropy, grads
+    (padded_lp, padded_h, padded_g), (packed_lp, packed_h, packed_g) = out[False], out[True]
+    torch.testing.assert_close(packed_lp[mask], padded_lp[mask], rtol=0, atol=1e-10)
+    torch.testing.assert_close(packed_h[mask], padded_h[mask], rtol=0, atol=1e-10)
+    for name, grad in padded_g.items():
+        torch.testing.assert_close(packed_g[name], grad, rtol=1e-9, atol=1e-11, msg=name)
+    model, params = _model(True)
+    for i in range(len(seqs)):
+        alone = _alone(model, params, seqs, i)
+        n = len(alone)
+        torch.testing.assert_close(packed_lp[i, :n], alone, rtol=0, atol=1e-10)
+        assert abs(float(packed_lp[i, n - 1] - alone[-1])) < 1e-10  # the last label is the row's own
+
+
+def test_no_token_attends_across_a_row_and_a_rolled_label_would_be_caught():
+    seqs = random_sequences(4, 5, 8, 128, seed=5)
+    model, params = _model(True)
+    before = response_logits(model, params, seqs)
+    ids = seqs.input_ids.clone()
+    ids[1] = torch.where(seqs.attention_mask[1], (ids[1] + 7) % 125 + 3, ids[1])  # another row 1
+    after = response_logits(model, params, Sequences(ids, seqs.attention_mask, seqs.response_mask))
+    for row in (0, 2, 3):
+        torch.testing.assert_close(after[row], before[row], rtol=0, atol=1e-12)
+    assert not torch.allclose(after[1], before[1])
+    # the oracle sees a verl#6475-style bug: each row's last label taken from the next row's first token
+    logprobs = logprobs_from_logits(before, seqs.responses())
+    rolled_labels = seqs.responses().clone()
+    for i in range(len(seqs) - 1):
+        last = int(seqs.response_mask[i].sum()) - 1
+        rolled_labels[i, last] = seqs.input_ids[i + 1][seqs.attention_mask[i + 1]][0]
+    rolled = logprobs_from_logits(before, rolled_labels)
+    for i in range(len(seqs) - 1):
+        last = int(seqs.response_mask[i].sum()) - 1
+        alone = _alone(model, params, seqs, i)
+        assert abs(float(logprobs[i, last] - alone[-1])) < 1e-10
+        assert abs(float(rolled[i, last] - alone[-1])) > 1e-3
+
+
+@pytest.mark.parametrize("max_tokens", [None, 40], ids=["fixed rows", "token budget"])
+def test_a_grpo_step_with_packed_forwards_equals_the_padded_step(max_tokens):
+    """The whole step (old and reference log-probs, KL loss, clipped update over micro-batches,
+    fixed rows or a token budget): the same metrics and params as padded, to float32 rounding
+    (Adam divides by the gradients' scale: params to 1e-5, as across FSDP ranks)."""
+    from purerl.rollout.sampling import SamplingParams
+    from purerl.state import RngState
+    from purerl.step import grpo_step
+    from tests.jobs import step_config
+    from tests.test_step import PROMPTS, _scores, _setup
+
+    model, optimizer, kl_controller, state, engine, _ = _setup()
+    engine.sync(state.policy, 0)
+    rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
+    config = step_config(kl_loss_coef=0.1, micro_batch_rows=5, max_tokens_per_micro_batch=max_tokens)
+    results = {}
+    for packed in (False, True):
+        results[packed] = grpo_step(tree_clone(state), rollout, _scores(rollout), policy=attrs.evolve(model, packed=packed),
+                                    optimizer=optimizer, kl_controller=kl_controller, config=config)
+    (padded, padded_metrics), (packed, packed_metrics) = results[False], results[True]
+    assert packed_metrics.keys() == padded_metrics.keys()
+    for key, value in padded_metrics.items():
+        assert packed_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for name, value in padded.policy.items():
+        torch.testing.assert_close(packed.policy[name], value, rtol=0, atol=1e-5)  # Adam: grads to ~1e-7
