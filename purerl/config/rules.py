@@ -24,7 +24,8 @@ def resolve(config: JobConfig) -> JobConfig:
     """Automatic values made explicit: ``model.device`` (``auto``: the GPU when there is one),
     ``algorithm.rollout_correction`` (None: ``token-tis`` when asynchronous, else ``none``) and
     ``actor.recompute_old_logprobs`` (None: recompute unless the engine's log-probs are exactly
-    the trainer's: the embedded engine, synchronous, no top-p, no correction) and
+    the trainer's: the embedded engine in the model's dtype, synchronous, no top-p, no
+    correction) and
     ``executor.rollout_workers`` (asynchronous on Ray: at least one per generator)."""
     device = config.model.device
     if device == "auto":
@@ -36,7 +37,7 @@ def resolve(config: JobConfig) -> JobConfig:
     recompute = actor.recompute_old_logprobs
     if recompute is None:
         recompute = (rollout.top_p < 1.0 or correction != "none" or config.asynchronous.enable
-                     or rollout.engine != "torch")
+                     or rollout.engine != "torch" or rollout.engine_options.get("dtype") not in (None, config.model.dtype))
     executor = config.executor
     if config.asynchronous.enable:
         executor = attrs.evolve(executor, rollout_workers=max(executor.rollout_workers, config.asynchronous.generators))

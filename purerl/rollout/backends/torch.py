@@ -35,11 +35,16 @@ class TorchEngine:
     takes. On CUDA the lean decoding step is captured once per generate call and replayed as a
     CUDA graph (``cuda_graphs=False`` turns that off). Rows that finish early leave the decoding
     batch (``drop_finished=False`` keeps them; not with CUDA graphs, whose shapes are fixed).
+    ``dtype`` (e.g. ``"bfloat16"``): decode with the weights cast to it, a copy per version (on a
+    CPU with bfloat16 instructions, decoding's skinny products read half the bytes and run ~3×
+    faster); the log-probs are then the cast model's, so the trainer recomputes its own
+    (``actor.recompute_old_logprobs``) and the off-policy correction sees the difference.
     """
 
     def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
-                 lean: bool = True, cuda_graphs: bool = True, drop_finished: bool = True) -> None:
+                 lean: bool = True, cuda_graphs: bool = True, drop_finished: bool = True,
+                 dtype: str | torch.dtype | None = None) -> None:
         if not eos_token_ids:
             raise ValueError("TorchEngine: at least one EOS token id is needed")
         self.model = model
@@ -53,9 +58,18 @@ class TorchEngine:
         """True when decoding runs the model family's lean decoder (not the HF module)."""
         self.cuda_graphs = cuda_graphs
         self.drop_finished = drop_finished
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if self.dtype is not None and not self.dtype.is_floating_point:
+            raise ValueError(f"TorchEngine: dtype {dtype!r} is not a floating-point type")
+        if self.dtype is not None and not self.lean:
+            raise ValueError("TorchEngine: dtype needs the lean decoder (a model of a lean family, lean=True); the HF "
+                             "module decodes in the model's own dtype")
 
     def sync(self, params: Params, version: int) -> None:
-        self._params = self.model.merged(params)  # a LoRA policy decodes merged: at the base's speed
+        params = self.model.merged(params)  # a LoRA policy decodes merged: at the base's speed
+        if self.dtype is not None:
+            params = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in params.items()}
+        self._params = params
         self.version = version
 
     def close(self) -> None:
