@@ -173,3 +173,14 @@ def test_a_run_recorded_in_the_old_flat_layout_resumes_without_a_comparison(tmp_
     with pytest.raises(RunFolderError, match=r"actor.lr was 2e-05, now 0.001\. ") as err:
         check_resume_config(tmp_path, to_dict(changed), {"trainer.steps", "rollout.engine_options"})
     assert "trainer.steps was" not in str(err.value) and "engine_options" not in str(err.value).split(". A")[0]
+
+
+def test_an_engine_decoding_in_another_dtype_makes_the_trainer_recompute_its_old_logprobs():
+    from purerl.config.rules import resolve
+
+    def recompute(**rollout):
+        return resolve(build(JobConfig, {"rollout": rollout})).actor.recompute_old_logprobs
+
+    assert recompute() is False
+    assert recompute(engine_options={"dtype": "float32"}) is False  # the model's own dtype
+    assert recompute(engine_options={"dtype": "bfloat16"}) is True

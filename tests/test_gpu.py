@@ -304,3 +304,38 @@ def test_the_main_job_runs_on_the_ray_executor_on_cuda(tmp_path):
     summary = _main_job(tmp_path, "--executor", "ray", "--train-ranks", "1", "--rollout-workers", "1",
                         "--gpus-per-worker", "0.5")
     assert summary["steps"] == 3
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["every row", "shared prompts"])
+def test_packed_forwards_on_cuda_equal_the_padded_ones(shared):
+    """The packed stream's indexing (slots, the per-row attention, the scatter back) on the device."""
+    import attrs
+
+    from tests.test_llama import grouped
+
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, device="cuda")
+    seqs = random_sequences(8, 7, 9, 128, seed=3)
+    seqs = grouped(seqs, 4) if shared else seqs
+    seqs = type(seqs)(*(x.cuda() for x in (seqs.input_ids, seqs.attention_mask, seqs.response_mask)))
+    mask = seqs.response_mask
+    out = {}
+    for packed in (False, True):
+        leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+        logprobs = response_logprobs(attrs.evolve(model, packed=packed), leaves, seqs)
+        logprobs[mask].sum().backward()
+        out[packed] = logprobs, {k: v.grad for k, v in leaves.items()}
+    torch.testing.assert_close(out[True][0][mask], out[False][0][mask], rtol=0, atol=1e-5)
+    for name, grad in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_main_job_runs_packed_with_a_bfloat16_engine_on_cuda(tmp_path):
+    summary = _main_job(tmp_path, "actor.packed_forwards=true", "rollout.engine_options.dtype=bfloat16")
+    assert summary["steps"] == 3
+
+
+def test_the_main_job_runs_ppo_with_the_critic_on_its_own_pool_on_cuda(tmp_path):
+    pytest.importorskip("ray")
+    summary = _main_job(tmp_path, "--executor", "ray", "--placement", "split_collocate", "--adv-estimator", "gae",
+                        "--train-ranks", "1", "--rollout-workers", "1", "--gpus-per-worker", "0.3")
+    assert summary["steps"] == 3

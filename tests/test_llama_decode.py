@@ -87,3 +87,35 @@ def test_the_fixed_shape_step_equals_the_sliced_step():
         fixed = llama_decode.decode_step_static(weights, rotary, layout, token, position, index, caches[1])
         caches[1].length += 1
         torch.testing.assert_close(fixed, sliced, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4], ids=["multi-query", "grouped", "multi-head"])
+def test_one_query_attention_is_sdpa(kv_heads):
+    """The CPU decoding step's attention (grouped products, float32 softmax) is what
+    scaled_dot_product_attention computes, masked slots included."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 1, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(5, kv_heads, 11, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(5, 1, 1, 11, generator=g) < 0.7
+    mask[:, ..., -1] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
+                                                            enable_gqa=kv_heads != 4)
+    torch.testing.assert_close(llama_decode.one_query_attention(q, k, v, mask, 0.3), want.to(torch.float64),
+                               rtol=0, atol=1e-6)  # the softmax runs in float32
+
+
+def test_an_engine_with_a_dtype_decodes_what_the_model_cast_to_it_decodes():
+    """``dtype="bfloat16"``: the engine samples from the cast weights (the same tokens and log-probs
+    as an engine holding a bfloat16 copy itself), while the params it is given stay float32."""
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    sampling = SamplingParams(max_new_tokens=6, n=2, temperature=1.0)
+    cast = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, dtype="bfloat16")
+    cast.sync(params, 0)
+    own = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
+    own.sync({k: v.to(torch.bfloat16) for k, v in params.items()}, 0)
+    a, b = (e.generate([[5, 6, 7], [8, 9]], sampling, RngState(4), version=0) for e in (cast, own))
+    assert torch.equal(a.sequences.input_ids, b.sequences.input_ids)
+    assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    assert all(v.dtype == torch.float32 for v in params.values())
+    with pytest.raises(ValueError, match="floating-point"):
+        TorchEngine(model, eos_token_ids=[1], pad_token_id=0, dtype="int8")
