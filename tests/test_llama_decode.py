@@ -101,7 +101,7 @@ def test_one_query_attention_is_sdpa(kv_heads):
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
                                                             enable_gqa=kv_heads != 4)
     torch.testing.assert_close(llama_decode.one_query_attention(q, k, v, mask, 0.3), want.to(torch.float64),
-                               rtol=0, atol=1e-6)  # the softmax runs in float32
+                               rtol=0, atol=1e-12)
 
 
 def test_an_engine_with_a_dtype_decodes_what_the_model_cast_to_it_decodes():

@@ -313,21 +313,16 @@ class TrainerConfig:
 
 POOLS = ("train", "rollout", "reward", "critic", "reference")
 
-ROLES = ("rollout", "reference", "critic", "reward_model")
 PLACEMENTS = {
-    # rollout workers apart; the reference and the critic with the actor; the reward model on the reward workers
     "split": {"rollout": "rollout", "reference": "train", "critic": "train", "reward_model": "reward"},
-    # the actor's ranks generate too (verl's hybrid engine)
     "colocated": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "reward"},
     "hybrid_engine": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "reward"},
-    # every role on the training ranks (DeepSpeed-Chat)
     "fully_collocated": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "train"},
-    # actor + reference, critic + reward model, rollout: three pools (OpenRLHF's and NeMo-Aligner's default)
     "split_collocate": {"rollout": "rollout", "reference": "train", "critic": "critic", "reward_model": "critic"},
-    # every role a pool of its own
     "standalone": {"rollout": "rollout", "reference": "reference", "critic": "critic", "reward_model": "reward"},
 }
-"""Where each role lives under each ``executor.placement``: the pool (``train`` is the actor's)."""
+"""Where each role lives under each ``executor.placement``: the pool (``train`` is the actor's).
+``colocated`` = ``hybrid_engine`` (verl's); ``split_collocate``: OpenRLHF's default."""
 
 
 def _pool_resources(_: Any, attribute: Any, value: dict) -> None:
@@ -352,7 +347,8 @@ class ExecutorConfig:
     in buckets of ``bucket_bytes``, sha256-checked with ``sync_checksum``. ``step_timeout``,
     ``sync_timeout`` and ``start_timeout`` (seconds) bound a step, a weight sync and starting the
     workers: a worker silent longer ends the run, naming it. ``pool_resources``: custom Ray
-    resources that each worker of a pool (``train``, ``rollout``, ``reward``) asks for besides
+    resources that each worker of a pool (``train``, ``rollout``, ``reward``, ``critic``,
+    ``reference``) asks for besides
     its CPUs and GPUs, to pin roles to nodes (start the generating nodes with
     ``ray start --resources='{"rollout_node": 8}'`` and set ``pool_resources.rollout.rollout_node = 1``).
 

@@ -7,15 +7,18 @@ Worker groups live on resource pools (Ray placement groups, one bundle per worke
   :class:`~purerl.executors.fsdp.ShardedCausalLM` as ``policy`` and the data-parallel
   ``value_and_grad`` (and a sharded critic, for PPO). Each rank receives the whole rollout batch;
   the gradient effect and the no-grad forwards take the rank's own rows.
-- ``rollout``: with ``placement="split"``, ``rollout_workers`` actors apart from the training
-  ranks, each with a rollout engine; with ``"colocated"`` (verl's hybrid engine) the training
-  ranks generate themselves from gathered weights.
+- ``rollout``: ``rollout_workers`` actors apart from the training ranks, each with a rollout
+  engine; with ``placement="colocated"`` (verl's hybrid engine) or ``"fully_collocated"`` the
+  training ranks generate themselves from gathered weights.
+- ``critic``, ``reference``: with ``"split_collocate"`` or ``"standalone"``, the roles the
+  placement moves off the training ranks (:class:`~.actors.RoleRank`; the step reaches them
+  through :mod:`~.roles`).
 - ``reward``: ``reward_workers`` CPU actors scoring contiguous shards of the responses with
   :func:`~purerl.rewards.score_responses` (none: the driver scores) and, with
   a reward model, each holding the learned reward model (loaded once, at start) for
   ``score_model`` (none: the driver loads it on first use and scores on its CPU).
 
-Modules: :mod:`~.actors` (the three actor classes), :mod:`~.pools` (starting Ray, pools, waiting that fails closed), :mod:`~.weights`
+Modules: :mod:`~.actors` (the actor classes), :mod:`~.roles` (the roles on other pools, as the ranks see them), :mod:`~.pools` (starting Ray, pools, waiting that fails closed), :mod:`~.weights`
 (publishing weight versions through the object store), :mod:`~.executor` (:class:`RayExecutor`).
 
 Weights reach the rollout workers as numbered versions gathered from the shards (optionally

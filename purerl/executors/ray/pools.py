@@ -1,8 +1,10 @@
 """The Ray executor's worker groups on their resource pools, and the one way to wait for them.
 
 Pools are Ray placement groups, one bundle per worker: ``train`` (the FSDP2 ranks, one
-``torch.distributed`` group), ``rollout`` (split placement only) and ``reward`` (reward functions,
-and the reward model when there is one: each reward worker loads it at start). Waiting fails
+``torch.distributed`` group), ``rollout`` (when the ranks do not generate), ``reward`` (reward
+functions, and the reward model when the placement puts it there: each reward worker loads it at
+start), and ``critic`` / ``reference`` when the placement gives those roles pools of their own
+(started with the state, each rank group a ``torch.distributed`` group of its own). Waiting fails
 closed: the first dead, failed or silent worker stops every actor (so no rank is left blocked in
 a collective) and its message is the run's error, whichever thread waits next.
 """

@@ -81,13 +81,15 @@ def one_query_attention(q: Float[Tensor, "b h 1 d"], keys: Float[Tensor, "b k t 
                         mask: Bool[Tensor, "b 1 1 t"], scale: float) -> Float[Tensor, "b h 1 d"]:
     """Attention of one new token per row over its cache, as two batched products with the query
     heads grouped by the key-value head they share (query head ``h`` reads key-value head
-    ``h // (h_q / h_kv)``, as grouped-query attention repeats them), the softmax in float32.
+    ``h // (h_q / h_kv)``, as grouped-query attention repeats them), the softmax in float32 (or
+    the inputs' wider dtype).
     What ``scaled_dot_product_attention`` computes; on a CPU its kernel for one query costs up to
     12× this (bfloat16) and is never faster."""
     b, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(b, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale
+    scores = torch.matmul(grouped, keys.transpose(-1, -2))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(values.dtype)
     return torch.matmul(weights, values).reshape(b, heads, 1, dim)
 
