@@ -19,7 +19,7 @@ from purerl.config.job import JobConfig
 from purerl.models import CausalLM, Critic, Params
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import RngState
-from purerl.step.experience import critic_values, reference_logprobs
+from purerl.step.experience import CriticValues, ReferenceLogprobs, critic_values, reference_logprobs
 from purerl.step.shaping import Metrics, TrainBatch
 from purerl.step.update import ValueAndGrad, critic_update
 
@@ -27,22 +27,17 @@ __all__ = ["CriticRole", "LocalCritic", "LocalReference", "ReferenceRole", "crit
 
 
 @runtime_checkable
-class CriticRole(Protocol):
-    """The critic's two stages: values of a batch before any update, and one update (donating
-    ``params``/``opt_state``) on the shaped batch; returns the new params and optimizer state
-    (``None`` for a critic that lives elsewhere) and the update's metrics."""
-
-    def values(self, params: Params | None, seqs: Any, *, config: JobConfig) -> Float[Tensor, "b t"]: ...
+class CriticRole(CriticValues, Protocol):
+    """The critic's two stages: values of a batch before any update (:class:`CriticValues`), and
+    one update (donating ``params``/``opt_state``) on the shaped batch; returns the new params and
+    optimizer state (``None`` for a critic that lives elsewhere) and the update's metrics."""
 
     def update(self, params: Params | None, opt_state: Any, batch: TrainBatch, *, optimizer: Any, config: JobConfig,
                rng: RngState) -> tuple[Params | None, Any, Metrics]: ...
 
 
-@runtime_checkable
-class ReferenceRole(Protocol):
-    """The reference's one stage: log-probs of the responses (no gradients)."""
-
-    def logprobs(self, params: Params | None, seqs: Any, *, config: JobConfig) -> Float[Tensor, "b t"]: ...
+ReferenceRole = ReferenceLogprobs
+"""The reference's one stage: log-probs of the responses (no gradients)."""
 
 
 @attrs.frozen

@@ -94,6 +94,18 @@ class Rank(RewardModelHost):
                                 timeout=timedelta(seconds=timeout_s))
         self.mesh = init_device_mesh(self.device, (self.world,))
 
+    def _here(self, wire: Any) -> Any:
+        """A tree from the wire, its tensors on this rank's device."""
+        return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, from_wire(wire))
+
+    def _gathered(self, tree: Any) -> Any:
+        """``tree`` with full tensors, on the wire from rank 0 (None elsewhere; every rank must call it)."""
+        from purerl.executors.fsdp import is_sharded
+
+        full = tree_map(lambda x: x.full_tensor().detach() if is_sharded(x)
+                        else x.detach() if isinstance(x, torch.Tensor) else x, tree)
+        return to_wire(full) if self.rank == 0 else None
+
     def host_reward_model(self, path: str, device: str, batch_size: int) -> None:
         """Host the reward model at ``path`` too (loaded now: a bad folder fails the start)."""
         self.reward_model_path, self.reward_device, self.reward_batch_size = path, device, batch_size
@@ -171,8 +183,7 @@ class TrainRank(Rank):
 
     def step(self, small: Any, batch: Any) -> tuple[Any, dict[str, float]]:
         """``small``: the driver's state; ``batch``: ``(rollout, scores)``, the same on every rank."""
-        to_device = lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        small, (rollout, scores) = tree_map(to_device, from_wire((small, batch)))
+        small, (rollout, scores) = self._here((small, batch))
         effects = dict(policy=self.model, value_and_grad=self.value_and_grad)
         if self.critic is not None:
             effects["critic"] = self.critic
@@ -188,12 +199,7 @@ class TrainRank(Rank):
 
     def full_state(self) -> Any:
         """The whole state with full tensors (all ranks must call it; rank 0 returns it)."""
-        from purerl.executors.fsdp import is_sharded
-
-        state = self._optimizers_to(self._params_device(), self.state)  # collectives run on the device
-        full = tree_map(lambda x: x.full_tensor() if is_sharded(x) else x, state)
-        full = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, full)
-        return to_wire(full) if self.rank == 0 else None
+        return self._gathered(self._optimizers_to(self._params_device(), self.state))  # collectives on the device
 
     def publish_weights(self, version: int, bucket_bytes: int, checksum: bool) -> list[Any] | None:
         """Gather the policy and put it in Ray's object store as weight buckets (all ranks must
@@ -260,9 +266,6 @@ class RoleRank(Rank):
             self.held["reference"] = params
         self.value_and_grad = sharded_value_and_grad(self.rank, self.world)
 
-    def _here(self, wire: Any) -> Any:
-        return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, from_wire(wire))
-
     def values(self, seqs: Any, config: Any) -> Any:
         """The critic's values of ``seqs`` (:func:`~purerl.step.experience.critic_values`)."""
         from purerl.step.experience import critic_values
@@ -290,11 +293,7 @@ class RoleRank(Rank):
 
     def full_state(self) -> Any:
         """This pool's part of the state with full tensors (all ranks must call it; rank 0 returns it)."""
-        from purerl.executors.fsdp import is_sharded
-
-        full = tree_map(lambda x: x.full_tensor() if is_sharded(x) else x, self.held)
-        full = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, full)
-        return to_wire(full) if self.rank == 0 else None
+        return self._gathered(self.held)
 
 
 class RolloutWorker:

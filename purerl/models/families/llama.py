@@ -397,10 +397,9 @@ def packed_response_logits(
         """Each cell's index in the packed stream of ``mask``'s valid cells (meaningless where invalid)."""
         return (mask.reshape(-1).cumsum(0) - 1).view(mask.shape)
 
+    cells = valid[:, p - 1:s - 1]  # the positions predicting a response token, where the input is a token
     if shared is None:
-        hidden = run(input_ids, positions, valid)
-        cells = valid[:, p - 1:s - 1]
-        picked = hidden[slots(valid)[:, p - 1:s - 1][cells]]
+        picked = run(input_ids, positions, valid)[slots(valid)[:, p - 1:s - 1][cells]]
     else:
         first, inverse = shared
         prompt_mask, kept = valid[first, :p], []
@@ -409,11 +408,9 @@ def packed_response_logits(
         response_mask = valid[:, p:]
         response_hidden = run(input_ids[:, p:], positions[:, p:], response_mask, prefixes)
         last = prompt_hidden[slots(prompt_mask)[:, -1]][inverse]  # each row's prompt's last token
-        cells = valid[:, p - 1:s - 1]
-        rows, cols = cells[:, 1:].nonzero(as_tuple=True)
-        grid = last.new_zeros((b, t, last.shape[-1])).index_put((torch.arange(b, device=last.device),
-                                                                  torch.zeros_like(inverse)), last)
-        grid = grid.index_put((rows, cols + 1), response_hidden[slots(response_mask)[:, :t - 1][cells[:, 1:]]])
+        grid = last.new_zeros((b, t, last.shape[-1]))  # hidden states in the cells' layout
+        grid[:, 0] = last
+        grid[:, 1:][cells[:, 1:]] = response_hidden[slots(response_mask)[:, :t - 1][cells[:, 1:]]]
         picked = grid[cells]
     logits = logits_of(weights, layout, picked)
     rows, cols = cells.nonzero(as_tuple=True)
