@@ -174,10 +174,6 @@ def _adapted(config: JobConfig, model: CausalLM, params: Params) -> tuple[Causal
     ``actor.lora_rank``, the LoRA policy on that base and its adapters."""
     actor = config.actor
     if actor.packed_forwards:
-        if not model.lean:
-            raise DataError(f"actor.packed_forwards: this {type(model.module).__name__} runs through its HF module "
-                            "(no lean family supports it, or its layers are checkpointed); packing needs the lean "
-                            "forward: leave actor.packed_forwards off")
         model = attrs.evolve(model, packed=True)
     if not actor.lora_rank:
         return model, params
@@ -190,7 +186,8 @@ def _adapted(config: JobConfig, model: CausalLM, params: Params) -> tuple[Causal
 
 def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Critic | None, Params | None]:
     """The value model when the estimator reads values: a zero value head on a copy of the policy's
-    backbone (a LoRA policy's base), or on the base of ``critic.model``; (None, None) otherwise."""
+    backbone (a LoRA policy's base), or on the base of ``critic.model``, packed with
+    ``actor.packed_forwards``; (None, None) otherwise."""
     if not config.algorithm.estimator.needs_values:
         return None, None
     params = params if model.lora is None else model.frozen
@@ -201,7 +198,8 @@ def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Cri
         if model.config.vocab_size < policy_vocab:
             raise DataError(f"critic.model {config.critic.model}: vocabulary of {model.config.vocab_size} tokens, "
                             f"smaller than the policy's {policy_vocab}: it cannot read the policy's token ids")
-    return critic_from_causal_lm(model, params)
+    critic, critic_params = critic_from_causal_lm(model, params)
+    return attrs.evolve(critic, packed=config.actor.packed_forwards), critic_params
 
 
 def initial_state(config: JobConfig, params: Params, critic_params: Params | None = None) -> TrainState:

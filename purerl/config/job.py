@@ -206,9 +206,9 @@ class ActorConfig:
     ``max_tokens_per_micro_batch``: micro-batches (of the updates and the no-grad forwards) filled
     up to that many positions, rows ordered by length and padding trimmed, instead of
     ``micro_batch_rows`` rows (the same gradient; see :mod:`purerl.step.micro_batches`).
-    ``packed_forwards``: the policy's training and scoring forwards run each micro-batch's rows
-    packed into one stream of their attended tokens, attention kept inside each row (no compute
-    on padding; the same values and gradients; lean model families only, not the critic).
+    ``packed_forwards``: the training and scoring forwards (the policy's and the critic's) run each
+    micro-batch's rows packed into one stream of their attended tokens, attention kept inside
+    each row (no compute on padding; the same values and gradients).
     ``lora_rank`` > 0 trains LoRA adapters of that rank on the ``lora_targets`` layers (scale
     ``lora_alpha / lora_rank``) instead of every weight; the reference is then the base itself.
     LoRA wants a larger ``lr`` than full fine-tuning (about 10×; "LoRA Without Regret").

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from torch.nn.utils import stateless
 
@@ -39,6 +39,8 @@ __all__ = [
     "CausalLM",
     "Critic",
     "ValueModel",
+    "PackedStream",
+    "packed_stream",
     "shared_prompts",
     "response_logits",
     "response_logprobs",
@@ -70,10 +72,10 @@ class CausalLM:
     layers' activations in the backward (:class:`LayerCheckpoint`). ``family``: the lean
     implementation that supports this model (:func:`purerl.models.families.family_of`), if any. ``lean``:
     :func:`response_logits` runs the family's forward (not when checkpointed) instead of the HF
-    module; ``attrs.evolve(model, lean=False)`` forces the module. ``packed``: the lean forward
-    runs the rows packed into one stream of their valid tokens, with no compute on padding
-    (``actor.packed_forwards``). ``cache_keyword``: the ``forward`` keyword of a KV cache in the
-    installed transformers (:meth:`cache_arguments`).
+    module; ``attrs.evolve(model, lean=False)`` forces the module. ``packed``: the training and
+    scoring forwards run the rows packed into one stream of their valid tokens, with no compute
+    on padding (``actor.packed_forwards``; see :func:`response_logits`). ``cache_keyword``: the
+    ``forward`` keyword of a KV cache in the installed transformers (:meth:`cache_arguments`).
 
     A LoRA policy (:func:`purerl.models.lora.apply_lora`) has ``lora`` set and its frozen base
     weights in ``frozen``: its params trees hold the adapters only, and ``{}`` is the base (the
@@ -149,20 +151,26 @@ class ValueModel(nn.Module):
         self.backbone = backbone
         self.value_head = nn.Linear(hidden_size, 1)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: int) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor,
+                keep: int | Tensor) -> Tensor:
+        """Values ``[b, keep]`` at the last ``keep`` positions, or at the positions ``keep`` (a 1-d
+        index tensor, as HF's ``logits_to_keep``: a packed stream's predicting cells)."""
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
+        hidden = hidden[:, -keep:] if isinstance(keep, int) else hidden[:, keep]
         # a copy, not a view: FSDP2 warns of (and cannot hook) an in-place op on a view it returns
-        return self.value_head(hidden[:, -keep:]).squeeze(-1).clone()
+        return self.value_head(hidden).squeeze(-1).clone()
 
 
 @attrs.frozen(eq=False)
 class Critic:
-    """A value model: HF backbone + scalar head, as a skeleton like :class:`CausalLM`."""
+    """A value model: HF backbone + scalar head, as a skeleton like :class:`CausalLM`. ``packed``:
+    its forwards run the rows packed (:func:`response_values`)."""
 
     module: nn.Module
     buffers: dict[str, Tensor]
+    packed: bool = False
 
     def __call__(self, params: Params, *args: Any) -> Tensor:
         return torch.func.functional_call(self.module, ({**params, **self.buffers}), args, strict=True)
@@ -200,10 +208,22 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     are the single forward's (to float rounding), and so are the gradients: autograd adds the
     gradients of a shared prompt's keys and values over its rows. Models of a lean family run its
     forward (:attr:`CausalLM.lean`), the others the HF module.
+
+    A :attr:`CausalLM.packed` model runs no position of padding. The lean forward keeps the
+    prompt sharing and attends within each row (:func:`purerl.models.families.llama.packed_response_logits`);
+    through the HF module the rows run as one packed stream instead (:func:`packed_stream`), and
+    its masks keep attention inside each row (transformers reads the row boundaries off the
+    positions). Cells whose input is padding get logits 0 there (every loss masks them out).
     """
-    shared = shared_prompts(seqs) if model.shares_prompts else None
     if model.lean:
+        shared = shared_prompts(seqs) if model.shares_prompts else None
         return model.family.response_logits(model, params, seqs, shared)
+    if model.packed:
+        stream = packed_stream(seqs)
+        out = model(params, input_ids=stream.ids, position_ids=stream.positions, use_cache=False,
+                    logits_to_keep=stream.predicting)
+        return stream.unpacked(out.logits[0])
+    shared = shared_prompts(seqs) if model.shares_prompts else None
     t, positions, mask = seqs.response_length, seqs.position_ids(), seqs.attention_mask.long()
     if shared is None:
         out = model(params, input_ids=seqs.input_ids, attention_mask=mask, position_ids=positions,
@@ -222,6 +242,39 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     return torch.cat([prompt.logits[inverse], response.logits[:, :-1]], 1)
 
 
+@attrs.frozen(eq=False)
+class PackedStream:
+    """The attended tokens of a ``[b, s]`` batch, row after row, as one ``[1, T]`` stream.
+
+    ``ids`` and ``positions`` ``[1, T]`` (each row's positions start at 0, so a row boundary is
+    where the position does not go up by one); ``predicting`` ``[k]``: the stream indices of the
+    cells whose token predicts a response token, row-major (``cells`` ``[b, t]`` marks them)."""
+
+    ids: Int[Tensor, "1 T"]
+    positions: Int[Tensor, "1 T"]
+    predicting: Int[Tensor, " k"]
+    cells: Bool[Tensor, "b t"]
+
+    def unpacked(self, values: Float[Tensor, "k *rest"]) -> Float[Tensor, "b t *rest"]:
+        """``[b, t, …]`` from one value per predicting cell (0 in the other cells)."""
+        rows, cols = self.cells.nonzero(as_tuple=True)
+        out = values.new_zeros((*self.cells.shape, *values.shape[1:]))
+        return out.index_put((rows, cols), values)
+
+
+def packed_stream(seqs: Sequences) -> PackedStream:
+    """``seqs``' valid tokens packed (see :class:`PackedStream`); the cells are positions
+    ``s-t-1 … s-2`` of each row where the input is a token."""
+    valid = seqs.attention_mask
+    b, s = valid.shape
+    p = s - seqs.response_length
+    flat = valid.reshape(-1)
+    slots = (flat.long().cumsum(0) - 1).view(b, s)[:, p - 1:s - 1]
+    cells = valid[:, p - 1:s - 1]
+    return PackedStream(seqs.input_ids.reshape(-1)[flat][None], seqs.position_ids().reshape(-1)[flat][None],
+                        slots[cells], cells)
+
+
 def response_logprobs(
     model: CausalLM, params: Params, seqs: Sequences, *, temperature: float = 1.0
 ) -> Float[Tensor, "b t"]:
@@ -238,8 +291,13 @@ def response_entropy(
 
 
 def response_values(critic: Critic, params: Params, seqs: Sequences) -> Float[Tensor, "b t"]:
-    """``V(prefix before y_t)`` for every response position (verl's critic convention)."""
+    """``V(prefix before y_t)`` for every response position (verl's critic convention). A
+    :attr:`Critic.packed` critic runs the rows packed (:func:`packed_stream`; 0 where the input is
+    padding)."""
     t = seqs.response_length
+    if critic.packed:
+        stream = packed_stream(seqs)
+        return stream.unpacked(critic(params, stream.ids, None, stream.positions, stream.predicting)[0]).float()
     values = critic(params, seqs.input_ids, seqs.attention_mask.long(), seqs.position_ids(), t + 1)
     return values[:, :-1].float()
 
