@@ -21,13 +21,13 @@ from purerl.tiny import random_sequences, tiny_llama_config
 from purerl.tree import tree_clone
 from tests.test_llama import grouped
 
-
-PATHS = ["lean", "HF module"]
+PATHS = ["lean", "HF module", "HF module, checkpointed"]
 
 
 def _model(packed: bool, path: str = "lean"):
-    """The tiny Llama in float64 (perturbed weights), through the lean forward or its HF module."""
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    """The tiny Llama in float64 (perturbed weights), through the lean forward or its HF module
+    (with activation checkpointing: the module's path)."""
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, activation_checkpointing="checkpointed" in path)
     g = torch.Generator().manual_seed(1)
     params = {k: (v + 0.02 * torch.randn(v.shape, generator=g)).double() for k, v in params.items()}
     model = attrs.evolve(model, packed=packed, lean=path == "lean",
@@ -94,7 +94,7 @@ def test_packed_logprobs_entropies_and_gradients_equal_the_padded_ones_and_each_
     # the rows run their shared prompt each (the padded forward runs it once): a prompt's gradient
     # then passes the float32 norms' backward per row, not summed over its rows first, and rounds
     # differently (~3e-8 relative; row-wise sharing is exact to 1e-15 otherwise)
-    rounded = path == "HF module" and layout == "shared prompts"
+    rounded = path == "HF module" and layout == "shared prompts"  # (checkpointed: the padded forward shares none)
     for name, grad in padded_g.items():
         tolerance = dict(rtol=0, atol=1e-7 * float(grad.abs().max())) if rounded else dict(rtol=1e-9, atol=1e-11)
         torch.testing.assert_close(packed_g[name], grad, **tolerance, msg=name)

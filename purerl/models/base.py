@@ -255,7 +255,7 @@ class PackedStream:
     predicting: Int[Tensor, " k"]
     cells: Bool[Tensor, "b t"]
 
-    def unpacked(self, values: Float[Tensor, "k *rest"]) -> Float[Tensor, "b t *rest"]:
+    def unpacked(self, values: Float[Tensor, "k ..."]) -> Float[Tensor, "b t ..."]:
         """``[b, t, …]`` from one value per predicting cell (0 in the other cells)."""
         rows, cols = self.cells.nonzero(as_tuple=True)
         out = values.new_zeros((*self.cells.shape, *values.shape[1:]))
