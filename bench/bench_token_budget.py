@@ -7,7 +7,9 @@ One actor update (GRPO-style loss, clipping, fused AdamW) in micro-batches of ``
 positions a fixed-row micro-batch holds (rows ordered by length, each micro-batch's own padding
 trimmed): the same bound on a forward's size, the same gradient; and both again with packed
 forwards (``actor.packed_forwards``: each micro-batch's rows as one stream of their attended
-tokens, attention per row: no compute on padding at all). Times are medians of interleaved
+tokens, attention per row: no compute on padding at all). Then the trainer's whole GRPO step
+(no-grad forwards for the old and reference log-probs, advantages, the KL loss and the update),
+fixed rows against packed + token budget. Times are medians of interleaved
 runs; peak memory is each variant's resident-set high-water mark in a fresh process during one
 update after a warm-up (glibc returning freed tensors), as in ``bench_lora.py``.
 
@@ -29,12 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peak_memory import held_and_peak, in_fresh_process  # noqa: E402
 
-from purerl.batch import Sequences  # noqa: E402
+from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.batch import Rollout, Sequences  # noqa: E402
 from purerl.config.job import JobConfig  # noqa: E402
 from purerl.config.loading import build  # noqa: E402
 from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
-from purerl.state import RngState  # noqa: E402
+from purerl.state import RngState, TrainState  # noqa: E402
+from purerl.step import grpo_step  # noqa: E402
 from purerl.step.shaping import TrainBatch  # noqa: E402
 from purerl.step.update import actor_update  # noqa: E402
 from purerl.tiny import tiny_llama_config  # noqa: E402
@@ -72,6 +76,25 @@ def setup(args):
     configs = {"fixed rows": (fixed, False), "token budget": (budget, False), "packed, fixed rows": (fixed, True),
                "packed + token budget": (budget, True)}
     return model, params, batch, configs
+
+
+def trainer_step(model, params, batch, variant):
+    """The trainer's whole GRPO step on ``batch`` as a rollout (rows in groups of 4): old and
+    reference log-probs (no-grad forwards), advantages, KL loss and the update. Generation is
+    left out: packing does not change it."""
+    config, packed = variant
+    config = attrs.evolve(config, actor=attrs.evolve(config.actor, recompute_old_logprobs=True, kl_loss_coef=0.01))
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-5))
+    p = tree_clone(params)
+    state = TrainState(policy=p, policy_opt=optimizer.init(p), kl=make_kl_controller("fixed", coef=0.0).init(),
+                       rng=RngState(0), reference=params)
+    seqs = batch.sequences
+    rows = len(seqs)
+    rollout = Rollout(seqs, batch.old_logprobs * seqs.response_mask, torch.zeros(rows, dtype=torch.long),
+                      torch.arange(rows) // 4, 0)
+    scores = torch.randn(rows, generator=torch.Generator().manual_seed(1))
+    return grpo_step(state, rollout, scores, policy=attrs.evolve(model, packed=packed), config=config,
+                     optimizer=optimizer, kl_controller=make_kl_controller("fixed", coef=0.0))
 
 
 def update(model, params, batch, variant):
@@ -120,6 +143,18 @@ def main() -> None:
         print(f"{name}: {med[name]:.2f} s per update, {tokens / med[name]:.0f} real tokens/s")
     for name in list(configs)[1:]:
         print(f"{name}: {med['fixed rows'] / med[name]:.2f}x the fixed-row update's tokens/s")
+    whole = {name: [] for name in ("fixed rows", "packed + token budget")}
+    for name in whole:
+        trainer_step(model, params, batch, configs[name])  # warm-up
+    for _ in range(args.iters):
+        for name in whole:
+            start = time.perf_counter()
+            trainer_step(model, params, batch, configs[name])
+            whole[name].append(time.perf_counter() - start)
+    step_med = {name: statistics.median(t) for name, t in whole.items()}
+    print("the trainer's whole step (old and reference log-probs, advantages, KL loss, update): " + "; ".join(
+        f"{name} {t:.2f} s" for name, t in step_med.items())
+        + f"; packed + token budget {step_med['fixed rows'] / step_med['packed + token budget']:.2f}x")
     mem = {name: in_fresh_process(__file__, sys.argv[1:], name) for name in configs}
     mib = 2**20
     print("peak resident set of an update: " + "; ".join(

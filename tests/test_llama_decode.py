@@ -14,8 +14,9 @@ from tests.test_llama import CONFIGS
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["torch.mm", "oneDNN prepacked"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_prefill_and_every_decode_step_give_the_modules_logits(name):
+def test_prefill_and_every_decode_step_give_the_modules_logits(name, onednn):
     model, params = causal_lm_from_config(CONFIGS[name], seed=0)
     assert llama.supports(model)
     if "qwen2" in name:
@@ -28,7 +29,10 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(name):
                                             dtype=torch.float32, device=torch.device("cpu"))
     cache = llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + steps, dtype=torch.float32,
                                            device=torch.device("cpu"))
-    weights = llama.fused_weights(params, layout)
+    weights = llama_decode.decoder_weights(model, params) if onednn else llama.fused_weights(params, layout)
+    if onednn and not llama_decode.onednn_runs(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    assert isinstance(weights.head, llama_decode.OneDNNLinear) == onednn
     logits = llama_decode.forward_last(weights, rotary, layout, ids, mask, positions, cache)
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
@@ -119,3 +123,40 @@ def test_an_engine_with_a_dtype_decodes_what_the_model_cast_to_it_decodes():
     assert all(v.dtype == torch.float32 for v in params.values())
     with pytest.raises(ValueError, match="floating-point"):
         TorchEngine(model, eos_token_ids=[1], pad_token_id=0, dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prepacked_onednn_product_is_torch_mm_s_with_bias_and_residual(dtype):
+    if not llama_decode.onednn_runs(dtype):
+        pytest.skip("this torch build has no oneDNN")
+    g = torch.Generator().manual_seed(0)
+    x, w, bias, residual = (torch.randn(shape, generator=g).to(dtype) for shape in ((5, 64), (64, 96), (96,), (5, 96)))
+    packed = llama_decode.OneDNNLinear.of(w)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    for kwargs in (dict(), dict(bias=bias), dict(residual=residual), dict(bias=bias, residual=residual)):
+        want = llama.project(x.double(), w.double(), **{k: v.double() for k, v in kwargs.items()})
+        got = llama.project(x, packed, **kwargs)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, **tolerance, msg=str(list(kwargs)))
+
+
+def test_decoder_weights_are_prepacked_once_per_version_on_a_cpu_only():
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    if llama_decode.onednn_runs(torch.float32):
+        assert isinstance(llama_decode.decoder_weights(model, params), llama.FusedWeights)
+    assert llama_decode.decoder_weights(model, params, onednn=False) is params
+    double = {k: v.double() for k, v in params.items()}
+    assert llama_decode.decoder_weights(model, double) is double  # oneDNN has no float64 products
+    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
+    engine.sync(params, 0)
+    first = engine._decoder
+    engine.sync({k: v + 1 for k, v in params.items()}, 1)
+    assert engine._decoder is not first  # a new version: packed again
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+    plain = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, onednn=False)
+    outs = []
+    for e in (engine, plain):
+        e.sync(params, 2)
+        outs.append(e.generate(PROMPTS, sampling, RngState(0), version=2))
+    assert torch.equal(outs[0].sequences.input_ids, outs[1].sequences.input_ids)
+    torch.testing.assert_close(outs[0].behaviour_logprobs, outs[1].behaviour_logprobs, rtol=0, atol=1e-5)

@@ -206,3 +206,16 @@ def test_packed_critic_values_and_gradients_equal_the_padded_ones(layout):
                             Sequences(ids, seqs.attention_mask, seqs.response_mask))
     rows = [r for r in range(len(seqs)) if r != 1]
     torch.testing.assert_close(other[rows], packed[rows].float(), rtol=0, atol=1e-12)
+
+
+def test_the_sharded_models_keep_packing():
+    """The Ray executor's FSDP2 wrappers of the policy and the critic pack when their skeletons do."""
+    from purerl.executors.fsdp import ShardedCausalLM, ShardedCritic
+    from purerl.models import critic_from_causal_lm
+
+    model, params = _model(True)
+    critic, _ = critic_from_causal_lm(model, params)
+    for packed in (False, True):
+        assert ShardedCausalLM.of(attrs.evolve(model, packed=packed), []).packed == packed
+        sharded = ShardedCritic.of(attrs.evolve(critic, packed=packed), [])
+        assert sharded.packed == packed and sharded.owners == {}

@@ -217,7 +217,8 @@ class ShardedCausalLM(CausalLM):
         """``modules``: the policy's ``(module, params)`` first (with LoRA, the params ``{}``, the
         reference, run it with its adapters off)."""
         return cls(model.module, model.buffers, model.aliases, model.config, model.checkpointed,
-                   lean=False, lora=model.lora, owners=_owners(modules))  # lean: FSDP's modules gather the shards
+                   lean=False, lora=model.lora, packed=model.packed,
+                   owners=_owners(modules))  # lean: FSDP's modules gather the shards
 
     @contextlib.contextmanager
     def bind(self, params: Params) -> Iterator[nn.Module]:
@@ -247,7 +248,7 @@ class ShardedCritic(Critic):
 
     @classmethod
     def of(cls, critic: Critic, modules: list[tuple[nn.Module, Params]]) -> "ShardedCritic":
-        return cls(critic.module, critic.buffers, _owners(modules))
+        return cls(critic.module, critic.buffers, packed=critic.packed, owners=_owners(modules))
 
     def __call__(self, params: Params, *args: Any) -> Tensor:
         return _owner(self.owners, params)(*args)

@@ -45,11 +45,15 @@ class Family:
     - ``decoding(model, params, ids, mask, positions, n, capacity, cuda_graphs=…)``: a context
       manager yielding :data:`Decoding` for ``[g, P]`` left-padded prompts on their device,
       ``capacity`` positions per row.
+    - ``decoder_weights(model, params, onednn=…)``: what ``decoding`` reads in place of
+      ``params`` over the calls of one weights version (prepared once by the engine's ``sync``;
+      default: the params themselves).
     """
 
     supports: Callable[["CausalLM"], bool]
     response_logits: Callable[["CausalLM", "Params", "Sequences", tuple[Tensor, Tensor] | None], Tensor]
     decoding: Callable[..., AbstractContextManager[Decoding]]
+    decoder_weights: Callable[..., Any] = lambda model, params, **options: params
 
 
 FAMILIES: Registry[Any] = Registry("model family")
@@ -74,4 +78,5 @@ def _llama_response_logits(model: "CausalLM", params: "Params", seqs: "Sequences
                                  None if model.lora is None else model.lora.scale)
 
 
-FAMILIES.register("llama")(Family(llama.supports, _llama_response_logits, llama_decode.decoding))
+FAMILIES.register("llama")(Family(llama.supports, _llama_response_logits, llama_decode.decoding,
+                                  llama_decode.decoder_weights))

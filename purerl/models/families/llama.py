@@ -18,7 +18,7 @@ Shapes: ``b`` rows, ``s`` positions, ``H`` query heads, ``K`` key/value heads, `
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -251,11 +251,23 @@ def logits_of(weights: FusedWeights, layout: LlamaLayout, hidden: Float[Tensor, 
     return project(flat, weights.head, weights.head_bias).view(*shape, -1)
 
 
-def project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
+@runtime_checkable
+class Product(Protocol):
+    """A projection that computes its own product (a weight prepacked for inference:
+    :class:`purerl.models.families.llama_decode.OneDNNLinear`)."""
+
+    def project(self, x: Tensor, bias: Tensor | None, residual: Tensor | None) -> Tensor: ...
+
+
+def project(x: Tensor, weight: Tensor | Product, bias: Tensor | None = None, *, residual: Tensor | None = None,
             lora: Lora | None = None) -> Tensor:
     """``residual + x @ weight + bias`` for 2-d ``x`` and a transposed ``weight`` ``[in, out]``
     (what ``F.linear`` computes, one kernel), plus ``lora``'s low-rank update when given
-    (:class:`~purerl.models.lora.LoraLinear`'s order: the base output, then the update added)."""
+    (:class:`~purerl.models.lora.LoraLinear`'s order: the base output, then the update added).
+    A ``weight`` that is not a tensor computes the product itself (``weight.project(x, bias,
+    residual)``: :class:`purerl.models.families.llama_decode.OneDNNLinear`, inference only)."""
+    if not isinstance(weight, Tensor):
+        return weight.project(x, bias, residual)
     if residual is None:
         out = torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
     else:
