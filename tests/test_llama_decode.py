@@ -5,6 +5,7 @@ import torch
 
 from purerl.models import causal_lm_from_config
 from purerl.models.families import llama, llama_decode
+from purerl.models.families.onednn import OneDNNLinear, onednn_runs
 from purerl.rollout.backends.torch import TorchEngine, left_pad
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
@@ -29,10 +30,10 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(name, onednn):
                                             dtype=torch.float32, device=torch.device("cpu"))
     cache = llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + steps, dtype=torch.float32,
                                            device=torch.device("cpu"))
-    weights = llama_decode.decoder_weights(model, params) if onednn else llama.fused_weights(params, layout)
-    if onednn and not llama_decode.onednn_runs(torch.float32):
+    weights = llama_decode.decoder_weights(model, params, onednn=onednn)
+    if onednn and not onednn_runs(torch.float32):
         pytest.skip("this torch build has no oneDNN")
-    assert isinstance(weights.head, llama_decode.OneDNNLinear) == onednn
+    assert isinstance(weights.head, OneDNNLinear) == onednn
     logits = llama_decode.forward_last(weights, rotary, layout, ids, mask, positions, cache)
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
@@ -125,28 +126,13 @@ def test_an_engine_with_a_dtype_decodes_what_the_model_cast_to_it_decodes():
         TorchEngine(model, eos_token_ids=[1], pad_token_id=0, dtype="int8")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prepacked_onednn_product_is_torch_mm_s_with_bias_and_residual(dtype):
-    if not llama_decode.onednn_runs(dtype):
-        pytest.skip("this torch build has no oneDNN")
-    g = torch.Generator().manual_seed(0)
-    x, w, bias, residual = (torch.randn(shape, generator=g).to(dtype) for shape in ((5, 64), (64, 96), (96,), (5, 96)))
-    packed = llama_decode.OneDNNLinear.of(w)
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    for kwargs in (dict(), dict(bias=bias), dict(residual=residual), dict(bias=bias, residual=residual)):
-        want = llama.project(x.double(), w.double(), **{k: v.double() for k, v in kwargs.items()})
-        got = llama.project(x, packed, **kwargs)
-        assert got.dtype == dtype
-        torch.testing.assert_close(got.double(), want, **tolerance, msg=str(list(kwargs)))
-
-
-def test_decoder_weights_are_prepacked_once_per_version_on_a_cpu_only():
+def test_decoder_weights_are_prepacked_once_per_version_on_a_cpu():
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
-    if llama_decode.onednn_runs(torch.float32):
-        assert isinstance(llama_decode.decoder_weights(model, params), llama.FusedWeights)
-    assert llama_decode.decoder_weights(model, params, onednn=False) is params
+    if onednn_runs(torch.float32):
+        assert isinstance(llama_decode.decoder_weights(model, params).head, OneDNNLinear)
+    assert not llama_decode.decoder_weights(model, params, onednn=False).onednn
     double = {k: v.double() for k, v in params.items()}
-    assert llama_decode.decoder_weights(model, double) is double  # oneDNN has no float64 products
+    assert not llama_decode.decoder_weights(model, double).onednn  # oneDNN has no float64 products
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 0)
     first = engine._decoder

@@ -13,7 +13,6 @@ Shapes: ``b`` rows, ``s`` new positions, ``t`` cache capacity (prompt width + ma
 """
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,9 +33,10 @@ from purerl.models.families.llama import (
     layout_of,
     logits_of,
 )
+from purerl.models.families.onednn import OneDNNLinear
 
-__all__ = ["StaticCache", "GraphedDecoder", "OneDNNLinear", "decoder_weights", "decoding", "forward_last",
-           "decode_step_static", "one_query_attention", "onednn_runs"]
+__all__ = ["StaticCache", "GraphedDecoder", "decoder_weights", "decoding", "forward_last", "decode_step_static",
+           "one_query_attention"]
 
 
 @attrs.define
@@ -166,52 +166,17 @@ def decode_step_static(
     return logits_of(weights, layout, hidden[:, -1])
 
 
-@attrs.frozen(eq=False)
-class OneDNNLinear:
-    """A projection ``x @ W`` whose weight is reordered once, into oneDNN's blocked layout, for
-    the products of inference on a CPU. On the machines measured (``bench/bench_decode.py``)
-    the prepacked float32 product ran 2-3.5x the rate of ``torch.mm``'s (MKL, which repacks the
-    weight on every call and here reaches less than half of what the cores do), bfloat16 1.9x at
-    decoding's few rows. Float32 stays float32: results differ from ``torch.mm``'s in rounding
-    only (~1e-6 relative). No autograd: the engine's weights only."""
-
-    weight: Tensor  # oneDNN's layout of [out, in]
-
-    @classmethod
-    def of(cls, matrix: Float[Tensor, "i o"]) -> "OneDNNLinear":
-        """From a ``[in, out]`` matrix (as :class:`~purerl.models.families.llama.FusedWeights` holds them)."""
-        return cls(torch.ops.mkldnn._reorder_linear_weight(matrix.t().contiguous()))
-
-    def project(self, x: Float[Tensor, "m i"], bias: Tensor | None, residual: Tensor | None) -> Float[Tensor, "m o"]:
-        if residual is None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
-        out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, None, "add")
-        return out if bias is None else out + bias
-
-
-@functools.cache
-def onednn_runs(dtype: torch.dtype) -> bool:
-    """Whether this build and CPU run :class:`OneDNNLinear` in ``dtype`` (float32 or bfloat16),
-    checked once against ``torch.mm`` (a build without oneDNN, or an arm64 one, has none)."""
-    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        x, w = torch.randn(3, 16).to(dtype), torch.randn(16, 8).to(dtype)
-        return torch.allclose(OneDNNLinear.of(w).project(x, None, None).float(), (x @ w).float(), rtol=1e-2, atol=1e-2)
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return False
-
-
 def decoder_weights(model: Any, params: dict[str, Tensor], *, onednn: bool = True) -> FusedWeights | dict[str, Tensor]:
-    """What :func:`decoding` should read for ``params`` over many calls: on a CPU with oneDNN
-    (``onednn``), the fused weights with every projection and the LM head prepacked
-    (:class:`OneDNNLinear`: a copy of the matrices, made once per weights version); else
-    ``params`` themselves (each call fuses what it needs, and holds no second copy: on a GPU the
+    """What :func:`decoding` should read for ``params`` over many calls: on a CPU, the fused
+    weights (with oneDNN, ``onednn``: every projection and the LM head prepacked,
+    :class:`~purerl.models.families.onednn.OneDNNLinear`), a copy made once per weights version;
+    on a GPU ``params`` themselves (each call fuses what it needs and holds no second copy: the
     trainer's memory is the engine's)."""
-    some = next(iter(params.values()))
-    if not onednn or some.device.type != "cpu" or not onednn_runs(some.dtype):
+    if next(iter(params.values())).device.type != "cpu":
         return params
-    w = fused_weights(params, layout_of(model.config))
+    w = fused_weights(params, layout_of(model.config), onednn=onednn)
+    if not w.onednn:
+        return w
     layers = [attrs.evolve(x, qkv=OneDNNLinear.of(x.qkv), out=OneDNNLinear.of(x.out),
                            gate_up=OneDNNLinear.of(x.gate_up), down=OneDNNLinear.of(x.down)) for x in w.layers]
     return attrs.evolve(w, layers=layers, head=OneDNNLinear.of(w.head))
