@@ -306,14 +306,17 @@ def test_the_main_job_runs_on_the_ray_executor_on_cuda(tmp_path):
     assert summary["steps"] == 3
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "HF module"])
 @pytest.mark.parametrize("shared", [False, True], ids=["every row", "shared prompts"])
-def test_packed_forwards_on_cuda_equal_the_padded_ones(shared):
-    """The packed stream's indexing (slots, the per-row attention, the scatter back) on the device."""
+def test_packed_forwards_on_cuda_equal_the_padded_ones(shared, lean):
+    """The packed stream's indexing (slots, the per-row attention, the scatter back) on the device,
+    in the lean forward and through the HF module (whose masks read the rows off the positions)."""
     import attrs
 
     from tests.test_llama import grouped
 
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0, device="cuda")
+    model = attrs.evolve(model, lean=lean)
     seqs = random_sequences(8, 7, 9, 128, seed=3)
     seqs = grouped(seqs, 4) if shared else seqs
     seqs = type(seqs)(*(x.cuda() for x in (seqs.input_ids, seqs.attention_mask, seqs.response_mask)))
@@ -327,6 +330,21 @@ def test_packed_forwards_on_cuda_equal_the_padded_ones(shared):
     torch.testing.assert_close(out[True][0][mask], out[False][0][mask], rtol=0, atol=1e-5)
     for name, grad in out[False][1].items():
         torch.testing.assert_close(out[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_packed_critic_on_cuda_gives_the_padded_values():
+    import attrs
+
+    from purerl.models import critic_from_causal_lm, response_values
+
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, device="cuda")
+    critic, critic_params = critic_from_causal_lm(model, params)
+    critic_params["value_head.weight"] = torch.randn_like(critic_params["value_head.weight"])
+    seqs = random_sequences(8, 7, 9, 128, seed=3)
+    seqs = type(seqs)(*(x.cuda() for x in (seqs.input_ids, seqs.attention_mask, seqs.response_mask)))
+    values = {p: response_values(attrs.evolve(critic, packed=p), critic_params, seqs) for p in (False, True)}
+    cells = seqs.attention_mask[:, -seqs.response_length - 1:-1]
+    torch.testing.assert_close(values[True][cells], values[False][cells], rtol=0, atol=1e-5)
 
 
 def test_the_main_job_runs_packed_with_a_bfloat16_engine_on_cuda(tmp_path):

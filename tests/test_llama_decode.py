@@ -30,7 +30,7 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(name, onednn):
                                             dtype=torch.float32, device=torch.device("cpu"))
     cache = llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + steps, dtype=torch.float32,
                                            device=torch.device("cpu"))
-    weights = llama_decode.decoder_weights(model, params, onednn=onednn)
+    weights = llama_decode.decoder_weights(model, params) if onednn else llama.fused_weights(params, layout)
     if onednn and not onednn_runs(torch.float32):
         pytest.skip("this torch build has no oneDNN")
     assert isinstance(weights.head, OneDNNLinear) == onednn
@@ -130,9 +130,9 @@ def test_decoder_weights_are_prepacked_once_per_version_on_a_cpu():
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
     if onednn_runs(torch.float32):
         assert isinstance(llama_decode.decoder_weights(model, params).head, OneDNNLinear)
-    assert not llama_decode.decoder_weights(model, params, onednn=False).onednn
+    assert llama_decode.decoder_weights(model, params, onednn=False) is params
     double = {k: v.double() for k, v in params.items()}
-    assert not llama_decode.decoder_weights(model, double).onednn  # oneDNN has no float64 products
+    assert llama_decode.decoder_weights(model, double) is double  # oneDNN has no float64 products
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 0)
     first = engine._decoder

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from purerl.models.families.onednn import OneDNNLinear, onednn_product, onednn_runs
+from purerl.models.families.onednn import OneDNNLinear
 
 __all__ = [
     "LlamaLayout",
@@ -165,17 +165,14 @@ class FusedWeights:
     norm: Tensor
     head: Tensor  # [hidden, vocab], like the layers' matrices
     head_bias: Tensor | None
-    onednn: bool = False  # the products through oneDNN (see project)
 
 
-def fused_weights(params: dict[str, Tensor], layout: LlamaLayout, lora_scale: float | None = None, *,
-                  onednn: bool = True) -> FusedWeights:
+def fused_weights(params: dict[str, Tensor], layout: LlamaLayout, lora_scale: float | None = None) -> FusedWeights:
     """The params tree rearranged for the lean forward. The fused matrices are concatenations:
     copies, rebuilt after every update, and differentiable (gradients flow back to ``params``).
     LoRA adapters in the tree (``….lora_A.weight``/``….lora_B.weight``, scale ``lora_scale``)
     become each fused projection's :class:`Lora` (a projection some of whose parts have none
-    gets zero blocks for those). ``onednn``: on a CPU where oneDNN runs the params' dtype, the
-    products go through it (:mod:`purerl.models.families.onednn`; float64 never does)."""
+    gets zero blocks for those)."""
 
     def cat(*names: str) -> Tensor | None:
         parts = [params.get(n) for n in names]
@@ -211,8 +208,7 @@ def fused_weights(params: dict[str, Tensor], layout: LlamaLayout, lora_scale: fl
     embed = params["model.embed_tokens.weight"]
     return FusedWeights(embed, layers, params["model.norm.weight"],
                         params.get("lm_head.weight", embed).t(),  # tied: only the embedding is in the tree
-                        params.get("lm_head.bias"),
-                        onednn and embed.device.type == "cpu" and onednn_runs(embed.dtype))
+                        params.get("lm_head.bias"))
 
 
 def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: LlamaLayout,
@@ -228,13 +224,13 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
     b, s = ids.shape
     heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
     cos, sin = rope
-    qk_heads, last, dnn = heads + kv_heads, layout.layers - 1, weights.onednn
+    qk_heads, last = heads + kv_heads, layout.layers - 1
     # as the module's nn.Embedding: the padding row's lookups pass no gradient back, even where that
     # token was sampled and is attended (its LM-head use, when tied, still does)
     h = F.embedding(ids.reshape(-1), weights.embed, padding_idx=layout.padding_idx)
     n = s
     for i, w in enumerate(weights.layers):
-        qkv = project(rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias, lora=w.qkv_lora, onednn=dnn)
+        qkv = project(rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias, lora=w.qkv_lora)
         qkv = qkv.view(b, s, qk_heads + kv_heads, head_dim).transpose(1, 2)
         # q and k are adjacent heads of the fused product: one rotation for both
         qk = rotate(qkv[:, :qk_heads], cos, sin)
@@ -244,10 +240,9 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
             h = h.view(b, s, -1)[:, keep].reshape(-1, h.shape[-1])
             n = q.shape[2]
         attn = attention(i, q, qk[:, heads:], qkv[:, qk_heads:], queries).transpose(1, 2).reshape(b * n, -1)
-        h = project(attn, w.out, w.out_bias, residual=h, lora=w.out_lora, onednn=dnn)
-        gate, up = project(rms_norm(h, w.post_norm, layout.eps), w.gate_up, lora=w.gate_up_lora,
-                           onednn=dnn).chunk(2, dim=-1)
-        h = project(F.silu(gate) * up, w.down, residual=h, lora=w.down_lora, onednn=dnn)
+        h = project(attn, w.out, w.out_bias, residual=h, lora=w.out_lora)
+        gate, up = project(rms_norm(h, w.post_norm, layout.eps), w.gate_up, lora=w.gate_up_lora).chunk(2, dim=-1)
+        h = project(F.silu(gate) * up, w.down, residual=h, lora=w.down_lora)
     return h.view(b, n, -1)
 
 
@@ -255,21 +250,19 @@ def logits_of(weights: FusedWeights, layout: LlamaLayout, hidden: Float[Tensor, 
     """The final norm and LM head on hidden states from :func:`decoder_stack`."""
     shape = hidden.shape[:-1]
     flat = rms_norm(hidden.reshape(-1, hidden.shape[-1]), weights.norm, layout.eps)
-    return project(flat, weights.head, weights.head_bias, onednn=weights.onednn).view(*shape, -1)
+    return project(flat, weights.head, weights.head_bias).view(*shape, -1)
 
 
 def project(x: Tensor, weight: Tensor | OneDNNLinear, bias: Tensor | None = None, *, residual: Tensor | None = None,
-            lora: Lora | None = None, onednn: bool = False) -> Tensor:
+            lora: Lora | None = None) -> Tensor:
     """``residual + x @ weight + bias`` for 2-d ``x`` and a transposed ``weight`` ``[in, out]``
     (what ``F.linear`` computes, one kernel), plus ``lora``'s low-rank update when given
     (:class:`~purerl.models.lora.LoraLinear`'s order: the base output, then the update added).
-    ``onednn``: the product through oneDNN (:func:`~purerl.models.families.onednn.onednn_product`);
-    a prepacked ``weight`` (:class:`~purerl.models.families.onednn.OneDNNLinear`, inference) always."""
+    A prepacked ``weight`` (:class:`~purerl.models.families.onednn.OneDNNLinear`, inference)
+    computes the product itself."""
     if isinstance(weight, OneDNNLinear):
         return weight.project(x, bias, residual)
-    if onednn:
-        out = onednn_product(x, weight, bias, residual)
-    elif residual is None:
+    if residual is None:
         out = torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
     else:
         out = torch.addmm(residual, x, weight)

@@ -33,7 +33,7 @@ from purerl.models.families.llama import (
     layout_of,
     logits_of,
 )
-from purerl.models.families.onednn import OneDNNLinear
+from purerl.models.families.onednn import OneDNNLinear, onednn_runs
 
 __all__ = ["StaticCache", "GraphedDecoder", "decoder_weights", "decoding", "forward_last", "decode_step_static",
            "one_query_attention"]
@@ -167,16 +167,15 @@ def decode_step_static(
 
 
 def decoder_weights(model: Any, params: dict[str, Tensor], *, onednn: bool = True) -> FusedWeights | dict[str, Tensor]:
-    """What :func:`decoding` should read for ``params`` over many calls: on a CPU, the fused
-    weights (with oneDNN, ``onednn``: every projection and the LM head prepacked,
-    :class:`~purerl.models.families.onednn.OneDNNLinear`), a copy made once per weights version;
-    on a GPU ``params`` themselves (each call fuses what it needs and holds no second copy: the
-    trainer's memory is the engine's)."""
-    if next(iter(params.values())).device.type != "cpu":
+    """What :func:`decoding` should read for ``params`` over many calls: on a CPU with oneDNN
+    (``onednn``), the fused weights with every projection and the LM head prepacked
+    (:class:`~purerl.models.families.onednn.OneDNNLinear`: a copy of the matrices, made once per
+    weights version); else ``params`` themselves (each call fuses what it needs, and holds no
+    second copy: on a GPU the trainer's memory is the engine's)."""
+    some = next(iter(params.values()))
+    if not onednn or some.device.type != "cpu" or not onednn_runs(some.dtype):
         return params
-    w = fused_weights(params, layout_of(model.config), onednn=onednn)
-    if not w.onednn:
-        return w
+    w = fused_weights(params, layout_of(model.config))
     layers = [attrs.evolve(x, qkv=OneDNNLinear.of(x.qkv), out=OneDNNLinear.of(x.out),
                            gate_up=OneDNNLinear.of(x.gate_up), down=OneDNNLinear.of(x.down)) for x in w.layers]
     return attrs.evolve(w, layers=layers, head=OneDNNLinear.of(w.head))

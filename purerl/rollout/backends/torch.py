@@ -41,7 +41,7 @@ class TorchEngine:
     faster); the log-probs are then the cast model's, so the trainer recomputes its own
     (``actor.recompute_old_logprobs``) and the off-policy correction sees the difference.
     ``onednn``: on a CPU, the lean decoder's projections run oneDNN's products on weights
-    prepacked once per version (:class:`~purerl.models.families.llama_decode.OneDNNLinear`;
+    prepacked once per version (:class:`~purerl.models.families.onednn.OneDNNLinear`;
     ~2x the decoding rate of ``torch.mm`` here, the same float32 to rounding; a copy of the
     weights per version), where the build has oneDNN.
     """
