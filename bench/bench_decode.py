@@ -12,7 +12,10 @@ The bound is a 2048² matmul's rate in each dtype, the faster of ``torch.mm``'s 
 (prepacked) in the same run, at 2·N FLOP per token (N the model's params). On the machines
 measured ``torch.mm`` (MKL) reaches less than half of what oneDNN does in float32, so the bound
 of the issue that asked for this (``torch.mm``'s) is printed too. Also the mean and largest gap
-between the engine's log-probs and the float32 trainer's on the sampled tokens.
+between the engine's log-probs and the float32 trainer's on the sampled tokens, and the
+trainer's update (forward and backward, micro-batches of 8 rows) on the last rollout, against
+its useful FLOP (6 per param and token that runs: shared prompts once, the LM head on the
+responses only).
 
     python bench/bench_decode.py [--repeats 3 --prompt-len 100 --device cpu]
 """
@@ -25,7 +28,7 @@ import time
 import attrs
 import torch
 
-from purerl.models import response_logprobs
+from purerl.models import response_logprobs, shared_prompts
 from purerl.models.families.onednn import OneDNNLinear
 from purerl.models.hf import load_causal_lm, smollm2_gguf
 from purerl.rollout.backends.torch import TorchEngine
@@ -118,6 +121,41 @@ def main() -> None:
     base = statistics.median(whole["float32, torch.mm"])
     for name in list(engines)[1:]:
         print(f"{name} / float32 torch.mm engine, whole: {statistics.median(whole[name]) / base:.2f}x")
+    seconds, flop = update_time(model, params, rollout.sequences, args.repeats)
+    rate = flop / seconds
+    print(f"the update on the last rollout (micro-batches of 8 rows, forward + backward, float32, torch.mm): "
+          f"{seconds:.2f} s, {rate / 1e9:.0f} GFLOP/s of useful products = "
+          f"{rate / (bounds['float32'] * 2 * n_params):.0%} of the float32 bound, {rate / rates[('float32', False)]:.0%} "
+          f"of torch.mm's")
+
+
+def update_time(model, params, seqs, repeats: int) -> tuple[float, float]:
+    """Median seconds of the trainer's forward and backward over ``seqs`` in micro-batches of 8
+    rows (the main job's ``actor.micro_batch_rows``), and the useful FLOP of their products:
+    6 per body param (all but the embedding) per token run (a prompt shared by a micro-batch's
+    rows runs once) and 6 per LM-head param per response token (attention's own left out)."""
+    head = params["model.embed_tokens.weight"].numel()
+    body = sum(p.numel() for p in params.values()) - head
+    flop = 0.0
+    for rows in torch.arange(len(seqs)).split(8):
+        part = seqs.rows(rows)
+        p = part.input_ids.shape[1] - part.response_length
+        shared = shared_prompts(part)
+        prompts = part.attention_mask[:, :p] if shared is None else part.attention_mask[shared[0], :p]
+        responses = int(part.attention_mask[:, p:].sum())
+        flop += 6 * body * (int(prompts.sum()) + responses) + 6 * head * int(part.response_mask.sum())
+
+    def once() -> float:
+        p = {k: v.detach().requires_grad_() for k, v in params.items()}
+        began = time.perf_counter()
+        for rows in torch.arange(len(seqs)).split(8):
+            part = seqs.rows(rows)
+            logprobs = response_logprobs(model, p, part)
+            torch.autograd.grad(logprobs[part.response_mask].sum(), list(p.values()))
+        return time.perf_counter() - began
+
+    once()
+    return statistics.median(once() for _ in range(repeats)), flop
 
 
 if __name__ == "__main__":
