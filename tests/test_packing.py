@@ -219,3 +219,21 @@ def test_the_sharded_models_keep_packing():
         assert ShardedCausalLM.of(attrs.evolve(model, packed=packed), []).packed == packed
         sharded = ShardedCritic.of(attrs.evolve(critic, packed=packed), [])
         assert sharded.packed == packed and sharded.owners == {}
+
+
+def test_a_module_whose_masks_ignore_the_row_boundaries_is_refused(monkeypatch):
+    """Through the HF module, packing rests on transformers reading the rows off the positions; a
+    module that does not (here: the detection switched off) would let rows attend to each other.
+    The first packed forward checks it, once per module, and refuses."""
+    import transformers.masking_utils
+
+    from purerl.models import base
+
+    seqs = random_sequences(4, 5, 8, 128, seed=5)
+    model, params = _model(True, "HF module")
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda positions: None)
+    with pytest.raises(ValueError, match="lets a packed row attend to the row before it"):
+        response_logits(model, params, seqs)
+    monkeypatch.undo()
+    response_logits(model, params, seqs)  # checked once: passes, then remembered
+    assert model.module in base._KEEPS_ROWS_APART

@@ -16,6 +16,7 @@ Pure entry points:
 import contextlib
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -219,6 +220,7 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
         shared = shared_prompts(seqs) if model.shares_prompts else None
         return model.family.response_logits(model, params, seqs, shared)
     if model.packed:
+        _check_rows_kept_apart(model, params, seqs)
         stream = packed_stream(seqs)
         out = model(params, input_ids=stream.ids, position_ids=stream.positions, use_cache=False,
                     logits_to_keep=stream.predicting)
@@ -240,6 +242,32 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     response = model(params, input_ids=seqs.input_ids[:, p:], attention_mask=mask, position_ids=positions[:, p:],
                      logits_to_keep=t, **model.cache_arguments(cache))
     return torch.cat([prompt.logits[inverse], response.logits[:, :-1]], 1)
+
+
+_KEEPS_ROWS_APART: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # the HF modules whose packing was checked
+
+
+def _check_rows_kept_apart(model: CausalLM, params: Params, seqs: Sequences) -> None:
+    """Raise unless the HF module keeps the rows of a packed stream apart; checked once per module.
+
+    transformers' masks read the row boundaries off the positions, but a module that builds its
+    own mask (or an attention that reads none) would let each row attend to the row before it,
+    silently. The check: a row's first few tokens packed after themselves must give the logits
+    they give alone."""
+    if model.module in _KEEPS_ROWS_APART:
+        return
+    row = seqs.input_ids[0][seqs.attention_mask[0]][:6]
+    k = len(row)
+    positions = torch.arange(k, device=row.device).repeat(2)[None]
+    with torch.no_grad():
+        packed = model(params, input_ids=row.repeat(2)[None], position_ids=positions, use_cache=False).logits[0, k:]
+        alone = model(params, input_ids=row[None], position_ids=positions[:, :k], use_cache=False).logits[0]
+    tolerance = 1e-3 if packed.dtype in (torch.float32, torch.float64) else 5e-2
+    if not torch.allclose(packed.float(), alone.float(), rtol=tolerance, atol=tolerance):
+        raise ValueError(f"actor.packed_forwards: this {type(model.module).__name__} lets a packed row attend to the "
+                         "row before it (its attention ignores the row boundaries that the positions mark); leave "
+                         "actor.packed_forwards off for this model")
+    _KEEPS_ROWS_APART.add(model.module)
 
 
 @attrs.frozen(eq=False)
