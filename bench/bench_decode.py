@@ -18,6 +18,7 @@ its useful FLOP (6 per param and token that runs: shared prompts once, the LM he
 responses only).
 
     python bench/bench_decode.py [--repeats 3 --prompt-len 100 --device cpu]
+    python bench/bench_decode.py --long 1024      # one long rollout: the cost of each decoding step
 """
 
 import argparse
@@ -66,8 +67,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--long", type=int, default=0, metavar="T",
+                    help="instead: one rollout of T new tokens (EOS never sampled), the time of each decoding step")
     args = ap.parse_args()
     model, params = load_causal_lm(smollm2_gguf(), dtype=torch.float32, device=args.device)
+    if args.long:
+        return long_rollout(model, params, args)
     n_params = sum(p.numel() for p in params.values())
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 40000, (8, args.prompt_len), generator=g).tolist()
@@ -127,6 +132,33 @@ def main() -> None:
           f"{seconds:.2f} s, {rate / 1e9:.0f} GFLOP/s of useful products = "
           f"{rate / (bounds['float32'] * 2 * n_params):.0%} of the float32 bound, {rate / rates[('float32', False)]:.0%} "
           f"of torch.mm's")
+
+
+def long_rollout(model, params, args) -> None:
+    """One rollout of ``args.long`` new tokens at the main job's batch (no row ends: the EOS id is
+    one the model never samples), each decoding step timed (the engine polls ``interrupt`` after
+    every step): the step's cost should grow only by attention's linear term in the position."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, 40000, (8, args.prompt_len), generator=g).tolist()
+    engine = TorchEngine(model, eos_token_ids=[model.config.vocab_size - 1], pad_token_id=0, device=args.device)
+    engine.sync(params, 0)
+    stamps: list[float] = []
+
+    def stamp() -> bool:
+        stamps.append(time.perf_counter())
+        return False
+
+    began = time.perf_counter()
+    rollout = engine.generate(prompts, SamplingParams(max_new_tokens=args.long, n=4, temperature=0.7), RngState(1),
+                              version=0, interrupt=stamp)
+    total = time.perf_counter() - began
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    tokens = int(rollout.sequences.response_mask.sum())
+    print(f"SmolLM2-135M, 8 prompts × {args.prompt_len} tokens × 4 samples × {args.long} new tokens: {tokens} tokens "
+          f"in {total:.1f} s ({tokens / total:.0f} tok/s), prefill {stamps[0] - began:.2f} s")
+    for lo in sorted({0, 64, len(steps) // 4, len(steps) // 2, len(steps) - 64}):
+        window = steps[lo: lo + 64]
+        print(f"decoding steps {lo}-{lo + len(window)}: {statistics.median(window) * 1e3:.1f} ms median per step")
 
 
 def update_time(model, params, seqs, repeats: int) -> tuple[float, float]:
