@@ -23,19 +23,6 @@ from torch import Tensor
 __all__ = ["OneDNNLinear", "onednn_runs"]
 
 
-def _packed(weight: Tensor) -> Tensor:
-    """``weight`` ``[N, K]`` in oneDNN's layout: the ``B`` of products ``x @ weightᵀ``."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-
-
-def _product(x: Tensor, packed: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-    """``residual + x @ Wᵀ + bias`` for a packed ``W`` (one kernel with the residual or the bias)."""
-    if residual is None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, None, "add")
-    return out if bias is None else out + bias
-
-
 @attrs.frozen(eq=False)
 class OneDNNLinear:
     """A projection's ``[in, out]`` matrix reordered once, for inference (no autograd)."""
@@ -44,10 +31,14 @@ class OneDNNLinear:
 
     @classmethod
     def of(cls, matrix: Float[Tensor, "i o"]) -> "OneDNNLinear":
-        return cls(_packed(matrix.t()))
+        return cls(torch.ops.mkldnn._reorder_linear_weight(matrix.t().contiguous()))
 
     def project(self, x: Float[Tensor, "m i"], bias: Tensor | None, residual: Tensor | None) -> Float[Tensor, "m o"]:
-        return _product(x, self.weight, bias, residual)
+        """``residual + x @ matrix + bias``, one kernel with the residual or the bias."""
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, None, "add")
+        return out if bias is None else out + bias
 
 
 @functools.cache
