@@ -146,3 +146,28 @@ def test_decoder_weights_are_prepacked_once_per_version_on_a_cpu():
         outs.append(e.generate(PROMPTS, sampling, RngState(0), version=2))
     assert torch.equal(outs[0].sequences.input_ids, outs[1].sequences.input_ids)
     torch.testing.assert_close(outs[0].behaviour_logprobs, outs[1].behaviour_logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4], ids=["multi-query", "grouped", "multi-head"])
+def test_shared_prefix_attention_is_one_query_attention(kv_heads):
+    """A decoding step over a cache whose prompt slots each group of rows shares (read once per
+    group) attends exactly as over the rows' own copies: left-padded prompts, some response slots
+    masked."""
+    g, n, heads, dim, p, t = 3, 4, 4, 8, 5, 9
+    gen = torch.Generator().manual_seed(0)
+    prefix_keys, prefix_values = (torch.randn(g, kv_heads, p, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    keys = torch.cat((prefix_keys.repeat_interleave(n, 0), torch.randn(g * n, kv_heads, t - p, dim, generator=gen,
+                                                                         dtype=torch.float64)), 2)
+    values = torch.cat((prefix_values.repeat_interleave(n, 0), torch.randn(g * n, kv_heads, t - p, dim, generator=gen,
+                                                                           dtype=torch.float64)), 2)
+    valid = torch.rand(g * n, t, generator=gen) > 0.3
+    valid[:, p:p + 1] = True  # every row attends somewhere
+    valid[:, :p] = valid[::n, :p].repeat_interleave(n, 0)  # a group's rows share their prompt's padding
+    q = torch.randn(g * n, heads, 1, dim, generator=gen, dtype=torch.float64)
+    mask = valid[:, None, None, :]
+    prefix = llama_decode.SharedPrefix([prefix_keys], [prefix_values], n)
+    got = llama_decode.shared_prefix_attention(q, prefix, 0, keys, values, mask, 0.3)
+    want = llama_decode.one_query_attention(q, keys, values, mask, 0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert llama_decode.StaticCache([keys], [values], valid, t).repeat_rows(2).shared.n == 2
+    assert llama_decode.StaticCache([keys], [values], valid, t, prefix).select_rows(torch.arange(3)).shared is None

@@ -35,19 +35,37 @@ from purerl.models.families.llama import (
 )
 from purerl.models.families.onednn import OneDNNLinear, onednn_runs
 
-__all__ = ["StaticCache", "GraphedDecoder", "decoder_weights", "decoding", "forward_last", "decode_step_static",
-           "one_query_attention"]
+__all__ = ["StaticCache", "SharedPrefix", "GraphedDecoder", "decoder_weights", "decoding", "forward_last",
+           "decode_step_static", "one_query_attention", "shared_prefix_attention"]
+
+
+@attrs.frozen
+class SharedPrefix:
+    """The keys and values of the ``P`` slots that each group of ``n`` consecutive rows shares (a
+    prompt and its samples), once per group: ``[g, K, P, D]`` per layer. A decoding step reads
+    them once per group instead of once per row (:func:`shared_prefix_attention`)."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    n: int
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
 
 
 @attrs.define
 class StaticCache:
     """Keys and values of every layer, ``[b, K, t, D]`` each, filled in place; ``valid[b, t]`` marks
-    the positions that are real tokens (left padding and unwritten slots are not)."""
+    the positions that are real tokens (left padding and unwritten slots are not). ``shared``:
+    the first slots' keys and values once per group of rows, when the rows repeat them (set by
+    :meth:`repeat_rows`; any other copy drops it)."""
 
     keys: list[Tensor]
     values: list[Tensor]
     valid: Bool[Tensor, "b t"]
     length: int = 0
+    shared: SharedPrefix | None = None
 
     @classmethod
     def empty(cls, layout: LlamaLayout, rows: int, capacity: int, *, dtype: torch.dtype,
@@ -59,9 +77,11 @@ class StaticCache:
                    torch.zeros((rows, capacity), dtype=torch.bool, device=device))
 
     def repeat_rows(self, n: int) -> "StaticCache":
-        """Every row ``n`` times in a row (``repeat_interleave``): one prefilled prompt per sample."""
+        """Every row ``n`` times in a row (``repeat_interleave``): one prefilled prompt per sample;
+        the written slots also kept once per prompt (``shared``)."""
+        shared = SharedPrefix([k[:, :, :self.length] for k in self.keys], [v[:, :, :self.length] for v in self.values], n)
         return StaticCache([k.repeat_interleave(n, 0) for k in self.keys], [v.repeat_interleave(n, 0) for v in self.values],
-                           self.valid.repeat_interleave(n, 0), self.length)
+                           self.valid.repeat_interleave(n, 0), self.length, shared)
 
     def select_rows(self, rows: Int[Tensor, " r"]) -> "StaticCache":
         """Only ``rows``, copied (the batch without its finished rows)."""
@@ -94,6 +114,32 @@ def one_query_attention(q: Float[Tensor, "b h 1 d"], keys: Float[Tensor, "b k t 
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(values.dtype)
     return torch.matmul(weights, values).reshape(b, heads, 1, dim)
+
+
+def shared_prefix_attention(q: Float[Tensor, "b h 1 d"], prefix: SharedPrefix, i: int, keys: Float[Tensor, "b k t d"],
+                            values: Float[Tensor, "b k t d"], mask: Bool[Tensor, "b 1 1 t"],
+                            scale: float) -> Float[Tensor, "b h 1 d"]:
+    """:func:`one_query_attention` over a cache whose first ``P = prefix.length`` slots each group
+    of ``prefix.n`` rows shares: those keys and values are read once per group (layer ``i`` of
+    ``prefix``; the per-row copies in ``keys``/``values`` are not read), the rest per row, under
+    one softmax. The same attention, products summed in another order."""
+    b, heads, _, dim = q.shape
+    n, p = prefix.n, prefix.length
+    g, kv_heads = b // n, keys.shape[1]
+    per = heads // kv_heads
+    grouped = q.reshape(b, kv_heads, per, dim)
+    # each group's rows' queries side by side against its shared keys: [g, K, n·G, P]
+    by_group = grouped.reshape(g, n, kv_heads, per, dim).transpose(1, 2).reshape(g, kv_heads, n * per, dim)
+    shared = torch.matmul(by_group, prefix.keys[i].transpose(-1, -2))
+    shared = shared.reshape(g, kv_heads, n, per, p).transpose(1, 2).reshape(b, kv_heads, per, p)
+    own = torch.matmul(grouped, keys[:, :, p:].transpose(-1, -2))
+    scores = torch.cat((shared, own), -1)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(values.dtype)
+    on_shared = weights[..., :p].reshape(g, n, kv_heads, per, p).transpose(1, 2).reshape(g, kv_heads, n * per, p)
+    out = torch.matmul(on_shared, prefix.values[i])
+    out = out.reshape(g, kv_heads, n, per, dim).transpose(1, 2).reshape(b, kv_heads, per, dim)
+    return (out + torch.matmul(weights[..., p:], values[:, :, p:])).reshape(b, heads, 1, dim)
 
 
 def forward_last(
@@ -130,6 +176,8 @@ def forward_last(
         cache.values[i][:, :, start:stop] = v
         keys, values = cache.keys[i][:, :, :stop], cache.values[i][:, :, :stop]
         if s == 1 and q.device.type == "cpu":
+            if cache.shared is not None:
+                return shared_prefix_attention(q, cache.shared, i, keys, values, mask, scale)
             return one_query_attention(q, keys, values, mask, scale)
         m = mask if queries is None else mask[:, :, queries]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=m, scale=scale, enable_gqa=gqa)
