@@ -237,3 +237,21 @@ def test_a_module_whose_masks_ignore_the_row_boundaries_is_refused(monkeypatch):
     monkeypatch.undo()
     response_logits(model, params, seqs)  # checked once: passes, then remembered
     assert model.module in base._KEEPS_ROWS_APART
+
+
+def test_a_critic_whose_masks_ignore_the_row_boundaries_is_refused(monkeypatch):
+    import transformers.masking_utils
+
+    from purerl.models import critic_from_causal_lm, response_values
+
+    seqs = random_sequences(4, 5, 8, 128, seed=5)
+    model, params = _model(False, "HF module")
+    critic, critic_params = critic_from_causal_lm(model, params)
+    critic = attrs.evolve(critic, packed=True, buffers={k: v.double() for k, v in critic.buffers.items()})
+    critic_params["value_head.weight"] = torch.randn(critic_params["value_head.weight"].shape,
+                                                     generator=torch.Generator().manual_seed(0)).double()
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda positions: None)
+    with pytest.raises(ValueError, match="lets a packed row attend to the row before it"):
+        response_values(critic, critic_params, seqs)
+    monkeypatch.undo()
+    response_values(critic, critic_params, seqs)

@@ -220,7 +220,8 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
         shared = shared_prompts(seqs) if model.shares_prompts else None
         return model.family.response_logits(model, params, seqs, shared)
     if model.packed:
-        _check_rows_kept_apart(model, params, seqs)
+        _check_rows_kept_apart(model.module, lambda ids, at: model(params, input_ids=ids, position_ids=at,
+                                                                   use_cache=False).logits[0], seqs)
         stream = packed_stream(seqs)
         out = model(params, input_ids=stream.ids, position_ids=stream.positions, use_cache=False,
                     logits_to_keep=stream.predicting)
@@ -247,27 +248,27 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
 _KEEPS_ROWS_APART: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # the HF modules whose packing was checked
 
 
-def _check_rows_kept_apart(model: CausalLM, params: Params, seqs: Sequences) -> None:
-    """Raise unless the HF module keeps the rows of a packed stream apart; checked once per module.
+def _check_rows_kept_apart(module: nn.Module, forward: Callable[[Tensor, Tensor], Tensor], seqs: Sequences) -> None:
+    """Raise unless ``module`` keeps the rows of a packed stream apart; checked once per module.
+    ``forward(ids [1, T], positions [1, T])``: its outputs at every position (logits, values).
 
     transformers' masks read the row boundaries off the positions, but a module that builds its
     own mask (or an attention that reads none) would let each row attend to the row before it,
-    silently. The check: a row's first few tokens packed after themselves must give the logits
+    silently. The check: a row's first few tokens packed after themselves must give the outputs
     they give alone."""
-    if model.module in _KEEPS_ROWS_APART:
+    if module in _KEEPS_ROWS_APART:
         return
     row = seqs.input_ids[0][seqs.attention_mask[0]][:6]
     k = len(row)
     positions = torch.arange(k, device=row.device).repeat(2)[None]
     with torch.no_grad():
-        packed = model(params, input_ids=row.repeat(2)[None], position_ids=positions, use_cache=False).logits[0, k:]
-        alone = model(params, input_ids=row[None], position_ids=positions[:, :k], use_cache=False).logits[0]
+        packed, alone = forward(row.repeat(2)[None], positions)[k:], forward(row[None], positions[:, :k])
     tolerance = 1e-3 if packed.dtype in (torch.float32, torch.float64) else 5e-2
     if not torch.allclose(packed.float(), alone.float(), rtol=tolerance, atol=tolerance):
-        raise ValueError(f"actor.packed_forwards: this {type(model.module).__name__} lets a packed row attend to the "
+        raise ValueError(f"actor.packed_forwards: this {type(module).__name__} lets a packed row attend to the "
                          "row before it (its attention ignores the row boundaries that the positions mark); leave "
                          "actor.packed_forwards off for this model")
-    _KEEPS_ROWS_APART.add(model.module)
+    _KEEPS_ROWS_APART.add(module)
 
 
 @attrs.frozen(eq=False)
@@ -324,6 +325,8 @@ def response_values(critic: Critic, params: Params, seqs: Sequences) -> Float[Te
     padding)."""
     t = seqs.response_length
     if critic.packed:
+        _check_rows_kept_apart(critic.module, lambda ids, at: critic(params, ids, None, at, torch.arange(
+            ids.shape[1], device=ids.device))[0], seqs)
         stream = packed_stream(seqs)
         return stream.unpacked(critic(params, stream.ids, None, stream.positions, stream.predicting)[0]).float()
     values = critic(params, seqs.input_ids, seqs.attention_mask.long(), seqs.position_ids(), t + 1)

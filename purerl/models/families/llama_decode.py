@@ -79,7 +79,9 @@ class StaticCache:
     def repeat_rows(self, n: int) -> "StaticCache":
         """Every row ``n`` times in a row (``repeat_interleave``): one prefilled prompt per sample;
         the written slots also kept once per prompt (``shared``)."""
-        shared = SharedPrefix([k[:, :, :self.length] for k in self.keys], [v[:, :, :self.length] for v in self.values], n)
+        # copies of the written slots only: the prompt rows' whole capacity need not stay alive
+        shared = SharedPrefix([k[:, :, :self.length].clone() for k in self.keys],
+                              [v[:, :, :self.length].clone() for v in self.values], n)
         return StaticCache([k.repeat_interleave(n, 0) for k in self.keys], [v.repeat_interleave(n, 0) for v in self.values],
                            self.valid.repeat_interleave(n, 0), self.length, shared)
 
@@ -110,10 +112,14 @@ def one_query_attention(q: Float[Tensor, "b h 1 d"], keys: Float[Tensor, "b k t 
     b, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(b, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2))
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(values.dtype)
+    weights = _attention_weights(torch.matmul(grouped, keys.transpose(-1, -2)), mask, scale, values.dtype)
     return torch.matmul(weights, values).reshape(b, heads, 1, dim)
+
+
+def _attention_weights(scores: Tensor, mask: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    """Softmax of the scaled, masked scores, in float32 (or the scores' wider dtype), cast to ``dtype``."""
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(dtype)
 
 
 def shared_prefix_attention(q: Float[Tensor, "b h 1 d"], prefix: SharedPrefix, i: int, keys: Float[Tensor, "b k t d"],
@@ -133,9 +139,7 @@ def shared_prefix_attention(q: Float[Tensor, "b h 1 d"], prefix: SharedPrefix, i
     shared = torch.matmul(by_group, prefix.keys[i].transpose(-1, -2))
     shared = shared.reshape(g, kv_heads, n, per, p).transpose(1, 2).reshape(b, kv_heads, per, p)
     own = torch.matmul(grouped, keys[:, :, p:].transpose(-1, -2))
-    scores = torch.cat((shared, own), -1)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(values.dtype)
+    weights = _attention_weights(torch.cat((shared, own), -1), mask, scale, values.dtype)
     on_shared = weights[..., :p].reshape(g, n, kv_heads, per, p).transpose(1, 2).reshape(g, kv_heads, n * per, p)
     out = torch.matmul(on_shared, prefix.values[i])
     out = out.reshape(g, kv_heads, n, per, dim).transpose(1, 2).reshape(b, kv_heads, per, dim)
