@@ -43,6 +43,7 @@ from purerl.models import (
     CausalLM,
     Critic,
     Params,
+    cast_floating,
     causal_lm_from_config,
     critic_from_causal_lm,
     load_causal_lm,
@@ -149,13 +150,13 @@ def _driver_device(config: JobConfig) -> str:
 
 
 def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
-    """The policy (``model.path``, the default GGUF, or a tiny random one) and its tokenizer."""
-    dtype = getattr(torch, config.model.dtype)
+    """The policy (``model.path``, the default GGUF, or a tiny random one) and its tokenizer: float32
+    master weights, computing in ``model.dtype``."""
     if config.model.tiny:
         tokenizer = char_tokenizer()
         context = {"max_position_embeddings": max(256, config.env.max_tokens)} if config.env.multi_turn else {}
         model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64, **context),
-                                              seed=config.trainer.seed, dtype=dtype, device=_driver_device(config))
+                                              seed=config.trainer.seed, device=_driver_device(config))
         return (*_adapted(config, model, params), tokenizer)
     from transformers import AutoTokenizer
 
@@ -165,23 +166,30 @@ def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
-    model, params = load_causal_lm(path, dtype=dtype, device=_driver_device(config))
+    model, params = load_causal_lm(path, device=_driver_device(config))
     return (*_adapted(config, model, params), tokenizer)
 
 
+def compute_dtype(config: JobConfig) -> torch.dtype | None:
+    """The dtype the forwards compute in when it is not the float32 of the master weights."""
+    return None if config.model.dtype == "float32" else getattr(torch, config.model.dtype)
+
+
 def _adapted(config: JobConfig, model: CausalLM, params: Params) -> tuple[CausalLM, Params]:
-    """With ``actor.packed_forwards``, ``model`` computing its training forwards packed; with
-    ``actor.lora_rank``, the LoRA policy on that base and its adapters."""
+    """``model`` computing in ``model.dtype`` (mixed precision: the float32 ``params`` stay the
+    masters); with ``actor.packed_forwards``, its training forwards packed; with
+    ``actor.lora_rank``, the LoRA policy on that base (held in the compute dtype: it is never
+    updated) and its float32 adapters."""
     actor = config.actor
-    if actor.packed_forwards:
-        model = attrs.evolve(model, packed=True)
+    model = attrs.evolve(model, packed=actor.packed_forwards, compute_dtype=compute_dtype(config))
     if not actor.lora_rank:
         return model, params
     try:
-        return apply_lora(model, params, LoraSpec(actor.lora_rank, actor.lora_alpha, tuple(actor.lora_targets)),
-                          seed=config.trainer.seed)
+        model, adapters = apply_lora(model, params, LoraSpec(actor.lora_rank, actor.lora_alpha,
+                                                             tuple(actor.lora_targets)), seed=config.trainer.seed)
     except ValueError as err:
         raise DataError(f"actor.lora_targets: {err}") from None
+    return attrs.evolve(model, frozen=cast_floating(model.frozen, model.compute_dtype)), adapters
 
 
 def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Critic | None, Params | None]:
@@ -193,13 +201,13 @@ def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Cri
     params = params if model.lora is None else model.frozen
     if config.critic.model:
         policy_vocab = model.config.vocab_size
-        model, params = load_causal_lm(Path(config.critic.model), dtype=getattr(torch, config.model.dtype),
-                                       device=_driver_device(config))
+        model, params = load_causal_lm(Path(config.critic.model), device=_driver_device(config))
         if model.config.vocab_size < policy_vocab:
             raise DataError(f"critic.model {config.critic.model}: vocabulary of {model.config.vocab_size} tokens, "
                             f"smaller than the policy's {policy_vocab}: it cannot read the policy's token ids")
     critic, critic_params = critic_from_causal_lm(model, params)
-    return attrs.evolve(critic, packed=config.actor.packed_forwards), critic_params
+    critic_params = {k: v.float() for k, v in critic_params.items()}  # masters (a LoRA base is held narrower)
+    return attrs.evolve(critic, packed=config.actor.packed_forwards, compute_dtype=compute_dtype(config)), critic_params
 
 
 def initial_state(config: JobConfig, params: Params, critic_params: Params | None = None) -> TrainState:
@@ -207,8 +215,8 @@ def initial_state(config: JobConfig, params: Params, critic_params: Params | Non
     (with LoRA, ``{}``: the base itself, no copy), the critic and its optimizer state when there is
     one, the KL controller, RNG and data cursor."""
     reference = None
-    if config.actor.kl_loss_coef > 0 or config.algorithm.use_kl_in_reward:
-        reference = {} if config.actor.lora_rank else tree_clone(params)
+    if config.actor.kl_loss_coef > 0 or config.algorithm.use_kl_in_reward:  # frozen: kept as it computes
+        reference = {} if config.actor.lora_rank else tree_clone(cast_floating(params, compute_dtype(config)))
     state = TrainState(policy=params, policy_opt=actor_optimizer(config).init(params),
                        kl=kl_controller_of(config).init(), rng=RngState(config.trainer.seed),
                        data=DataCursor(config.trainer.seed), reference=reference)

@@ -275,6 +275,66 @@ def test_an_fsdp2_nccl_rank_matches_the_local_step_on_cuda():
         assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
+def test_the_cuda_decoding_loop_syncs_with_the_host_only_every_few_steps():
+    import warnings
+
+    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, device="cuda")
+    engine.sync(params, 0)
+    sampling = SamplingParams(max_new_tokens=64, n=4, temperature=1.0)
+    engine.generate(PROMPTS, sampling, RngState(0))  # graph capture outside the count
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.generate(PROMPTS, sampling, RngState(1))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    print(f"{len(syncs)} host syncs for 64 decoding steps")
+    assert len(syncs) <= 64 // 8 + 8, syncs[:3]
+
+
+def test_a_mixed_precision_step_on_an_fsdp2_nccl_rank_matches_the_local_mixed_step_on_cuda():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from purerl.executors.fsdp import ShardedCausalLM, full_params, shard_causal_lm, shard_like, sharded_value_and_grad
+    from purerl.models import cast_floating
+
+    model, params, step_fn, fresh, rollout, scores = _setup(STEP_CONFIGS["skipped rows, mini- and micro-batches"])
+    mixed = attrs.evolve(model, lean=False, compute_dtype=torch.bfloat16)
+
+    def narrow_reference():
+        state = fresh()
+        return attrs.evolve(state, reference=cast_floating(state.reference, torch.bfloat16))
+
+    local_state, local_metrics = step_fn(narrow_reference(), rollout, scores, policy=mixed)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        state = narrow_reference()
+        module, sharded = shard_causal_lm(mixed, state.policy, mesh=mesh)
+        ref_module, ref = shard_causal_lm(mixed, state.reference, mesh=mesh, trainable=False)
+        sharded_model = ShardedCausalLM.of(mixed, [(module, sharded), (ref_module, ref)])
+        state = TrainState(policy=sharded, policy_opt=shard_like(state.policy_opt, sharded), kl=state.kl,
+                           rng=state.rng, reference=ref)
+        state, metrics = step_fn(state, rollout, scores, policy=sharded_model,
+                                 value_and_grad=sharded_value_and_grad(0, 1))
+        full = full_params(state.policy)
+    finally:
+        dist.destroy_process_group()
+    assert all(v.dtype == torch.float32 for v in full.values())
+    delta = torch.cat([(full[k] - params[k]).flatten() for k in params])
+    local_delta = torch.cat([(local_state.policy[k] - params[k]).flatten() for k in params])
+    assert torch.nn.functional.cosine_similarity(delta, local_delta, dim=0) > 0.95
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert metrics[key] == pytest.approx(local_metrics[key], rel=3e-2, abs=1e-4), key
+
+
 def _main_job(out: Path, *flags: str) -> dict:
     subprocess.run([sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--tiny", "--device", "cuda",
                     "--steps", "3", "--eval-every", "2", "--checkpoint-every", "2", "--eval-size", "8",

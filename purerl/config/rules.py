@@ -24,8 +24,8 @@ def resolve(config: JobConfig) -> JobConfig:
     """Automatic values made explicit: ``model.device`` (``auto``: the GPU when there is one),
     ``algorithm.rollout_correction`` (None: ``token-tis`` when asynchronous, else ``none``) and
     ``actor.recompute_old_logprobs`` (None: recompute unless the engine's log-probs are exactly
-    the trainer's: the embedded engine in the model's dtype, synchronous, no top-p, no
-    correction) and
+    the trainer's: the embedded engine in float32, synchronous, no top-p, no correction; a
+    bfloat16 decoder and a bfloat16 forward round differently) and
     ``executor.rollout_workers`` (asynchronous on Ray: at least one per generator)."""
     device = config.model.device
     if device == "auto":
@@ -37,7 +37,8 @@ def resolve(config: JobConfig) -> JobConfig:
     recompute = actor.recompute_old_logprobs
     if recompute is None:
         recompute = (rollout.top_p < 1.0 or correction != "none" or config.asynchronous.enable
-                     or rollout.engine != "torch" or rollout.engine_options.get("dtype") not in (None, config.model.dtype))
+                     or rollout.engine != "torch" or config.model.dtype != "float32"
+                     or rollout.engine_options.get("dtype") not in (None, config.model.dtype))
     executor = config.executor
     if config.asynchronous.enable:
         executor = attrs.evolve(executor, rollout_workers=max(executor.rollout_workers, config.asynchronous.generators))

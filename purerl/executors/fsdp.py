@@ -69,14 +69,18 @@ def _decoder_layers(module: nn.Module) -> list[nn.Module]:
 
 def _materialise(skeleton: nn.Module, params: Params, buffers: dict[str, Tensor], aliases: dict[str, str],
                  device: torch.device) -> nn.Module:
-    """A real copy of a meta skeleton holding ``params`` and ``buffers`` (ties kept)."""
+    """A real copy of a meta skeleton holding ``params`` and ``buffers`` (ties kept), each
+    parameter in its tensor's dtype (a frozen bfloat16 reference or LoRA base stays narrow)."""
     module = copy.deepcopy(skeleton).to_empty(device=device)
     for alias, canonical in aliases.items():  # to_empty unties; tie again
         parent, _, leaf = alias.rpartition(".")
         setattr(module.get_submodule(parent), leaf, module.get_parameter(canonical))
     with torch.no_grad():
         for name, tensor in params.items():
-            module.get_parameter(name).copy_(tensor)
+            param = module.get_parameter(name)
+            if param.dtype != tensor.dtype:
+                param.data = param.data.to(tensor.dtype)
+            param.copy_(tensor)
         for name, tensor in buffers.items():
             module.get_buffer(name).copy_(tensor)
     for p in module.parameters():
@@ -122,14 +126,19 @@ def moved(tree: Any, device: torch.device | str) -> Any:
 
 def shard_module(skeleton: nn.Module, params: Params, *, mesh: Any, buffers: dict[str, Tensor] | None = None,
                  aliases: dict[str, str] | None = None, trainable: bool = True,
-                 offload: bool = False) -> tuple[nn.Module, Params]:
+                 offload: bool = False, compute_dtype: torch.dtype | None = None) -> tuple[nn.Module, Params]:
     """Materialise ``params`` in a copy of ``skeleton`` and ``fully_shard`` it over ``mesh`` (each
     decoder layer, then the root). Returns the module and its sharded params tree, keyed by the
-    same names as ``params``. ``offload``: the shards live in host memory (``CPUOffloadPolicy``)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    same names as ``params``. ``offload``: the shards live in host memory (``CPUOffloadPolicy``).
+    ``compute_dtype`` (mixed precision): the shards stay the params' dtype (float32 masters), the
+    all-gathered weights the forwards compute with are cast to it, gradients are reduced in float32
+    (``MixedPrecisionPolicy``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     module = _materialise(skeleton, params, buffers or {}, aliases or {}, torch.device(mesh.device_type))
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")} if offload else {}
+    if compute_dtype is not None:
+        policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in _decoder_layers(module):
         fully_shard(layer, mesh=mesh, **policy)
     fully_shard(module, mesh=mesh, **policy)
@@ -149,7 +158,8 @@ def shard_causal_lm(model: CausalLM, params: Params, *, mesh: Any, trainable: bo
     module shards its frozen base beside the adapters; only the adapters are returned (and
     trainable): the base gets no gradient."""
     module, sharded = shard_module(model.module, model.full(params), mesh=mesh, buffers=model.buffers,
-                                   aliases=model.aliases, trainable=trainable, offload=offload)
+                                   aliases=model.aliases, trainable=trainable, offload=offload,
+                                   compute_dtype=model.compute_dtype)
     if model.lora is None:
         return module, sharded
     for name, p in sharded.items():

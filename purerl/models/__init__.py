@@ -7,6 +7,7 @@ from purerl.models.base import (
     Critic,
     Params,
     ValueModel,
+    cast_floating,
     full_state_dict,
     response_entropy,
     response_logits,
@@ -23,7 +24,7 @@ from purerl.models.hf import (
     smollm2_gguf,
 )
 
-__all__ = ["CausalLM", "Critic", "LayerCheckpoint", "Params", "ValueModel", "causal_lm_from_config",
+__all__ = ["CausalLM", "Critic", "LayerCheckpoint", "Params", "ValueModel", "cast_floating", "causal_lm_from_config",
            "checkpoint_layers", "critic_from_causal_lm", "full_state_dict", "load_causal_lm", "response_entropy",
            "response_logits", "response_logprobs", "response_values", "shared_prompts", "smollm2_gguf",
            "value_and_grad"]

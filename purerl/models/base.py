@@ -37,6 +37,7 @@ from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "Params",
+    "cast_floating",
     "CausalLM",
     "Critic",
     "ValueModel",
@@ -52,6 +53,14 @@ __all__ = [
 ]
 
 Params = dict[str, Tensor]
+
+
+def cast_floating(params: Params, dtype: torch.dtype | None) -> Params:
+    """``params`` with every floating tensor in ``dtype`` (those already in it, and all of them for
+    None, are the same tensors; a cast is differentiable: its gradient arrives in the source dtype)."""
+    if dtype is None:
+        return params
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in params.items()}
 
 
 def _checkpointed(model: "CausalLM") -> bool:
@@ -80,7 +89,12 @@ class CausalLM:
 
     A LoRA policy (:func:`purerl.models.lora.apply_lora`) has ``lora`` set and its frozen base
     weights in ``frozen``: its params trees hold the adapters only, and ``{}`` is the base (the
-    reference policy). Every forward reads :meth:`full` params.
+    reference policy). Every forward reads :meth:`computed` params.
+
+    ``compute_dtype`` (mixed precision, ``model.dtype=bfloat16``): the forwards and backwards run
+    in it, on a cast of the params made per forward, while the params tree the state holds (the
+    master weights the optimizer updates) keeps its own dtype (float32); gradients arrive in the
+    masters' dtype. None: the params' own dtype.
     """
 
     module: nn.Module
@@ -95,10 +109,15 @@ class CausalLM:
     lora: LoraSpec | None = None
     frozen: Params = attrs.field(factory=dict)
     packed: bool = False
+    compute_dtype: torch.dtype | None = None
 
     def full(self, params: Params) -> Params:
         """The frozen base weights (a LoRA policy's) overlaid with ``params``."""
         return {**self.frozen, **params} if self.frozen else params
+
+    def computed(self, params: Params) -> Params:
+        """:meth:`full` params as the forwards compute with them: in ``compute_dtype``."""
+        return cast_floating(self.full(params), self.compute_dtype)
 
     def merged(self, params: Params) -> Params:
         """A plain params tree computing what ``params`` computes: a LoRA policy's adapters folded
@@ -108,7 +127,7 @@ class CausalLM:
     def bound(self, params: Params) -> dict[str, Tensor]:
         """The name → tensor map functional_call needs: params, tied aliases, buffers (and, for a
         LoRA policy called without adapters, rank-0 ones: its base layers alone)."""
-        named = dict(self.full(params))
+        named = dict(self.computed(params))
         if self.lora is not None and not any(lora.is_adapter(name) for name in params):
             off = torch.empty(0)
             for name in lora.adapted_layers(self.module, self.lora.targets):
@@ -167,14 +186,17 @@ class ValueModel(nn.Module):
 @attrs.frozen(eq=False)
 class Critic:
     """A value model: HF backbone + scalar head, as a skeleton like :class:`CausalLM`. ``packed``:
-    its forwards run the rows packed (:func:`response_values`)."""
+    its forwards run the rows packed (:func:`response_values`); ``compute_dtype``: as
+    :class:`CausalLM`'s (the values come out in float32)."""
 
     module: nn.Module
     buffers: dict[str, Tensor]
     packed: bool = False
+    compute_dtype: torch.dtype | None = None
 
     def __call__(self, params: Params, *args: Any) -> Tensor:
-        return torch.func.functional_call(self.module, ({**params, **self.buffers}), args, strict=True)
+        named = {**cast_floating(params, self.compute_dtype), **self.buffers}
+        return torch.func.functional_call(self.module, named, args, strict=True)
 
     def map_rows(self, fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
         """``fn(seqs)`` for a row-wise ``fn`` (see :meth:`CausalLM.map_rows`)."""

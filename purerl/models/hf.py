@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from purerl.files import make_readable
-from purerl.models.base import CausalLM, Critic, Params, ValueModel, full_state_dict
+from purerl.models.base import CausalLM, Critic, Params, ValueModel, cast_floating, full_state_dict
 from purerl.models.checkpointing import checkpoint_layers
 
 __all__ = ["causal_lm_from_config", "check_causal", "critic_from_causal_lm", "export_hf", "load_causal_lm",
@@ -159,11 +159,14 @@ def export_hf(model: Any, params: dict[str, torch.Tensor], out_dir: str | Path, 
 
     Tied weights are saved once under their canonical name (transformers re-ties on load). A model
     read from a GGUF file is written dequantized: the config loses its ``gguf`` quantization entry;
-    a config without ``architectures`` (a model built from a config) gets the module's class.
+    a config without ``architectures`` (a model built from a config) gets the module's class. The
+    weights are written in the model's ``compute_dtype`` (mixed precision: bfloat16 from float32
+    masters), else in the params' own.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in full_state_dict(model, params).items()}
+    state = {k: v.detach().to("cpu").contiguous()
+             for k, v in cast_floating(full_state_dict(model, params), model.compute_dtype).items()}
     config = copy.deepcopy(model.module.config)
     if str(getattr(getattr(config, "quantization_config", None), "quant_method", "")).lower().endswith("gguf"):
         del config.quantization_config

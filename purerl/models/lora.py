@@ -140,13 +140,14 @@ def is_adapter(name: str) -> bool:
 def merged(frozen: dict[str, Tensor], params: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
     """The plain params tree of the adapted policy: ``frozen`` overlaid with the other weights of
     ``params``, and every adapter of ``params`` folded into its layer, ``W + s·B·A`` (new tensors
-    for the adapted weights, the others shared). A tree with no adapters (merged already) comes
-    back as the overlay."""
+    for the adapted weights, the others shared; each in its base weight's dtype, summed in the
+    adapters'). A tree with no adapters (merged already) comes back as the overlay."""
     out = {**frozen, **{name: t for name, t in params.items() if not is_adapter(name)}}
     with torch.no_grad():
         for name in layer_names(params):
             a, b = params[f"{name}.lora_A.weight"], params[f"{name}.lora_B.weight"]
-            out[f"{name}.weight"] = torch.addmm(out[f"{name}.weight"], b.detach(), a.detach(), alpha=scale)
+            weight = out[f"{name}.weight"]  # in float32 adapters' dtype over a bfloat16 base (mixed precision)
+            out[f"{name}.weight"] = torch.addmm(weight.to(a.dtype), b.detach(), a.detach(), alpha=scale).to(weight.dtype)
     return out
 
 

@@ -167,7 +167,8 @@ class TrainRank(Rank):
             if self.critic_skeleton is None:
                 raise ValueError("the state has critic params but the executor was given no critic model")
             critic_module, critic = shard_module(self.critic_skeleton.module, state.critic, mesh=self.mesh,
-                                                 buffers=self.critic_skeleton.buffers, offload=offload)
+                                                 buffers=self.critic_skeleton.buffers, offload=offload,
+                                                 compute_dtype=self.critic_skeleton.compute_dtype)
             self.critic = ShardedCritic.of(self.critic_skeleton, [(critic_module, critic)])
             changes.update(critic=critic, critic_opt=shard_like(state.critic_opt, critic))
         self.state = self._optimizers_to("cpu", replace(state, **changes))
@@ -257,7 +258,8 @@ class RoleRank(Rank):
             if self.critic_skeleton is None:
                 raise ValueError("the critic's pool was given critic params but no critic model")
             module, params = shard_module(self.critic_skeleton.module, parts["critic"], mesh=self.mesh,
-                                          buffers=self.critic_skeleton.buffers)
+                                          buffers=self.critic_skeleton.buffers,
+                                          compute_dtype=self.critic_skeleton.compute_dtype)
             self.critic = ShardedCritic.of(self.critic_skeleton, [(module, params)])
             self.held.update(critic=params, critic_opt=shard_like(parts["critic_opt"], params))
         if "reference" in parts:

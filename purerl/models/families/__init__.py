@@ -72,7 +72,7 @@ def family_of(model: "CausalLM") -> Family | None:
 def _llama_response_logits(model: "CausalLM", params: "Params", seqs: "Sequences",
                            shared: tuple[Tensor, Tensor] | None) -> Tensor:
     forward = llama.packed_response_logits if model.packed else llama.response_logits
-    return forward(model.full(params), model.buffers["model.rotary_emb.inv_freq"],
+    return forward(model.computed(params), model.buffers["model.rotary_emb.inv_freq"],
                                  llama.layout_of(model.config), seqs.input_ids, seqs.attention_mask,
                                  seqs.position_ids(), seqs.response_length, shared,
                                  None if model.lora is None else model.lora.scale)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from purerl.batch import FINISH_EOS, FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
-from purerl.models import CausalLM, Params
+from purerl.models import CausalLM, Params, cast_floating
 from purerl.models.families import Decoding
 from purerl.models.families.llama_decode import StaticCache
 from purerl.rollout.engine import ENGINES, check_weights
@@ -35,8 +35,11 @@ class TorchEngine:
     cache, no module dispatch); ``lean=False`` forces the HF module path, which every other model
     takes. On CUDA the lean decoding step is captured once per generate call and replayed as a
     CUDA graph (``cuda_graphs=False`` turns that off). Rows that finish early leave the decoding
-    batch (``drop_finished=False`` keeps them; not with CUDA graphs, whose shapes are fixed).
-    ``dtype`` (e.g. ``"bfloat16"``): decode with the weights cast to it, a copy per version (on a
+    batch (``drop_finished=False`` keeps them; not with CUDA graphs, whose shapes are fixed). The
+    decoding loop writes each step's tokens and log-probs into buffers allocated once and reads
+    the device's state on the host only every ``host_check_every`` steps (a GPU: 8).
+    ``dtype`` (e.g. ``"bfloat16"``; default the model's ``compute_dtype``, else the params' own):
+    decode with the weights cast to it, a copy per version (on a
     CPU with bfloat16 instructions, decoding's skinny products read half the bytes and run ~3×
     faster); the log-probs are then the cast model's, so the trainer recomputes its own
     (``actor.recompute_old_logprobs``) and the off-policy correction sees the difference.
@@ -49,7 +52,8 @@ class TorchEngine:
     def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
                  lean: bool = True, cuda_graphs: bool = True, drop_finished: bool = True,
-                 dtype: str | torch.dtype | None = None, onednn: bool = True) -> None:
+                 dtype: str | torch.dtype | None = None, onednn: bool = True,
+                 host_check_every: int | None = None) -> None:
         if not eos_token_ids:
             raise ValueError("TorchEngine: at least one EOS token id is needed")
         self.model = model
@@ -65,6 +69,10 @@ class TorchEngine:
         self.cuda_graphs = cuda_graphs
         self.onednn = onednn
         self.drop_finished = drop_finished
+        self.host_check_every = host_check_every
+        """Decoding steps between the host's reads of how many rows are still open (each a device
+        sync on a GPU; there rows cannot leave a CUDA graph's batch anyway). None: every step on a
+        CPU (where finished rows leave the batch as soon as it pays), every 8 on a GPU."""
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if self.dtype is not None and not self.dtype.is_floating_point:
             raise ValueError(f"TorchEngine: dtype {dtype!r} is not a floating-point type")
@@ -74,8 +82,8 @@ class TorchEngine:
 
     def sync(self, params: Params, version: int) -> None:
         params = self.model.merged(params)  # a LoRA policy decodes merged: at the base's speed
-        if self.dtype is not None:
-            params = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in params.items()}
+        if self.lean:  # the HF module path casts per call (CausalLM.bound)
+            params = cast_floating(params, self.dtype or self.model.compute_dtype)
         self._params = params
         self._decoder = self.model.family.decoder_weights(self.model, params, onednn=self.onednn) if self.lean else None
         self.version = version
@@ -146,7 +154,12 @@ class TorchEngine:
         ended = torch.zeros(rows, dtype=torch.bool, device=self.device)  # of the output rows, once dropped
         stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)  # by a stop string (rows never drop)
         interrupted = False
-        steps: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # (active, finished before, token, log-prob)
+        # what each step samples, written in place (no per-step tensors to assemble afterwards)
+        shape = (rows, sampling.max_new_tokens)
+        tokens = torch.full(shape, self.pad_token_id, dtype=torch.long, device=self.device)
+        logps = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        alive = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        check_every = self.host_check_every or (1 if self.device.type == "cpu" else 8)
         capacity = ids.shape[1] + sampling.max_new_tokens
         if context is None:
             context = self._model_steps(ids, mask, positions, sampling.n, capacity)
@@ -159,54 +172,42 @@ class TorchEngine:
                 if uniform is not None and batch < rows:
                     uniform = uniform[active]
                 token = sample_tokens(lp, uniform)
-                steps.append((active, finished, token, lp.gather(-1, token[:, None]).squeeze(-1)))
+                live = ~finished  # a finished row's later tokens are padding, EOS or not
+                at = (slice(None) if batch == rows else active, step)
+                alive[at] = live
+                tokens[at] = torch.where(live, token, self.pad_token_id)
+                logps[at] = torch.where(live, lp.gather(-1, token[:, None]).squeeze(-1), 0.0)
                 hit = token == eos if isinstance(eos, int) else torch.isin(token, eos)
                 if sampling.stop:
-                    now = self._stop_hits([t for _, _, t, _ in steps], finished | hit, sampling.stop)
+                    now = self._stop_hits(tokens[:, max(0, step - 31): step + 1], finished | hit, sampling.stop)
                     stopped, hit = stopped | now, hit | now
-                finished = finished | hit  # a finished row's later tokens are padding, EOS or not
-                still_open = batch - int(finished.sum())
-                if still_open == 0 or step + 1 == sampling.max_new_tokens:
+                finished = finished | hit
+                if step + 1 == sampling.max_new_tokens:
                     break
                 if interrupt is not None and interrupt():
                     interrupted = True
                     break
-                if (drop_finished and keep is not None and not sampling.stop
-                        and still_open <= 0.75 * batch):
-                    kept = (~finished).nonzero().squeeze(-1)
-                    ended[active] = finished
-                    active, finished, batch = active[kept], finished[kept], still_open
-                    token, position = token[kept], position[kept]
-                    keep(kept)
+                # the host reads the batch's state only every check_every steps (a device sync on a GPU)
+                if (step + 1) % check_every == 0 or sampling.stop:
+                    still_open = batch - int(finished.sum())
+                    if still_open == 0:
+                        break
+                    if (drop_finished and keep is not None and not sampling.stop
+                            and still_open <= 0.75 * batch):
+                        kept = (~finished).nonzero().squeeze(-1)
+                        ended[active] = finished
+                        active, finished, batch = active[kept], finished[kept], still_open
+                        token, position = token[kept], position[kept]
+                        keep(kept)
                 logits = advance(token, position)
                 position = position + 1
         ended[active] = finished
         reasons = torch.where(stopped, FINISH_STOP, torch.where(ended, FINISH_EOS, FINISH_LENGTH))
         if interrupted:
             reasons = torch.where(ended, reasons, FINISH_INTERRUPTED)
-        return (*self._assemble(steps, rows), reasons)
-
-    def _assemble(self, steps: list[tuple[Tensor, Tensor, Tensor, Tensor]], rows: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``[b, T]`` tokens (padding after a row finished), log-probs (0 there) and alive masks from
-        the per-step values of the rows decoded at each step: ``(rows, finished before the step,
-        token, log-prob)``."""
-        shape = (rows, len(steps))
-        tokens = torch.full(shape, self.pad_token_id, dtype=torch.long, device=self.device)
-        logps = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        alive = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        start = 0
-        while start < len(steps):  # one write per stretch of steps with the same rows
-            stop = start + 1
-            while stop < len(steps) and steps[stop][0] is steps[start][0]:
-                stop += 1
-            rows_at = steps[start][0]
-            live = ~torch.stack([steps[i][1] for i in range(start, stop)], 1)
-            alive[rows_at, start:stop] = live
-            for out, field, fill in ((tokens, 2, self.pad_token_id), (logps, 3, 0.0)):
-                values = torch.stack([steps[i][field] for i in range(start, stop)], 1)
-                out[rows_at, start:stop] = torch.where(live, values, fill)
-            start = stop
-        return tokens, logps, alive
+        # the steps some row was still open at (between host reads, all rows may have finished earlier)
+        taken = int(alive[:, : step + 1].any(0).sum())
+        return tokens[:, :taken], logps[:, :taken], alive[:, :taken], reasons
 
     def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor, n: int,
                      capacity: int) -> contextlib.AbstractContextManager[Decoding]:
@@ -217,9 +218,10 @@ class TorchEngine:
                                               cuda_graphs=self.cuda_graphs)
         return _module_decoding(self.model, self._params, ids, mask, positions, n)
 
-    def _stop_hits(self, tokens: list[Tensor], finished: Tensor, stop: tuple[str, ...]) -> Tensor:
-        """Rows (not yet finished) whose response text now contains a stop string."""
-        window = torch.stack(tokens[-32:], 1).tolist()
+    def _stop_hits(self, window: Tensor, finished: Tensor, stop: tuple[str, ...]) -> Tensor:
+        """Rows (not yet finished) whose response text now contains a stop string; ``window``: the
+        rows' last (up to 32) sampled tokens."""
+        window = window.tolist()
         longest = max(len(s) for s in stop)
         hits = torch.zeros_like(finished)
         for row in (~finished).nonzero().flatten().tolist():
