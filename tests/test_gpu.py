@@ -283,13 +283,13 @@ def test_the_cuda_decoding_loop_syncs_with_the_host_only_every_few_steps():
     engine.sync(params, 0)
     sampling = SamplingParams(max_new_tokens=64, n=4, temperature=1.0)
     engine.generate(PROMPTS, sampling, RngState(0))  # graph capture outside the count
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # setting the mode warns too ("a prototype feature")
+        try:
+            torch.cuda.set_sync_debug_mode("warn")
             engine.generate(PROMPTS, sampling, RngState(1))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     print(f"{len(syncs)} host syncs for 64 decoding steps")
     assert len(syncs) <= 64 // 8 + 8, syncs[:3]
