@@ -62,7 +62,8 @@ __all__ = ["MAY_CHANGE_ON_RESUME", "check_context", "engine_options", "episodes_
            "load_policy", "load_records_of", "load_tasks", "make_executor", "reward_of", "run"]
 
 MAY_CHANGE_ON_RESUME = {"trainer.steps", "trainer.eval_every", "trainer.checkpoint_every", "trainer.log",
-                        "trainer.progress", "trainer.threads", "model.device", "actor.micro_batch_rows",
+                        "trainer.progress", "trainer.threads", "trainer.samples_per_step", "trainer.sample_chars",
+                        "model.device", "actor.micro_batch_rows",
                         "actor.offload_params", "actor.offload_optimizer",
                         "rollout.engine_options", "executor"}
 """Settings a resumed run may change (a section name covers its keys); all others must equal the
@@ -392,7 +393,7 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
         with executor.engine(executor.newest(state.step), "evaluate") as engine:
             return evaluate(engine, eval_task, version=state.step, max_new_tokens=config.rollout.max_new_tokens,
                             reward_timeout=config.reward.timeout, batch_timeout=config.reward.batch_timeout,
-                            score=executor.score)
+                            score=executor.score, sample_chars=config.trainer.sample_chars)
 
     def evaluate_fn(state: TrainState) -> dict[str, Any]:
         broken = set(getattr(executor, "broken", ()))  # Ray: generators waiting for new workers
@@ -413,11 +414,12 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
               + ("" if baseline.exists() else f" ({baseline} is missing: no step-0 accuracy to compare with)"),
               flush=True)
     else:
-        log.path.unlink(missing_ok=True)
+        log.clear()
         state = executor.start(state)
         _write_workers(executor, run_dir)
         first = evaluate_fn(state)
         record_reward_errors(run_dir, 0, first)
+        log.write_samples(0, first)
         baseline.write_text(json.dumps(first))
         before = first["val/accuracy"]
         print(f"step 0 held-out greedy accuracy {before:.3f} (strict {first['val/strict_accuracy']:.3f}) on "
@@ -437,6 +439,7 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
     else:
         final = evaluate_fn(state)
         record_reward_errors(run_dir, state.step, final)
+        log.write_samples(state.step, final)
     after = final["val/accuracy"]
     gain = None if before is None else 100 * (after - before)
     print(f"held-out greedy accuracy {'?' if before is None else f'{before:.3f}'} -> {after:.3f}"

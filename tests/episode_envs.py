@@ -73,3 +73,52 @@ class Broken:
 
     def step(self, state, action):
         return 1.0
+
+
+class _Returns:
+    """One turn that returns ``self.result(state)``: an environment that breaks the protocol."""
+
+    stop = ()
+
+    def reset(self, task, seed):
+        return seed, list(task.messages)
+
+    def step(self, state, action):
+        return self.result(state)
+
+
+class NoneReward(_Returns):
+    def result(self, state):
+        return StepResult(state, [], None, True, "answer")
+
+
+class StringReward(_Returns):
+    def result(self, state):
+        return StepResult(state, [], "good", True, "answer")
+
+
+class NaNReward(_Returns):
+    def result(self, state):
+        return state, [], float("nan"), True
+
+
+class StringMessages(_Returns):
+    def result(self, state):
+        return StepResult(state, "just a string", 0.0, False)
+
+
+class RoleLessMessage(_Returns):
+    def result(self, state):
+        return StepResult(state, [{"content": "no role"}], 0.0, False)
+
+
+class DictResult(_Returns):
+    def result(self, state):
+        return {"state": state, "reward": 1.0}
+
+
+class NoReward(Counter):
+    """TRL's convention, with a get_reward that returns None."""
+
+    def get_reward(self):
+        return None

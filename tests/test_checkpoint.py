@@ -82,6 +82,26 @@ def test_shape_mismatch_names_the_key(tmp_path):
         load_checkpoint(path, other)
 
 
+def test_a_tensor_reshaped_in_the_file_with_a_manifest_rewritten_to_match_is_refused_naming_it(tmp_path):
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    path = save_checkpoint(tmp_path, _state(), step=1)
+    tensors_path, manifest_path = path / "tensors.safetensors", path / "manifest.json"
+    tensors = load_file(tensors_path)
+    key = ".policy['model.layers.0.mlp.down_proj.weight']"  # [32, 64]
+    tensors[key] = tensors[key].reshape(-1, 8).contiguous()  # same bytes, another shape
+    save_file(tensors, str(tensors_path))
+    manifest = json.loads(manifest_path.read_text())
+    data = tensors_path.read_bytes()
+    manifest["tensor_file"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"tensor \.policy\['model\.layers\.0\.mlp\.down_proj\.weight'\] is "
+                                              r"\[256, 8\] torch\.float32 in the file but \[32, 64\]"):
+        load_checkpoint(path, _state())
+
+
 def test_layout_mismatch_and_missing_manifest_are_named(tmp_path):
     path = save_checkpoint(tmp_path, _state(), step=1)
     without_reference = TrainState(policy=_state().policy, policy_opt=_state().policy_opt,

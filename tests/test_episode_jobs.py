@@ -66,3 +66,40 @@ def test_the_example_environments_train(tmp_path, name):
     summary = run_job([*GUESS[:2], f"{ROOT / 'examples' / 'environments.py'}:{name}", *GUESS[3:],
                        "env.per_turn_rewards=true", "--out-dir", str(tmp_path / "run")])
     assert summary["steps"] == 2 and "episode/turns_mean" in summary["records"][-1]
+
+
+BAD = ["--tiny", "--max-turns", "2", "--steps", "2", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+       "--max-new-tokens", "4", "--eval-size", "2", "--train-size", "20", "--eval-every", "0", "--no-progress",
+       "--threads", "1", "env.max_tokens=256", "data.max_prompt_tokens=160", "reward.penalty=-1.0"]
+
+
+def test_an_environment_returning_a_none_reward_costs_its_episodes_recorded_like_reward_errors(tmp_path):
+    out = tmp_path / "run"
+    summary = run_job([*BAD, "--env", "tests.episode_envs:NoneReward", "--out-dir", str(out)])
+    assert summary["steps"] == 2
+    for row in summary["records"]:  # every episode failed: penalised, counted, not trained on silently
+        assert row["episode/env_errors"] == 4 and row["reward/errors"] == 4 and row["critic/score/mean"] == -1.0
+        assert row["episode/finish/env_error"] == 1.0
+    errors = [json.loads(line) for line in (out / "reward_errors.jsonl").read_text().splitlines()]
+    assert len(errors) == 8 and {e["step"] for e in errors} == {1, 2}
+    assert "environment NoneReward, task 0" in errors[0]["message"] and "turn 0" in errors[0]["message"]
+
+
+def test_every_episode_failing_for_max_failed_reward_steps_stops_the_run_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), *BAD, "env.sft_steps=0",
+                           "--env", "tests.episode_envs:NaNReward", "trainer.max_failed_reward_steps=2",
+                           "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, env=ENV, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert "every reward call failed or timed out in 2 steps in a row" in done.stderr
+
+
+def test_an_environment_returning_no_result_stops_the_run_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), *BAD, "env.sft_steps=0",
+                           "--env", "tests.episode_envs:DictResult", "--out-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "tool_math: environment DictResult: Env.step returned dict, not (state, messages, reward, done)")

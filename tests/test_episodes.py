@@ -12,6 +12,7 @@ from purerl.batch import left_pad, rollout_of
 from purerl.data.records import PromptRecord
 from purerl.episodes import ChatCodec, SingleTurn, TemplateError, Tool, ToolEnv, calculate
 from purerl.episodes.calculator import calculator_env, demonstration
+from purerl.episodes.env import EnvError
 from purerl.episodes.rollout import (
     EpisodeLimits,
     episode_metrics,
@@ -352,5 +353,30 @@ def test_a_broken_environment_stops_naming_itself_the_task_and_what_went_wrong()
     with pytest.raises(ValueError, match=r"environment Broken: reset failed on task 0 \(unknown, seed 0\): KeyError"):
         _play(tokenizer, episode_envs.Broken(), answer, [_record()])
     sized = PromptRecord(({"role": "user", "content": "hi"},), "1", extra={"size": 3})
-    with pytest.raises(TypeError, match="environment Broken: Env.step returned float, not"):
+    with pytest.raises(EnvError, match="environment Broken: Env.step returned float, not"):
         _play(tokenizer, episode_envs.Broken(), answer, [sized])
+
+
+@pytest.mark.parametrize("name, why", [
+    ("NoneReward", "bad reward: the reward is a NoneType"), ("StringReward", "bad reward: the reward is a str ('good')"),
+    ("NaNReward", "bad reward: the reward is nan"), ("StringMessages", "messages as a str ('just a string')"),
+    ("RoleLessMessage", "message 0 as {'content': 'no role'}")])
+def test_an_environment_returning_a_bad_reward_or_messages_ends_its_episode_naming_task_seed_and_turn(name, why):
+    tokenizer = char_tokenizer(chatml=True)
+    answer = lambda prompt, call: _text(tokenizer, "1", end=True)  # noqa: E731
+    episodes, _ = _play(tokenizer, getattr(episode_envs, name)(), answer, [_record(), _record()], n=2, seeds=[4, 9])
+    assert [e.finish for e in episodes] == ["env_error"] * 4 and all(e.reward == 0.0 for e in episodes)
+    assert episodes[3].counts == {"env_errors": 1.0}
+    assert episodes[3].error.startswith(f"environment {name}, task 1 (unknown), seed 9, turn 0: Env.step returned")
+    assert why in episodes[3].error
+    assert episode_metrics(episodes)["episode/env_errors"] == 4
+
+
+def test_a_trl_environment_whose_reward_is_none_ends_its_episode():
+    from purerl.episodes.adapters import environment
+
+    tokenizer = char_tokenizer(chatml=True)
+    env = environment("tests.episode_envs:NoReward", answer_fn=math_reward)
+    answer = lambda prompt, call: _text(tokenizer, "done", end=True)  # noqa: E731
+    (episode,), _ = _play(tokenizer, env, answer, [_record()])
+    assert episode.finish == "env_error" and "the reward is a NoneType" in episode.error

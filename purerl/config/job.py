@@ -299,7 +299,9 @@ class TrainerConfig:
     many of the newest checkpoints stay on disk. The run stops (exit status 1, naming the step and
     the last good checkpoint) after ``max_rejected_steps`` steps in a row whose update was
     rejected (a non-finite loss or gradient), or ``max_failed_reward_steps`` steps in a row whose
-    rewards all failed or timed out; at once when an update leaves non-finite weights."""
+    rewards all failed or timed out; at once when an update leaves non-finite weights.
+    ``samples.jsonl`` gets ``samples_per_step`` of each step's training samples and every
+    held-out generation of each evaluation, each text cut to its last ``sample_chars`` characters."""
 
     steps: int = attrs.field(default=30, validator=at_least(1))
     eval_every: int = attrs.field(default=10, validator=at_least(0))
@@ -313,6 +315,8 @@ class TrainerConfig:
         one_of(("tensorboard", "wandb"), "logger")))
     threads: int = attrs.field(default=0, validator=at_least(0))
     progress: bool = True
+    samples_per_step: int = attrs.field(default=4, validator=at_least(0))
+    sample_chars: int = attrs.field(default=1000, validator=at_least(1))
 
 
 POOLS = ("train", "rollout", "reward", "critic", "reference")

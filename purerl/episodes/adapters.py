@@ -114,7 +114,7 @@ class TrlEnvironment:
         call = parse_call(action, self.tool_names, self.format)
         if call is None:
             if hasattr(instance, "get_reward"):
-                reward = float(instance.get_reward())
+                reward = instance.get_reward()  # checked as every environment's reward is (checked_step)
             else:
                 reward = reward_value(self.answer_fn, call_form(self.answer_fn), action, task.ground_truth,
                                       task.data_source, task.extra)

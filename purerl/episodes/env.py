@@ -21,16 +21,22 @@ import attrs
 
 from purerl.data.records import PromptRecord
 from purerl.episodes.codec import Message
-from purerl.rewards.forms import call_form, reward_value
+from purerl.rewards.forms import call_form, checked_reward, reward_value
 from purerl.rewards.math import RewardFn
 
-__all__ = ["Env", "SingleTurn", "StepResult", "step_result"]
+__all__ = ["Env", "EnvError", "SingleTurn", "StepResult", "checked_step", "failed_episode", "step_result"]
+
+
+class EnvError(ValueError):
+    """An environment returned what the protocol does not allow, in a way every call would repeat
+    (not a :class:`StepResult` or a 4-tuple): the run stops, in one line naming the environment."""
 
 
 class StepResult(NamedTuple):
     """What one turn gives: the next state, the answering messages, the turn's reward, whether the
     episode is over, why (``finish``, a name: ``answer``, …) and counts (``tool_calls``,
-    ``tool_errors``, …) summed into the episode's metrics."""
+    ``tool_errors``, …) summed into the episode's metrics. ``error``: set by purerl (never by an
+    environment) when the turn's return was refused (:func:`checked_step`)."""
 
     state: Any
     messages: Sequence[Message]
@@ -38,16 +44,45 @@ class StepResult(NamedTuple):
     done: bool
     finish: str = "answer"
     counts: Mapping[str, float] = {}
+    error: str = ""
 
 
 def step_result(value: Any) -> StepResult:
     """A :class:`StepResult` from what ``step`` returned (it, or a 4-tuple
-    ``(state, messages, reward, done)``); a ``TypeError`` naming what is wrong otherwise."""
+    ``(state, messages, reward, done)``); an :class:`EnvError` naming what it is otherwise."""
     if isinstance(value, StepResult):
         return value
     if isinstance(value, tuple) and len(value) == 4:
         return StepResult(*value)
-    raise TypeError(f"Env.step returned {type(value).__name__}, not (state, messages, reward, done) or a StepResult")
+    raise EnvError(f"Env.step returned {type(value).__name__}, not (state, messages, reward, done) or a StepResult")
+
+
+def checked_step(value: Any, state: Any) -> StepResult:
+    """What ``step`` returned, checked: its reward a finite number a float32 holds (the rule for
+    reward functions), its messages a list of mappings with a string ``role`` and ``content``.
+    A turn that breaks either rule ends its episode (:func:`failed_episode`); one that is no
+    result at all raises :class:`EnvError` (:func:`step_result`)."""
+    result = step_result(value)
+    messages = result.messages
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        return failed_episode(state, f"Env.step returned messages as a {type(messages).__name__} ({messages!r:.40}), "
+                                     "not a list of {'role': ..., 'content': ...} messages")
+    for k, message in enumerate(messages):
+        if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            return failed_episode(state, f"Env.step returned message {k} as {message!r:.60}, not a mapping with a "
+                                         "string 'role' and 'content'")
+    try:
+        reward = checked_reward(result.reward)
+    except ValueError as err:
+        return failed_episode(state, f"Env.step returned a bad reward: {err}")
+    return result._replace(messages=tuple(messages), reward=reward, done=bool(result.done))
+
+
+def failed_episode(state: Any, message: str) -> StepResult:
+    """The turn that ends an episode whose environment returned something it may not: no reward
+    (the run scores the episode with ``reward.penalty``), finish ``env_error``, counted once."""
+    return StepResult(state, (), 0.0, True, "env_error", {"env_errors": 1.0}, message)
 
 
 @runtime_checkable

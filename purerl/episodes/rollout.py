@@ -40,7 +40,7 @@ from purerl.tree import tree_map
 __all__ = ["Episode", "EpisodeLimits", "episode_metrics", "episode_of_transcript", "episode_scores", "episodes_rollout",
            "run_episodes", "turn_token_rewards"]
 
-FINISHES = ("answer", "max_turns", "context")
+FINISHES = ("answer", "max_turns", "context", "env_error")
 """Why an episode ended (an environment may name others in its ``StepResult.finish``)."""
 
 
@@ -66,7 +66,9 @@ class Episode:
     hold its behaviour log-prob and weights version; 0 and -1 elsewhere); ``turn_ends``: index
     (into ``ids``) of each turn's last sampled token; ``reward``: the environment's rewards summed;
     ``counts``: the steps' counts summed (``tool_calls``, ``tool_errors``, ``tool_timeouts``);
-    ``actions``: each turn's text as the environment read it; ``turn_rewards``: each turn's reward."""
+    ``actions``: each turn's text as the environment read it; ``turn_rewards``: each turn's reward;
+    ``error``: why the environment's return was refused (finish ``env_error``), naming the
+    environment, task, seed and turn."""
 
     ids: list[int]
     prompt_length: int
@@ -80,6 +82,7 @@ class Episode:
     state: Any = None
     actions: list[str] = attrs.Factory(list)
     turn_rewards: list[float] = attrs.Factory(list)
+    error: str = ""
 
     def append(self, ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] = (), version: int = -1) -> None:
         self.ids += ids
@@ -169,6 +172,10 @@ def run_episodes(engine: RolloutEngine, env: Env, codec: ChatCodec, tasks: Seque
         for i, result in zip(active, results):
             episode = episodes[i]
             episode.add(result)
+            if result.error:
+                task = i // sampling.n
+                episode.error = (f"environment {type(env).__qualname__}, task {task} ({tasks[task].data_source}), "
+                                 f"seed {seeds[task]}, turn {turn}: {result.error}")
             if result.done:
                 episode.finish = result.finish or "answer"
             elif turn + 1 == limits.max_turns:
@@ -260,7 +267,7 @@ def turn_token_rewards(episodes: Sequence[Episode], scores: Tensor, width: int) 
 
 
 def episode_metrics(episodes: Sequence[Episode], prefix: str = "episode") -> dict[str, float]:
-    """``{prefix}/turns_mean``, ``tool_calls_mean``, ``tool_errors``, ``tool_timeouts`` (sums),
+    """``{prefix}/turns_mean``, ``tool_calls_mean``, ``tool_errors``, ``tool_timeouts``, ``env_errors`` (sums),
     ``observation_token_frac`` (observation tokens over every token after the prompts) and
     ``finish/<reason>`` (fractions of episodes)."""
     n = max(len(episodes), 1)
@@ -270,6 +277,7 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str = "episode") -> dic
         f"{prefix}/tool_calls_mean": sum(e.counts.get("tool_calls", 0.0) for e in episodes) / n,
         f"{prefix}/tool_errors": sum(e.counts.get("tool_errors", 0.0) for e in episodes),
         f"{prefix}/tool_timeouts": sum(e.counts.get("tool_timeouts", 0.0) for e in episodes),
+        f"{prefix}/env_errors": sum(e.counts.get("env_errors", 0.0) for e in episodes),
         f"{prefix}/observation_token_frac": sum(len(e.sampled) - sum(e.sampled) for e in episodes) / max(after_prompt, 1),
     }
     for reason in sorted({*FINISHES, *(e.finish for e in episodes)}):

@@ -13,7 +13,7 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
-from purerl.episodes.env import Env, StepResult, step_result
+from purerl.episodes.env import Env, EnvError, StepResult, checked_step
 from purerl.rewards.forms import CALL
 from purerl.rewards.pool import LATE, Unloadable, run_in_threads
 from purerl.rewards.scoring import reward_processes
@@ -36,9 +36,10 @@ def step_envs(env: Env, states: Sequence[Any], actions: Sequence[str], *, timeou
               batch_timeout: float | None = None) -> list[StepResult]:
     """``env.step(state, action)`` for every episode, each under ``timeout`` seconds and all under
     ``batch_timeout``: one :class:`~purerl.episodes.env.StepResult` per episode, a
-    :func:`failed_step` where the call raised, timed out or died. A result that is no
-    ``StepResult`` or 4-tuple raises ``TypeError`` naming the environment (a bug, not a tool
-    failure: every turn would fail alike)."""
+    :func:`failed_step` where the call raised, timed out or died, a
+    :func:`~purerl.episodes.env.failed_episode` where it returned a bad reward or messages. A
+    result that is no ``StepResult`` or 4-tuple raises ``EnvError`` naming the environment (a bug,
+    not a tool failure: every turn would fail alike)."""
     if not states:
         return []
     args = [(s, a) for s, a in zip(states, actions)]
@@ -68,9 +69,9 @@ def step_envs(env: Env, states: Sequence[Any], actions: Sequence[str], *, timeou
             out.append(failed_step(env, state, f"the step timed out after {timeout:g} s", "tool_timeouts"))
         elif result[1] is not None:
             out.append(failed_step(env, state, result[1], "tool_errors"))
-        else:  # a malformed result is a bug in the environment, not a failed tool: it stops the run
+        else:  # no result at all is a bug every turn repeats: it stops the run; a bad reward or message ends the episode
             try:
-                out.append(step_result(result[0]))
-            except TypeError as err:
-                raise TypeError(f"environment {type(env).__qualname__}: {err}") from None
+                out.append(checked_step(result[0], state))
+            except EnvError as err:
+                raise EnvError(f"environment {type(env).__qualname__}: {err}") from None
     return out

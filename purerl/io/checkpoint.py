@@ -167,8 +167,8 @@ def load_checkpoint(path: str | Path, template: Any, *, verify_hash: bool = True
     """The state saved in ``path``, with the structure of ``template`` and its tensors' devices.
 
     Every leaf of ``template`` must appear in the manifest with the same kind, dtype and shape
-    (and the manifest must have no other leaves); the tensor file must have the recorded size and,
-    with ``verify_hash``, the recorded sha256.
+    (and the manifest must have no other leaves), and the tensor file must hold it so; the tensor
+    file must have the recorded size and, with ``verify_hash``, the recorded sha256.
     """
     path = Path(path)
     manifest = _read_manifest(path)
@@ -201,7 +201,12 @@ def load_checkpoint(path: str | Path, template: Any, *, verify_hash: bool = True
                         f"{path}: key {key} has shape {entry['shape']} {entry['dtype']} in the checkpoint "
                         f"but {list(like.shape)} {like.dtype} in the state (different model or config?)"
                     )
-                leaves.append(f.get_tensor(key).to(like.device))
+                tensor = f.get_tensor(key)
+                if tensor.shape != like.shape or tensor.dtype != like.dtype:  # the file itself, not only its manifest
+                    raise CheckpointError(
+                        f"{tensor_file}: tensor {key} is {list(tensor.shape)} {tensor.dtype} in the file but "
+                        f"{list(like.shape)} {like.dtype} in the state (the manifest says {entry['shape']})")
+                leaves.append(tensor.to(like.device))
             else:
                 if entry["kind"] == "tensor":
                     raise CheckpointError(f"{path}: key {key} is a tensor in the checkpoint, a {type(like).__name__} in the state")

@@ -21,6 +21,7 @@ from purerl.data.cursor import DataCursor, next_indices
 from purerl.data.records import PromptRecord
 from purerl.episodes import ChatCodec, Env
 from purerl.episodes.rollout import (
+    Episode,
     EpisodeLimits,
     episode_metrics,
     episode_scores,
@@ -28,6 +29,7 @@ from purerl.episodes.rollout import (
     run_episodes,
     turn_token_rewards,
 )
+from purerl.loop.samples import rollout_finishes, sample_rows, spread
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.mix import mixed_rewards, uses_reward_model
 from purerl.rollout.engine import RolloutEngine
@@ -152,7 +154,7 @@ def sample_part(engine: RolloutEngine, task: Task, config: JobConfig, data: Data
                                                          score_model, sampling)
         sampled["messages"] += failed
         for key, value in sums.items():
-            sampled[key] = sampled.get(key, [] if key == "episodes" else 0.0) + value
+            sampled[key] = sampled.get(key, [] if isinstance(value, list) else 0.0) + value
         if baselines:
             greedy = attrs.evolve(sampling, temperature=0.0, top_p=1.0, top_k=0, n=1)
             _, base, cost, failed = _scored_rollout(engine, task, config, indices, RngState(0), version, score,
@@ -203,6 +205,8 @@ def joined_batch(parts: Sequence[SampledPart], config: JobConfig) -> tuple[Rollo
     if "episodes" in sampled:
         metrics.update(episode_metrics(sampled["episodes"]))
         metrics["timing/env_s"] = sampled["env_s"]
+    if sampled.get("samples"):  # taken out before logging, into samples.jsonl (purerl.io.metrics)
+        metrics["samples/train"] = sampled["samples"][: config.trainer.samples_per_step]
     if sampled["messages"]:  # only when some call failed: taken out before logging (purerl.loop.recording)
         metrics["reward/error_messages"] = sampled["messages"]
         if metrics["reward/errors"] + metrics["reward/timeouts"] >= sampled["rows"] + sampled["baseline_rows"]:
@@ -233,7 +237,7 @@ def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indice
     reward = config.reward
     if task.episodes is not None:
         rollout, scored, sums = _episode_rollout(engine, task, task.episodes, indices, rng, version, sampling,
-                                                 reward.batch_timeout)
+                                                 reward.batch_timeout, reward.penalty)
         texts = [episode.actions[-1] for episode in sums["episodes"]]
     else:
         start = time.perf_counter()
@@ -263,16 +267,39 @@ def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indice
                                                                          rollout.sequences.response_length))
     sums.update(parts)
     sums["reward_s"] = time.perf_counter() - start
+    if config.trainer.samples_per_step:
+        sums["samples"] = _training_samples(task, indices, sampling.n, rollout, texts, rewards.scores.tolist(),
+                                            sums.get("episodes"), config)
     return rollout, rewards, sums, scored.error_messages
 
 
+def _training_samples(task: Task, indices: list[int], n: int, rollout: Rollout, texts: list[str],
+                      scores: list[float], episodes: list[Episode] | None, config: JobConfig) -> list[dict[str, Any]]:
+    """``trainer.samples_per_step`` rows of ``samples.jsonl``, spread over the batch (an episode's
+    response: everything after its prompt, observations included)."""
+    rows = spread(len(texts), config.trainer.samples_per_step)
+    prompts, responses = [""] * len(texts), list(texts)
+    for r in rows:
+        if episodes is None:
+            prompts[r] = task.decode(list(task.prompt_ids[indices[r // n]]))
+        else:
+            prompts[r] = task.decode(episodes[r].ids[: episodes[r].prompt_length])
+            responses[r] = task.decode(episodes[r].ids[episodes[r].prompt_length:])
+    finishes = rollout_finishes(rollout) if episodes is None else [e.finish for e in episodes]
+    return sample_rows(rows, prompts=prompts, responses=responses, rewards=scores,
+                       lengths=rollout.sequences.response_mask.sum(-1).tolist(), finishes=finishes,
+                       chars=config.trainer.sample_chars, indices=[indices[r // n] for r in range(len(texts))],
+                       turns=None if episodes is None else [len(e.turn_ends) for e in episodes])
+
+
 def _episode_rollout(engine: RolloutEngine, task: Task, episodes: Episodes, indices: list[int], rng: RngState,
-                     version: int, sampling: SamplingParams,
-                     batch_timeout: float | None) -> tuple[Rollout, Scores, dict[str, Any]]:
+                     version: int, sampling: SamplingParams, batch_timeout: float | None,
+                     penalty: float) -> tuple[Rollout, Scores, dict[str, Any]]:
     """``sampling.n`` episodes per prompt (:func:`~purerl.episodes.rollout.run_episodes`; task
     ``i`` resets with seed ``i``, so a prompt's episodes replay), their rollout and scores (the
-    environment's rewards with the tool bonus), and sums: ``gen_s`` (sampling and stepping),
-    ``env_s`` and the ``episodes``."""
+    environment's rewards with the tool bonus; ``penalty`` for an episode whose environment
+    returned a bad reward or messages, counted and its message kept as a reward error's), and
+    sums: ``gen_s`` (sampling and stepping), ``env_s`` and the ``episodes``."""
     timings: dict[str, float] = {}
     played = run_episodes(engine, episodes.env, episodes.codec, [task.records[i] for i in indices], sampling, rng,
                           version, episodes.limits, decode=task.decode, seeds=indices,
@@ -280,7 +307,9 @@ def _episode_rollout(engine: RolloutEngine, task: Task, episodes: Episodes, indi
     group = [j for j in range(len(indices)) for _ in range(sampling.n)]
     rollout = episodes_rollout(played, group, pad_token_id=episodes.pad_token_id, version=version,
                                device=getattr(engine, "device", "cpu"))
-    scores = Scores(episode_scores(played, episodes.limits.tool_bonus), 0, 0, [])
+    values = [penalty if e.error else v for e, v in zip(played, episode_scores(played, episodes.limits.tool_bonus))]
+    failed = [e.error for e in played if e.error]
+    scores = Scores(values, len(failed), 0, failed)
     return rollout, scores, {"gen_s": timings.get("gen_s", 0.0) + timings.get("env_s", 0.0),
                              "env_s": timings.get("env_s", 0.0), "episodes": played}
 

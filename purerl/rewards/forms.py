@@ -83,6 +83,12 @@ def reward_value(fn: Any, form: Form, response: str, ground_truth: str, data_sou
         if "score" not in result:
             raise ValueError(f"the reward function returned a dict without a 'score' key (keys: {sorted(result)})")
         result = result["score"]
+    return checked_reward(result)
+
+
+def checked_reward(result: Any) -> float:
+    """``result`` as a reward: a number (see :func:`reward_value`) that a float32 holds, finite;
+    ``ValueError`` saying what it is otherwise. The one check for rewards and environments' rewards."""
     if not isinstance(result, numbers.Real) and not hasattr(type(result), "__float__"):  # a str has no __float__
         raise ValueError(f"the reward is a {type(result).__name__} ({result!r:.40}), not a number")
     value = float(result)
