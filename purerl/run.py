@@ -316,6 +316,9 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     options = engine_options(config, model, tokenizer)
     episodes = episodes_of(config, tokenizer, reward_fn, options)
     train_task, eval_task, counts = load_tasks(config, train_records, eval_records, tokenizer, reward_fn, episodes)
+    if config.env.sft_steps and episodes is not None and not hasattr(episodes.env, "tools"):  # before any work
+        raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (only calculator "
+                        "does): set env.sft_steps=0")
     critic, critic_params = load_critic(config, model, params)
     state = initial_state(config, params, critic_params)
     for leftover in folder.begin(overwrite=overwrite):
@@ -351,8 +354,6 @@ def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dic
     engine.close()
     print(f"before the SFT warm-up: held-out greedy accuracy {before['val/accuracy']:.3f}", flush=True)
     env = train_task.episodes.env
-    if not hasattr(env, "tools"):
-        raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (only calculator does)")
     state, report = warm_up(state, train_task, config, model, lambda r: demonstration(r, env), device=device)
     print(f"SFT warm-up: {report['sft_steps']} steps, loss {report['sft_loss_first']:.3f} -> "
           f"{report['sft_loss_last']:.3f} in {report['sft_seconds']:.0f} s", flush=True)

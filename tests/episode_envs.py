@@ -122,3 +122,10 @@ class NoReward(Counter):
 
     def get_reward(self):
         return None
+
+
+class HugeObservation(_Returns):
+    """A tool that answers with 10 MB of text."""
+
+    def result(self, state):
+        return StepResult(state, [{"role": "tool", "content": "0123456789" * 1_000_000}], 0.0, False)

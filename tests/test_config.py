@@ -184,3 +184,13 @@ def test_an_engine_decoding_in_another_dtype_makes_the_trainer_recompute_its_old
     assert recompute() is False
     assert recompute(engine_options={"dtype": "float32"}) is False  # the model's own dtype
     assert recompute(engine_options={"dtype": "bfloat16"}) is True
+
+
+def test_a_yaml_float_written_without_a_dot_is_taken_and_other_strings_are_refused(tmp_path):
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("actor:\n  lr: 1e-5\n  clip_high: '0.3'\n")
+    config = build(JobConfig, load_file(yaml))
+    assert config.actor.lr == 1e-5 and config.actor.clip_high == 0.3
+    yaml.write_text("actor:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"actor.lr: expected float, got 'fast' \(str\)"):
+        build(JobConfig, load_file(yaml))

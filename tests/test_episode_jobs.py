@@ -103,3 +103,12 @@ def test_an_environment_returning_no_result_stops_the_run_in_one_line(tmp_path):
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(
         "tool_math: environment DictResult: Env.step returned dict, not (state, messages, reward, done)")
+
+
+def test_an_sft_warm_up_with_an_environment_that_writes_no_demonstrations_is_refused_before_anything_runs(tmp_path):
+    from purerl.data.records import DataError
+
+    out = tmp_path / "run"
+    with pytest.raises(DataError, match="env.sft_steps: environment tests.episode_envs:GuessEnv writes no demonstrations"):
+        run_job([*GUESS, "env.sft_steps=2", "--out-dir", str(out)])
+    assert not (out / "baseline.json").exists() and not (out / "metrics.jsonl").exists()

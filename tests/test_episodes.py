@@ -380,3 +380,17 @@ def test_a_trl_environment_whose_reward_is_none_ends_its_episode():
     answer = lambda prompt, call: _text(tokenizer, "done", end=True)  # noqa: E731
     (episode,), _ = _play(tokenizer, env, answer, [_record()])
     assert episode.finish == "env_error" and "the reward is a NoneType" in episode.error
+
+
+def test_a_10_mb_observation_is_cut_to_what_the_budget_could_hold_before_it_is_tokenised(monkeypatch):
+    from purerl.episodes import rollout
+
+    tokenizer = char_tokenizer(chatml=True)
+    answer = lambda prompt, call: _text(tokenizer, "1", end=True)  # noqa: E731
+    read = []
+    delta_ids = ChatCodec.delta_ids
+    monkeypatch.setattr(ChatCodec, "delta_ids", lambda self, messages, **kw: read.append(
+        sum(len(m["content"]) for m in messages)) or delta_ids(self, messages, **kw))
+    (episode,), _ = _play(tokenizer, episode_envs.HugeObservation(), answer, [_record()],
+                          limits=EpisodeLimits(max_tokens=256))
+    assert episode.finish == "context" and max(read) == 256 * rollout.CHARS_PER_TOKEN

@@ -10,6 +10,7 @@ reward deadline."""
 
 import ipaddress
 import json
+import os
 import resource
 import shutil
 import signal
@@ -348,3 +349,35 @@ def test_the_divergence_check_finds_every_non_finite_value_and_passes_large_fini
     leaf = tree[f"w{where % len(sizes)}"]
     leaf[where % leaf.numel()] = bad
     assert not tree_all_finite(tree, moments)
+
+
+def test_making_a_file_readable_never_changes_the_umask_other_threads_create_files_under(tmp_path):
+    import threading
+
+    from purerl.files import make_readable
+
+    before = os.umask(0o027)
+    try:
+        target = tmp_path / "weights.safetensors"
+        target.write_bytes(b"x")
+        done = threading.Event()
+
+        def readable_again_and_again():
+            while not done.is_set():
+                make_readable(target)
+
+        thread = threading.Thread(target=readable_again_and_again)
+        thread.start()
+        try:
+            created = []
+            for i in range(20000):
+                path = tmp_path / f"status{i}.json.tmp"
+                path.write_text("{}")
+                created.append(path)
+        finally:
+            done.set()
+            thread.join()
+        assert {p.stat().st_mode & 0o777 for p in created} == {0o640}
+        assert target.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(before)

@@ -21,6 +21,7 @@ the inverse of :func:`build`: JSON-ready nested dicts, written into run folders.
 import difflib
 import json
 import math
+import re
 import sys
 import types
 import typing
@@ -197,6 +198,10 @@ def _closest(key: str, cls: type, where: str) -> str:
     return f"; did you mean {close[0]}?" if close else f" (valid keys here: {', '.join(root_keys)})"
 
 
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+"""A number written in decimal, as a string: a float setting takes it."""
+
+
 def _show(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
@@ -232,6 +237,8 @@ def _convert(kind: Any, value: Any, key: str) -> Any:
         if isinstance(value, bool):
             return value
     elif kind is float:
+        if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 (PyYAML) reads 1e-5, with no dot, as a string
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):  # nan passes every bound check (nan < low is False): refuse it here
                 raise ConfigError(f"{key} must be a finite number, got {value}")

@@ -184,7 +184,7 @@ def run_episodes(engine: RolloutEngine, env: Env, codec: ChatCodec, tasks: Seque
                 episode.finish = "context"
             else:
                 last = episode.ids[-1] if episode.turn_ends and episode.turn_ends[-1] == len(episode.ids) - 1 else None
-                delta = codec.delta_ids(result.messages, last_sampled=last)
+                delta = codec.delta_ids(_cut(result.messages, limits.max_tokens * CHARS_PER_TOKEN), last_sampled=last)
                 if len(episode.ids) + len(delta) >= limits.max_tokens:  # no room left to sample
                     episode.finish = "context"
                 else:
@@ -194,6 +194,19 @@ def run_episodes(engine: RolloutEngine, env: Env, codec: ChatCodec, tasks: Seque
         if not active:
             break
     return episodes
+
+
+CHARS_PER_TOKEN = 64
+"""More characters than any token covers: an observation longer than the episode's token budget
+times this cannot fit, and is cut to it before the tokenizer reads it (a 10 MB tool output would
+otherwise be tokenised whole, ~26 s, to learn that)."""
+
+
+def _cut(messages: Sequence[Message], chars: int) -> Sequence[Message]:
+    """``messages`` with each content cut to its first ``chars`` characters."""
+    if all(len(m["content"]) <= chars for m in messages):
+        return messages
+    return [{**m, "content": m["content"][:chars]} for m in messages]
 
 
 def episode_of_transcript(codec: ChatCodec, messages: Sequence[Message], *, stop: Sequence[str] = (),
