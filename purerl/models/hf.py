@@ -21,7 +21,7 @@ from purerl.files import make_readable
 from purerl.models.base import CausalLM, Critic, Params, ValueModel, cast_floating, full_state_dict
 from purerl.models.checkpointing import checkpoint_layers
 
-__all__ = ["causal_lm_from_config", "check_causal", "critic_from_causal_lm", "export_hf", "load_causal_lm",
+__all__ = ["causal_lm_from_config", "check_attends_causally", "check_causal", "critic_from_causal_lm", "export_hf", "load_causal_lm",
            "smollm2_gguf"]
 
 
@@ -89,7 +89,25 @@ def load_causal_lm(
         module = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
     except (ValueError, KeyError, OSError) as err:
         raise ValueError(f"{target} does not hold a causal LM that transformers can load: {err}") from err
-    return _adapt(module.to(device), activation_checkpointing)
+    model, params = _adapt(module.to(device), activation_checkpointing)
+    check_attends_causally(model, params, target)
+    return model, params
+
+
+def check_attends_causally(model: CausalLM, params: Params, where: str | Path) -> None:
+    """Refuse (``ValueError`` naming ``where``) a model whose logits at a position change when a
+    later token does: whatever its config says (a BERT ``LMHeadModel`` with ``is_decoder`` false,
+    or no ``architectures`` at all), it would train attending to the tokens it predicts."""
+    vocab = model.config.vocab_size
+    some = next(iter(params.values()))
+    ids = (torch.arange(3, 11, device=some.device) * 7919 % (vocab - 1) + 1)[None]
+    changed = ids.clone()
+    changed[0, -1] = ids[0, -1] % (vocab - 1) + 1
+    with torch.no_grad():
+        logits = [model(params, input_ids=x, use_cache=False).logits[0, :-1].float() for x in (ids, changed)]
+    if not torch.allclose(*logits, rtol=1e-5, atol=1e-6):  # a causal model computes those rows from the same inputs
+        raise ValueError(f"{where}: the model's logits at a position change with a later token: it attends both ways "
+                         "(an encoder, or a decoder configured with is_decoder false), not as a causal LM a policy must")
 
 
 def check_causal(path: str | Path) -> None:
