@@ -235,30 +235,20 @@ def test_the_lean_forward_equals_the_module_on_cuda():
         torch.testing.assert_close(lean_grads[name], g, rtol=1e-4, atol=1e-6)
 
 
-def test_an_fsdp2_nccl_rank_matches_the_local_step_on_cuda():
+def _step_on_an_nccl_rank(model, step_fn, state, rollout, scores):
+    """``step_fn`` on a one-rank FSDP2 group over NCCL, the policy and the reference sharded: the
+    full policy after it and the metrics."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from purerl.executors.fsdp import (
-        ShardedCausalLM,
-        full_params,
-        shard_causal_lm,
-        shard_like,
-        sharded_value_and_grad,
-    )
+    from purerl.executors.fsdp import ShardedCausalLM, full_params, shard_causal_lm, shard_like, sharded_value_and_grad
 
-    model, params, step_fn, fresh, rollout, scores = _setup(STEP_CONFIGS["skipped rows, mini- and micro-batches"])
-    # against the local step through the HF module, as the FSDP rank runs it: the lean forward's
-    # fused projections round differently on CUDA (last bits, see the test above), and where a
-    # gradient is ~0 one Adam step turns that into a move of up to 2·lr
-    local_state, local_metrics = step_fn(fresh(), rollout, scores, policy=attrs.evolve(model, lean=False))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cuda", (1,))
-        state = fresh()
         module, sharded = shard_causal_lm(model, state.policy, mesh=mesh)
         ref_module, ref = shard_causal_lm(model, state.reference, mesh=mesh, trainable=False)
         sharded_model = ShardedCausalLM.of(model, [(module, sharded), (ref_module, ref)])
@@ -266,9 +256,18 @@ def test_an_fsdp2_nccl_rank_matches_the_local_step_on_cuda():
                            rng=state.rng, reference=ref)
         state, metrics = step_fn(state, rollout, scores, policy=sharded_model,
                                  value_and_grad=sharded_value_and_grad(0, 1))
-        full = full_params(state.policy)
+        return full_params(state.policy), metrics
     finally:
         dist.destroy_process_group()
+
+
+def test_an_fsdp2_nccl_rank_matches_the_local_step_on_cuda():
+    model, params, step_fn, fresh, rollout, scores = _setup(STEP_CONFIGS["skipped rows, mini- and micro-batches"])
+    # against the local step through the HF module, as the FSDP rank runs it: the lean forward's
+    # fused projections round differently on CUDA (last bits, see the test above), and where a
+    # gradient is ~0 one Adam step turns that into a move of up to 2·lr
+    local_state, local_metrics = step_fn(fresh(), rollout, scores, policy=attrs.evolve(model, lean=False))
+    full, metrics = _step_on_an_nccl_rank(model, step_fn, fresh(), rollout, scores)
     for name, value in local_state.policy.items():
         torch.testing.assert_close(full[name], value, rtol=0, atol=1e-5)
     for key, value in local_metrics.items():
@@ -296,10 +295,6 @@ def test_the_cuda_decoding_loop_syncs_with_the_host_only_every_few_steps():
 
 
 def test_a_mixed_precision_step_on_an_fsdp2_nccl_rank_matches_the_local_mixed_step_on_cuda():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from purerl.executors.fsdp import ShardedCausalLM, full_params, shard_causal_lm, shard_like, sharded_value_and_grad
     from purerl.models import cast_floating
 
     model, params, step_fn, fresh, rollout, scores = _setup(STEP_CONFIGS["skipped rows, mini- and micro-batches"])
@@ -310,23 +305,7 @@ def test_a_mixed_precision_step_on_an_fsdp2_nccl_rank_matches_the_local_mixed_st
         return attrs.evolve(state, reference=cast_floating(state.reference, torch.bfloat16))
 
     local_state, local_metrics = step_fn(narrow_reference(), rollout, scores, policy=mixed)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cuda", (1,))
-        state = narrow_reference()
-        module, sharded = shard_causal_lm(mixed, state.policy, mesh=mesh)
-        ref_module, ref = shard_causal_lm(mixed, state.reference, mesh=mesh, trainable=False)
-        sharded_model = ShardedCausalLM.of(mixed, [(module, sharded), (ref_module, ref)])
-        state = TrainState(policy=sharded, policy_opt=shard_like(state.policy_opt, sharded), kl=state.kl,
-                           rng=state.rng, reference=ref)
-        state, metrics = step_fn(state, rollout, scores, policy=sharded_model,
-                                 value_and_grad=sharded_value_and_grad(0, 1))
-        full = full_params(state.policy)
-    finally:
-        dist.destroy_process_group()
+    full, metrics = _step_on_an_nccl_rank(mixed, step_fn, narrow_reference(), rollout, scores)
     assert all(v.dtype == torch.float32 for v in full.values())
     delta = torch.cat([(full[k] - params[k]).flatten() for k in params])
     local_delta = torch.cat([(local_state.policy[k] - params[k]).flatten() for k in params])
