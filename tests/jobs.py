@@ -46,6 +46,15 @@ def run_job(argv: list[str]) -> dict:
         torch.set_num_threads(threads)
 
 
+def assert_cut_run_resumes_as_the_whole(argv: list[str], whole: dict, out: Path) -> None:
+    """The job ``argv`` run for 2 of ``whole``'s 4 steps into ``out``, then resumed to 4, records
+    what the uninterrupted run recorded (timings aside)."""
+    run_job([*argv, "--steps", "2", "--checkpoint-every", "2", "--out-dir", str(out)])
+    resumed = run_job([*argv, "--steps", "4", "--checkpoint-every", "2", "--out-dir", str(out), "--resume"])
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing/", "perf/", "time"))}  # noqa: E731
+    assert [strip(r) for r in resumed["records"]] == [strip(r) for r in whole["records"]]
+
+
 def one_line_error(done, status: int = 1) -> str:
     """The one ``grpo_math: …`` line a finished script run printed for a user error (no traceback)."""
     assert done.returncode == status, done.stdout + done.stderr

@@ -26,7 +26,7 @@ from purerl.state import RngState, TrainState
 from purerl.step import grpo_step
 from purerl.tiny import random_sequences, tiny_llama_config
 from purerl.tree import tree_clone, tree_leaves
-from tests.jobs import SMALL, parse, run_job, step_config
+from tests.jobs import SMALL, assert_cut_run_resumes_as_the_whole, parse, run_job, step_config
 
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,11 +204,7 @@ def test_the_job_trains_lora_exports_its_adapter_and_resumes_bit_exactly(tmp_pat
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
     assert 3 * adapter_bytes <= stored < base_bytes, (stored, adapter_bytes, base_bytes)  # full FT: ≥ 3 × base
 
-    run_job([*argv, "--steps", "2", "--checkpoint-every", "2", "--out-dir", str(tmp_path / "cut")])
-    resumed = run_job([*argv, "--steps", "4", "--checkpoint-every", "2", "--out-dir", str(tmp_path / "cut"),
-                       "--resume"])
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing/", "perf/", "time"))}  # noqa: E731
-    assert [strip(r) for r in resumed["records"]] == [strip(r) for r in full["records"]]
+    assert_cut_run_resumes_as_the_whole(argv, full, tmp_path / "cut")
     again = load_file(tmp_path / "cut" / "adapter" / "adapter_model.safetensors")
     assert all(torch.equal(again[k], tensors[k]) for k in tensors)
 

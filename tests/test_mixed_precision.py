@@ -24,7 +24,7 @@ from purerl.state import RngState, TrainState
 from purerl.step import grpo_step
 from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_leaves
-from tests.jobs import parse, run_job, step_config
+from tests.jobs import assert_cut_run_resumes_as_the_whole, parse, run_job, step_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = torch.bfloat16
@@ -130,11 +130,7 @@ def test_a_bfloat16_job_holds_float32_masters_exports_bfloat16_and_resumes_bit_e
     full = run_job([*argv, "--steps", "4", "--checkpoint-every", "2", "--out-dir", str(tmp_path / "full")])
     export = load_file(tmp_path / "full" / "export" / "model.safetensors")
     assert {v.dtype for v in export.values()} == {BF16}
-    run_job([*argv, "--steps", "2", "--checkpoint-every", "2", "--out-dir", str(tmp_path / "cut")])
-    resumed = run_job([*argv, "--steps", "4", "--checkpoint-every", "2", "--out-dir", str(tmp_path / "cut"),
-                       "--resume"])
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("timing/", "perf/", "time"))}  # noqa: E731
-    assert [strip(r) for r in resumed["records"]] == [strip(r) for r in full["records"]]
+    assert_cut_run_resumes_as_the_whole(argv, full, tmp_path / "cut")
     again = load_file(tmp_path / "cut" / "export" / "model.safetensors")
     assert all(torch.equal(again[k], export[k]) for k in export)
 

@@ -587,8 +587,12 @@ def test_generators_on_other_nodes_of_a_cluster_survive_losing_a_node(tmp_path):
     mid-run, killing a rollout worker; the generator hands its part back, its worker is started
     again on the surviving node, and the run finishes every step with the restart counted in the
     metrics, the summary and status.json."""
+    from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
+    # Cluster writes the head's address under Ray's default temp folder whatever temp_dir says, and
+    # fails where no earlier Ray run on the machine made that folder (a fresh machine)
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     ray_temp = tempfile.mkdtemp(prefix="ray")
     node = {"num_cpus": 2, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
     cluster = Cluster(initialize_head=True, connect=False,
