@@ -1,6 +1,7 @@
 """Data: procedural problems, verl-format loading with clear errors, the cursor, prompt encoding."""
 
 import json
+import re
 
 import pytest
 
@@ -68,6 +69,17 @@ def test_missing_file_bad_json_and_suffix_are_named(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported"):
         load_records(tmp_path / "x.csv")
+
+
+@pytest.mark.parametrize("escaped, field", [('"prompt": [{"role": "user", "content": "a \\ud800 b"}]', "prompt[0].content"),
+                                            ('"prompt": "hi", "reward_model": {"ground_truth": "\\udfff"}',
+                                             "reward_model.ground_truth")])
+def test_a_lone_surrogate_in_a_row_is_named_with_its_file_row_and_field(tmp_path, escaped, field):
+    good = '{"prompt": "hi", "reward_model": {"ground_truth": "1"}}'
+    row = "{" + escaped + ("" if "reward_model" in escaped else ', "reward_model": {"ground_truth": "1"}') + "}"
+    (tmp_path / "s.jsonl").write_text(good + "\n" + row + "\n")
+    with pytest.raises(DataError, match=rf"s\.jsonl: row 2: field '{re.escape(field)}' holds an unpaired surrogate"):
+        load_records(tmp_path / "s.jsonl")
 
 
 def test_parquet_rows_load(tmp_path):

@@ -55,6 +55,8 @@ def record_from_row(row: Any, where: str) -> PromptRecord:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
             raise DataError(f"{where}: field 'prompt[{i}]' must have string 'role' and 'content'")
+        for key in ("role", "content"):
+            _check_text(message[key], f"prompt[{i}].{key}", where)
         messages.append({"role": message["role"], "content": message["content"]})
     truth = _field(row, "reward_model.ground_truth", where)
     if hasattr(truth, "tolist"):
@@ -65,6 +67,8 @@ def record_from_row(row: Any, where: str) -> PromptRecord:
         # str() of a list or dict would be graded as one answer, and never match
         raise DataError(f"{where}: field 'reward_model.ground_truth' is a {type(truth).__name__}; "
                         "the math rewards compare one answer: give a string or a number")
+    if isinstance(truth, str):
+        _check_text(truth, "reward_model.ground_truth", where)
     source = row.get("data_source", "unknown")
     extra = row.get("extra_info")
     if extra is None:
@@ -73,6 +77,16 @@ def record_from_row(row: Any, where: str) -> PromptRecord:
         raise DataError(f"{where}: field 'extra_info' is a {type(extra).__name__}; verl's extra_info is an object "
                         "(it reaches the reward function as extra_info)")
     return PromptRecord(tuple(messages), str(truth), str(source), extra)
+
+
+def _check_text(text: str, field: str, where: str) -> None:
+    """Text a tokenizer can read: JSON's ``\\ud800`` escapes decode to unpaired surrogates, which
+    no UTF-8 tokenizer or file takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise DataError(f"{where}: field '{field}' holds an unpaired surrogate ({text[err.start]!r} at character "
+                        f"{err.start}), not text") from None
 
 
 def _rows(path: Path) -> list[tuple[int, Any]]:
