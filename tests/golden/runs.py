@@ -17,6 +17,7 @@ import io
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,7 +125,8 @@ def pinned() -> bool:
 
 
 def _start_ray() -> str:
-    """A Ray instance of this process's own (its workers inherit the pinned environment); its temp folder."""
+    """A Ray instance of this process's own (its workers inherit the pinned environment); its temp
+    folder (removed by :func:`_stop_ray`)."""
     from purerl.executors.ray.pools import start_local_ray
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -132,6 +134,13 @@ def _start_ray() -> str:
     temp = tempfile.mkdtemp(prefix="ray")
     start_local_ray(6, temp, log_to_driver=False)
     return temp
+
+
+def _stop_ray(temp: str) -> None:
+    import ray
+
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def _as_under_pytest() -> None:
@@ -152,15 +161,13 @@ def _as_under_pytest() -> None:
 def record(names: list[str] | None = None) -> dict:
     """The golden runs ``names`` (default: all, and ``custom_step.py``), on a Ray instance of their own
     (this process must run under :data:`PINS`)."""
-    import ray
-
     assert pinned(), "the golden runs are recorded under PINS (python3 -m tests.golden.runs sets them)"
     torch.use_deterministic_algorithms(True)  # as under pytest (tests/conftest.py)
-    _start_ray()
+    temp = _start_ray()
     try:
         golden = {name: run(name) for name in names or run_names()}
     finally:
-        ray.shutdown()
+        _stop_ray(temp)
     if names is None:
         golden["custom_step.py"] = run_custom_step()
     return golden
@@ -199,16 +206,15 @@ class PinnedRuns:
 
 def _serve(fd: int) -> None:
     """:class:`PinnedRuns`' far side: a run name per line on stdin, its outcome (or error) on ``fd``."""
-    import ray
-
     _as_under_pytest()
     answers = os.fdopen(fd, "w")
+    temp = None
     try:
         for line in sys.stdin:
             name = line.strip()
             try:
-                if name.endswith("/ray") and not ray.is_initialized():
-                    _start_ray()
+                if name.endswith("/ray") and temp is None:
+                    temp = _start_ray()
                 answer = {"outcome": run_custom_step() if name == "custom_step.py" else run(name)}
             except Exception:  # the test reports it; this process serves the next run
                 answer = {"error": traceback.format_exc()}
@@ -216,8 +222,8 @@ def _serve(fd: int) -> None:
             answers.flush()
     finally:
         answers.close()
-        if ray.is_initialized():
-            ray.shutdown()
+        if temp is not None:
+            _stop_ray(temp)
 
 
 def differences(name: str, got: dict) -> list[str]:
