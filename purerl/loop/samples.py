@@ -9,7 +9,9 @@ from typing import Any
 from purerl.batch import FINISH_EOS, FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_STOP, Rollout
 
 __all__ = ["FINISH_NAMES", "rollout_finishes", "sample_rows", "spread"]
+
 FINISH_NAMES = {FINISH_EOS: "eos", FINISH_LENGTH: "length", FINISH_STOP: "stop", FINISH_INTERRUPTED: "interrupted"}
+"""A rollout's finish codes by the names ``samples.jsonl`` writes."""
 
 
 def spread(rows: int, k: int) -> list[int]:
