@@ -30,6 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from purerl.launch import end_quietly_until_started  # noqa: E402
+
+if __name__ == "__main__":
+    end_quietly_until_started("grpo_math")  # Ctrl-C while torch loads: one line, no traceback
+
 from purerl.command import main  # noqa: E402
 
 if __name__ == "__main__":

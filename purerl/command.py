@@ -3,6 +3,7 @@
 The experiment scripts (``experiments/*.py``) are this, with their defaults and titles."""
 
 import math
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -61,6 +62,8 @@ def main(argv: Sequence[str] | None, *, prog: str, description: str | None, defa
     try:
         with StopRequest() as stop:
             summary = run(inv.config, inv.out_dir, resume=inv.resume, overwrite=inv.overwrite, stop=stop.event)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # what launch's early handlers did is over
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except Interrupted as e:
         how = "rerun the same command with --resume" if e.checkpoint else "nothing was trained; rerun to start"
         print(f"{prog}: {e}; {how}", file=sys.stderr, flush=True)

@@ -1,10 +1,32 @@
 """Small file-system helpers shared by the modules that write a run's files."""
 
+import contextlib
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["make_readable"]
+__all__ = ["make_readable", "whole_folder"]
+
+
+@contextlib.contextmanager
+def whole_folder(path: str | Path) -> Iterator[Path]:
+    """A folder written whole or not at all: the block writes into a temporary sibling, which
+    replaces ``path`` when the block ends without an error (a full disk, a crash) and is removed
+    when it raises. Yields the temporary folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".tmp_{path.name}_", dir=path.parent))
+    try:
+        yield partial
+        partial.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700
+        if path.exists():
+            shutil.rmtree(path)
+        partial.rename(path)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def make_readable(path: Path) -> None:

@@ -291,7 +291,7 @@ def run(config: JobConfig, out_dir: str | Path, *, resume: bool = False, overwri
         try:
             summary = _run_in(folder, config, resume, overwrite, stop)
         except BaseException:
-            if not _trained(run_dir):
+            if not folder.trained():
                 folder.undo()
             raise
         records = summary.pop("records")
@@ -367,12 +367,6 @@ def _write_workers(executor: Executor, run_dir: Path) -> None:
         (run_dir / "workers.json").write_text(json.dumps(executor.worker_pids()))
 
 
-def _trained(run_dir: Path) -> bool:
-    """Whether a step of the run in ``run_dir`` was recorded (then the folder holds a run to keep)."""
-    log = run_dir / "metrics.jsonl"
-    return log.exists() and bool(MetricsLog.read(log))
-
-
 def _read_baseline(path: Path) -> float | None:
     """The step-0 accuracy recorded in ``baseline.json`` (None when it is missing)."""
     if not path.exists():
@@ -396,14 +390,21 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
                             reward_timeout=config.reward.timeout, batch_timeout=config.reward.batch_timeout,
                             score=executor.score, sample_chars=config.trainer.sample_chars)
 
+    evaluated: dict[int, dict[str, Any]] = {}  # the newest evaluation: the final one is asked for twice
+
     def evaluate_fn(state: TrainState) -> dict[str, Any]:
+        if state.step in evaluated:
+            return dict(evaluated[state.step])
         broken = set(getattr(executor, "broken", ()))  # Ray: generators waiting for new workers
         try:
-            return evaluate_on_engine(state)
+            result = evaluate_on_engine(state)
         except ExecutorError:
             if set(getattr(executor, "broken", ())) == broken:
                 raise
-            return evaluate_on_engine(state)  # a generator's workers died under it: once more, on another's
+            result = evaluate_on_engine(state)  # a generator's workers died under it: once more, on another's
+        evaluated.clear()
+        evaluated[state.step] = result
+        return dict(result)
 
     baseline = run_dir / "baseline.json"
     if resume and (checkpoint := latest_checkpoint(run_dir / "checkpoints")) is not None:

@@ -129,3 +129,17 @@ class HugeObservation(_Returns):
 
     def result(self, state):
         return StepResult(state, [{"role": "tool", "content": "0123456789" * 1_000_000}], 0.0, False)
+
+
+class LockedState:
+    """A state holding a lock: it neither pickles nor copies."""
+
+    stop = ()
+
+    def reset(self, task, seed):
+        import threading
+
+        return (threading.Lock(), seed), list(task.messages)
+
+    def step(self, state, action):
+        return StepResult(state, [], 1.0, True, "answer")

@@ -394,3 +394,11 @@ def test_a_10_mb_observation_is_cut_to_what_the_budget_could_hold_before_it_is_t
     (episode,), _ = _play(tokenizer, episode_envs.HugeObservation(), answer, [_record()],
                           limits=EpisodeLimits(max_tokens=256))
     assert episode.finish == "context" and max(read) == 256 * rollout.CHARS_PER_TOKEN
+
+
+def test_a_state_that_does_not_pickle_stops_the_run_in_one_line_naming_the_environment():
+    tokenizer = char_tokenizer(chatml=True)
+    answer = lambda prompt, call: _text(tokenizer, "1", end=True)  # noqa: E731
+    with pytest.raises(EnvError, match=r"^environment LockedState: a state does not pickle \(TypeError: cannot "
+                                       r"pickle '_thread.lock' object\); states travel"):
+        _play(tokenizer, episode_envs.LockedState(), answer, [_record()])

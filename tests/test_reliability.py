@@ -11,6 +11,7 @@ reward deadline."""
 import ipaddress
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -32,11 +33,17 @@ ROOT = Path(__file__).resolve().parents[1]
 DIGITS = f"reward.fn={ROOT / 'tests' / 'golden' / 'reward.py'}:digit_fraction"  # scores vary: updates happen
 
 
-def _job(out_dir, *extra, steps=3, wait=True, model=("--tiny",), **kwargs):
+def _job(out_dir, *extra, steps=3, wait=True, model=("--tiny",), env=ENV, **kwargs):
     cmd = [sys.executable, str(SCRIPT), *model, *SMALL, "--steps", str(steps), "--out-dir", str(out_dir), *extra]
     if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600, **kwargs)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, **kwargs)
+
+
+def _wait_for(proc, condition, limit=300.0):
+    deadline = time.monotonic() + limit
+    while not condition() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _finite_everywhere(folder: Path) -> bool:
@@ -53,14 +60,80 @@ def test_an_update_that_leaves_inf_weights_stops_the_run_before_anything_is_save
     assert not (tmp_path / "export").exists() and not (tmp_path / "checkpoints").exists()
 
 
+def _at(step):
+    from purerl.state import RngState, TrainState
+
+    return TrainState(policy={}, policy_opt=None, kl=None, rng=RngState(0), step=step)
+
+
+def _recorder(run_dir, step, **trainer):
+    """A step recorder of a run at ``step`` (no evaluation, no checkpoints of its own)."""
+    from purerl.config.job import JobConfig, TrainerConfig
+    from purerl.config.loading import build
+    from purerl.executors.local import LocalExecutor
+    from purerl.io.metrics import MetricsLog
+    from purerl.loop.recording import StepRecorder
+    from purerl.models import causal_lm_from_config
+    from purerl.rollout.backends.torch import TorchEngine
+    from purerl.step import step_function
+    from purerl.tiny import tiny_llama_config
+
+    model, _ = causal_lm_from_config(tiny_llama_config(), seed=0)
+    executor = LocalExecutor(step_function(build(JobConfig, {})), model,
+                             TorchEngine(model, eos_token_ids=[1], pad_token_id=0))
+    settings = TrainerConfig(progress=False, checkpoint_every=0, **trainer)
+    return StepRecorder(_at(step), executor, settings, run_dir, MetricsLog(run_dir))
+
+
+def _checkpoints(run_dir, *steps):
+    for step in steps:
+        (run_dir / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+
+
 def test_updates_rejected_in_a_row_stop_the_run_naming_the_last_good_checkpoint(tmp_path):
-    # lr 1e30: the first update leaves finite but absurd weights; every later loss is non-finite
-    done = _job(tmp_path, "--checkpoint-every", "1", DIGITS, "actor.lr=1e30", "actor.warmup_steps=0",
-                "trainer.max_rejected_steps=2", steps=8)
+    from purerl.loop.recording import TrainingStopped
+
+    _checkpoints(tmp_path, 2, 4)
+    record = _recorder(tmp_path, 4, max_rejected_steps=2)
+    rejected = {"actor/rejected_updates": 1.0, "actor/nonfinite_loss": 1.0, "perf/gen_tokens_per_s": 1.0}
+    record(_at(5), dict(rejected))  # one: printed, the run goes on
+    with pytest.raises(TrainingStopped, match=r"step 6: 2 steps in a row had their update rejected \(non-finite loss: "
+                                              r".*the last good checkpoint is \S*step_00000004 "):
+        record(_at(6), dict(rejected))
+
+
+# 44.5. weights huge but finite pass the update's own check: the next forward stops the run
+def test_weights_that_give_non_finite_log_probs_stop_the_run_and_their_checkpoints_are_set_aside(tmp_path):
+    from purerl.loop.recording import TrainingStopped
+
+    _checkpoints(tmp_path, 2, 4, 6)
+    record = _recorder(tmp_path, 6)
+    with pytest.raises(TrainingStopped, match=r"^step 7: the weights after step 6 give non-finite log-probs \(3 tokens "
+                                              r"in the rollout of step 7\).*the last good checkpoint is \S*step_00000004 "
+                                              r".*set aside, as holding the bad weights: diverged_step_00000006"):
+        record(_at(7), {"rollout/nonfinite_logprobs": 3.0, "perf/gen_tokens_per_s": 1.0})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "diverged_step_00000006", "step_00000002", "step_00000004"]  # --resume takes step 4
+
+
+def test_a_huge_but_finite_update_stops_the_job_before_any_export(tmp_path):
+    # adapters ~1e36 after the first update with a gradient: finite, the logits are not
+    huge = ["--lora-rank", "4", "actor.lr=1e36", "actor.warmup_steps=0", DIGITS]
+    done = _job(tmp_path / "run", *huge, "--checkpoint-every", "1", steps=8)
     line = one_line_error(done)
-    assert "2 steps in a row had their update rejected" in line and "last good checkpoint is" in line, line
-    assert "update rejected" in done.stdout  # each rejection printed when it happens
-    assert _finite_everywhere(tmp_path / "checkpoints") and not (tmp_path / "export").exists()
+    found = re.search(r"step (\d+): the weights after step (\d+) give non-finite log-probs", line)
+    assert found and int(found[2]) == int(found[1]) - 1, line
+    bad = int(found[2])
+    good = [f"step_{step:08d}" for step in range(1, bad)]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        f"diverged_step_{bad:08d}", *good]
+    assert (f"the last good checkpoint is {tmp_path / 'run' / 'checkpoints' / good[-1]} " if good
+            else "no checkpoint of good weights") in line, line
+    assert not (tmp_path / "run" / "export").exists() and not (tmp_path / "run" / "adapter").exists()
+    # the last step's weights: the final evaluation checks them before they are saved
+    line = one_line_error(_job(tmp_path / "one", *huge, steps=1))
+    assert "step 1: the weights after step 1 give non-finite log-probs (" in line and "held-out evaluation" in line
+    assert not (tmp_path / "one" / "checkpoints").exists() and not (tmp_path / "one" / "export").exists()
 
 
 # 2. the Ray instance a run starts listens on loopback only, with Ray's token authentication on
@@ -397,3 +470,96 @@ def test_making_a_file_readable_never_changes_the_umask_other_threads_create_fil
         assert target.stat().st_mode & 0o777 == 0o640
     finally:
         os.umask(before)
+
+
+# 44.2. SIGTERM under Ray: the step in flight finishes and is checkpointed, as with Ctrl-C
+def test_sigterm_stops_a_ray_run_after_its_step_and_resume_ends_like_the_uninterrupted_run(tmp_path):
+    pytest.importorskip("ray")
+    temp_dir = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 107 bytes
+    env = {**ENV, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    on_ray = ["--executor", "ray", "--train-ranks", "1", "--rollout-workers", "1", f"executor.ray_temp_dir={temp_dir}",
+              "--checkpoint-every", "2"]
+    out = tmp_path / "cut"
+    try:
+        assert _job(tmp_path / "whole", *on_ray, steps=5, env=env).returncode == 0
+        proc = _job(out, *on_ray, steps=5, wait=False, env=env)
+        _wait_for(proc, (out / "checkpoints" / "step_00000002").exists)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 130 and "SIGTERM received" not in err, err
+        assert err.strip().splitlines()[-1].startswith("grpo_math: interrupted after step "), err
+        resumed = _job(out, "--resume", *on_ray, steps=5, env=env)
+        assert resumed.returncode == 0, resumed.stderr
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    whole = load_file(tmp_path / "whole" / "checkpoints" / "step_00000005" / "tensors.safetensors")
+    cut = load_file(out / "checkpoints" / "step_00000005" / "tensors.safetensors")
+    assert whole.keys() == cut.keys() and all(torch.equal(cut[k], v) for k, v in whole.items())
+
+
+def test_a_start_killed_before_its_first_step_is_taken_over_by_the_same_command(tmp_path):
+    out = tmp_path / "run"
+    proc = _job(out, wait=False)
+    _wait_for(proc, (out / "config.json").exists)
+    proc.kill()  # what Ray's own handler did to a SIGTERM while it started: no cleanup at all
+    proc.communicate(timeout=60)
+    assert (out / "config.json").exists() and not (out / "checkpoints").exists()
+    line = one_line_error(_job(out, "--resume"))
+    assert "holds no checkpoint to resume from" in line and "--overwrite" not in line, line
+    done = _job(out, steps=1)
+    assert done.returncode == 0 and "a run started there but never recorded a step" in done.stdout, done.stderr
+
+
+# 44.7. Ctrl-C while the script still loads torch: one line
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (Linux: SigCgt in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads handlers from /proc")
+def test_ctrl_c_while_the_script_loads_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = _job(out, wait=False)
+    _wait_for(proc, lambda: _catches(proc.pid, signal.SIGTERM))  # the script's first handler is in
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("grpo_math: "), err
+    assert not out.exists()
+
+
+# 44.10. the cosmetic ones: nothing left behind
+def test_failed_starts_leave_no_parents_and_no_lock_and_a_config_folder_is_named(tmp_path):
+    line = one_line_error(_job(tmp_path / "a", "--config", str(tmp_path)), status=2)
+    assert f"config file {tmp_path}: a folder, not a .toml, .yaml or .json file" in line
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1?"}\n')
+    one_line_error(_job(tmp_path / "new" / "deeper" / "run", "--data", str(bad)))
+    assert not (tmp_path / "new").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "holds no checkpoint" in one_line_error(_job(empty, "--resume"))
+    assert list(empty.iterdir()) == []
+
+
+def test_an_export_that_fails_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    from purerl.models import hf
+    from purerl.run import load_policy
+
+    model, params, tokenizer = load_policy(parse(["--tiny"]).config)
+    hf.export_hf(model, params, tmp_path / "export", tokenizer)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "export").iterdir()}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf, "save_file", full_disk)
+    with pytest.raises(OSError, match=r"export/model.safetensors: could not write the export"):
+        hf.export_hf(model, params, tmp_path / "export", tokenizer)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "export").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no partial folder beside it

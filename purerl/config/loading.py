@@ -51,6 +51,8 @@ class ConfigError(ValueError):
 def load_file(path: str | Path) -> dict[str, Any]:
     """The nested mapping in a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path}: a folder, not a .toml, .yaml or .json file")
     if not path.is_file():
         raise ConfigError(f"config file {path}: no such file")
     try:

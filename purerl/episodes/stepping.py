@@ -48,23 +48,27 @@ def step_envs(env: Env, states: Sequence[Any], actions: Sequence[str], *, timeou
         blob: bytes | None = pickle.dumps(env.step)
     except Exception as err:  # noqa: BLE001 - lambdas, closures, local classes
         blob, why = None, f"it does not pickle ({type(err).__name__}: {err})"
-    results = None
+    results, name = None, type(env).__qualname__
     if blob is not None:
+        _check_pickles(name, states)
         try:
             results = reward_processes().run(blob, CALL, args, blanks, sources, extras, timeout, batch_timeout)
         except Unloadable as err:
             why = f"the reward processes cannot load it ({err})"
     if results is None:
-        name = type(env).__qualname__
         if name not in _WARNED:
             _WARNED.add(name)
             _log.warning("environment %s steps on threads, where a hung step cannot be stopped: %s (define it at "
                          "module level in an importable module)", name, why)
         # a process steps a copy of each state; threads must too (a group's episodes share their start)
-        copies = [(copy.deepcopy(s), a) for s, a in args]
+        try:
+            copies = [(copy.deepcopy(s), a) for s, a in args]
+        except Exception as err:  # noqa: BLE001 - locks, open files, generators
+            raise EnvError(f"environment {name}: a state does not copy ({type(err).__name__}: {err}); every "
+                           "episode of a group steps a copy of its start: keep states plain data") from None
         results = run_in_threads(env.step, CALL, copies, blanks, sources, extras, timeout)
     out = []
-    for state, result in zip(states, results):
+    for state, result in zip(states, results, strict=True):
         if result is None or result is LATE:
             out.append(failed_step(env, state, f"the step timed out after {timeout:g} s", "tool_timeouts"))
         elif result[1] is not None:
@@ -75,3 +79,14 @@ def step_envs(env: Env, states: Sequence[Any], actions: Sequence[str], *, timeou
             except EnvError as err:
                 raise EnvError(f"environment {type(env).__qualname__}: {err}") from None
     return out
+
+
+def _check_pickles(name: str, states: Sequence[Any]) -> None:
+    """Raise ``EnvError`` (one line) when a state cannot travel to the step processes: every turn
+    would fail alike."""
+    try:
+        pickle.dumps(list(states))
+    except Exception as err:  # noqa: BLE001 - locks, open files, generators, lambdas
+        raise EnvError(f"environment {name}: a state does not pickle ({type(err).__name__}: {err}); states travel "
+                       "to the processes that step them: keep them plain data (numbers, strings, lists, "
+                       "dicts, dataclasses)") from None

@@ -6,7 +6,8 @@ file), so a :class:`RunFolder` is held by one process at a time (an OS lock on `
 by the OS when the holder dies), refuses a folder that already holds anything unless the caller
 resumes it or asks to overwrite it, refuses to resume a folder without a checkpoint, and writes
 nothing until the run can start (:meth:`RunFolder.begin`): a start that fails before its first
-step takes back what it wrote (:meth:`RunFolder.undo`). ``config.json`` records the run's
+step takes back what it wrote (:meth:`RunFolder.undo`). A start killed before it could (SIGKILL,
+a power cut) leaves a run that never recorded a step: the same command takes the folder over. ``config.json`` records the run's
 settings; on resume :func:`check_resume_config` refuses settings that differ from it outside an
 allow-list.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from purerl.config.loading import flatten
 from purerl.io.checkpoint import latest_checkpoint, remove_partial_checkpoints
+from purerl.io.metrics import MetricsLog
 
 __all__ = ["RunFolder", "RunFolderError", "check_resume_config", "save_run_config"]
 
@@ -45,7 +47,7 @@ class RunFolder:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.created = False
+        self.created, self.created_root, self.had_lock = False, self.path, False
         self.before: set[str] = set()
         self._lock: Any = None
 
@@ -53,6 +55,10 @@ class RunFolder:
         if self.path.exists() and not self.path.is_dir():
             raise RunFolderError(f"--out-dir {self.path} is a file, not a folder")
         self.created = not self.path.exists()
+        self.created_root = self.path  # the outermost folder this run creates (--out-dir a/new/run: a/new)
+        while not self.created_root.parent.exists():
+            self.created_root = self.created_root.parent
+        self.had_lock = (self.path / LOCK).exists()
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = (self.path / LOCK).open("a+")
         try:
@@ -83,6 +89,17 @@ class RunFolder:
     def holds_run(self) -> bool:
         return any(name in self.before for name in _RUN_MARKERS)
 
+    def trained(self) -> bool:
+        """Whether a run here recorded a step: a metrics record, a checkpoint or a summary (a
+        damaged metrics file counts: it held records)."""
+        log = self.path / "metrics.jsonl"
+        try:
+            recorded = log.exists() and bool(MetricsLog.read(log))
+        except (OSError, ValueError):
+            recorded = True
+        return recorded or latest_checkpoint(self.path / "checkpoints") is not None \
+            or (self.path / "summary.json").exists()
+
     def check(self, *, resume: bool, overwrite: bool) -> None:
         """Refuse what this run may not do with the folder; writes nothing."""
         path, entries = self.path, sorted(self.before)
@@ -91,17 +108,22 @@ class RunFolder:
         if entries and not self.holds_run():
             raise RunFolderError(f"--out-dir {path} is not empty and holds no purerl run ({', '.join(entries[:3])}"
                                  f"{', …' if len(entries) > 3 else ''}): choose a new or empty folder")
-        if self.holds_run() and not (resume or overwrite):
+        if self.holds_run() and self.trained() and not (resume or overwrite):
             raise RunFolderError(f"--out-dir {path} already holds a run: add --resume to continue it or "
                                  "--overwrite to replace it (or choose another --out-dir)")
         if resume and latest_checkpoint(path / "checkpoints") is None:
             raise RunFolderError(f"--resume: {path} holds no checkpoint to resume from (no step of a run there was "
                                  "saved); start the run afresh: without --resume"
-                                 + (", with --overwrite" if self.holds_run() else ""))
+                                 + (", with --overwrite" if self.holds_run() and self.trained() else ""))
 
     def begin(self, *, overwrite: bool) -> list[Path]:
-        """Claim the folder: with ``overwrite``, the old run is removed now; unfinished checkpoint
-        writes are removed and returned."""
+        """Claim the folder: with ``overwrite``, the old run is removed now, and so is a run that
+        never recorded a step (a start that was killed); unfinished checkpoint writes are removed
+        and returned."""
+        if self.holds_run() and not overwrite and not self.trained():
+            print(f"--out-dir {self.path}: a run started there but never recorded a step "
+                  f"({', '.join(self.entries())}): starting afresh in its place", flush=True)
+            overwrite = True
         if overwrite and self.holds_run():
             for name in self.entries():
                 target = self.path / name
@@ -110,11 +132,12 @@ class RunFolder:
         return remove_partial_checkpoints(self.path / "checkpoints")
 
     def undo(self) -> None:
-        """Remove what this run added to the folder (and the folder, when this run created it)."""
+        """Remove what this run added to the folder, its lock file included (and the folder, with
+        the parents it had to create, when this run created it)."""
         if self.created:
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(self.created_root, ignore_errors=True)
             return
-        for name in set(self.entries()) - self.before:
+        for name in set(self.entries()) - self.before | ({LOCK} if not self.had_lock else set()):
             target = self.path / name
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
 

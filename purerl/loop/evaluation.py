@@ -1,6 +1,7 @@
 """Held-out evaluation: greedy answers to a task's prompts (of a multi-turn task: greedy episodes,
 their last turn the answer), scored like training's rewards."""
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +27,10 @@ def evaluate(engine: RolloutEngine, task: Task, *, version: int, max_new_tokens:
     ``val/reward_errors``; their messages under ``val/reward_error_messages`` when there are any).
     With ``sample_chars``, every answer as a row of ``samples.jsonl`` under ``val/samples``
     (:mod:`purerl.loop.samples`; ``correct``: scored ≥ 1 by the first of ``eval_fns``, so the rows'
-    mean is ``val/<that name>``)."""
+    mean is ``val/<that name>``). ``val/nonfinite_logprobs`` counts the answers' tokens whose
+    log-prob under these weights is not finite (broken weights: the run stops on any)."""
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
-    texts, played, lengths, finishes = [], [], [], []
+    texts, played, lengths, finishes, nonfinite = [], [], [], [], 0
     for start in range(0, len(task.records), batch_prompts):
         if task.episodes is not None:
             setup = task.episodes
@@ -41,9 +43,12 @@ def evaluate(engine: RolloutEngine, task: Task, *, version: int, max_new_tokens:
         rollout = engine.generate(ids, sampling, RngState(0), version=version)
         texts += decode_responses(rollout, task.decode)
         lengths += rollout.sequences.response_mask.sum(-1).tolist()
+        nonfinite += int((rollout.sequences.response_mask & ~rollout.behaviour_logprobs.isfinite()).sum())
         finishes += rollout_finishes(rollout)
     records = task.records
     metrics: dict[str, Any] = episode_metrics(played, "val/episode") if played else {}
+    nonfinite += sum(not math.isfinite(p) for e in played for p in e.logprobs)
+    metrics["val/nonfinite_logprobs"] = float(nonfinite)  # the weights evaluated: the driver stops on any
     if played:  # an episode's answer is its last turn, when the environment took it as the answer
         texts = [e.actions[-1] if e.finish == "answer" else "" for e in played]
     timeouts, errors, messages, values = 0, 0, [], {}

@@ -11,7 +11,7 @@ from typing import Any
 
 from purerl.config.job import TrainerConfig
 from purerl.executors.base import Executor
-from purerl.io.checkpoint import latest_checkpoint, save_checkpoint
+from purerl.io.checkpoint import list_checkpoints, save_checkpoint
 from purerl.io.metrics import MetricsLog
 from purerl.state import TrainState
 
@@ -110,8 +110,12 @@ class StepRecorder:
             raise Interrupted(state.step, self._save(state) if trained else None)
 
     def finish(self, state: TrainState) -> None:
-        """The end of the run: the final checkpoint."""
+        """The end of the run: the final checkpoint, once the final weights were checked (an
+        evaluation, unless the last step had one: ``evaluate_fn`` may keep it for the summary)."""
         if state.step > self.first_step:
+            evaluated = self.trainer.eval_every and state.step % self.trainer.eval_every == 0
+            if self.evaluate_fn is not None and not evaluated:
+                self.check_outputs(state.step, self.evaluate_fn(state))
             self._save(state)
 
     def __enter__(self) -> "StepRecorder":
@@ -120,19 +124,44 @@ class StepRecorder:
     def __exit__(self, *exc: Any) -> None:
         self.bar.close()
 
-    def _last_good(self) -> str:
-        checkpoint = latest_checkpoint(Path(self.run_dir) / "checkpoints")
-        return (f"the last good checkpoint is {checkpoint} (resume from it with --resume, e.g. with a smaller "
-                "learning rate)" if checkpoint else "no checkpoint was written")
+    def _last_good(self, before: int) -> str:
+        """The newest checkpoint of a step before ``before`` (the first step whose weights went
+        bad): each of those was checked by the forward of the step after it. Checkpoints of bad
+        weights are set aside (renamed ``diverged_step_*``: kept, but not what ``--resume`` takes)."""
+        saved = list_checkpoints(Path(self.run_dir) / "checkpoints")
+        good = [c for c in saved if int(c.name.split("_")[-1]) < before]
+        aside = []
+        for checkpoint in saved[len(good):]:
+            checkpoint.rename(checkpoint.with_name(f"diverged_{checkpoint.name}"))
+            aside.append(f"diverged_{checkpoint.name}")
+        bad = f" (set aside, as holding the bad weights: {', '.join(aside)})" if aside else ""
+        if not good:
+            return f"no checkpoint of good weights was written{bad}" if saved else "no checkpoint was written"
+        return (f"the last good checkpoint is {good[-1]} (resume from it with --resume, e.g. with a smaller "
+                f"learning rate){bad}")
+
+    def check_outputs(self, step: int, metrics: dict[str, Any]) -> None:
+        """Raise :class:`TrainingStopped` when weights gave non-finite log-probs: the weights a
+        step started from (``rollout/nonfinite_logprobs``: those of step ``step - 1``) or the
+        weights an evaluation read (``val/nonfinite_logprobs``: those of ``step``). Huge but
+        finite weights pass the update's own check and show here first."""
+        for key, bad in (("rollout/nonfinite_logprobs", step - 1), ("val/nonfinite_logprobs", step)):
+            if metrics.get(key):
+                where = "the rollout of step" if key.startswith("rollout/") else "the held-out evaluation after step"
+                raise TrainingStopped(f"step {step}: the weights after step {bad} give non-finite log-probs "
+                                      f"({int(metrics[key])} tokens in {where} {step}): they diverged although "
+                                      f"finite; no checkpoint keeps them; {self._last_good(bad)}")
 
     def _guard(self, state: TrainState, metrics: dict[str, Any]) -> None:
-        """Raise :class:`TrainingStopped` when the step diverged, or when updates or rewards have
-        failed ``trainer.max_*`` steps in a row; print each rejected update."""
+        """Raise :class:`TrainingStopped` when the step diverged (its update, or the weights it
+        started from: :meth:`check_outputs`), or when updates or rewards have failed
+        ``trainer.max_*`` steps in a row; print each rejected update."""
         trainer, step = self.trainer, state.step
+        self.check_outputs(step, metrics)
         diverged = [key for key in metrics if key.endswith("/diverged")]
         if diverged:
             raise TrainingStopped(f"step {step}: the update left non-finite weights or optimizer moments "
-                                  f"({', '.join(diverged)}); nothing of it was saved; {self._last_good()}")
+                                  f"({', '.join(diverged)}); nothing of it was saved; {self._last_good(step)}")
         rejected = [key for key in metrics if key.endswith("/rejected_updates") and metrics[key] > 0]
         if rejected:
             self.rejected_in_a_row += 1
@@ -143,7 +172,7 @@ class StepRecorder:
             if self.rejected_in_a_row >= trainer.max_rejected_steps:
                 raise TrainingStopped(f"step {step}: {self.rejected_in_a_row} steps in a row had their update rejected "
                                       f"(non-finite {' and '.join(bad) or 'values'}: trainer.max_rejected_steps "
-                                      f"{trainer.max_rejected_steps}); {self._last_good()}")
+                                      f"{trainer.max_rejected_steps}); {self._last_good(step)}")
         else:
             self.rejected_in_a_row = 0
         if metrics.get("reward/all_failed"):
@@ -154,7 +183,7 @@ class StepRecorder:
                 raise TrainingStopped(f"step {step}: every reward call failed or timed out in "
                                       f"{self.failed_rewards_in_a_row} steps in a row (trainer.max_failed_reward_steps "
                                       f"{trainer.max_failed_reward_steps}): see {Path(self.run_dir) / 'reward_errors.jsonl'}"
-                                      f"; {self._last_good()}")
+                                      f"; {self._last_good(step)}")
         else:
             self.failed_rewards_in_a_row = 0
 
@@ -169,6 +198,11 @@ class StepRecorder:
         if self.evaluate_fn is not None and trainer.eval_every and state.step % trainer.eval_every == 0:
             metrics.update(self.evaluate_fn(state))
             record_reward_errors(self.run_dir, state.step, metrics)
+            try:
+                self.check_outputs(state.step, metrics)
+            except TrainingStopped:
+                self.log.write(state.step, metrics)
+                raise
         self.log.write(state.step, metrics)
         if trainer.checkpoint_every and state.step % trainer.checkpoint_every == 0:
             self._save(state)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from purerl.files import make_readable
+from purerl.files import make_readable, whole_folder
 from purerl.models.base import CausalLM, Critic, Params, ValueModel, cast_floating, full_state_dict
 from purerl.models.checkpointing import checkpoint_layers
 
@@ -181,26 +181,25 @@ def export_hf(model: Any, params: dict[str, torch.Tensor], out_dir: str | Path, 
     weights are written in the model's ``compute_dtype`` (mixed precision: bfloat16 from float32
     masters), else in the params' own.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous()
              for k, v in cast_floating(full_state_dict(model, params), model.compute_dtype).items()}
-    config = copy.deepcopy(model.module.config)
-    if str(getattr(getattr(config, "quantization_config", None), "quant_method", "")).lower().endswith("gguf"):
-        del config.quantization_config
-    if not getattr(config, "architectures", None):  # a model built from a config: loaders need the class
-        config.architectures = [type(model.module).__name__]
-    config.save_pretrained(out_dir)
-    generation_config = getattr(model.module, "generation_config", None)
-    if generation_config is not None:
-        generation_config.save_pretrained(out_dir)
-    target = out_dir / "model.safetensors"
-    try:
-        save_file(state, str(target), metadata={"format": "pt"})
-    except Exception as err:  # safetensors' SafetensorError on a full disk: name the file
-        raise OSError(f"{target}: could not write the export ({err})") from None
-    make_readable(target)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    return out_dir
+    with whole_folder(out_dir) as folder:  # a failed export leaves no partial folder
+        config = copy.deepcopy(model.module.config)
+        if str(getattr(getattr(config, "quantization_config", None), "quant_method", "")).lower().endswith("gguf"):
+            del config.quantization_config
+        if not getattr(config, "architectures", None):  # a model built from a config: loaders need the class
+            config.architectures = [type(model.module).__name__]
+        config.save_pretrained(folder)
+        generation_config = getattr(model.module, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(folder)
+        target = folder / "model.safetensors"
+        try:
+            save_file(state, str(target), metadata={"format": "pt"})
+        except Exception as err:  # safetensors' SafetensorError on a full disk: name the file
+            raise OSError(f"{Path(out_dir) / target.name}: could not write the export ({err})") from None
+        make_readable(target)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+    return Path(out_dir)
 

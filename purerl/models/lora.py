@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from purerl.files import make_readable, whole_folder
+
 __all__ = ["DEFAULT_TARGETS", "LoraLinear", "LoraSpec", "adapted_layers", "adapters_off", "apply_lora",
            "export_peft", "is_adapter", "layer_names", "merged"]
 
@@ -156,8 +158,6 @@ def export_peft(model: Any, adapters: dict[str, Tensor], out_dir: str | Path, *,
     ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained(base, out_dir)`` loads
     onto the base model (``base_model``: its path, recorded as ``base_model_name_or_path``)."""
     spec: LoraSpec = model.lora
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     layers = layer_names(adapters)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
@@ -165,7 +165,9 @@ def export_peft(model: Any, adapters: dict[str, Tensor], out_dir: str | Path, *,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
         "inference_mode": True, "base_model_name_or_path": base_model, "modules_to_save": None,
     }
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=1))
     tensors = {f"base_model.model.{name}": t.detach().to("cpu").contiguous() for name, t in adapters.items()}
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    return out_dir
+    with whole_folder(out_dir) as folder:  # a failed export leaves no partial folder
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=1))
+        save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        make_readable(folder / "adapter_model.safetensors")
+    return Path(out_dir)

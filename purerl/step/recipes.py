@@ -37,12 +37,15 @@ def _rollout_metrics(rollout: Rollout, experience: Experience) -> Metrics:
     mask = rollout.sequences.response_mask
     lengths = mask.sum(-1).float()
     gap = (experience.behaviour_logprobs - experience.old_logprobs).abs()
+    finite = experience.behaviour_logprobs.isfinite() & experience.old_logprobs.isfinite()
     return {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float((rollout.finish_reasons == FINISH_LENGTH).float().mean()),
         "rollout/logprob_gap_max": float(torch.where(mask, gap, 0.0).max()),
         "rollout/logprob_gap_mean": float(masked_mean(gap, mask)),
+        # the weights this step started from: the driver stops on any (StepRecorder)
+        "rollout/nonfinite_logprobs": float((mask & ~finite).sum()),
     }
 
 

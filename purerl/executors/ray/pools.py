@@ -12,6 +12,7 @@ a collective) and its message is the run's error, whichever thread waits next.
 import contextlib
 import ipaddress
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -55,6 +56,23 @@ def _single_machine_mode() -> Iterator[None]:
             os.environ[name] = previous_env
 
 
+@contextlib.contextmanager
+def _keeping_signal_handlers() -> Iterator[None]:
+    """While entered, ``ray.init`` may install its own SIGTERM handling; on leaving, the driver's
+    handlers are put back. Ray replaces the driver's SIGTERM handler with ``sys.exit``, and its
+    core worker installs a C++ one that aborts the process (exit status 134): either would end a run
+    without the checkpoint its stop request (:class:`~purerl.loop.recording.StopRequest`) writes."""
+    names = (signal.SIGINT, signal.SIGTERM)
+    main = threading.current_thread() is threading.main_thread()
+    saved = {signum: signal.getsignal(signum) for signum in names} if main else {}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:  # None: a handler not installed from Python, nothing to put back
+                signal.signal(signum, handler)  # also takes the signal back from Ray's C++ handler
+
+
 def _on_loopback(address: str) -> bool:
     """Whether a Ray address (``host:port``, ``ray://host:port``) names this machine's loopback."""
     host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
@@ -73,7 +91,7 @@ def start_local_ray(num_cpus: int, temp_dir: str | None = None, **init_kwargs: A
     address."""
     import ray
 
-    with _single_machine_mode():
+    with _single_machine_mode(), _keeping_signal_handlers():
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                  **({"_temp_dir": temp_dir} if temp_dir else {}), **init_kwargs)
     address = ray.util.get_node_ip_address()
@@ -89,7 +107,7 @@ def join_ray(address: str, **init_kwargs: Any) -> None:
     :func:`start_local_ray` starts) is joined in its single-machine mode."""
     import ray
 
-    with _single_machine_mode() if _on_loopback(address) else contextlib.nullcontext():
+    with _single_machine_mode() if _on_loopback(address) else contextlib.nullcontext(), _keeping_signal_handlers():
         ray.init(address=address, include_dashboard=False, **init_kwargs)
 
 
