@@ -25,3 +25,14 @@ def ray_cluster():
     yield ray
     ray.shutdown()
     shutil.rmtree(temp, ignore_errors=True)
+
+
+_SLOWEST_FIRST = ("test_ray_executor.py", "test_golden.py", "test_faults.py", "test_reliability.py",
+                  "test_episode_jobs.py", "test_gguf.py", "test_experiment.py")
+"""Files that take minutes, in falling order: pytest-xdist hands whole files to its workers in
+collection order, so these start first and the short ones fill in around them."""
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
