@@ -108,9 +108,10 @@ def test_weights_that_give_non_finite_log_probs_stop_the_run_and_their_checkpoin
 
     _checkpoints(tmp_path, 2, 4, 6)
     record = _recorder(tmp_path, 6)
-    with pytest.raises(TrainingStopped, match=r"^step 7: the weights after step 6 give non-finite log-probs \(3 tokens "
-                                              r"in the rollout of step 7\).*the last good checkpoint is \S*step_00000004 "
-                                              r".*set aside, as holding the bad weights: diverged_step_00000006"):
+    with pytest.raises(TrainingStopped, match=r"^step 7: the weights after step 6 give non-finite log-probs \(3 "
+                                              r"tokens in the rollout of step 7\).*the last good checkpoint is "
+                                              r"\S*step_00000004 .*set aside, as holding the bad weights: "
+                                              r"diverged_step_00000006"):
         record(_at(7), {"rollout/nonfinite_logprobs": 3.0, "perf/gen_tokens_per_s": 1.0})
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "diverged_step_00000006", "step_00000002", "step_00000004"]  # --resume takes step 4

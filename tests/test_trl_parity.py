@@ -119,7 +119,8 @@ def _trl(model, tokenizer, responses, rewards, steps, tmp):
     args = GRPOConfig(output_dir=tmp, use_cpu=True, bf16=False, max_steps=SETTINGS["trainer"]["steps"],
                       per_device_train_batch_size=N * len(PROMPTS), num_generations=N, max_completion_length=MAX_NEW,
                       learning_rate=actor["lr"], warmup_steps=actor["warmup_steps"],
-                      lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": actor["min_lr_ratio"]},
+                      lr_scheduler_type="cosine_with_min_lr",
+                      lr_scheduler_kwargs={"min_lr_rate": actor["min_lr_ratio"]},
                       max_grad_norm=actor["grad_clip"], weight_decay=0.0, beta=0.0, loss_type="dapo", epsilon=0.2,
                       epsilon_high=0.28, temperature=TEMPERATURE, scale_rewards="group", report_to="none",
                       save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, shuffle_dataset=False)
@@ -163,8 +164,8 @@ def test_one_batch_gives_trls_params_and_gradients_up_to_the_named_differences(m
     ours_eps, theirs_eps = DIFFERENCES["advantage epsilon"]
     factor = (std + ours_eps) / (std + theirs_eps)
     ours_adv = (scores - scores.mean(-1, keepdim=True)) / (std + ours_eps)
-    assert sorted(their_advantages[0].flatten().tolist()) == pytest.approx(sorted((ours_adv * factor).flatten().tolist()),
-                                                                          rel=1e-6, abs=1e-7)
+    expected = sorted((ours_adv * factor).flatten().tolist())
+    assert sorted(their_advantages[0].flatten().tolist()) == pytest.approx(expected, rel=1e-6, abs=1e-7)
 
     # each step's raw gradient (before clipping): TRL's is purerl's times that factor
     assert len(our_grads) == len(their_grads) == 2

@@ -7,9 +7,9 @@ by the OS when the holder dies), refuses a folder that already holds anything un
 resumes it or asks to overwrite it, refuses to resume a folder without a checkpoint, and writes
 nothing until the run can start (:meth:`RunFolder.begin`): a start that fails before its first
 step takes back what it wrote (:meth:`RunFolder.undo`). A start killed before it could (SIGKILL,
-a power cut) leaves a run that never recorded a step: the same command takes the folder over. ``config.json`` records the run's
-settings; on resume :func:`check_resume_config` refuses settings that differ from it outside an
-allow-list.
+a power cut) leaves a run that never recorded a step: the same command takes the folder over.
+``config.json`` records the run's settings; on resume :func:`check_resume_config` refuses
+settings that differ from it outside an allow-list.
 """
 
 import fcntl
