@@ -122,7 +122,8 @@ def trl_side(args: argparse.Namespace, out: Path) -> dict:
             report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True)
         GRPOTrainer(model=hf, reward_funcs=reward, args=trl_args, train_dataset=dataset, processing_class=tokenizer,
                     callbacks=[Log()]).train()
-        trained = {name: hf.state_dict()[name].detach().clone() for name in params}
+        state = hf.state_dict()
+        trained = {name: state[name].detach().clone() for name in params}
     after = held_out(trained)
     wall = time.perf_counter() - start
     return {"side": "trl", "seed": args.seed, "wall_s": wall, "accuracy_before": before, "accuracy_after": after,

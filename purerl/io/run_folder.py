@@ -108,13 +108,14 @@ class RunFolder:
         if entries and not self.holds_run():
             raise RunFolderError(f"--out-dir {path} is not empty and holds no purerl run ({', '.join(entries[:3])}"
                                  f"{', …' if len(entries) > 3 else ''}): choose a new or empty folder")
-        if self.holds_run() and self.trained() and not (resume or overwrite):
+        kept = self.holds_run() and self.trained()  # a run that recorded a step: never replaced unasked
+        if kept and not (resume or overwrite):
             raise RunFolderError(f"--out-dir {path} already holds a run: add --resume to continue it or "
                                  "--overwrite to replace it (or choose another --out-dir)")
         if resume and latest_checkpoint(path / "checkpoints") is None:
             raise RunFolderError(f"--resume: {path} holds no checkpoint to resume from (no step of a run there was "
                                  "saved); start the run afresh: without --resume"
-                                 + (", with --overwrite" if self.holds_run() and self.trained() else ""))
+                                 + (", with --overwrite" if kept else ""))
 
     def begin(self, *, overwrite: bool) -> list[Path]:
         """Claim the folder: with ``overwrite``, the old run is removed now, and so is a run that

@@ -113,10 +113,13 @@ class StepRecorder:
         """The end of the run: the final checkpoint, once the final weights were checked (an
         evaluation, unless the last step had one: ``evaluate_fn`` may keep it for the summary)."""
         if state.step > self.first_step:
-            evaluated = self.trainer.eval_every and state.step % self.trainer.eval_every == 0
-            if self.evaluate_fn is not None and not evaluated:
+            if self.evaluate_fn is not None and not self._evaluates_at(state.step):
                 self.check_outputs(state.step, self.evaluate_fn(state))
             self._save(state)
+
+    def _evaluates_at(self, step: int) -> bool:
+        """Whether step ``step`` is followed by an evaluation (``trainer.eval_every``)."""
+        return bool(self.trainer.eval_every) and step % self.trainer.eval_every == 0
 
     def __enter__(self) -> "StepRecorder":
         return self
@@ -195,7 +198,7 @@ class StepRecorder:
         except TrainingStopped:
             self.log.write(state.step, metrics)  # the failed step's row shows what went bad
             raise
-        if self.evaluate_fn is not None and trainer.eval_every and state.step % trainer.eval_every == 0:
+        if self.evaluate_fn is not None and self._evaluates_at(state.step):
             metrics.update(self.evaluate_fn(state))
             record_reward_errors(self.run_dir, state.step, metrics)
             try:
