@@ -10,6 +10,7 @@ like the ``algorithm`` keys that set them (``gamma``, ``lam``, ``norm_adv_by_std
 :mod:`purerl.algo.token_baseline`; no code outside this registry compares estimator names.
 """
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ from purerl.algo.groups import check_row_inputs, check_token_inputs, needed
 from purerl.algo.token_baseline import optimal_token_baseline_advantages, tir_optimal_token_baseline_advantages
 from purerl.registry import Registry, bind_settings, keyword_settings
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "Estimator", "compute_advantages", "estimator"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "BoundEstimator", "Estimator", "compute_advantages", "estimator"]
 
 
 @attrs.frozen
@@ -59,6 +60,11 @@ class Estimator:
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "settings", keyword_settings(self.fn))
 
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        # by name: the decorator puts this record where its function was, so the function itself
+        # cannot be pickled by reference; the module that registers it is imported on the way back
+        return _registered, (self.name, self.fn.__module__)
+
     def bind(self, *sections: object) -> dict[str, Any]:
         """This estimator's settings, each from the first of ``sections`` that has it."""
         return bind_settings(self.settings, sections, f"advantage estimator {self.name!r}")
@@ -67,6 +73,11 @@ class Estimator:
         """``(advantages, returns)`` of ``inputs``, with settings from ``sections`` (e.g. the job's
         ``algorithm`` section). Raises ``ValueError`` for mismatched shapes or an input it needs
         left None; ``TypeError`` for a non-bool mask, non-floating tensors or non-integer groups."""
+        return self.with_settings(inputs, self.bind(*sections))
+
+    def with_settings(self, inputs: AdvantageInputs, settings: dict[str, Any]) -> AdvantagesAndReturns:
+        """``(advantages, returns)`` of ``inputs`` with ``settings`` given by name (checked as in
+        :meth:`__call__`)."""
         where = f"compute_advantages({self.name!r})"
         check_token_inputs(where, inputs.rewards, inputs.mask, values=inputs.values,
                            old_logprobs=inputs.old_logprobs, sum_pi_squared=inputs.sum_pi_squared,
@@ -79,10 +90,60 @@ class Estimator:
             if wanted:
                 what = "group ids" if field == "group" else field
                 needed(getattr(inputs, field), f"{self.name} needs {what} (AdvantageInputs.{field} is None)")
-        return self.fn(inputs, **self.bind(*sections))
+        return self.fn(inputs, **settings)
+
+    def bound(self, *sections: object, **overrides: Any) -> "BoundEstimator":
+        """This estimator closed over its settings: each from ``overrides``, else from the first of
+        ``sections`` that has it. A setting it does not read raises ``ValueError``."""
+        unknown = sorted(set(overrides) - set(self.settings))
+        if unknown:
+            raise ValueError(f"advantage estimator {self.name!r} has no settings {', '.join(unknown)} "
+                             f"(its settings: {', '.join(self.settings) or 'none'})")
+        values = bind_settings(tuple(n for n in self.settings if n not in overrides), sections,
+                               f"advantage estimator {self.name!r}")
+        return BoundEstimator(self, tuple(sorted({**values, **overrides}.items())))
+
+
+@attrs.frozen
+class BoundEstimator:
+    """An advantage estimator closed over its settings, like an optax transform:
+    ``bound(inputs) -> (advantages, returns)``. ``settings``: ``(name, value)`` pairs (a tuple, so
+    the record pickles and compares); the estimator's needs read through (``bound.grouped``, …)."""
+
+    estimator: Estimator
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self, inputs: AdvantageInputs) -> AdvantagesAndReturns:
+        return self.estimator.with_settings(inputs, dict(self.settings))
+
+    @property
+    def name(self) -> str:
+        return self.estimator.name
+
+    @property
+    def grouped(self) -> bool:
+        return self.estimator.grouped
+
+    @property
+    def needs_values(self) -> bool:
+        return self.estimator.needs_values
+
+    @property
+    def needs_baselines(self) -> bool:
+        return self.estimator.needs_baselines
+
+    @property
+    def needs_sum_pi_squared(self) -> bool:
+        return self.estimator.needs_sum_pi_squared
 
 
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+
+
+def _registered(name: str, module: str) -> Estimator:
+    """The estimator registered as ``name`` once ``module`` (which registers it) is imported."""
+    importlib.import_module(module)
+    return ADVANTAGE_ESTIMATORS[name]
 
 
 def estimator(name: str, **needs: bool) -> Callable[[Callable[..., AdvantagesAndReturns]], Estimator]:

@@ -38,23 +38,29 @@ gradient, whatever they hold (NaN and inf included): inputs are replaced there b
 arithmetic.
 """
 
-import inspect
-from collections.abc import Callable
-from typing import Any
-
-import attrs
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from purerl.algo.aggregation import SumCount, aggregate_loss, token_mean
+from purerl.algo.aggregation import SumCount, aggregate_loss
+from purerl.algo.loss_records import (
+    POLICY_LOSSES,
+    BoundPolicyLoss,
+    PolicyLoss,
+    PolicyLossOutput,
+    check_clips,
+    check_loss_inputs,
+    loss_output,
+    policy_loss,
+    reinforce_loss,
+    valid_only,
+    weighted,
+)
 from purerl.algo.masked import masked_sum
-from purerl.checks import check_bool, check_floating, check_rank, check_same_shape
-from purerl.registry import Registry, bind_settings, keyword_settings
-from purerl.tree import pytree
 
 __all__ = [
     "POLICY_LOSSES",
+    "BoundPolicyLoss",
     "PolicyLoss",
     "PolicyLossOutput",
     "cispo_policy_loss",
@@ -69,86 +75,6 @@ __all__ = [
     "sapo_policy_loss",
     "vanilla_policy_loss",
 ]
-
-
-@pytree
-class PolicyLossOutput:
-    """The policy loss and verl's metrics ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``.
-
-    ``loss`` carries the gradient; the metrics are detached token means ``(Σ x·m, Σ m)``.
-    """
-
-    loss: SumCount
-    clipfrac: SumCount
-    clipfrac_lower: SumCount
-    ppo_kl: SumCount
-
-
-_INPUTS = ("is_weights", "generator")
-
-
-@attrs.frozen
-class PolicyLoss:
-    """A registered policy loss and what callers must know about it.
-
-    - ``fn(logp, old_logp, advantages, mask, *, is_weights=None, [generator=None,] <settings>)``;
-    - ``settings``: its keyword-only parameters but ``is_weights`` and ``generator``, read by name
-      from config sections (:meth:`bind`);
-    - ``aggregation``: the aggregation mode its count always follows (``sapo``, ``geo_mean``), or
-      None when it aggregates with the ``loss_agg`` setting;
-    - ``vanishes``: whether a row whose advantages are all 0 adds exactly 0 to the loss total and
-      its gradient (whatever its finite log-probs) and changes nothing for the other rows, so it
-      may skip the forward and backward; a function of the bound settings where that depends on
-      them (``bypass_mode``).
-    """
-
-    fn: Callable[..., PolicyLossOutput]
-    name: str
-    aggregation: str | None = None
-    vanishes: bool | Callable[[dict[str, Any]], bool] = True
-    settings: tuple[str, ...] = attrs.field(init=False)
-    draws: bool = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "settings", keyword_settings(self.fn, exclude=_INPUTS))
-        object.__setattr__(self, "draws", "generator" in inspect.signature(self.fn).parameters)
-
-    def bind(self, *sections: object) -> dict[str, Any]:
-        """This loss's settings, each from the first of ``sections`` that has it (e.g. the job's
-        ``actor`` section, then ``actor.loss_options``)."""
-        return bind_settings(self.settings, sections, f"policy loss {self.name!r}")
-
-    def __call__(self, logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
-                 mask: Bool[Tensor, "b t"], *sections: object, is_weights: Float[Tensor, "b t"] | None = None,
-                 generator: torch.Generator | None = None) -> PolicyLossOutput:
-        inputs = {"is_weights": is_weights, **({"generator": generator} if self.draws else {})}
-        return self.fn(logp, old_logp, advantages, mask, **inputs, **self.bind(*sections))
-
-    def aggregation_of(self, loss_agg: str) -> str:
-        """The mode whose :func:`~purerl.algo.aggregation.loss_denominator` divides this loss's
-        total when the ``loss_agg`` setting is ``loss_agg``."""
-        return self.aggregation or loss_agg
-
-    def vanishes_at_zero_advantage(self, *sections: object) -> bool:
-        """Whether rows with all-zero advantages may skip the forward and backward (see the class)."""
-        if isinstance(self.vanishes, bool):
-            return self.vanishes
-        return self.vanishes(self.bind(*sections))
-
-
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
-
-
-def policy_loss(name: str, *aliases: str, aggregation: str | None = None,
-                vanishes: bool | Callable[[dict[str, Any]], bool] = True) -> Callable[[Callable], Callable]:
-    """Register ``fn`` as the policy loss ``name`` (and ``aliases``); returns ``fn`` itself, so the
-    function stays callable with plain keyword arguments."""
-
-    def register(fn: Callable[..., PolicyLossOutput]) -> Callable[..., PolicyLossOutput]:
-        POLICY_LOSSES.register(name, *aliases)(PolicyLoss(fn, name, aggregation, vanishes))
-        return fn
-
-    return register
 
 
 def ppo_clip_loss(
@@ -190,12 +116,8 @@ def ppo_clip_loss(
         lower = ((pessimistic > floor) & (adv < 0)).to(loss.dtype)
     if is_weights is not None:
         loss = loss * valid_only(is_weights, mask)
-    return PolicyLossOutput(
-        loss=aggregate_loss(loss, mask, agg, norm),
-        clipfrac=token_metric((clipped > unclipped).to(loss.dtype), mask),
-        clipfrac_lower=token_metric(lower, mask),
-        ppo_kl=token_metric(-log_ratio, mask),
-    )
+    return loss_output(aggregate_loss(loss, mask, agg, norm), loss, mask, log_ratio, clipfrac=(clipped > unclipped).to(loss.dtype),
+                       clipfrac_lower=lower)
 
 
 def gspo_loss(
@@ -234,12 +156,8 @@ def gspo_loss(
     loss = torch.maximum(unclipped, clipped)
     if is_weights is not None:
         loss = loss * valid_only(is_weights, mask)
-    return PolicyLossOutput(
-        loss=aggregate_loss(loss, mask, agg, norm),
-        clipfrac=token_metric((clipped > unclipped).to(loss.dtype), mask),
-        clipfrac_lower=token_metric(torch.zeros_like(loss), mask),
-        ppo_kl=token_metric(-log_ratio, mask),
-    )
+    return loss_output(aggregate_loss(loss, mask, agg, norm), loss, mask, log_ratio, clipfrac=(clipped > unclipped).to(loss.dtype),
+                       clipfrac_lower=torch.zeros_like(loss))
 
 
 @policy_loss("vanilla", "ppo")
@@ -273,12 +191,7 @@ def gpg_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], 
     check_loss_inputs("gpg_policy_loss", logp, old_logp, advantages, mask, is_weights)
     loss = weighted(-valid_only(logp, mask) * valid_only(advantages, mask), is_weights, mask)
     log_ratio = valid_only(logp - old_logp, mask)
-    return PolicyLossOutput(
-        loss=aggregate_loss(loss, mask, loss_agg, loss_norm),
-        clipfrac=zero_metric(loss, mask),
-        clipfrac_lower=zero_metric(loss, mask),
-        ppo_kl=token_metric(-log_ratio, mask),
-    )
+    return loss_output(aggregate_loss(loss, mask, loss_agg, loss_norm), loss, mask, log_ratio)
 
 
 @policy_loss("reinforce")
@@ -313,12 +226,7 @@ def cispo_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"]
     ratio = torch.exp(log_ratio).detach()
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     loss = weighted(-clipped * adv * valid_only(logp, mask), is_weights, mask)
-    return PolicyLossOutput(
-        loss=aggregate_loss(loss, mask, loss_agg, loss_norm),
-        clipfrac=token_metric((ratio != clipped).to(loss.dtype), mask),
-        clipfrac_lower=zero_metric(loss, mask),
-        ppo_kl=token_metric(-log_ratio, mask),
-    )
+    return loss_output(aggregate_loss(loss, mask, loss_agg, loss_norm), loss, mask, log_ratio, clipfrac=(ratio != clipped).to(loss.dtype))
 
 
 @policy_loss("sapo", aggregation="seq-mean-token-mean")
@@ -343,12 +251,7 @@ def sapo_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"],
     tau = torch.where(adv > 0, tau_pos, tau_neg)
     gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     loss = weighted(-gates * adv, is_weights, mask)
-    return PolicyLossOutput(
-        loss=aggregate_loss(loss, mask, "seq-mean-token-mean"),
-        clipfrac=zero_metric(loss, mask),
-        clipfrac_lower=zero_metric(loss, mask),
-        ppo_kl=token_metric(-log_ratio, mask),
-    )
+    return loss_output(aggregate_loss(loss, mask, "seq-mean-token-mean"), loss, mask, log_ratio)
 
 
 @policy_loss("geo_mean", aggregation="row-mean")
@@ -381,12 +284,8 @@ def geo_mean_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b 
         rows = rows * torch.exp(masked_sum(log_weights, mask, dim=-1) / lengths)
     clipped = (log_ratio != clamped).to(adv.dtype)
     count = torch.full((), adv.shape[0], dtype=rows.dtype, device=rows.device)
-    return PolicyLossOutput(
-        loss=SumCount(rows.sum(), count),
-        clipfrac=token_metric(clipped * (adv > 0), mask),
-        clipfrac_lower=token_metric(clipped * (adv < 0), mask),
-        ppo_kl=token_metric(-log_ratio, mask),
-    )
+    return loss_output(SumCount(rows.sum(), count), clipped, mask, log_ratio, clipfrac=clipped * (adv > 0),
+                       clipfrac_lower=clipped * (adv < 0))
 
 
 @policy_loss("dro", vanishes=False)
@@ -406,62 +305,4 @@ def dro_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], 
     log_ratio = valid_only(logp - old_logp, mask)
     loss = -(valid_only(logp, mask) * adv - 0.5 * dro_beta * log_ratio.square())
     loss = weighted(loss, is_weights, mask)
-    return PolicyLossOutput(
-        loss=aggregate_loss(loss, mask, loss_agg, loss_norm),
-        clipfrac=zero_metric(loss, mask),
-        clipfrac_lower=zero_metric(loss, mask),
-        ppo_kl=token_metric(-log_ratio, mask),
-    )
-
-
-
-def zero_metric(like: Tensor, mask: Tensor) -> SumCount:
-    return token_metric(torch.zeros_like(like), mask)
-
-
-def weighted(loss: Tensor, is_weights: Tensor | None, mask: Tensor) -> Tensor:
-    """The per-token loss times the (valid) IS weights, if any."""
-    return loss if is_weights is None else loss * valid_only(is_weights, mask)
-
-
-def reinforce_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, agg: str, norm: float | None,
-    weights: Tensor | None,
-) -> PolicyLossOutput:
-    """``−A·logp·sg(w)`` aggregated with ``agg`` (verl ``compute_policy_loss_reinforce``)."""
-    adv, current = valid_only(advantages, mask), valid_only(logp, mask)
-    loss = -adv * current
-    if weights is not None:
-        loss = loss * valid_only(weights, mask).detach()
-    log_ratio = valid_only(logp - old_logp, mask)
-    return PolicyLossOutput(
-        loss=aggregate_loss(loss, mask, agg, norm),
-        clipfrac=zero_metric(loss, mask),
-        clipfrac_lower=zero_metric(loss, mask),
-        ppo_kl=token_metric(-log_ratio, mask),
-    )
-
-
-def check_loss_inputs(
-    where: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, is_weights: Tensor | None
-) -> None:
-    check_rank(where, 2, logp=logp)
-    check_same_shape(where, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, is_weights=is_weights)
-    check_floating(where, logp=logp, old_logp=old_logp, advantages=advantages, is_weights=is_weights)
-    check_bool(where, mask=mask)
-
-
-def check_clips(where: str, clip_low: float, clip_high: float, clip_c: float | None) -> None:
-    if not (clip_low >= 0 and clip_high >= 0):
-        raise ValueError(f"{where}: clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
-    if clip_c is not None and not clip_c > 1:
-        raise ValueError(f"{where}: clip_c must be > 1 (or None to disable dual clip), got {clip_c}")
-
-
-def valid_only(x: Tensor, mask: Tensor) -> Tensor:
-    """``x`` with 0 at masked positions, so neither values nor gradients can leak from there."""
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def token_metric(x: Tensor, mask: Tensor) -> SumCount:
-    return token_mean(x.detach(), mask).detach()
+    return loss_output(aggregate_loss(loss, mask, loss_agg, loss_norm), loss, mask, log_ratio)

@@ -1,7 +1,7 @@
 """Policy losses that select or drop tokens (verl 0.9.1): ``clip_cov`` and ``kl_cov`` (by the
 covariance of advantage and log-prob over the batch given), ``dppo_tv`` and ``dppo_kl`` (by how
 far a token's probability moved) and ``bypass_mode`` (by its rollout importance ratio, with the
-weights of :mod:`purerl.algo.correction`). Records and conventions: :mod:`purerl.algo.policy_loss`.
+weights of :mod:`purerl.algo.correction`). Conventions: :mod:`purerl.algo.policy_loss`; records: :mod:`purerl.algo.loss_records`.
 """
 
 from typing import Any
@@ -12,19 +12,20 @@ from torch import Tensor
 
 from purerl.algo.aggregation import SumCount, aggregate_loss
 from purerl.algo.correction import importance_weights
-from purerl.algo.masked import masked_mean
-from purerl.algo.policy_loss import (
+from purerl.algo.loss_records import (
     PolicyLossOutput,
     check_clips,
     check_loss_inputs,
+    loss_output,
     policy_loss,
-    ppo_clip_loss,
     reinforce_loss,
     token_metric,
     valid_only,
     weighted,
     zero_metric,
 )
+from purerl.algo.masked import masked_mean
+from purerl.algo.policy_loss import ppo_clip_loss
 
 __all__ = ["bypass_mode_policy_loss", "clip_cov_policy_loss", "dppo_kl_policy_loss", "dppo_tv_policy_loss",
            "kl_cov_policy_loss"]
@@ -52,12 +53,8 @@ def _dppo(where: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
             down_ok = (binary_kl <= clip_low) | (prob >= old_prob)
         valid = torch.where(adv > 0, up_ok, down_ok).to(adv.dtype)
     loss = weighted(-adv * truncated * current * valid, is_weights, mask)
-    return PolicyLossOutput(
-        loss=aggregate_loss(loss, mask, loss_agg, loss_norm),
-        clipfrac=token_metric(1.0 - valid, mask),
-        clipfrac_lower=token_metric((ratio > cap).to(adv.dtype) * valid, mask),
-        ppo_kl=token_metric(-log_ratio, mask),
-    )
+    return loss_output(aggregate_loss(loss, mask, loss_agg, loss_norm), loss, mask, log_ratio, clipfrac=1.0 - valid,
+                       clipfrac_lower=(ratio > cap).to(adv.dtype) * valid)
 
 
 @policy_loss("clip_cov", vanishes=False)
@@ -100,12 +97,8 @@ def clip_cov_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b 
             corr[index[perm.to(index.device)]] = 0.0
         corr = corr.view_as(adv)
     loss = weighted(torch.maximum(unclipped, clipped) * corr, is_weights, mask)
-    return PolicyLossOutput(
-        loss=aggregate_loss(loss, mask, loss_agg, loss_norm),
-        clipfrac=token_metric((corr == 0).to(loss.dtype), mask),
-        clipfrac_lower=zero_metric(loss, mask),
-        ppo_kl=token_metric(-log_ratio, mask),
-    )
+    return loss_output(aggregate_loss(loss, mask, loss_agg, loss_norm), loss, mask, log_ratio,
+                       clipfrac=(corr == 0).to(loss.dtype))
 
 
 @policy_loss("kl_cov", vanishes=False)
