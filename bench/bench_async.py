@@ -40,6 +40,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import torch  # noqa: E402
 
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.assembly.stages import batch_plan_of, stage_settings_of  # noqa: E402
 from purerl.config.job import ExecutorConfig, JobConfig  # noqa: E402
 from purerl.config.loading import build  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
@@ -47,7 +48,7 @@ from purerl.data.records import PromptRecord  # noqa: E402
 from purerl.executors.ray import RayExecutor  # noqa: E402
 from purerl.io.metrics import MetricsLog  # noqa: E402
 from purerl.loop.async_train import train_async  # noqa: E402
-from purerl.loop.sampling import Task  # noqa: E402
+from purerl.loop.task import Task  # noqa: E402
 from purerl.loop.train import train  # noqa: E402
 from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
@@ -82,7 +83,7 @@ def run_mode(mode: str, args: argparse.Namespace, model, params, task: Task) -> 
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-4, weight_decay=0.0))
     kl = make_kl_controller("fixed", coef=0.0)
     config = job_config(mode, args)
-    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=config)
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, **stage_settings_of(config))
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
                        data=DataCursor(0))
     executor_config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split")
@@ -91,10 +92,12 @@ def run_mode(mode: str, args: argparse.Namespace, model, params, task: Task) -> 
         log = MetricsLog(run_dir)
         state = executor.start(state)
         report = None
+        loop = dict(executor=executor, task=task, plan=batch_plan_of(config), trainer=config.trainer,
+                    run_dir=run_dir, log=log)
         if mode == "sync":
-            train(state, executor=executor, task=task, config=config, run_dir=run_dir, log=log)
+            train(state, **loop)
         else:
-            _, report = train_async(state, executor=executor, task=task, config=config, run_dir=run_dir, log=log)
+            _, report = train_async(state, asynchronous=config.asynchronous, **loop)
         log.close()
         records = MetricsLog.read(log.path)
     timed = records[args.warmup:]
@@ -129,7 +132,7 @@ def straggler_mode(name: str, generators: int, workers: int, interruptible: bool
         "asynchronous": {"enable": asynchronous, "max_staleness": args.max_staleness,
                          "queue_batches": args.max_staleness, "generators": max(generators, 1),
                          "interruptible": interruptible}})
-    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=config)
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, **stage_settings_of(config))
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
                        data=DataCursor(0))
     executor_config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=workers, placement="split")
@@ -141,10 +144,12 @@ def straggler_mode(name: str, generators: int, workers: int, interruptible: bool
         ray.get(executor.rollout[-1].straggle.remote(args.straggler))
         log = MetricsLog(run_dir)
         state = executor.start(state)
+        loop = dict(executor=executor, task=task, plan=batch_plan_of(config), trainer=config.trainer,
+                    run_dir=run_dir, log=log)
         if asynchronous:
-            _, report = train_async(state, executor=executor, task=task, config=config, run_dir=run_dir, log=log)
+            _, report = train_async(state, asynchronous=config.asynchronous, **loop)
         else:
-            train(state, executor=executor, task=task, config=config, run_dir=run_dir, log=log)
+            train(state, **loop)
         log.close()
         records = MetricsLog.read(log.path)
         status = json.loads((Path(run_dir) / "status.json").read_text()) if asynchronous else None

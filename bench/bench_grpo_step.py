@@ -31,10 +31,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.assembly.stages import batch_plan_of, stage_settings_of  # noqa: E402
 from purerl.config.job import JobConfig  # noqa: E402
 from purerl.config.loading import build  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
-from purerl.loop.sampling import Task, rollout_batch  # noqa: E402
+from purerl.loop.sampling import rollout_batch  # noqa: E402
+from purerl.loop.task import Task  # noqa: E402
 from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
 from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
@@ -93,7 +95,8 @@ def main() -> None:
                                            "recompute_old_logprobs": False, "skip_zero_advantage_rows": skip}})
 
     step_fns = {skip: functools.partial(grpo_step, policy=model, optimizer=optimizer, kl_controller=kl_controller,
-                                        config=job(skip)) for skip in (True, False)}
+                                        **stage_settings_of(job(skip))) for skip in (True, False)}
+    plans = {skip: batch_plan_of(job(skip)) for skip in (True, False)}
     purerl_times: dict[bool, list[float]] = {True: [], False: []}
     purerl_lengths: list[float] = []
     skipped: list[float] = []
@@ -104,7 +107,7 @@ def main() -> None:
         for _ in range(count):
             start = time.perf_counter()
             engine.sync(state.policy, state.step)
-            state, rollout, scores, _ = rollout_batch(state, engine, task, step_fns[skip].keywords["config"])
+            state, rollout, scores, _ = rollout_batch(state, engine, task, plans[skip])
             state, metrics = step_fns[skip](state, rollout, scores)
             sync()
             if record:

@@ -21,6 +21,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import torch  # noqa: E402
 
+from purerl.assembly.stages import step_function  # noqa: E402
 from purerl.config.job import ExecutorConfig, JobConfig  # noqa: E402
 from purerl.config.loading import build  # noqa: E402
 from purerl.executors.ray import RayExecutor  # noqa: E402
@@ -29,7 +30,6 @@ from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.run import initial_state  # noqa: E402
 from purerl.state import RngState  # noqa: E402
-from purerl.step import step_function  # noqa: E402
 from purerl.tiny import tiny_llama_config  # noqa: E402
 
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)

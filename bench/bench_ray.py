@@ -23,13 +23,15 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import torch  # noqa: E402
 
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.assembly.stages import batch_plan_of, stage_settings_of  # noqa: E402
 from purerl.config.job import ExecutorConfig, JobConfig  # noqa: E402
 from purerl.config.loading import build  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.data.records import PromptRecord  # noqa: E402
 from purerl.executors.local import LocalExecutor  # noqa: E402
 from purerl.executors.ray import RayExecutor  # noqa: E402
-from purerl.loop.sampling import Task, rollout_batch  # noqa: E402
+from purerl.loop.sampling import rollout_batch  # noqa: E402
+from purerl.loop.task import Task  # noqa: E402
 from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.optim import adamw, chain, clip_by_global_norm  # noqa: E402
 from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
@@ -49,7 +51,7 @@ def setup(config, job: JobConfig):
     model, params = causal_lm_from_config(config, seed=0)
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-4, weight_decay=0.0))
     kl = make_kl_controller("fixed", coef=0.0)
-    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=job)
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, **stage_settings_of(job))
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
                        data=DataCursor(0))
     return model, step_fn, state
@@ -59,12 +61,13 @@ def time_steps(executor, state, task, job: JobConfig, steps: int) -> dict[str, l
     """Per step: loading the newest weights into the engine, generating and scoring, and the step
     (which publishes its weights: under Ray split placement, a gather into the object store)."""
     phases: dict[str, list[float]] = {"sync": [], "generate+score": [], "step": [], "total": []}
+    plan = batch_plan_of(job)
     state = executor.start(state)
     for i in range(steps + 1):  # the first step warms up and is not counted
         t0 = time.perf_counter()
         with executor.engine(executor.newest(state.step)) as engine:
             t1 = time.perf_counter()
-            state, rollout, scores, _ = rollout_batch(state, engine, task, job)
+            state, rollout, scores, _ = rollout_batch(state, engine, task, plan)
         t2 = time.perf_counter()
         state, _ = executor.step(state, rollout, scores)
         t3 = time.perf_counter()

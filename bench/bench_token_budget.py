@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from peak_memory import held_and_peak, in_fresh_process  # noqa: E402
 
 from purerl.algo.kl_control import make_kl_controller  # noqa: E402
+from purerl.assembly.stages import actor_batching_of, actor_loss_of, stage_settings_of  # noqa: E402
 from purerl.batch import Rollout, Sequences  # noqa: E402
 from purerl.config.job import JobConfig  # noqa: E402
 from purerl.config.loading import build  # noqa: E402
@@ -93,16 +94,17 @@ def trainer_step(model, params, batch, variant):
     rollout = Rollout(seqs, batch.old_logprobs * seqs.response_mask, torch.zeros(rows, dtype=torch.long),
                       torch.arange(rows) // 4, 0)
     scores = torch.randn(rows, generator=torch.Generator().manual_seed(1))
-    return grpo_step(state, rollout, scores, policy=attrs.evolve(model, packed=packed), config=config,
-                     optimizer=optimizer, kl_controller=make_kl_controller("fixed", coef=0.0))
+    return grpo_step(state, rollout, scores, policy=attrs.evolve(model, packed=packed), optimizer=optimizer,
+                     kl_controller=make_kl_controller("fixed", coef=0.0), **stage_settings_of(config))
 
 
 def update(model, params, batch, variant):
     config, packed = variant
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-5))
     p = tree_clone(params)
-    return actor_update(p, optimizer.init(p), batch, policy=attrs.evolve(model, packed=packed), optimizer=optimizer,
-                        config=config, rng=RngState(0))
+    return actor_update(p, optimizer.init(p), batch, policy=attrs.evolve(model, packed=packed),
+                        loss=actor_loss_of(config), batching=actor_batching_of(config), optimizer=optimizer,
+                        rng=RngState(0))
 
 
 def memory(args) -> None:

@@ -2,39 +2,29 @@
 import functools
 
 from purerl.algo.kl_control import make_kl_controller
-from purerl.config.job import ActorConfig, AlgorithmConfig, DataConfig, JobConfig, RolloutConfig, TrainerConfig
-from purerl.data.cursor import DataCursor
-from purerl.data.math_problems import math_problems
-from purerl.data.records import encode_prompts
+from purerl.assembly.stages import advantage_estimator, policy_loss
+from purerl.assembly.tiny import tiny_math
+from purerl.config.sections import RolloutConfig, TrainerConfig
 from purerl.executors.local import LocalExecutor
-from purerl.loop.sampling import Task
+from purerl.loop.sampling import BatchPlan
 from purerl.loop.train import train
-from purerl.models import causal_lm_from_config
 from purerl.optim import adamw
-from purerl.rewards import lenient_math_reward
-from purerl.rollout.backends.torch import TorchEngine
-from purerl.state import RngState, TrainState
-from purerl.step import actor_update, make_experience, shape_rewards
-from purerl.tiny import char_tokenizer, tiny_llama_config
+from purerl.state import TrainState
+from purerl.step import ActorLoss, Batching, ExperienceSettings, Shaping, actor_update, make_experience, shape_rewards
 
-config = JobConfig(algorithm=AlgorithmConfig(adv_estimator="rloo"), trainer=TrainerConfig(steps=3, progress=False),
-                   actor=ActorConfig(policy_loss="cispo", clip_low=1.0, entropy_coeff=1e-3),
-                   rollout=RolloutConfig(max_new_tokens=8, temperature=1.0), data=DataConfig(prompts_per_step=4))
+loss, shaping = ActorLoss(policy_loss("cispo", clip_low=1.0), entropy_coeff=1e-3), Shaping(advantage_estimator("rloo"))
 
 def my_step(state, rollout, rewards, *, policy, value_and_grad, optimizer, kl_controller):
-    experience = make_experience(state, rollout, rewards, policy=policy, config=config)
-    batch, kl_state, metrics = shape_rewards(experience, state.kl, kl_controller, config=config)
-    params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt, batch, policy=policy, config=config,
-                                                    optimizer=optimizer, rng=state.rng, value_and_grad=value_and_grad)
+    experience = make_experience(state, rollout, rewards, policy=policy, settings=ExperienceSettings())
+    batch, kl_state, metrics = shape_rewards(experience, state.kl, kl_controller, shaping=shaping)
+    params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt, batch, policy=policy, loss=loss,
+        batching=Batching(), optimizer=optimizer, rng=state.rng, value_and_grad=value_and_grad)
     metrics |= actor_metrics | {"my/solved_frac": float((experience.scores >= 1).float().mean())}
     return state.advance(policy=params, policy_opt=opt_state, kl=kl_state, rng=state.rng.next()), metrics
 
-tokenizer, (optimizer, kl) = char_tokenizer(), (adamw(1e-3), make_kl_controller("fixed"))
-model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer)), seed=0)
-task = Task(encode_prompts(records := math_problems(32, seed=0), tokenizer, max_prompt_tokens=160).ids, records,
-            lenient_math_reward, tokenizer.decode)
-executor = LocalExecutor(functools.partial(my_step, optimizer=optimizer, kl_controller=kl), model,
-                         TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0))
-state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0), data=DataCursor(0))
-state = train(executor.start(state), executor=executor, task=task, config=config, run_dir=(out := "runs/custom_step"))
+tiny, optimizer, kl = tiny_math(32), adamw(1e-3), make_kl_controller("fixed")
+executor = LocalExecutor(functools.partial(my_step, optimizer=optimizer, kl_controller=kl), tiny.model, tiny.engine)
+plan = BatchPlan(RolloutConfig(max_new_tokens=8, temperature=1.0), prompts_per_step=4)
+state = train(executor.start(TrainState.initial(tiny.params, optimizer, kl)), executor=executor, task=tiny.task,
+              plan=plan, trainer=TrainerConfig(steps=3, progress=False), run_dir=(out := "runs/custom_step"))
 print(f"trained {state.step} steps; metrics in {out}/metrics.jsonl")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from purerl.data.cursor import DataCursor
 from purerl.tree import pytree, replace
 
 __all__ = ["PARAM_FIELDS", "RngState", "TrainState", "with_params", "without_params"]
@@ -59,6 +60,14 @@ class TrainState:
     reference: dict[str, torch.Tensor] | None = None
     critic: dict[str, torch.Tensor] | None = None
     critic_opt: Any = None
+
+    @classmethod
+    def initial(cls, params: dict[str, torch.Tensor], optimizer: Any, kl_controller: Any, *, seed: int = 0,
+                **fields: Any) -> "TrainState":
+        """The state before step 1: ``optimizer``'s and ``kl_controller``'s initial states, the RNG
+        and the data cursor at ``seed``; ``fields`` (``reference``, ``critic``, …) as given."""
+        return cls(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(), rng=RngState(seed),
+                   data=DataCursor(seed), **fields)
 
     def advance(self, **changes: Any) -> "TrainState":
         """The state one step later with ``changes`` applied (``step`` + 1)."""

@@ -75,3 +75,4 @@ def random_sequences(batch: int, prompt_len: int, response_len: int, vocab_size:
     attention = (pos[None] >= prompt_pad[:, None]) & (pos[None] < prompt_len + response_len_i[:, None])
     ids = torch.where(attention, ids, torch.zeros_like(ids))
     return Sequences(ids, attention, attention[:, prompt_len:].clone())
+

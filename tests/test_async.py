@@ -9,6 +9,7 @@ import attrs
 import pytest
 
 from purerl.algo.kl_control import make_kl_controller
+from purerl.assembly.stages import batch_plan_of, stage_settings_of
 from purerl.config.job import AsyncConfig, JobConfig
 from purerl.config.loading import build
 from purerl.data.cursor import DataCursor, next_indices
@@ -17,7 +18,7 @@ from purerl.executors.base import ExecutorError
 from purerl.executors.local import LocalExecutor
 from purerl.io.metrics import MetricsLog
 from purerl.loop.async_train import train_async
-from purerl.loop.sampling import Task
+from purerl.loop.task import Task
 from purerl.loop.train import train
 from purerl.models import causal_lm_from_config
 from purerl.optim import adamw, chain, clip_by_global_norm
@@ -53,7 +54,7 @@ def _setup(slow_step: float = 0.0, generators: int = 1, trained: list | None = N
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-2))
     kl = make_kl_controller("fixed")
-    step = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=_config())
+    step = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, **stage_settings_of(_config()))
 
     def step_fn(state, rollout, *args, **kwargs):
         time.sleep(slow_step)  # a trainer slower than the generator
@@ -75,7 +76,8 @@ def _run_async(tmp_path, config, slow_step=0.0, generators=1, trained=None, chan
     if change is not None:
         change(engines)
     log = MetricsLog(tmp_path)
-    state, report = train_async(state, executor=executor, task=TASK, config=config, run_dir=tmp_path, log=log)
+    state, report = train_async(state, executor=executor, task=TASK, plan=batch_plan_of(config), trainer=config.trainer,
+                                asynchronous=config.asynchronous, run_dir=tmp_path, log=log)
     log.close()
     return state, report, list(MetricsLog.read(log.path))
 
@@ -93,7 +95,9 @@ def _run_sync(run_dir, steps):
     """The synchronous loop's final state and records."""
     state, executor, _ = _setup()
     log = MetricsLog(run_dir)
-    state = train(state, executor=executor, task=TASK, config=_config(steps=steps), run_dir=run_dir, log=log)
+    config = _config(steps=steps)
+    state = train(state, executor=executor, task=TASK, plan=batch_plan_of(config), trainer=config.trainer,
+                  run_dir=run_dir, log=log)
     log.close()
     return state, list(MetricsLog.read(log.path))
 
@@ -135,9 +139,11 @@ def test_a_failing_generator_stops_the_run_naming_it(tmp_path):
         raise RuntimeError("engine exploded")
 
     generator.generate = broken
+    config = _config(restarts=0)
     start = time.monotonic()
     with pytest.raises(ExecutorError, match=r"generator 0 failed \(after 0 restart\(s\) in the run, asynchronous.restarts=0\): RuntimeError\(.engine exploded.\)"):
-        train_async(state, executor=executor, task=TASK, config=_config(restarts=0), run_dir=tmp_path)
+        train_async(state, executor=executor, task=TASK, plan=batch_plan_of(config), trainer=config.trainer,
+                    asynchronous=config.asynchronous, run_dir=tmp_path)
     assert time.monotonic() - start < 10
 
 

@@ -6,13 +6,13 @@ import torch
 
 from purerl.algo.advantages import gae_advantages
 from purerl.algo.logprobs import logprobs_from_logits
+from purerl.assembly.stages import actor_batching_of, actor_loss_of, actor_optimizer, shaping_of
 from purerl.episodes import ChatCodec
 from purerl.episodes.calculator import calculator_env, demonstration
 from purerl.episodes.rollout import episode_of_transcript, episodes_rollout
 from purerl.models import causal_lm_from_config, response_logits
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import RngState
-from purerl.step.recipes import actor_optimizer
 from purerl.step.sft import sft_update
 from purerl.step.shaping import TrainBatch
 from purerl.step.update import _actor_loss
@@ -47,12 +47,12 @@ def test_observation_tokens_add_no_loss_no_kl_and_no_gradient():
     def batch(at_observations: float) -> TrainBatch:  # anything at observation positions: it must not matter
         junk = torch.where(observation, at_observations, 0.0)
         return TrainBatch(sequences, torch.where(mask, -1.0 + 0.1 * base[0], 0.0) + junk,
-                          torch.where(mask, -1.2 + 0.1 * base[1], 0.0) + junk, torch.where(mask, base[2], 0.0) + 50 * junk,
-                          torch.zeros(mask.shape), None)
+                          torch.where(mask, -1.2 + 0.1 * base[1], 0.0) + junk,
+                          torch.where(mask, base[2], 0.0) + 50 * junk, torch.zeros(mask.shape), None)
 
     base = [noise(), noise(), noise()]
     config = step_config(kl_loss_coef=0.5, entropy_coeff=0.01, policy_loss="vanilla")
-    grad_fn = pure_value_and_grad(_actor_loss(model, config, RngState(0)))
+    grad_fn = pure_value_and_grad(_actor_loss(model, actor_loss_of(config), RngState(0)))
     results = [grad_fn(params, batch(value)) for value in (0.0, 3.0)]
     (loss_a, aux_a, grads_a), (loss_b, aux_b, grads_b) = results
     assert torch.equal(loss_a.total, loss_b.total) and torch.equal(loss_a.count, loss_b.count)
@@ -80,7 +80,8 @@ def test_gae_with_observation_tokens_masked_equals_gae_with_them_deleted():
     for row in range(b):
         kept = mask[row].nonzero().squeeze(1)
         full = torch.ones((1, len(kept)), dtype=torch.bool)
-        a, r = gae_advantages(rewards[row, kept][None], values[row, kept][None], full, gamma=0.97, lam=0.9, whiten=False)
+        a, r = gae_advantages(rewards[row, kept][None], values[row, kept][None], full, gamma=0.97, lam=0.9,
+                              whiten=False)
         assert torch.allclose(adv[row, kept], a[0], atol=1e-6) and torch.allclose(ret[row, kept], r[0], atol=1e-6)
         assert adv[row][~mask[row]].eq(0).all()
 
@@ -99,7 +100,8 @@ def test_the_sft_step_learns_the_sampled_tokens_of_demonstrations():
     first = nll(params)
     losses = []
     for _ in range(5):
-        params, state, metrics = sft_update(params, state, sequences, policy=model, optimizer=optimizer, config=config)
+        params, state, metrics = sft_update(params, state, sequences, policy=model, optimizer=optimizer,
+                                            batching=actor_batching_of(config))
         losses.append(metrics["sft/loss"])
     assert abs(losses[0] - float(first)) < 1e-4  # the step's loss is the sampled tokens' NLL
     assert losses[-1] < losses[0] - 0.5 and float(nll(params)) < losses[-1]
@@ -134,7 +136,7 @@ def test_per_turn_rewards_sit_on_each_turns_last_token_and_sum_to_the_score():
         experience = Experience(rollout.sequences, rollout.group, scores, zeros, zeros, None, None,
                                 token_rewards=token_rewards)
         batch, _, _ = shape_rewards(experience, make_kl_controller("fixed").init(), make_kl_controller("fixed"),
-                                    config=config)
+                                    shaping=shaping_of(config))
         return batch.advantages
 
     # GRPO reads each row's sum: the same advantages; a discounted token-level estimator sees the turns

@@ -230,18 +230,18 @@ def reward_that_spins_on_odd_lengths(response: str, truth: str) -> float:
 
 
 def test_a_reward_spinning_forever_costs_samples_their_timeout_and_the_run_finishes(tmp_path):
+    from purerl.assembly.stages import batch_plan_of, step_function
     from purerl.config.job import JobConfig
     from purerl.config.loading import build
     from purerl.data.records import PromptRecord
     from purerl.executors.local import LocalExecutor
     from purerl.io.metrics import MetricsLog
     from purerl.loop.evaluation import evaluate
-    from purerl.loop.sampling import Task
+    from purerl.loop.task import Task
     from purerl.loop.train import train
     from purerl.models import causal_lm_from_config
     from purerl.rollout.backends.torch import TorchEngine
     from purerl.run import initial_state
-    from purerl.step import step_function
     from purerl.tiny import tiny_llama_config
 
     config = build(JobConfig, {"trainer": {"steps": 2, "eval_every": 2, "progress": False},
@@ -260,8 +260,8 @@ def test_a_reward_spinning_forever_costs_samples_their_timeout_and_the_run_finis
     state = executor.start(initial_state(config, params))
     log = MetricsLog(tmp_path)
     start = time.monotonic()
-    state = train(state, executor=executor, task=task, config=config, run_dir=tmp_path, log=log,
-                  evaluate_fn=evaluate_fn)
+    state = train(state, executor=executor, task=task, plan=batch_plan_of(config), trainer=config.trainer,
+                  run_dir=tmp_path, log=log, evaluate_fn=evaluate_fn)
     log.close()
     records = MetricsLog.read(log.path)
     assert state.step == 2 and time.monotonic() - start < 120

@@ -20,6 +20,7 @@ import torch
 
 from purerl.algo.aggregation import SumCount
 from purerl.algo.kl_control import make_kl_controller
+from purerl.assembly.stages import stage_settings_of
 from purerl.config.job import JobConfig
 from purerl.models import (
     causal_lm_from_config,
@@ -42,9 +43,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 ROOT = Path(__file__).resolve().parents[1]
 STEP_CONFIGS = {
-    "kl loss": step_config(kl_loss_coef=0.1, micro_batch_rows=5),
+    # the old log-probs recomputed on the card too (the resolved rule skips it for this float32 engine)
+    "kl loss": step_config(kl_loss_coef=0.1, micro_batch_rows=5, recompute_old_logprobs=True),
     # rows whose advantages are all zero skip the update (the path that once crashed on CUDA)
-    "skipped rows, mini- and micro-batches": step_config(micro_batch_rows=3, mini_batch_rows=6, ppo_epochs=2),
+    "skipped rows, mini- and micro-batches": step_config(micro_batch_rows=3, mini_batch_rows=6, ppo_epochs=2,
+                                                         recompute_old_logprobs=True),
 }
 
 
@@ -81,7 +84,7 @@ def _setup(config: JobConfig = STEP_CONFIGS["kl loss"]):
     model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
     kl = make_kl_controller("fixed", coef=0.001)
-    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=config)
+    step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, **stage_settings_of(config))
 
     def fresh():
         p = tree_clone(params)
@@ -210,7 +213,7 @@ def test_a_ppo_step_with_a_critic_on_cuda_matches_the_same_step_on_cpu():
                            reference=tree_clone(p), critic=c, critic_opt=optimizer.init(c))
         batch = (rollout, scores) if device == "cuda" else _on_cpu((rollout, scores))
         results.append(ppo_step(state, *batch, policy=policy, critic=critic, optimizer=optimizer,
-                                critic_optimizer=optimizer, kl_controller=kl, config=config))
+                                critic_optimizer=optimizer, kl_controller=kl, **stage_settings_of(config)))
     _assert_same_step(*results)
     for name, value in results[1][0].critic.items():
         torch.testing.assert_close(results[0][0].critic[name].cpu(), value, rtol=0, atol=1e-4)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from purerl.algo.aggregation import SumCount
 from purerl.algo.kl_control import make_kl_controller
+from purerl.assembly.stages import stage_settings_of
 from purerl.data.cursor import DataCursor
 from purerl.executors.local import LocalExecutor
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
@@ -113,7 +114,8 @@ def _grpo(kl_loss_coef=0.1):
     config = step_config(kl_loss_coef=kl_loss_coef, micro_batch_rows=4)
     import functools
 
-    return functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, config=config), optimizer, kl
+    return (functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, **stage_settings_of(config)),
+            optimizer, kl)
 
 
 def _even_tokens(rollout):

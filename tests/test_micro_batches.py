@@ -6,6 +6,13 @@ import attrs
 import pytest
 import torch
 
+from purerl.assembly.stages import (
+    actor_batching_of,
+    actor_loss_of,
+    critic_batching_of,
+    experience_settings_of,
+    value_loss_of,
+)
 from purerl.batch import Rollout, Sequences
 from purerl.models import causal_lm_from_config, critic_from_causal_lm, response_logits
 from purerl.optim import adamw, chain, clip_by_global_norm
@@ -89,8 +96,8 @@ def test_token_budget_updates_give_the_fixed_row_gradient(agg):
         config = step_config(loss_agg=agg, micro_batch_rows=3, kl_loss_coef=0.1, entropy_coeff=0.01,
                              mini_batch_rows=6, max_tokens_per_micro_batch=budget)
         p = tree_clone(params)
-        results.append(actor_update(p, optimizer.init(p), batch, policy=model, optimizer=optimizer, config=config,
-                                    rng=RngState(0)))
+        results.append(actor_update(p, optimizer.init(p), batch, policy=model, loss=actor_loss_of(config),
+                                    batching=actor_batching_of(config), optimizer=optimizer, rng=RngState(0)))
     (fixed, _, fixed_metrics), (budgeted, _, budget_metrics) = results
     for name, value in fixed.items():
         torch.testing.assert_close(budgeted[name], value, rtol=1e-9, atol=1e-11)
@@ -114,12 +121,15 @@ def test_token_budget_critic_updates_and_no_grad_forwards_equal_fixed_rows():
                        critic=critic_params)
     results, experiences = [], []
     for budget in (None, 40):
-        config = step_config(micro_batch_rows=4, recompute_old_logprobs=True, max_tokens_per_micro_batch=budget)
+        # GAE: a critic's estimator, so the critic's token budget (None) resolves to the actor's
+        config = step_config(adv_estimator="gae", micro_batch_rows=4, recompute_old_logprobs=True,
+                             max_tokens_per_micro_batch=budget)
+        assert critic_batching_of(config).max_tokens == budget
         p = tree_clone(critic_params)
-        results.append(critic_update(p, optimizer.init(p), batch, critic=critic, optimizer=optimizer, config=config,
-                                     rng=RngState(1)))
-        experiences.append(make_experience(state, rollout, torch.zeros(len(seqs)), policy=model, config=config,
-                                           critic=critic))
+        results.append(critic_update(p, optimizer.init(p), batch, critic=critic, loss=value_loss_of(config),
+                                     batching=critic_batching_of(config), optimizer=optimizer, rng=RngState(1)))
+        experiences.append(make_experience(state, rollout, torch.zeros(len(seqs)), policy=model,
+                                           settings=experience_settings_of(config), critic=critic))
     for name, value in results[0][0].items():
         torch.testing.assert_close(results[1][0][name], value, rtol=1e-9, atol=1e-11)
     mask = seqs.response_mask

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from purerl.algo.aggregation import aggregate_loss
 from purerl.algo.kl_control import make_kl_controller
+from purerl.assembly.stages import stage_settings_of
 from purerl.config.job import ExecutorConfig
 from purerl.executors.local import LocalExecutor
 from purerl.models import cast_floating, causal_lm_from_config, response_logprobs, value_and_grad
@@ -39,15 +40,18 @@ def _even_tokens(rollout):
 
 def _make_step_fn(lr=1e-3):
     optimizer = chain(clip_by_global_norm(1.0), adamw(lr, weight_decay=0.0))
-    config = step_config(kl_loss_coef=0.1, micro_batch_rows=4)
+    # the old log-probs recomputed, as before and as a bfloat16 job resolves them (the config here
+    # says float32: the bfloat16 compute is the model's, set on it, not the config's)
+    config = step_config(kl_loss_coef=0.1, micro_batch_rows=4, recompute_old_logprobs=True)
     return functools.partial(grpo_step, optimizer=optimizer, kl_controller=make_kl_controller("fixed", coef=0.001),
-                             config=config), optimizer
+                             **stage_settings_of(config)), optimizer
 
 
 def _state(params, optimizer, compute_dtype=None):
     params = tree_clone(params)
-    return TrainState(policy=params, policy_opt=optimizer.init(params), kl=make_kl_controller("fixed", coef=0.001).init(),
-                      rng=RngState(0), reference=tree_clone(cast_floating(params, compute_dtype)))
+    return TrainState(policy=params, policy_opt=optimizer.init(params),
+                      kl=make_kl_controller("fixed", coef=0.001).init(), rng=RngState(0),
+                      reference=tree_clone(cast_floating(params, compute_dtype)))
 
 
 def _batch(model, params):
@@ -123,7 +127,8 @@ def test_a_bfloat16_job_holds_float32_masters_exports_bfloat16_and_resumes_bit_e
     argv = ["--tiny", "--dtype", "bfloat16", "--lr", "1e-3", "--kl-coef", "0.05", "--prompts-per-step", "2",
             "--max-new-tokens", "8", "--eval-size", "4", "--train-size", "40", "--eval-every", "0", "--no-progress",
             "--threads", "1", "--warmup-steps", "0", "actor.min_lr_ratio=1.0",
-            f"reward.fn={ROOT / 'tests' / 'golden' / 'reward.py'}:digit_fraction", *(["--lora-rank", "4"] if lora else [])]
+            f"reward.fn={ROOT / 'tests' / 'golden' / 'reward.py'}:digit_fraction",
+            *(["--lora-rank", "4"] if lora else [])]
     model, params, _ = load_policy(parse([*argv, "--out-dir", str(tmp_path / "x")]).config)
     assert model.compute_dtype == BF16 and all(v.dtype == torch.float32 for v in params.values())
     assert all(v.dtype == BF16 for v in model.frozen.values())  # a LoRA base is never updated: held narrow

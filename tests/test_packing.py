@@ -140,6 +140,7 @@ def test_a_step_with_packed_forwards_equals_the_padded_step(step):
     fixed rows or a token budget; PPO: the critic's values and update too): the same metrics and
     params as padded, to float32 rounding (Adam divides by the gradients' scale: params to 1e-5,
     as across FSDP ranks)."""
+    from purerl.assembly.stages import stage_settings_of
     from purerl.rollout.sampling import SamplingParams
     from purerl.state import RngState
     from purerl.step import grpo_step, ppo_step
@@ -150,12 +151,13 @@ def test_a_step_with_packed_forwards_equals_the_padded_step(step):
     model, optimizer, kl_controller, state, engine, critic = _setup(critic=ppo)
     engine.sync(state.policy, 0)
     rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
+    # the old log-probs recomputed (a forward of the policy, packed or not), as the docstring says
     config = step_config(kl_loss_coef=0.1, micro_batch_rows=5, max_tokens_per_micro_batch=max_tokens,
-                         **(dict(adv_estimator="gae", lam=0.95) if ppo else {}))
+                         recompute_old_logprobs=True, **(dict(adv_estimator="gae", lam=0.95) if ppo else {}))
     results = {}
     for packed in (False, True):
         kwargs = dict(policy=attrs.evolve(model, packed=packed), optimizer=optimizer, kl_controller=kl_controller,
-                      config=config)
+                      **stage_settings_of(config))
         if ppo:
             kwargs.update(critic=attrs.evolve(critic, packed=packed), critic_optimizer=optimizer)
         results[packed] = (ppo_step if ppo else grpo_step)(tree_clone(state), rollout, _scores(rollout), **kwargs)

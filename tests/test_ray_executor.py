@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from purerl.algo.kl_control import make_kl_controller
+from purerl.assembly.stages import batch_plan_of, stage_settings_of
 from purerl.config.job import ExecutorConfig, JobConfig
 from purerl.config.loading import build
 from purerl.data.cursor import DataCursor
@@ -30,7 +31,7 @@ from purerl.executors.local import LocalExecutor
 from purerl.executors.wire import params_digest
 from purerl.io.metrics import MetricsLog
 from purerl.loop.async_train import train_async
-from purerl.loop.sampling import Task
+from purerl.loop.task import Task
 from purerl.loop.train import train
 from purerl.models import causal_lm_from_config, critic_from_causal_lm
 from purerl.optim import adamw, chain, clip_by_global_norm
@@ -57,10 +58,12 @@ def _even_tokens(rollout):
 
 
 def _job(steps=3, actor=None, **sections) -> JobConfig:
-    """A job config sampling at temperature 1 (the steps' log-probs too), clipping at 0.2."""
+    """A job config sampling at temperature 1 (the steps' log-probs too), clipping at 0.2, the old
+    log-probs recomputed by the ranks' forward (not the engine's: resolved, this job would take those)."""
     return build(JobConfig, {"trainer": {"steps": steps, "progress": False}, "data": {"prompts_per_step": 2},
                              "rollout": {"max_new_tokens": 6, "n": 3, "temperature": 1.0},
-                             "actor": {"clip_high": 0.2, **(actor or {})}, **sections})
+                             "actor": {"clip_high": 0.2, "recompute_old_logprobs": True, **(actor or {})},
+                             **sections})
 
 
 def _make_step_fn(micro_batch_rows):
@@ -68,7 +71,7 @@ def _make_step_fn(micro_batch_rows):
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
     config = _job(actor={"kl_loss_coef": 0.1, "micro_batch_rows": micro_batch_rows})
     return functools.partial(grpo_step, optimizer=optimizer, kl_controller=make_kl_controller("fixed", coef=0.001),
-                             config=config), optimizer
+                             **stage_settings_of(config)), optimizer
 
 
 def _setup(micro_batch_rows):
@@ -139,8 +142,8 @@ def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_p
                     lambda text, truth: float(text.count("a")) / max(len(text), 1), lambda ids: "".join(map(chr, ids)))
         log = MetricsLog(tmp_path)
         before = executor.full_state(state)
-        state = train(state, executor=executor, task=task, config=_job(trainer={"steps": 3, "checkpoint_every": 3,
-                                                                                 "progress": False}),
+        job = _job(trainer={"steps": 3, "checkpoint_every": 3, "progress": False})
+        state = train(state, executor=executor, task=task, plan=batch_plan_of(job), trainer=job.trainer,
                       run_dir=tmp_path, log=log)
         log.close()
         assert state.step == 3 and executor.newest().version == 3
@@ -192,8 +195,9 @@ def _make_ppo_step_fn(**actor):
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
     config = _job(algorithm={"adv_estimator": "gae"}, actor={"micro_batch_rows": 4, "mini_batch_rows": 6,
                                                              "ppo_epochs": 2, **actor})
-    return functools.partial(ppo_step, optimizer=optimizer, critic_optimizer=optimizer,
-                             kl_controller=make_kl_controller("fixed", coef=0.001), config=config), optimizer
+    kl = make_kl_controller("fixed", coef=0.001)
+    return functools.partial(ppo_step, optimizer=optimizer, critic_optimizer=optimizer, kl_controller=kl,
+                             **stage_settings_of(config)), optimizer
 
 
 def test_ppo_with_a_sharded_critic_and_checkpointed_policy_equals_local(ray_cluster):
@@ -332,10 +336,12 @@ def test_async_with_staleness_zero_on_ray_is_the_synchronous_trainer_bit_for_bit
             state = executor.start(fresh())
             common = dict(executor=executor, task=task, run_dir=tmp_path / mode, log=log)
             if mode == "sync":
-                state, report = train(state, config=_job(steps=5), **common), None
+                job = _job(steps=5)
+                state, report = train(state, plan=batch_plan_of(job), trainer=job.trainer, **common), None
             else:
                 job = _job(steps=5, asynchronous={"enable": True, "max_staleness": 0, "generators": generators})
-                state, report = train_async(state, config=job, **common)
+                state, report = train_async(state, plan=batch_plan_of(job), trainer=job.trainer,
+                                            asynchronous=job.asynchronous, **common)
             results[mode] = executor.full_state(state), list(MetricsLog.read(log.path)), report
         log.close()
     (sync_state, sync_records, _), (async_state, async_records, report) = results["sync"], results["async"]
@@ -360,7 +366,8 @@ def test_async_on_ray_with_staleness_one_overlaps_and_stays_in_bounds(ray_cluste
 
     with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
                                   make_step_fn=make_step_fn) as executor:
-        state, report = train_async(executor.start(fresh()), executor=executor, task=_tiny_task(), config=job,
+        state, report = train_async(executor.start(fresh()), executor=executor, task=_tiny_task(),
+                                    plan=batch_plan_of(job), trainer=job.trainer, asynchronous=job.asynchronous,
                                     run_dir=tmp_path, log=log, evaluate_fn=evaluate_fn)
         assert executor.newest().version == 6  # the final weights, published for a final evaluation
     log.close()
@@ -683,7 +690,7 @@ def _make_budget_step_fn():
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
     config = _job(actor={"kl_loss_coef": 0.1, "micro_batch_rows": 2, "max_tokens_per_micro_batch": 24})
     return functools.partial(grpo_step, optimizer=optimizer, kl_controller=make_kl_controller("fixed", coef=0.001),
-                             config=config)
+                             **stage_settings_of(config))
 
 
 def test_token_budget_micro_batches_on_fsdp2_ranks_equal_the_local_step(ray_cluster):

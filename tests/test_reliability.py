@@ -68,6 +68,7 @@ def _at(step):
 
 def _recorder(run_dir, step, **trainer):
     """A step recorder of a run at ``step`` (no evaluation, no checkpoints of its own)."""
+    from purerl.assembly.stages import step_function
     from purerl.config.job import JobConfig, TrainerConfig
     from purerl.config.loading import build
     from purerl.executors.local import LocalExecutor
@@ -75,7 +76,6 @@ def _recorder(run_dir, step, **trainer):
     from purerl.loop.recording import StepRecorder
     from purerl.models import causal_lm_from_config
     from purerl.rollout.backends.torch import TorchEngine
-    from purerl.step import step_function
     from purerl.tiny import tiny_llama_config
 
     model, _ = causal_lm_from_config(tiny_llama_config(), seed=0)

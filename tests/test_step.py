@@ -8,6 +8,7 @@ import torch
 from purerl.algo.estimators import ADVANTAGE_ESTIMATORS
 from purerl.algo.kl_control import make_kl_controller
 from purerl.algo.policy_loss import POLICY_LOSSES
+from purerl.assembly.stages import experience_settings_of, shaping_of, stage_settings_of
 from purerl.models import causal_lm_from_config, critic_from_causal_lm, response_logits
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.backends.torch import TorchEngine
@@ -61,27 +62,29 @@ def test_first_on_policy_minibatch_has_ratio_one_no_clipping_and_zero_reference_
     model, optimizer, kl_controller, state, engine, _ = _setup()
     engine.sync(state.policy, 0)
     rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
-    config = step_config(kl_loss_coef=0.1, micro_batch_rows=5)
-    experience = make_experience(state, rollout, _scores(rollout), policy=model, config=config)
+    config = step_config(kl_loss_coef=0.1, micro_batch_rows=5, recompute_old_logprobs=True)
+    experience = make_experience(state, rollout, _scores(rollout), policy=model,
+                                 settings=experience_settings_of(config))
     mask = rollout.sequences.response_mask
     # behaviour (engine) log-probs equal the trainer's, and the reference equals the policy at step 0
     torch.testing.assert_close(experience.old_logprobs[mask], rollout.behaviour_logprobs[mask], rtol=0, atol=1e-4)
     assert torch.equal(experience.ref_logprobs, experience.old_logprobs)
     _, metrics = grpo_step(state, rollout, _scores(rollout), policy=model, optimizer=optimizer,
-                           kl_controller=kl_controller, config=config)
+                           kl_controller=kl_controller, **stage_settings_of(config))
     assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["actor/pg_clipfrac"] == 0.0
     assert metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)
     assert metrics["rollout/logprob_gap_max"] < 1e-4
 
 
-def _loop(step, steps=3, **step_kwargs):
+def _loop(step, config, steps=3):
     model, optimizer, kl_controller, state, engine, critic = _setup(critic=step is ppo_step)
     history = []
     for i in range(steps):
         engine.sync(state.policy, state.step)
-        rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), state.rng, version=state.step)
-        kwargs = dict(policy=model, optimizer=optimizer, kl_controller=kl_controller, **step_kwargs)
+        rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), state.rng,
+                                  version=state.step)
+        kwargs = dict(policy=model, optimizer=optimizer, kl_controller=kl_controller, **stage_settings_of(config))
         if step is ppo_step:
             kwargs.update(critic=critic, critic_optimizer=optimizer)
         before = tree_clone(state.policy)
@@ -115,7 +118,7 @@ def test_a_non_finite_loss_rejects_the_update_and_leaves_params_unchanged():
     state = TrainState(policy=poisoned, policy_opt=state.policy_opt, kl=state.kl, rng=state.rng)
     before, opt_before = tree_clone(state.policy), tree_clone(state.policy_opt)
     new_state, metrics = grpo_step(state, rollout, scores, policy=model, optimizer=optimizer,
-                                   kl_controller=kl_controller, config=step_config())
+                                   kl_controller=kl_controller, **stage_settings_of(step_config()))
     assert metrics["actor/rejected_updates"] == 1
     assert tree_equal(new_state.policy, before) and tree_equal(new_state.policy_opt, opt_before)
 
@@ -136,11 +139,11 @@ def test_rows_with_zero_advantage_skip_the_update_without_changing_it(zero_group
         config = step_config(micro_batch_rows=3, mini_batch_rows=6, compute_entropy=False,
                             skip_zero_advantage_rows=skip)
         new_state, metrics = grpo_step(tree_clone(state), rollout, scores, policy=model, optimizer=optimizer,
-                                       kl_controller=kl_controller, config=config)
+                                       kl_controller=kl_controller, **stage_settings_of(config))
         results.append((new_state, metrics))
     (skipped, m_skip), (full, m_full) = results
-    experience = make_experience(state, rollout, scores, policy=model, config=step_config())
-    advantages = shape_rewards(experience, state.kl, kl_controller, config=step_config())[0].advantages
+    experience = make_experience(state, rollout, scores, policy=model, settings=experience_settings_of(step_config()))
+    advantages = shape_rewards(experience, state.kl, kl_controller, shaping=shaping_of(step_config()))[0].advantages
     zero_rows = (advantages == 0).all(-1)
     assert zero_rows.any()
     assert m_skip["actor/skipped_rows_frac"] == pytest.approx(float(zero_rows.float().mean()))
@@ -160,7 +163,7 @@ def test_an_entropy_bonus_keeps_zero_advantage_rows_in_the_update():
     rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
     scores = torch.full((len(rollout.group),), 0.5)
     _, metrics = grpo_step(state, rollout, scores, policy=model, optimizer=optimizer, kl_controller=kl_controller,
-                           config=step_config(entropy_coeff=1e-3))
+                           **stage_settings_of(step_config(entropy_coeff=1e-3)))
     assert "actor/skipped_rows_frac" not in metrics and metrics["actor/grad_norm"] > 0
 
 
@@ -181,11 +184,14 @@ def test_a_behaviour_policy_half_as_likely_doubles_the_loss_and_its_gradient(mod
     old = response_logprobs(model, state.policy, rollout.sequences)
     stale = attrs.evolve(rollout, behaviour_logprobs=torch.where(mask, old - math.log(2.0), 0.0))
     metrics = {}
-    for name, config in {"plain": step_config(), mode: step_config(rollout_correction=mode, correction_cap=4.0)}.items():
+    # the proximal log-probs recomputed by the trainer, the behaviour ones the stale rollout's
+    configs = {"plain": step_config(recompute_old_logprobs=True),
+               mode: step_config(rollout_correction=mode, correction_cap=4.0, recompute_old_logprobs=True)}
+    for name, config in configs.items():
         fresh = TrainState(policy=tree_clone(state.policy), policy_opt=optimizer.init(state.policy),
                            kl=kl_controller.init(), rng=RngState(0))
         _, metrics[name] = grpo_step(fresh, stale, _scores(rollout), policy=model, optimizer=optimizer,
-                                     kl_controller=kl_controller, config=config)
+                                     kl_controller=kl_controller, **stage_settings_of(config))
     assert metrics[mode]["rollout_corr/is_weight"] == pytest.approx(2.0, rel=1e-6)
     assert metrics[mode]["rollout_corr/is_changed_frac"] == 0.0
     assert metrics[mode]["actor/pg_loss"] == pytest.approx(2 * metrics["plain"]["actor/pg_loss"], rel=1e-5)
@@ -202,7 +208,7 @@ def test_critic_warmup_trains_the_critic_alone():
     config = step_config(adv_estimator="gae", micro_batch_rows=6, lam=0.95, critic_warmup=1)
     policy_before, critic_before = tree_clone(state.policy), tree_clone(state.critic)
     step = dict(policy=model, critic=critic, optimizer=optimizer, critic_optimizer=optimizer,
-                kl_controller=kl_controller, config=config)
+                kl_controller=kl_controller, **stage_settings_of(config))
     state, metrics = ppo_step(state, rollout, _scores(rollout), **step)
     assert tree_equal(state.policy, policy_before) and not tree_equal(state.critic, critic_before)
     assert metrics["actor/critic_warmup"] == 1.0 and "critic/vf_loss" in metrics
@@ -218,20 +224,21 @@ def test_remax_reads_the_greedy_baselines_and_gdpo_the_reward_components():
     rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
     scores = _scores(rollout)
     remax = step_config(adv_estimator="remax")
-    bare = make_experience(state, rollout, scores, policy=model, config=remax)
+    bare = make_experience(state, rollout, scores, policy=model, settings=experience_settings_of(remax))
     with pytest.raises(ValueError, match="reward_baselines"):
-        shape_rewards(bare, state.kl, kl_controller, config=remax)
-    experience = make_experience(state, rollout, Rewards(scores, baselines=scores), policy=model, config=remax)
-    batch, _, _ = shape_rewards(experience, state.kl, kl_controller, config=remax)
+        shape_rewards(bare, state.kl, kl_controller, shaping=shaping_of(remax))
+    experience = make_experience(state, rollout, Rewards(scores, baselines=scores), policy=model,
+                                 settings=experience_settings_of(remax))
+    batch, _, _ = shape_rewards(experience, state.kl, kl_controller, shaping=shaping_of(remax))
     assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))  # the baseline is the score itself
     gdpo = step_config(adv_estimator="gdpo", gdpo_weights=(1.0, 0.0))
     two = Rewards(scores, components=torch.stack([scores, torch.randn_like(scores)], 1))
     one = Rewards(scores, components=scores[:, None])
-    a2, _, _ = shape_rewards(make_experience(state, rollout, two, policy=model, config=gdpo), state.kl,
-                             kl_controller, config=gdpo)
+    a2, _, _ = shape_rewards(make_experience(state, rollout, two, policy=model, settings=experience_settings_of(gdpo)),
+                             state.kl, kl_controller, shaping=shaping_of(gdpo))
     a1, _, _ = shape_rewards(make_experience(state, rollout, one, policy=model,
-                                             config=step_config(adv_estimator="gdpo")), state.kl, kl_controller,
-                             config=step_config(adv_estimator="gdpo"))
+                                             settings=experience_settings_of(step_config(adv_estimator="gdpo"))),
+                             state.kl, kl_controller, shaping=shaping_of(step_config(adv_estimator="gdpo")))
     torch.testing.assert_close(a2.advantages, a1.advantages)  # a zero-weight component changes nothing
 
 
@@ -243,7 +250,7 @@ def test_every_registered_policy_loss_trains_in_a_step(loss):
     before = tree_clone(state.policy)
     config = step_config(policy_loss=loss, micro_batch_rows=5, loss_options={"dro_beta": 0.1})
     state, metrics = grpo_step(state, rollout, _scores(rollout), policy=model, optimizer=optimizer,
-                               kl_controller=kl_controller, config=config)
+                               kl_controller=kl_controller, **stage_settings_of(config))
     assert metrics["actor/rejected_updates"] == 0 and math.isfinite(metrics["actor/pg_loss"])
     assert not tree_equal(state.policy, before)
 
@@ -254,12 +261,13 @@ def test_every_critic_free_estimator_trains_in_a_step(estimator):
     engine.sync(state.policy, 0)
     rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(1))
     config = step_config(adv_estimator=estimator, micro_batch_rows=5)
-    experience = make_experience(state, rollout, _scores(rollout), policy=model, config=config)
+    experience = make_experience(state, rollout, _scores(rollout), policy=model,
+                                 settings=experience_settings_of(config))
     if "optimal_token_baseline" in estimator:  # Σπ² of the policy that sampled, from the same forward
         logits = response_logits(model, state.policy, rollout.sequences)
         expected = torch.softmax(logits.float(), -1).square().sum(-1)
         mask = rollout.sequences.response_mask
         torch.testing.assert_close(experience.sum_pi_squared[mask], expected[mask], rtol=1e-5, atol=1e-6)
     state, metrics = grpo_step(state, rollout, _scores(rollout), policy=model, optimizer=optimizer,
-                               kl_controller=kl_controller, config=config)
+                               kl_controller=kl_controller, **stage_settings_of(config))
     assert metrics["actor/rejected_updates"] == 0 and math.isfinite(metrics["critic/advantages/mean"])

@@ -28,6 +28,7 @@ trl = pytest.importorskip("trl")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from purerl.assembly.stages import actor_batching_of, actor_optimizer, kl_controller_of, stage_settings_of  # noqa: E402
 from purerl.batch import left_pad, rollout_of  # noqa: E402
 from purerl.config.job import JobConfig  # noqa: E402
 from purerl.config.loading import build  # noqa: E402
@@ -37,7 +38,6 @@ from purerl.optim.base import Optimizer  # noqa: E402
 from purerl.run import initial_state  # noqa: E402
 from purerl.step import grpo_step  # noqa: E402
 from purerl.step.experience import reference_logprobs  # noqa: E402
-from purerl.step.recipes import actor_optimizer, kl_controller_of  # noqa: E402
 from purerl.tiny import char_tokenizer, tiny_llama_config  # noqa: E402
 
 DIFFERENCES = {"advantage epsilon": (1e-6, 1e-4), "positions under left padding": "none here: equal prompt lengths"}
@@ -79,10 +79,12 @@ def _purerl(model, params, tokenizer, responses, rewards, steps):
     optimizer, grads = actor_optimizer(config), []
     recording = Optimizer(optimizer.init, lambda g, s, p, **k: (grads.append(g), optimizer.update(g, s, p, **k))[1])
     for _ in range(steps):
-        behaviour = reference_logprobs(model, state.policy, rollout.sequences, config=config)
+        behaviour = reference_logprobs(model, state.policy, rollout.sequences, temperature=config.rollout.temperature,
+                                       batching=actor_batching_of(config))
         step_rollout = rollout_of(prompt_ids, prompt_mask, tokens, behaviour, alive, reasons, N, state.step)
-        state, metrics = grpo_step(state, step_rollout, torch.tensor(rewards), policy=model, config=config,
-                                   optimizer=recording, kl_controller=kl_controller_of(config))
+        state, metrics = grpo_step(state, step_rollout, torch.tensor(rewards), policy=model,
+                                   optimizer=recording, kl_controller=kl_controller_of(config),
+                                   **stage_settings_of(config))
     return state.policy, grads, metrics
 
 

@@ -38,8 +38,8 @@ if sys.version_info >= (3, 11):
 else:  # the same parser, as a package
     import tomli as tomllib
 
-__all__ = ["ConfigError", "build", "flatten", "keys_of", "load_file", "merge", "one_of", "overrides", "parse_value",
-           "section", "to_dict"]
+__all__ = ["ConfigError", "boolean", "build", "flatten", "keys_of", "load_file", "merge", "one_of", "overrides",
+           "parse_value", "section", "to_dict"]
 
 T = TypeVar("T")
 
@@ -157,6 +157,12 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def boolean(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """An attrs validator: the value is ``True`` or ``False`` (not 0, 1 or a string)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{attribute.name} must be true or false, got {value!r}")
 
 
 def one_of(names: Iterable[str] | Any, what: str) -> Any:

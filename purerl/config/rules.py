@@ -26,7 +26,9 @@ def resolve(config: JobConfig) -> JobConfig:
     ``actor.recompute_old_logprobs`` (None: recompute unless the engine's log-probs are exactly
     the trainer's: the embedded engine in float32, synchronous, no top-p, no correction; a
     bfloat16 decoder and a bfloat16 forward round differently) and
-    ``executor.rollout_workers`` (asynchronous on Ray: at least one per generator)."""
+    ``executor.rollout_workers`` (asynchronous on Ray: at least one per generator) and, with a
+    critic, ``critic.max_tokens_per_micro_batch`` (None: the actor's token budget). Resolving a
+    resolved config changes nothing."""
     device = config.model.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,9 +44,12 @@ def resolve(config: JobConfig) -> JobConfig:
     executor = config.executor
     if config.asynchronous.enable:
         executor = attrs.evolve(executor, rollout_workers=max(executor.rollout_workers, config.asynchronous.generators))
+    critic = config.critic
+    if algorithm.estimator.needs_values and critic.max_tokens_per_micro_batch is None:
+        critic = attrs.evolve(critic, max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch)
     return attrs.evolve(config, model=attrs.evolve(config.model, device=device),
                         algorithm=attrs.evolve(algorithm, rollout_correction=correction),
-                        actor=attrs.evolve(actor, recompute_old_logprobs=recompute), executor=executor)
+                        actor=attrs.evolve(actor, recompute_old_logprobs=recompute), executor=executor, critic=critic)
 
 
 def problems(config: JobConfig) -> list[str]:

@@ -2,7 +2,7 @@
 
 ``env.name`` is ``single_turn`` (no environment: one answer per prompt), ``calculator``
 (:mod:`purerl.episodes.calculator`), or a user's ``module:name`` / ``file.py:name``
-(:func:`purerl.rewards.custom.load_object`) naming one of:
+(:func:`purerl.sandbox.loading.load_object`) naming one of:
 
 - an environment (an object with ``stop``, ``reset`` and ``step``: :class:`~purerl.episodes.env.Env`),
   or a class or factory that makes one without arguments;
@@ -28,9 +28,9 @@ from purerl.episodes.calculator import calculator_env
 from purerl.episodes.codec import Message
 from purerl.episodes.env import Env, StepResult
 from purerl.episodes.tools import parse_call, tool_output
-from purerl.rewards.custom import load_object
-from purerl.rewards.forms import call_form, reward_value
 from purerl.rewards.math import RewardFn
+from purerl.sandbox.forms import call_form, reward_value
+from purerl.sandbox.loading import load_object
 
 __all__ = ["TrlEnvironment", "environment", "is_environment"]
 

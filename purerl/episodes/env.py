@@ -21,8 +21,8 @@ import attrs
 
 from purerl.data.records import PromptRecord
 from purerl.episodes.codec import Message
-from purerl.rewards.forms import call_form, checked_reward, reward_value
 from purerl.rewards.math import RewardFn
+from purerl.sandbox.forms import call_form, checked_reward, reward_value
 
 __all__ = ["Env", "EnvError", "SingleTurn", "StepResult", "checked_step", "failed_episode", "step_result"]
 
@@ -100,7 +100,7 @@ class Env(Protocol):
 @attrs.frozen
 class SingleTurn:
     """The one-step episode: the task's messages, one answer scored by ``reward_fn`` (either
-    form, :mod:`purerl.rewards.forms`) against the task's ground truth."""
+    form, :mod:`purerl.sandbox.forms`) against the task's ground truth."""
 
     reward_fn: RewardFn
     stop: tuple[str, ...] = ()

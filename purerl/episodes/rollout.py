@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, Rollout, Sequences, left_pad
-from purerl.checks import at_least, positive
 from purerl.data.records import PromptRecord
 from purerl.episodes.codec import ChatCodec, Message
 from purerl.episodes.env import Env, StepResult
+from purerl.episodes.limits import EpisodeLimits
 from purerl.episodes.stepping import step_envs
 from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.sampling import SamplingParams
@@ -42,21 +42,6 @@ __all__ = ["Episode", "EpisodeLimits", "episode_metrics", "episode_of_transcript
 
 FINISHES = ("answer", "max_turns", "context", "env_error")
 """Why an episode ended (an environment may name others in its ``StepResult.finish``)."""
-
-
-@attrs.frozen
-class EpisodeLimits:
-    """``max_turns`` model turns, ``max_tokens`` ids in all (prompt, samples, observations: the
-    context budget), ``step_timeout`` seconds per environment step (a tool call),
-    ``tool_bonus`` added to the score per tool call that did not fail; ``per_turn_rewards``: each
-    turn's reward on that turn's last sampled token (:func:`turn_token_rewards`), not all of them
-    on the episode's last."""
-
-    max_turns: int = attrs.field(default=4, validator=at_least(1))
-    max_tokens: int = attrs.field(default=1024, validator=at_least(2))
-    step_timeout: float = attrs.field(default=10.0, validator=positive)
-    tool_bonus: float = 0.0
-    per_turn_rewards: bool = False
 
 
 @attrs.define

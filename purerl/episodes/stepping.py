@@ -1,5 +1,5 @@
 """Environment steps under deadlines: every episode's ``step`` of a turn runs in the reward
-processes (:mod:`purerl.rewards.pool`), each under a hard per-call deadline, so a tool that hangs,
+processes (:mod:`purerl.sandbox.processes`), each under a hard per-call deadline, so a tool that hangs,
 raises or kills its process costs that episode one turn and an error message — never the run.
 
 An environment whose ``step`` does not pickle, or whose module the processes cannot import (a
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from purerl.episodes.env import Env, EnvError, StepResult, checked_step
-from purerl.rewards.forms import CALL
-from purerl.rewards.pool import LATE, Unloadable, run_in_threads
 from purerl.rewards.scoring import reward_processes
+from purerl.sandbox.forms import CALL
+from purerl.sandbox.processes import LATE, Unloadable, run_in_threads
 
 __all__ = ["failed_step", "step_envs"]
 

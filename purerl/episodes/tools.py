@@ -28,8 +28,8 @@ import attrs
 from purerl.data.records import PromptRecord
 from purerl.episodes.codec import Message
 from purerl.episodes.env import StepResult
-from purerl.rewards.forms import call_form, reward_value
 from purerl.rewards.math import RewardFn
+from purerl.sandbox.forms import call_form, reward_value
 
 __all__ = ["Tool", "ToolEnv", "calculate", "parse_call", "tool_output"]
 

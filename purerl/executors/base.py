@@ -8,7 +8,7 @@ step function runs under every executor. A step function is called as::
 
 where the executor supplies ``policy`` (the model the stages compute with), ``value_and_grad``
 (the gradient effect) and, when it has one, ``critic``; everything else is bound when the run is
-assembled (:func:`purerl.step.recipes.step_function`).
+assembled (:func:`purerl.assembly.stages.step_function`).
 
 Weights have one path, owned by the executor: it *publishes* the policy of each state it starts
 or steps as a numbered version (:meth:`Executor.publish`), a loop asks for the newest version at

@@ -22,19 +22,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from purerl.config.job import JobConfig
+from purerl.config.execution import AsyncConfig
+from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
 from purerl.io.metrics import MetricsLog
 from purerl.loop.generators import Batches, Generators
 from purerl.loop.recording import StepRecorder
-from purerl.loop.sampling import Task
+from purerl.loop.sampling import BatchPlan
+from purerl.loop.task import Task
 from purerl.state import TrainState
 from purerl.tree import replace
 
 __all__ = ["train_async"]
 
 
-def train_async(state: TrainState, *, executor: Executor, task: Task, config: JobConfig, run_dir: str | Path,
+def train_async(state: TrainState, *, executor: Executor, task: Task, plan: BatchPlan, trainer: TrainerConfig,
+                asynchronous: AsyncConfig, run_dir: str | Path,
                 log: MetricsLog | None = None, evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
                 stop: threading.Event | None = None) -> tuple[TrainState, dict[str, Any]]:
     """Run steps ``state.step + 1 … trainer.steps`` with generation on ``asynchronous.generators``
@@ -54,8 +57,8 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, config: Jo
     :class:`~purerl.executors.base.ExecutorError`; ``stop`` as in :func:`~purerl.loop.train.train`
     (queued batches are discarded).
     """
-    settings = config.asynchronous
-    batches = Batches(task, config, state.data, state.rng, state.step)
+    settings = asynchronous
+    batches = Batches(task, plan, settings, trainer.steps, state.data, state.rng, state.step)
     log = MetricsLog(run_dir) if log is None else log
     # a resumed run counts on from its records (batches queued when it stopped are not known)
     before = [r for r in (MetricsLog.read(log.path) if log.path.exists() else []) if r["step"] <= state.step]
@@ -63,15 +66,15 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, config: Jo
     dropped = int(before[-1].get("async/dropped_batches", 0)) if before else 0
     generated_before, waited = sum(staleness_seen.values()) + dropped, 0.0
     start = time.perf_counter()
-    trainer = {"step": state.step, "idle_frac": 0.0, "waiting": True}
-    generators = Generators(executor, task, config, batches, Path(run_dir), lambda: dict(trainer))
-    with StepRecorder(state, executor, config.trainer, run_dir, log, evaluate_fn, stop) as record, generators:
+    progress = {"step": state.step, "idle_frac": 0.0, "waiting": True}
+    generators = Generators(executor, task, plan, settings, batches, Path(run_dir), lambda: dict(progress))
+    with StepRecorder(state, executor, trainer, run_dir, log, evaluate_fn, stop) as record, generators:
         record.check(state)
-        while state.step < config.trainer.steps:
+        while state.step < trainer.steps:
             step_start = time.perf_counter()
-            trainer["waiting"] = True
+            progress["waiting"] = True
             item = batches.take()
-            trainer["waiting"] = False
+            progress["waiting"] = False
             wait = time.perf_counter() - step_start
             waited += wait
             staleness = state.step - item.rollout.version
@@ -90,7 +93,7 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, config: Jo
                        "async/generator_restarts": float(generators.restarts),
                        "timing/train_s": time.perf_counter() - train_start,
                        "timing/step_s": time.perf_counter() - step_start}
-            trainer.update(step=state.step, idle_frac=idle)
+            progress.update(step=state.step, idle_frac=idle)
             record(state, metrics)
         record.finish(state)
     trained = sum(staleness_seen.values())

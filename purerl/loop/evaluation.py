@@ -7,7 +7,8 @@ from typing import Any
 
 from purerl.episodes.rollout import episode_metrics, run_episodes
 from purerl.loop.samples import rollout_finishes, sample_rows
-from purerl.loop.sampling import Task, decode_responses
+from purerl.loop.sampling import decode_responses
+from purerl.loop.task import Task
 from purerl.rewards import Scores, score_responses
 from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.sampling import SamplingParams

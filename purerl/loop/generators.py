@@ -24,10 +24,11 @@ from typing import Any
 
 import attrs
 
-from purerl.config.job import JobConfig
+from purerl.config.execution import AsyncConfig
 from purerl.data.cursor import DataCursor, next_indices
 from purerl.executors.base import Executor, ExecutorError
-from purerl.loop.sampling import SampledPart, Task, joined_batch, rollout_rng, sample_part
+from purerl.loop.sampling import BatchPlan, SampledPart, joined_batch, rollout_rng, sample_part
+from purerl.loop.task import Task
 from purerl.rollout.partial import Interruptible
 from purerl.rollout.queue import ScoredBatch, Weights
 from purerl.state import RngState
@@ -55,13 +56,14 @@ class Batches:
     parts need version ``≥ step + b − max_staleness``. At most ``queue_batches + 1`` batches are
     open (handed out but not yet taken) at once: the bounded queue."""
 
-    def __init__(self, task: Task, config: JobConfig, data: DataCursor, rng: RngState, step: int) -> None:
-        settings, prompts = config.asynchronous, config.data.prompts_per_step
+    def __init__(self, task: Task, plan: BatchPlan, settings: AsyncConfig, steps: int, data: DataCursor,
+                 rng: RngState, step: int) -> None:
+        prompts = plan.prompts_per_step
         self.records, self.rng, self.step, self.settings = len(task.records), rng, step, settings
-        self.config, self.dynamic = config, config.algorithm.dynamic_sampling
+        self.plan, self.dynamic = plan, plan.dynamic_sampling
         per_call = settings.groups_per_call or math.ceil(prompts / settings.generators)
         self.sizes = [prompts] if self.dynamic else [min(per_call, prompts - s) for s in range(0, prompts, per_call)]
-        self.batches = config.trainer.steps - step if settings.stale_policy == "wait" else None  # None: unbounded
+        self.batches = steps - step if settings.stale_policy == "wait" else None  # None: unbounded
         self._cond = threading.Condition()
         self._cursor: DataCursor | None = data  # where the next batch starts (None: not known yet)
         self._pending: collections.deque[Part] = collections.deque()  # to hand out, in order
@@ -131,7 +133,7 @@ class Batches:
             parts = [p for _, p in sorted(self._done.pop(b).items())]
             self.taken += 1
             self._cond.notify_all()
-        rollout, rewards, metrics = joined_batch(parts, self.config)
+        rollout, rewards, metrics = joined_batch(parts, self.plan)
         return ScoredBatch(rollout, rewards, metrics, parts[-1].data)
 
 
@@ -161,10 +163,10 @@ class Generators:
     section says; a status thread rewrites ``run_dir/status.json``. A context manager: the threads
     run while it is entered."""
 
-    def __init__(self, executor: Executor, task: Task, config: JobConfig, batches: Batches, run_dir: Path,
-                 trainer: Callable[[], dict[str, Any]]) -> None:
-        count = config.asynchronous.generators
-        self.executor, self.task, self.config, self.batches = executor, task, config, batches
+    def __init__(self, executor: Executor, task: Task, plan: BatchPlan, settings: AsyncConfig, batches: Batches,
+                 run_dir: Path, trainer: Callable[[], dict[str, Any]]) -> None:
+        count = settings.generators
+        self.executor, self.task, self.plan, self.settings, self.batches = executor, task, plan, settings, batches
         self.run_dir, self.trainer = Path(run_dir), trainer
         self.stop = threading.Event()
         self.records = [_Record() for _ in range(count)]
@@ -192,7 +194,7 @@ class Generators:
         return idle / max(idle + busy, 1e-9)
 
     def _loop(self, i: int) -> None:
-        record, settings = self.records[i], self.config.asynchronous
+        record, settings = self.records[i], self.settings
         while not self.stop.is_set():
             start = time.perf_counter()
             record.now("waiting for room")
@@ -213,7 +215,7 @@ class Generators:
                     record.idle += work - start
                     if settings.interruptible:
                         engine = Interruptible(engine, self._newer, lambda w: self.executor.reload(w, generator=i))
-                    sampled = sample_part(engine, self.task, self.config, part.data, part.rng, weights.version,
+                    sampled = sample_part(engine, self.task, self.plan, part.data, part.rng, weights.version,
                                           prompts=part.prompts, score=self.executor.score,
                                           score_model=self.executor.score_model)
                     if settings.interruptible:
@@ -281,7 +283,7 @@ class Generators:
         temporary.replace(path)
 
     def _status_loop(self) -> None:
-        every = self.config.asynchronous.status_every_s
+        every = self.settings.status_every_s
         while True:
             try:
                 self.write_status()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from purerl.config.job import TrainerConfig
+from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
 from purerl.io.checkpoint import list_checkpoints, save_checkpoint
 from purerl.io.metrics import MetricsLog

@@ -1,14 +1,14 @@
 """Sampling a step's batch: the next prompts, their responses from a rollout engine, their rewards.
 
-:func:`sample_batch` is the one sampling path of both training loops: it generates ``rollout.n``
+:func:`sample_batch` is the one sampling path of both training loops: it generates ``sampling.n``
 responses per prompt, scores them (the task's reward function under its deadline, the executor's
-reward model, DAPO's overlong shaping: :func:`~purerl.rewards.mix.mixed_rewards`), and, as the
-config's estimator and algorithm ask, adds ReMax's greedy baselines or samples further rounds of
-prompts until enough groups have varied rewards (DAPO's dynamic sampling).
+reward model, DAPO's overlong shaping: :func:`~purerl.rewards.mix.mixed_rewards`), and, as its
+:class:`BatchPlan` asks, adds ReMax's greedy baselines or samples further rounds of prompts until
+enough groups have varied rewards (DAPO's dynamic sampling).
 """
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -16,13 +16,11 @@ import torch
 
 from purerl.algo.dapo import varied_groups
 from purerl.batch import Rewards, Rollout
-from purerl.config.job import JobConfig
+from purerl.config.sections import RewardConfig
 from purerl.data.cursor import DataCursor, next_indices
 from purerl.data.records import PromptRecord
-from purerl.episodes import ChatCodec, Env
 from purerl.episodes.rollout import (
     Episode,
-    EpisodeLimits,
     episode_metrics,
     episode_scores,
     episodes_rollout,
@@ -30,7 +28,8 @@ from purerl.episodes.rollout import (
     turn_token_rewards,
 )
 from purerl.loop.samples import rollout_finishes, sample_rows, spread
-from purerl.rewards import RewardFn, Scores, score_responses
+from purerl.loop.task import Episodes, Task
+from purerl.rewards import Scores, score_responses
 from purerl.rewards.mix import mixed_rewards, uses_reward_model
 from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.merge import concat_rewards, concat_rollouts
@@ -38,42 +37,26 @@ from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.tree import replace
 
-__all__ = ["Episodes", "SampledPart", "Task", "decode_responses", "joined_batch", "prompt_text", "rollout_batch",
+__all__ = ["BatchPlan", "SampledPart", "decode_responses", "joined_batch", "prompt_text", "rollout_batch",
            "rollout_rng", "sample_batch", "sample_part"]
 
 
 @attrs.frozen
-class Episodes:
-    """How a multi-turn task is played: its environment, the chat codec that grows its ids, the
-    limits of an episode, the ``apply_chat_template`` arguments of its first messages (``tools``)
-    and the id that pads rows."""
+class BatchPlan:
+    """How a step's batch is sampled and scored, bound once: ``prompts_per_step`` prompts, each
+    sampled ``sampling.n`` times, scored as the ``reward`` section says; ``greedy_baselines``:
+    each prompt's greedy response scored too (ReMax); ``dynamic_sampling`` (DAPO): rounds of
+    prompts, at most ``max_sampling_rounds``, until enough groups have varied rewards;
+    ``samples_per_step`` rows of ``samples.jsonl``, texts cut to ``sample_chars`` characters."""
 
-    env: Env
-    codec: ChatCodec
-    limits: EpisodeLimits
-    template_kwargs: Mapping[str, Any] = attrs.Factory(dict)
-    pad_token_id: int = 0
-
-
-@attrs.frozen
-class Task:
-    """Prompts as token ids, their records (ground truths), the reward function, the tokenizer's
-    ``decode`` (token ids → text) and the held-out metrics: ``val/<name>`` is the fraction of
-    greedy answers that ``eval_fns[name]`` scores ≥ 1 (default: the reward function, as
-    ``accuracy``). With ``episodes``, each prompt is an episode of turns in its environment
-    (the reward function is then the environment's)."""
-
-    prompt_ids: Sequence[Sequence[int]]
-    records: Sequence[PromptRecord]
-    reward_fn: RewardFn
-    decode: Callable[[list[int]], str]
-    eval_fns: Mapping[str, RewardFn] = attrs.field(default=attrs.Factory(lambda self: {"accuracy": self.reward_fn},
-                                                                         takes_self=True))
-    episodes: Episodes | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if len(self.prompt_ids) != len(self.records) or not self.records:
-            raise ValueError(f"Task: {len(self.prompt_ids)} prompts for {len(self.records)} records")
+    sampling: SamplingParams = SamplingParams()
+    prompts_per_step: int = 8
+    reward: RewardConfig = RewardConfig()
+    greedy_baselines: bool = False
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    samples_per_step: int = 4
+    sample_chars: int = 1000
 
 
 def decode_responses(rollout: Rollout, decode: Callable[[list[int]], str]) -> list[str]:
@@ -115,7 +98,7 @@ class SampledPart:
     data: DataCursor
 
 
-def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: DataCursor, rng: RngState,
+def sample_batch(engine: RolloutEngine, task: Task, plan: BatchPlan, data: DataCursor, rng: RngState,
                  version: int, *, score: Score = score_responses,
                  score_model: ScoreModel | None = None) -> tuple[Rollout, Rewards, dict[str, float], DataCursor]:
     """The next ``data.prompts_per_step`` prompts after ``data``, sampled from ``rng`` with weights
@@ -126,38 +109,38 @@ def sample_batch(engine: RolloutEngine, task: Task, config: JobConfig, data: Dat
     Returns the rollout, its rewards, metrics (with the failed calls' messages under
     ``reward/error_messages`` when there are any, and ``reward/all_failed`` when no call
     succeeded), and the cursor after its prompts."""
-    part = sample_part(engine, task, config, data, rng, version, score=score, score_model=score_model)
-    return (*joined_batch([part], config), part.data)
+    part = sample_part(engine, task, plan, data, rng, version, score=score, score_model=score_model)
+    return (*joined_batch([part], plan), part.data)
 
 
-def sample_part(engine: RolloutEngine, task: Task, config: JobConfig, data: DataCursor, rng: RngState,
+def sample_part(engine: RolloutEngine, task: Task, plan: BatchPlan, data: DataCursor, rng: RngState,
                 version: int, *, prompts: int | None = None, score: Score = score_responses,
                 score_model: ScoreModel | None = None) -> SampledPart:
     """The next ``prompts`` prompts after ``data`` (default: a whole step's), as
     :func:`sample_batch` samples them. A part's samples do not depend on how a batch is cut
     into parts: every sample draws from its own stream (its prompt's index, its sample index).
     Dynamic sampling's rounds need the whole batch in one part."""
-    algorithm, sampling = config.algorithm, config.rollout
-    prompts_per_step, n = config.data.prompts_per_step, sampling.n
+    sampling, prompts_per_step = plan.sampling, plan.prompts_per_step
+    n = sampling.n
     prompts = prompts_per_step if prompts is None else prompts
-    if algorithm.dynamic_sampling and prompts != prompts_per_step:
+    if plan.dynamic_sampling and prompts != prompts_per_step:
         raise ValueError(f"sample_part: dynamic sampling samples whole batches ({prompts_per_step} prompts), "
                          f"not {prompts}")
-    baselines = algorithm.estimator.needs_baselines
+    baselines = plan.greedy_baselines
     sampled: dict[str, Any] = {"messages": [], "baseline_s": 0.0, "baseline_rows": 0.0}  # sums over the rounds
     kept: list[tuple[Rollout, Rewards]] = []
     groups, rounds, cursor = 0, 0, data
     while True:
         indices, cursor = next_indices(cursor, len(task.records), prompts)
         round_rng = rng if rounds == 0 else rng.fold_in(rounds)
-        rollout, rewards, sums, failed = _scored_rollout(engine, task, config, indices, round_rng, version, score,
+        rollout, rewards, sums, failed = _scored_rollout(engine, task, plan, indices, round_rng, version, score,
                                                          score_model, sampling)
         sampled["messages"] += failed
         for key, value in sums.items():
             sampled[key] = sampled.get(key, [] if isinstance(value, list) else 0.0) + value
         if baselines:
             greedy = attrs.evolve(sampling, temperature=0.0, top_p=1.0, top_k=0, n=1)
-            _, base, cost, failed = _scored_rollout(engine, task, config, indices, RngState(0), version, score,
+            _, base, cost, failed = _scored_rollout(engine, task, plan, indices, RngState(0), version, score,
                                                     score_model, greedy)
             sampled["messages"] += failed
             sampled["baseline_rows"] += cost["rows"]
@@ -166,20 +149,20 @@ def sample_part(engine: RolloutEngine, task: Task, config: JobConfig, data: Data
             sampled["timeouts"] += cost["timeouts"]
             rewards = attrs.evolve(rewards, baselines=base.scores.repeat_interleave(n))
         rounds += 1
-        if not algorithm.dynamic_sampling:
+        if not plan.dynamic_sampling:
             kept.append((rollout, rewards))
             break
         varied = varied_groups(rewards.scores, rollout.group)
         groups += int(varied.sum()) // n
         if varied.any():
             kept.append((rollout.rows(varied.nonzero().squeeze(1)), rewards.rows(varied.nonzero().squeeze(1))))
-        if groups >= prompts_per_step or rounds >= algorithm.max_sampling_rounds:
+        if groups >= prompts_per_step or rounds >= plan.max_sampling_rounds:
             if not kept:  # nothing varied: train on the last round (its advantages are all 0)
                 kept.append((rollout, rewards))
             break
     rollout = concat_rollouts([r for r, _ in kept], pad_token_id=_pad_id(kept[0][0]))
     rewards = concat_rewards([w for _, w in kept], rollout.sequences.response_length)
-    if algorithm.dynamic_sampling:
+    if plan.dynamic_sampling:
         rows = min(len(rewards.scores), prompts_per_step * n)
         index = torch.arange(rows, device=rewards.scores.device)
         rollout, rewards = rollout.rows(index), rewards.rows(index)
@@ -187,7 +170,7 @@ def sample_part(engine: RolloutEngine, task: Task, config: JobConfig, data: Data
     return SampledPart(rollout, rewards, sampled, cursor)
 
 
-def joined_batch(parts: Sequence[SampledPart], config: JobConfig) -> tuple[Rollout, Rewards, dict[str, Any]]:
+def joined_batch(parts: Sequence[SampledPart], plan: BatchPlan) -> tuple[Rollout, Rewards, dict[str, Any]]:
     """One batch of ``parts`` (consecutive, in prompt order): the joined rollout (its version the
     oldest part's: staleness counts from it) and rewards, and the batch's metrics."""
     rollout = concat_rollouts([p.rollout for p in parts], pad_token_id=_pad_id(parts[0].rollout),
@@ -200,13 +183,13 @@ def joined_batch(parts: Sequence[SampledPart], config: JobConfig) -> tuple[Rollo
     metrics: dict[str, Any] = {
         "reward/errors": sampled["errors"], "reward/timeouts": sampled["timeouts"], "timing/gen_s": sampled["gen_s"],
         "timing/reward_s": sampled["reward_s"], "perf/gen_tokens_per_s": sampled["tokens"] / max(sampled["gen_s"], 1e-9)}
-    if config.algorithm.estimator.needs_baselines:
+    if plan.greedy_baselines:
         metrics["timing/baseline_s"] = sampled["baseline_s"]
     if "episodes" in sampled:
         metrics.update(episode_metrics(sampled["episodes"]))
         metrics["timing/env_s"] = sampled["env_s"]
     if sampled.get("samples"):  # taken out before logging, into samples.jsonl (purerl.io.metrics)
-        metrics["samples/train"] = sampled["samples"][: config.trainer.samples_per_step]
+        metrics["samples/train"] = sampled["samples"][: plan.samples_per_step]
     if sampled["messages"]:  # only when some call failed: taken out before logging (purerl.loop.recording)
         metrics["reward/error_messages"] = sampled["messages"]
         if metrics["reward/errors"] + metrics["reward/timeouts"] >= sampled["rows"] + sampled["baseline_rows"]:
@@ -228,13 +211,13 @@ def _pad_id(rollout: Rollout) -> int:
     return int(padded[0]) if len(padded) else 0
 
 
-def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indices: list[int], rng: RngState,
+def _scored_rollout(engine: RolloutEngine, task: Task, plan: BatchPlan, indices: list[int], rng: RngState,
                     version: int, score: Score, score_model: ScoreModel | None,
                     sampling: SamplingParams) -> tuple[Rollout, Rewards, dict[str, float], list[str]]:
     """Generate ``sampling.n`` responses per prompt and reward them. Returns the rollout, its
     rewards, sums (seconds ``gen_s`` and ``reward_s``, ``errors``, ``timeouts``, ``rows``,
     ``tokens``, the summed ``model`` scores and ``overlong_penalty``) and the failed calls' messages."""
-    reward = config.reward
+    reward = plan.reward
     if task.episodes is not None:
         rollout, scored, sums = _episode_rollout(engine, task, task.episodes, indices, rng, version, sampling,
                                                  reward.batch_timeout, reward.penalty)
@@ -267,17 +250,17 @@ def _scored_rollout(engine: RolloutEngine, task: Task, config: JobConfig, indice
                                                                          rollout.sequences.response_length))
     sums.update(parts)
     sums["reward_s"] = time.perf_counter() - start
-    if config.trainer.samples_per_step:
+    if plan.samples_per_step:
         sums["samples"] = _training_samples(task, indices, sampling.n, rollout, texts, rewards.scores.tolist(),
-                                            sums.get("episodes"), config)
+                                            sums.get("episodes"), plan)
     return rollout, rewards, sums, scored.error_messages
 
 
 def _training_samples(task: Task, indices: list[int], n: int, rollout: Rollout, texts: list[str],
-                      scores: list[float], episodes: list[Episode] | None, config: JobConfig) -> list[dict[str, Any]]:
+                      scores: list[float], episodes: list[Episode] | None, plan: BatchPlan) -> list[dict[str, Any]]:
     """``trainer.samples_per_step`` rows of ``samples.jsonl``, spread over the batch (an episode's
     response: everything after its prompt, observations included)."""
-    rows = spread(len(texts), config.trainer.samples_per_step)
+    rows = spread(len(texts), plan.samples_per_step)
     prompts, responses = [""] * len(texts), list(texts)
     for r in rows:
         if episodes is None:
@@ -288,7 +271,7 @@ def _training_samples(task: Task, indices: list[int], n: int, rollout: Rollout, 
     finishes = rollout_finishes(rollout) if episodes is None else [e.finish for e in episodes]
     return sample_rows(rows, prompts=prompts, responses=responses, rewards=scores,
                        lengths=rollout.sequences.response_mask.sum(-1).tolist(), finishes=finishes,
-                       chars=config.trainer.sample_chars, indices=[indices[r // n] for r in range(len(texts))],
+                       chars=plan.sample_chars, indices=[indices[r // n] for r in range(len(texts))],
                        turns=None if episodes is None else [len(e.turn_ends) for e in episodes])
 
 
@@ -314,12 +297,12 @@ def _episode_rollout(engine: RolloutEngine, task: Task, episodes: Episodes, indi
                              "env_s": timings.get("env_s", 0.0), "episodes": played}
 
 
-def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, config: JobConfig, *,
+def rollout_batch(state: TrainState, engine: RolloutEngine, task: Task, plan: BatchPlan, *,
                   score: Score = score_responses, score_model: ScoreModel | None = None,
                   ) -> tuple[TrainState, Rollout, Rewards, dict[str, float]]:
     """:func:`sample_batch` from the state's cursor with weights ``state.step`` and
     :func:`rollout_rng`: the state comes back with its cursor advanced."""
-    rollout, rewards, metrics, cursor = sample_batch(engine, task, config, state.data,
+    rollout, rewards, metrics, cursor = sample_batch(engine, task, plan, state.data,
                                                      rollout_rng(state.rng, state.step), state.step, score=score,
                                                      score_model=score_model)
     return replace(state, data=cursor), rollout, rewards, metrics

@@ -14,31 +14,33 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from purerl.config.job import JobConfig
+from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
 from purerl.io.metrics import MetricsLog
 from purerl.loop.recording import StepRecorder
-from purerl.loop.sampling import Task, rollout_batch
+from purerl.loop.sampling import BatchPlan, rollout_batch
+from purerl.loop.task import Task
 from purerl.state import TrainState
 
 __all__ = ["train"]
 
 
-def train(state: TrainState, *, executor: Executor, task: Task, config: JobConfig, run_dir: str | Path,
+def train(state: TrainState, *, executor: Executor, task: Task, plan: BatchPlan, trainer: TrainerConfig,
+          run_dir: str | Path,
           log: MetricsLog | None = None, evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
           stop: threading.Event | None = None) -> TrainState:
     """Run steps ``state.step + 1 … trainer.steps`` on ``executor`` (already started with
-    ``state``); returns the final (driver's) state. Metrics go to ``log`` (default:
+    ``state``), each on a batch sampled as ``plan`` says; returns the final (driver's) state. Metrics go to ``log`` (default:
     ``metrics.jsonl`` in ``run_dir``), checkpoints (the executor's full state) to ``run_dir``.
     ``stop`` (e.g. :attr:`~purerl.loop.recording.StopRequest.event`): once set, the loop
     checkpoints the step it finished and raises :class:`~purerl.loop.recording.Interrupted`."""
     log = MetricsLog(run_dir) if log is None else log
-    with StepRecorder(state, executor, config.trainer, run_dir, log, evaluate_fn, stop) as record:
+    with StepRecorder(state, executor, trainer, run_dir, log, evaluate_fn, stop) as record:
         record.check(state)
-        while state.step < config.trainer.steps:
+        while state.step < trainer.steps:
             step_start = time.perf_counter()
             with executor.engine(executor.newest(state.step)) as engine:
-                state, rollout, rewards, metrics = rollout_batch(state, engine, task, config, score=executor.score,
+                state, rollout, rewards, metrics = rollout_batch(state, engine, task, plan, score=executor.score,
                                                                  score_model=executor.score_model)
             train_start = time.perf_counter()
             state, step_metrics = executor.step(state, rollout, rewards)

@@ -3,24 +3,28 @@
 ``reward.model`` is set and ``model_weight`` ≠ 0) and ``overlong`` DAPO's length penalty (when
 ``reward.overlong_buffer`` > 0; :func:`~purerl.algo.dapo.overlong_penalty`)."""
 
+from typing import TYPE_CHECKING
+
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from purerl.algo.dapo import overlong_penalty
 from purerl.batch import Rewards
-from purerl.config.job import RewardConfig
+
+if TYPE_CHECKING:  # the section is read, not built: rewards stay below the config
+    from purerl.config.sections import RewardConfig
 
 __all__ = ["mixed_rewards", "uses_reward_model"]
 
 
-def uses_reward_model(reward: RewardConfig) -> bool:
+def uses_reward_model(reward: "RewardConfig") -> bool:
     """Whether the reward model's score enters the reward."""
     return reward.model is not None and reward.model_weight != 0
 
 
 def mixed_rewards(rule: Float[Tensor, " b"], lengths: Int[Tensor, " b"], learned: Float[Tensor, " b"] | None, *,
-                  reward: RewardConfig, max_new_tokens: int) -> tuple[Rewards, dict[str, float]]:
+                  reward: "RewardConfig", max_new_tokens: int) -> tuple[Rewards, dict[str, float]]:
     """The rewards of ``b`` responses from their ``rule`` scores, response ``lengths`` and reward-model
     scores (``learned``, when the model is used), and the sums of the parts (``overlong_penalty``,
     ``model``) for metrics. GDPO's components (:class:`~purerl.batch.Rewards`) are the rule reward

@@ -1,8 +1,8 @@
 """Scoring: reward functions run where a hung or failing call costs one sample, never the run.
 
 :func:`score_responses` runs each call of a reward function (either form,
-:mod:`purerl.rewards.forms`) in the reward worker processes under a hard per-sample deadline
-(:class:`~purerl.rewards.pool.RewardProcesses`): a call still running at its deadline has its
+:mod:`purerl.sandbox.forms`) in the reward worker processes under a hard per-sample deadline
+(:class:`~purerl.sandbox.processes.RewardProcesses`): a call still running at its deadline has its
 process killed (and replaced), and the sample scores ``penalty`` as a counted timeout; a call that
 raises or returns a non-finite or non-numeric value scores ``penalty`` as a counted error. A
 process is the only way to stop a reward stuck in pure Python (it holds the GIL, so a thread can
@@ -22,9 +22,9 @@ from typing import Any
 
 import attrs
 
-from purerl.rewards.forms import call_form, reward_form
 from purerl.rewards.math import RewardFn
-from purerl.rewards.pool import LATE, Result, RewardProcesses, Unloadable, run_in_threads
+from purerl.sandbox.forms import call_form, reward_form
+from purerl.sandbox.processes import LATE, Result, RewardProcesses, Unloadable, run_in_threads
 
 __all__ = ["Scores", "check_score_inputs", "reward_form", "reward_processes", "score_in_threads", "score_responses"]
 
@@ -69,7 +69,7 @@ def _extras(n: int, data_sources: Sequence[str] | None,
 def _scores(results: Sequence[Result], timeout: float, penalty: float, first_index: int,
             batch_timeout: float | None = None) -> Scores:
     """``results[i]``: ``(value, None)``, ``(None, error message)``, None for a timeout, or
-    :data:`~purerl.rewards.pool.LATE` (cut short by the batch's deadline: a timeout too)."""
+    :data:`~purerl.sandbox.processes.LATE` (cut short by the batch's deadline: a timeout too)."""
     values, messages, errors, timeouts = [], [], 0, 0
     for i, result in enumerate(results):
         if result is None or result is LATE:
@@ -91,7 +91,7 @@ def score_in_threads(fn: RewardFn, responses: Sequence[str], ground_truths: Sequ
                      grace: float = 0.05, data_sources: Sequence[str] | None = None,
                      extra_infos: Sequence[dict] | None = None) -> Scores:
     """:func:`score_responses` on daemon threads of this process, for reward functions that do not
-    pickle (:func:`~purerl.rewards.pool.run_in_threads`): a call stuck in pure Python holds the
+    pickle (:func:`~purerl.sandbox.processes.run_in_threads`): a call stuck in pure Python holds the
     GIL, so its timeout cannot stop it. Error messages number samples from ``first_index`` (for a
     shard of a larger batch)."""
     check_score_inputs(responses, ground_truths, data_sources, extra_infos)
@@ -117,7 +117,7 @@ def score_responses(fn: RewardFn, responses: Sequence[str], ground_truths: Seque
     scored as timeouts. On threads, the batch ends ``timeout`` after it starts. Error messages number
     samples from ``first_index`` (for a shard of a larger batch). ``fn`` must pickle to run in a
     process; one that does not runs on threads (:func:`score_in_threads`). ``fn`` is either form
-    of reward function (:mod:`purerl.rewards.forms`); ``data_sources`` and ``extra_infos`` (one per
+    of reward function (:mod:`purerl.sandbox.forms`); ``data_sources`` and ``extra_infos`` (one per
     response) reach the verl form."""
     check_score_inputs(responses, ground_truths, data_sources, extra_infos)
     if not responses:

@@ -1,7 +1,8 @@
-"""Where reward functions run: worker processes with hard per-call deadlines, or threads.
+"""Where user functions (rewards, environment steps) run: worker processes with hard per-call
+deadlines, or threads.
 
-:class:`RewardProcesses` scores in worker processes kept between calls: each a fresh ``python -c``
-interpreter that imports only :mod:`purerl.rewards` (not the trainer's script, not torch) and
+:class:`RewardProcesses` runs them in worker processes kept between calls: each a fresh ``python -c``
+interpreter that imports only :mod:`purerl.sandbox` (not the trainer's script, not torch) and
 is sent each reward function once, with the sender's ``sys.path``, before any deadline starts. A
 call still running at its deadline has its process killed and replaced; a process that dies costs
 its call, not the batch. (A library pool was measured against it: pebble on ``forkserver`` makes
@@ -15,7 +16,7 @@ the wait for it but cannot stop it.
 
 Both return one result per sample: ``(value, None)``, ``(None, error message)``, None for a
 call that ran out of its time, or :data:`LATE` for one the batch's deadline cut short.
-:mod:`purerl.rewards.scoring` turns them into scores.
+:mod:`purerl.rewards.scoring` turns them into scores; :mod:`purerl.episodes.stepping` into steps.
 """
 
 import functools
@@ -34,7 +35,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from purerl.rewards.forms import Form, form_value
+from purerl.sandbox.forms import Form, form_value
 
 __all__ = ["LATE", "RewardProcesses", "Unloadable", "run_in_threads"]
 
@@ -198,7 +199,7 @@ def _answer(conn: multiprocessing.connection.Connection) -> None:
             conn.send((i, None, f"{type(err).__name__}: {err}", False))
 
 
-_WORKER = "import sys; from purerl.rewards.pool import _serve; _serve(int(sys.argv[1]))"
+_WORKER = "import sys; from purerl.sandbox.processes import _serve; _serve(int(sys.argv[1]))"
 
 
 class _Process:

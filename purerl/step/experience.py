@@ -15,10 +15,10 @@ from torch import Tensor
 
 from purerl.algo.logprobs import logprobs_from_logits, sum_pi_squared_from_logits
 from purerl.batch import Rewards, Rollout, Sequences
-from purerl.config.job import JobConfig
 from purerl.models import CausalLM, Critic, Params, response_logits, response_values
 from purerl.state import TrainState
 from purerl.step.micro_batches import chunks, token_budget_rows, trimmed_sequences
+from purerl.step.settings import Batching, ExperienceSettings
 from purerl.tree import pytree
 
 __all__ = ["CriticValues", "Experience", "ReferenceLogprobs", "critic_values", "make_experience", "reference_logprobs"]
@@ -80,48 +80,48 @@ def _logprobs_and_sum_pi_squared_fn(model: CausalLM, params: Params,
     return both
 
 
-def critic_values(critic: Critic, params: Params | None, seqs: Sequences, *, config: JobConfig) -> Float[Tensor, "b t"]:
+def critic_values(critic: Critic, params: Params | None, seqs: Sequences, *,
+                  batching: Batching) -> Float[Tensor, "b t"]:
     """The critic's values at each response position (0 on padding), without gradients, in
-    micro-batches of the critic's token budget (``critic.max_tokens_per_micro_batch``, else the
-    actor's) or of ``actor.micro_batch_rows``."""
+    ``batching``'s micro-batches (its token budget, else its rows)."""
     if params is None:
         raise ValueError("make_experience: a critic without TrainState.critic params")
-    budget = config.critic.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
-    values = _batched(critic, functools.partial(response_values, critic, params), seqs, config.actor.micro_batch_rows,
-                      budget)
+    values = _batched(critic, functools.partial(response_values, critic, params), seqs, batching.micro_batch_rows,
+                      batching.max_tokens)
     return torch.where(seqs.response_mask, values, 0.0)
 
 
-def reference_logprobs(policy: CausalLM, params: Params, seqs: Sequences, *,
-                       config: JobConfig) -> Float[Tensor, "b t"]:
-    """Log-probs of the responses under the reference params, without gradients, at
-    ``rollout.temperature``, in the actor's micro-batches."""
-    return _batched(policy, _logprobs_fn(policy, params, config.rollout.temperature), seqs,
-                    config.actor.micro_batch_rows, config.actor.max_tokens_per_micro_batch)
+def reference_logprobs(policy: CausalLM, params: Params, seqs: Sequences, *, temperature: float,
+                       batching: Batching) -> Float[Tensor, "b t"]:
+    """Log-probs of the responses under the reference params at ``temperature``, without
+    gradients, in ``batching``'s micro-batches."""
+    return _batched(policy, _logprobs_fn(policy, params, temperature), seqs, batching.micro_batch_rows,
+                    batching.max_tokens)
 
 
 @runtime_checkable
 class CriticValues(Protocol):
     """What :func:`make_experience` asks of a critic role (:mod:`purerl.step.roles`)."""
 
-    def values(self, params: Params | None, seqs: Sequences, *, config: JobConfig) -> Tensor: ...
+    def values(self, params: Params | None, seqs: Sequences, *, batching: Batching) -> Tensor: ...
 
 
 @runtime_checkable
 class ReferenceLogprobs(Protocol):
     """What :func:`make_experience` asks of a reference role (:mod:`purerl.step.roles`)."""
 
-    def logprobs(self, params: Params | None, seqs: Sequences, *, config: JobConfig) -> Tensor: ...
+    def logprobs(self, params: Params | None, seqs: Sequences, *, temperature: float,
+                 batching: Batching) -> Tensor: ...
 
 
 def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] | Rewards, *,
-                    policy: CausalLM, config: JobConfig, critic: Critic | CriticValues | None = None,
+                    policy: CausalLM, settings: ExperienceSettings = ExperienceSettings(),
+                    critic: Critic | CriticValues | None = None,
                     reference: ReferenceLogprobs | None = None) -> Experience:
-    """Old log-probs (the policy before the update; the rollout's behaviour log-probs when
-    ``actor.recompute_old_logprobs`` is False, recomputed otherwise), reference log-probs, values
-    (with a ``critic``) and ``Σπ²`` (when the estimator needs it), all without gradients, at
-    ``rollout.temperature``, in chunks of ``actor.micro_batch_rows`` (or of
-    ``actor.max_tokens_per_micro_batch`` positions; the critic's own budget for values).
+    """Old log-probs (the policy before the update; the rollout's behaviour log-probs unless
+    ``settings.recompute_old_logprobs``), reference log-probs, values (with a ``critic``) and
+    ``Σπ²`` (with ``settings.sum_pi_squared``), all without gradients, at ``settings.temperature``,
+    in ``settings.batching``'s micro-batches (``settings.critic_batching``'s for values).
     ``rewards``: one score per row, or :class:`~purerl.batch.Rewards` with ReMax baselines / GDPO
     components.
 
@@ -131,11 +131,10 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
     ``state``); without one, the reference log-probs are computed here when ``state.reference``
     holds params."""
     rewards = Rewards.of(rewards)
-    seqs, temperature = rollout.sequences, config.rollout.temperature
-    rows, sum_pi_squared, old = config.actor.micro_batch_rows, None, rollout.behaviour_logprobs
-    budget = config.actor.max_tokens_per_micro_batch
-    recompute = config.actor.recompute_old_logprobs is not False  # None (not resolved): the safe choice
-    if config.algorithm.estimator.needs_sum_pi_squared:  # Σπ² of π_old: the recomputed policy, whatever the flag
+    seqs, temperature, batching = rollout.sequences, settings.temperature, settings.batching
+    rows, budget = batching.micro_batch_rows, batching.max_tokens
+    sum_pi_squared, old, recompute = None, rollout.behaviour_logprobs, settings.recompute_old_logprobs
+    if settings.sum_pi_squared:  # Σπ² of π_old: the recomputed policy, whatever the flag
         both = _batched(policy, _logprobs_and_sum_pi_squared_fn(policy, state.policy, temperature), seqs, rows,
                         budget)
         sum_pi_squared = both[..., 1]
@@ -145,14 +144,14 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
         old = _batched(policy, _logprobs_fn(policy, state.policy, temperature), seqs, rows, budget)
     ref = None
     if reference is not None:
-        ref = reference.logprobs(state.reference, seqs, config=config)
+        ref = reference.logprobs(state.reference, seqs, temperature=temperature, batching=batching)
     elif state.reference is not None:
-        ref = reference_logprobs(policy, state.reference, seqs, config=config)
-    values = None
+        ref = reference_logprobs(policy, state.reference, seqs, temperature=temperature, batching=batching)
+    values, critic_batching = None, settings.critic_batching or batching
     if isinstance(critic, Critic):
-        values = critic_values(critic, state.critic, seqs, config=config)
+        values = critic_values(critic, state.critic, seqs, batching=critic_batching)
     elif critic is not None:
-        values = critic.values(state.critic, seqs, config=config)
+        values = critic.values(state.critic, seqs, batching=critic_batching)
     return Experience(seqs, rollout.group, rewards.scores.to(torch.float32), old, rollout.behaviour_logprobs, ref,
                       values, rewards.baselines, rewards.components, sum_pi_squared,
                       None if rewards.token_rewards is None else rewards.token_rewards.to(torch.float32))

@@ -15,11 +15,11 @@ import attrs
 from jaxtyping import Float
 from torch import Tensor
 
-from purerl.config.job import JobConfig
 from purerl.models import CausalLM, Critic, Params
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import RngState
 from purerl.step.experience import CriticValues, ReferenceLogprobs, critic_values, reference_logprobs
+from purerl.step.settings import Batching, ValueLoss
 from purerl.step.shaping import Metrics, TrainBatch
 from purerl.step.update import ValueAndGrad, critic_update
 
@@ -32,8 +32,8 @@ class CriticRole(CriticValues, Protocol):
     one update (donating ``params``/``opt_state``) on the shaped batch; returns the new params and
     optimizer state (``None`` for a critic that lives elsewhere) and the update's metrics."""
 
-    def update(self, params: Params | None, opt_state: Any, batch: TrainBatch, *, optimizer: Any, config: JobConfig,
-               rng: RngState) -> tuple[Params | None, Any, Metrics]: ...
+    def update(self, params: Params | None, opt_state: Any, batch: TrainBatch, *, optimizer: Any, loss: ValueLoss,
+               batching: Batching, rng: RngState) -> tuple[Params | None, Any, Metrics]: ...
 
 
 ReferenceRole = ReferenceLogprobs
@@ -48,15 +48,15 @@ class LocalCritic:
     model: Critic
     value_and_grad: ValueAndGrad = pure_value_and_grad
 
-    def values(self, params: Params | None, seqs: Any, *, config: JobConfig) -> Float[Tensor, "b t"]:
-        return critic_values(self.model, params, seqs, config=config)
+    def values(self, params: Params | None, seqs: Any, *, batching: Batching) -> Float[Tensor, "b t"]:
+        return critic_values(self.model, params, seqs, batching=batching)
 
-    def update(self, params: Params | None, opt_state: Any, batch: TrainBatch, *, optimizer: Any, config: JobConfig,
-               rng: RngState) -> tuple[Params, Any, Metrics]:
+    def update(self, params: Params | None, opt_state: Any, batch: TrainBatch, *, optimizer: Any, loss: ValueLoss,
+               batching: Batching, rng: RngState) -> tuple[Params, Any, Metrics]:
         if params is None:
             raise ValueError("critic update: a critic without TrainState.critic params")
-        return critic_update(params, opt_state, batch, critic=self.model, optimizer=optimizer, config=config, rng=rng,
-                             value_and_grad=self.value_and_grad)
+        return critic_update(params, opt_state, batch, critic=self.model, loss=loss, batching=batching,
+                             optimizer=optimizer, rng=rng, value_and_grad=self.value_and_grad)
 
 
 @attrs.frozen
@@ -65,10 +65,11 @@ class LocalReference:
 
     model: CausalLM
 
-    def logprobs(self, params: Params | None, seqs: Any, *, config: JobConfig) -> Float[Tensor, "b t"]:
+    def logprobs(self, params: Params | None, seqs: Any, *, temperature: float,
+                 batching: Batching) -> Float[Tensor, "b t"]:
         if params is None:
             raise ValueError("reference log-probs: a reference role without TrainState.reference params")
-        return reference_logprobs(self.model, params, seqs, config=config)
+        return reference_logprobs(self.model, params, seqs, temperature=temperature, batching=batching)
 
 
 def critic_role(critic: Critic | CriticRole, value_and_grad: ValueAndGrad = pure_value_and_grad) -> CriticRole:

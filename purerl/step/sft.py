@@ -13,11 +13,10 @@ import torch
 from purerl.algo.aggregation import SumCount, token_mean
 from purerl.algo.logprobs import logprobs_from_logits
 from purerl.batch import Sequences
-from purerl.config.job import JobConfig
 from purerl.models import CausalLM, Params, response_logits
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import TrainState
-from purerl.step.recipes import actor_optimizer
+from purerl.step.settings import Batching
 from purerl.step.shaping import Metrics, TrainBatch
 from purerl.step.update import ValueAndGrad, _update
 from purerl.tree import replace
@@ -26,9 +25,10 @@ __all__ = ["sft_step", "sft_update"]
 
 
 def sft_update(params: Params, opt_state: Any, sequences: Sequences, *, policy: CausalLM, optimizer: Any,
-               config: JobConfig, value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
+               batching: Batching = Batching(),
+               value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
     """One optimizer step on the mean negative log-likelihood of the masked response tokens
-    (``sft/loss``), in micro-batches of ``actor.micro_batch_rows`` (donates ``params``/``opt_state``)."""
+    (``sft/loss``), in ``batching``'s micro-batches of rows (donates ``params``/``opt_state``)."""
     def loss_fn(p: Params, batch: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
         logp = logprobs_from_logits(response_logits(policy, p, batch.sequences), batch.sequences.responses())
         nll = token_mean(-logp, batch.sequences.response_mask)
@@ -37,13 +37,14 @@ def sft_update(params: Params, opt_state: Any, sequences: Sequences, *, policy: 
     zeros = torch.zeros(sequences.response_mask.shape, device=sequences.input_ids.device)
     batch = TrainBatch(sequences, zeros, None, zeros, zeros, None)
     rows = [torch.arange(len(sequences), device=sequences.input_ids.device)]
-    return _update(params, opt_state, optimizer, batch, rows, loss_fn, config.actor.micro_batch_rows, value_and_grad,
-                   "sft", "token-mean")
+    micro = Batching(micro_batch_rows=batching.micro_batch_rows)
+    return _update(params, opt_state, optimizer, batch, rows, loss_fn, micro, value_and_grad, "sft", "token-mean")
 
 
-def sft_step(state: TrainState, sequences: Sequences, *, policy: CausalLM, config: JobConfig) -> tuple[TrainState, Metrics]:
-    """The state after one SFT update of its policy (the actor's optimizer; ``state.step`` is
-    not advanced: warm-up steps are not RL steps)."""
+def sft_step(state: TrainState, sequences: Sequences, *, policy: CausalLM, optimizer: Any,
+             batching: Batching = Batching()) -> tuple[TrainState, Metrics]:
+    """The state after one SFT update of its policy with ``optimizer`` (the actor's: it owns
+    ``state.policy_opt``); ``state.step`` is not advanced: warm-up steps are not RL steps."""
     params, opt_state, metrics = sft_update(state.policy, state.policy_opt, sequences, policy=policy,
-                                            optimizer=actor_optimizer(config), config=config)
+                                            optimizer=optimizer, batching=batching)
     return replace(state, policy=params, policy_opt=opt_state), metrics

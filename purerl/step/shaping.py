@@ -13,8 +13,8 @@ from purerl.algo.correction import importance_weights
 from purerl.algo.kl import apply_kl_penalty
 from purerl.algo.masked import masked_mean
 from purerl.batch import Sequences
-from purerl.config.job import JobConfig
 from purerl.step.experience import Experience
+from purerl.step.settings import Shaping
 from purerl.tree import pytree, tree_map
 
 __all__ = ["Metrics", "TrainBatch", "shape_rewards", "token_level_scores"]
@@ -25,7 +25,7 @@ Metrics = dict[str, float]
 @pytree
 class TrainBatch:
     """What the actor and critic updates consume. ``is_weights``: the off-policy correction's
-    per-token weights of the policy loss (None: uncorrected; ``algorithm.rollout_correction``)."""
+    per-token weights of the policy loss (None: uncorrected; :attr:`Shaping.correction`)."""
 
     sequences: Sequences
     old_logprobs: Float[Tensor, "b t"]
@@ -48,35 +48,34 @@ def token_level_scores(scores: Float[Tensor, " b"], mask: Bool[Tensor, "b t"]) -
 
 
 def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
-                  config: JobConfig) -> tuple[TrainBatch, Any, Metrics]:
-    """Token rewards (minus the KL penalty when ``algorithm.use_kl_in_reward``, whose controller
-    state comes back updated), the importance weights of ``algorithm.rollout_correction``
-    (``rollout_corr/*`` metrics) and the advantages of ``algorithm.adv_estimator`` with its settings."""
-    algorithm = config.algorithm
+                  shaping: Shaping) -> tuple[TrainBatch, Any, Metrics]:
+    """Token rewards (minus the KL penalty when ``shaping.kl_penalty`` names one, whose controller
+    state comes back updated), the importance weights of ``shaping.correction`` (``rollout_corr/*``
+    metrics) and the advantages of ``shaping.estimator``."""
     mask = experience.sequences.response_mask
     rewards = (token_level_scores(experience.scores, mask) if experience.token_rewards is None
                else torch.where(mask, experience.token_rewards, 0.0))
     metrics: Metrics = {}
-    if algorithm.use_kl_in_reward:
+    if shaping.kl_penalty is not None:
         if experience.ref_logprobs is None:
             raise ValueError("shape_rewards: a KL penalty in the reward needs reference log-probs "
                              "(TrainState.reference params)")
         penalty = apply_kl_penalty(rewards, experience.old_logprobs, experience.ref_logprobs, mask,
-                                   kl_state.coef, algorithm.kl_penalty)
+                                   kl_state.coef, shaping.kl_penalty)
         metrics["actor/reward_kl_penalty"] = float(penalty.current_kl)
         metrics["actor/reward_kl_penalty_coeff"] = float(kl_state.coef)
         kl_state = kl_controller.update(kl_state, penalty.current_kl, len(experience.scores))
         rewards = penalty.rewards
-    is_weights, correction = importance_weights(algorithm.rollout_correction or "none", experience.old_logprobs,
-                                                experience.behaviour_logprobs, mask, cap=algorithm.correction_cap)
-    estimator = algorithm.estimator
+    is_weights, correction = importance_weights(shaping.correction, experience.old_logprobs,
+                                                experience.behaviour_logprobs, mask, cap=shaping.correction_cap)
+    estimator = shaping.estimator
     otb = estimator.needs_sum_pi_squared
     inputs = AdvantageInputs(rewards=rewards, mask=mask, values=experience.values, group=experience.group,
                              reward_baselines=experience.baselines, reward_components=experience.components,
                              old_logprobs=experience.old_logprobs if otb else None,
                              sum_pi_squared=experience.sum_pi_squared if otb else None,
                              is_weights=is_weights if otb else None)
-    advantages, returns = estimator(inputs, algorithm)
+    advantages, returns = estimator(inputs)
     metrics.update({
         "critic/score/mean": float(experience.scores.mean()),
         "critic/rewards/mean": float(rewards.sum(-1).mean()),

@@ -17,6 +17,7 @@ on every device (``tests/test_gpu.py`` checks what a CPU run cannot see).
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 from jaxtyping import Bool
 from torch import Tensor
@@ -25,13 +26,13 @@ from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, loss_denominato
 from purerl.algo.kl import kl_loss
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.algo.value_loss import clipped_value_loss
-from purerl.config.job import JobConfig
 from purerl.models import CausalLM, Critic, Params, response_logits, response_values
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import RngState
 from purerl.step.micro_batches import chunks, micro_batch_rows, trimmed
+from purerl.step.settings import ActorLoss, Batching, ValueLoss
 from purerl.step.shaping import Metrics, TrainBatch
-from purerl.tree import replace, tree_all_finite, tree_leaves, tree_map
+from purerl.tree import tree_all_finite, tree_leaves, tree_map
 
 __all__ = ["ValueAndGrad", "actor_update", "critic_update"]
 
@@ -69,58 +70,57 @@ def _accumulate(total: Any, grads: Any) -> Any:
     return total
 
 
-def _actor_loss(policy: CausalLM, config: JobConfig, rng: RngState) -> Callable:
+def _actor_loss(policy: CausalLM, loss: ActorLoss, rng: RngState) -> Callable:
     """The actor's loss as a function of (params, micro-batch): the policy loss (with its own
     settings), the entropy bonus and the KL loss, all aggregated alike. Losses that draw at
     random (``clip_cov``) draw from one generator seeded by ``rng``, in micro-batch order."""
-    actor, temperature = config.actor, config.rollout.temperature
-    loss, settings = actor.loss, (actor, actor.loss_options)
-    agg = loss.aggregation_of(actor.loss_agg)
+    policy_loss, temperature = loss.policy_loss, loss.temperature
+    agg, norm, entropy_coeff = policy_loss.aggregation, policy_loss.loss_norm, loss.entropy_coeff
     generator = rng.fold_in(_LOSS_STREAM).generator()
 
     def loss_fn(params: Params, batch: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
         mask = batch.sequences.response_mask
         logits = response_logits(policy, params, batch.sequences)
         logp = logprobs_from_logits(logits, batch.sequences.responses(), temperature=temperature)
-        out = loss(logp, batch.old_logprobs, batch.advantages, mask, *settings, is_weights=batch.is_weights,
-                   generator=generator)
+        out = policy_loss(logp, batch.old_logprobs, batch.advantages, mask, is_weights=batch.is_weights,
+                          generator=generator)
         total = out.loss
         aux = {"pg_loss": out.loss, "pg_clipfrac": out.clipfrac, "pg_clipfrac_lower": out.clipfrac_lower,
                "ppo_kl": out.ppo_kl}
-        if actor.entropy_coeff != 0 or actor.compute_entropy:
-            with torch.set_grad_enabled(actor.entropy_coeff != 0 and torch.is_grad_enabled()):
-                entropy = entropy_from_logits(logits if actor.entropy_coeff != 0 else logits.detach(),
+        if entropy_coeff != 0 or loss.compute_entropy:
+            with torch.set_grad_enabled(entropy_coeff != 0 and torch.is_grad_enabled()):
+                entropy = entropy_from_logits(logits if entropy_coeff != 0 else logits.detach(),
                                               temperature=temperature)
-            ent = LOSS_AGGREGATIONS[agg](entropy, mask, actor.loss_norm)
+            ent = LOSS_AGGREGATIONS[agg](entropy, mask, norm)
             aux["entropy"] = ent
-            if actor.entropy_coeff != 0:
-                total = SumCount(total.total - actor.entropy_coeff * ent.total, total.count)
-        if actor.kl_loss_coef > 0:
+            if entropy_coeff != 0:
+                total = SumCount(total.total - entropy_coeff * ent.total, total.count)
+        if loss.kl_coef > 0:
             if batch.ref_logprobs is None:
-                raise ValueError("actor_update: actor.kl_loss_coef > 0 needs reference log-probs "
+                raise ValueError("actor_update: a KL loss (kl_coef > 0) needs reference log-probs "
                                  "(TrainState.reference params)")
-            kl = kl_loss(logp, batch.ref_logprobs, mask, actor.kl_loss_type, agg, actor.loss_norm)
+            kl = kl_loss(logp, batch.ref_logprobs, mask, loss.kl_type, agg, norm)
             aux["kl_loss"] = kl
-            total = SumCount(total.total + actor.kl_loss_coef * kl.total, total.count)
+            total = SumCount(total.total + loss.kl_coef * kl.total, total.count)
         return total, aux
 
     return loss_fn
 
 
 def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, indices: list[Tensor],
-            loss_fn: Callable[[Params, TrainBatch], tuple[SumCount, Any]], rows_per_micro_batch: int,
+            loss_fn: Callable[[Params, TrainBatch], tuple[SumCount, Any]], batching: Batching,
             value_and_grad: ValueAndGrad, prefix: str, agg: str,
-            needed: Bool[Tensor, " b"] | None = None, max_tokens: int | None = None) -> tuple[Params, Any, Metrics]:
+            needed: Bool[Tensor, " b"] | None = None) -> tuple[Params, Any, Metrics]:
     """Mini-batch × micro-batch gradient steps; micro-batch gradients add up to the mini-batch's.
-    Micro-batches hold ``rows_per_micro_batch`` rows, or at most ``max_tokens`` positions once
-    their padding is trimmed (:mod:`purerl.step.micro_batches`).
+    Micro-batches hold ``batching.micro_batch_rows`` rows, or at most ``batching.max_tokens``
+    positions once their padding is trimmed (:mod:`purerl.step.micro_batches`).
 
     The micro-batch is an argument of the differentiated function (not closed over), so a
     data-parallel ``value_and_grad`` can take its own rank's rows of it. Rows where ``needed`` is
     False add nothing to the loss: they count in its denominator but skip forward and backward
     (a mini-batch with none left still takes its optimizer step, with zero gradients).
     """
-    grad_fn = value_and_grad(loss_fn)
+    grad_fn, max_tokens = value_and_grad(loss_fn), batching.max_tokens
     sums: dict[str, SumCount] = {}
     norms, rejected, skipped, flags = [], 0, 0, {}
     for rows in indices:
@@ -130,7 +130,7 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
             skipped, rows = skipped + len(rows) - len(kept), kept
         mini = batch.rows(rows)
         grads, mini_loss = None, None
-        parts = micro_batch_rows(mini.sequences, rows_per_micro_batch, max_tokens)
+        parts = micro_batch_rows(mini.sequences, batching.micro_batch_rows, max_tokens)
         for sl in parts:
             micro = mini if len(parts) == 1 and max_tokens is None else mini.rows(sl)
             if max_tokens is not None:
@@ -162,52 +162,48 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
     return params, opt_state, metrics
 
 
-def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: CausalLM, optimizer: Any,
-                 config: JobConfig, rng: RngState,
+def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: CausalLM, loss: ActorLoss,
+                 batching: Batching, optimizer: Any, rng: RngState,
                  value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
-    """PPO-style policy updates over ``actor.ppo_epochs`` × mini-batches of ``actor.mini_batch_rows``
-    × micro-batches of ``actor.micro_batch_rows`` (donates ``params``/``opt_state``). With
-    ``actor.skip_zero_advantage_rows``, rows whose advantages are all 0 skip the forward and
-    backward while the loss lets them (it vanishes there, and no entropy bonus or KL loss reads
-    them); the actor metrics then average over the rows that were updated."""
-    actor = config.actor
-    indices = _minibatches(len(batch.sequences), actor.mini_batch_rows, actor.ppo_epochs, rng,
+    """PPO-style policy updates of ``loss`` over ``batching.epochs`` × mini-batches × micro-batches
+    (donates ``params``/``opt_state``). With ``loss.skip_zero_advantage_rows``, rows whose
+    advantages are all 0 skip the forward and backward while the loss lets them (it vanishes
+    there, and no entropy bonus or KL loss reads them); the actor metrics then average over the
+    rows that were updated."""
+    indices = _minibatches(len(batch.sequences), batching.mini_batch_rows, batching.epochs, rng,
                            batch.advantages.device)
-    skip = (actor.skip_zero_advantage_rows and actor.entropy_coeff == 0 and actor.kl_loss_coef == 0
-            and actor.loss.vanishes_at_zero_advantage(actor, actor.loss_options))
+    skip = (loss.skip_zero_advantage_rows and loss.entropy_coeff == 0 and loss.kl_coef == 0
+            and loss.policy_loss.vanishes_at_zero_advantage)
     needed = (batch.advantages != 0).any(-1) if skip else None
-    return _update(params, opt_state, optimizer, batch, indices, _actor_loss(policy, _fixed_norm(config, batch), rng),
-                   actor.micro_batch_rows, value_and_grad, "actor", actor.loss.aggregation_of(actor.loss_agg), needed,
-                   actor.max_tokens_per_micro_batch)
+    fixed = attrs.evolve(loss, policy_loss=loss.policy_loss.with_norm(_fixed_norm(loss.policy_loss.loss_norm,
+                                                                                    batching, batch)))
+    return _update(params, opt_state, optimizer, batch, indices, _actor_loss(policy, fixed, rng), batching,
+                   value_and_grad, "actor", loss.policy_loss.aggregation, needed)
 
 
-def _fixed_norm(config: JobConfig, batch: TrainBatch) -> JobConfig:
-    """With a token budget, ``actor.loss_norm`` None (the padded length, verl's default) is fixed to
-    the batch's response width, so trimming a micro-batch's padding does not change the loss."""
-    actor = config.actor
-    if actor.max_tokens_per_micro_batch is None and config.critic.max_tokens_per_micro_batch is None:
-        return config
-    if actor.loss_norm is not None:
-        return config
-    return replace(config, actor=replace(actor, loss_norm=float(batch.sequences.response_length)))
+def _fixed_norm(norm: float | None, batching: Batching, batch: TrainBatch) -> float | None:
+    """With a token budget, a loss norm of None (the padded length, verl's default) is the batch's
+    response width, so trimming a micro-batch's padding does not change the loss. The width is
+    the batch's (responses are padded to the longest), so this is resolved per batch, not per job."""
+    if batching.max_tokens is None or norm is not None:
+        return norm
+    return float(batch.sequences.response_length)
 
 
-def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: Critic, optimizer: Any,
-                  config: JobConfig, rng: RngState,
+def critic_update(params: Params, opt_state: Any, batch: TrainBatch, *, critic: Critic, loss: ValueLoss,
+                  batching: Batching, optimizer: Any, rng: RngState,
                   value_and_grad: ValueAndGrad = pure_value_and_grad) -> tuple[Params, Any, Metrics]:
-    """Clipped value-loss updates (``critic.value_clip``) with the actor's epochs, mini- and
-    micro-batches and aggregation (donates ``params``/``opt_state``)."""
-    config = _fixed_norm(config, batch)
-    actor = config.actor
+    """Clipped value-loss updates over ``batching``'s epochs, mini- and micro-batches (donates
+    ``params``/``opt_state``)."""
+    norm = _fixed_norm(loss.norm, batching, batch)
 
     def loss_fn(p: Params, micro: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
         values = response_values(critic, p, micro.sequences)
         out = clipped_value_loss(values, micro.values, micro.returns, micro.sequences.response_mask,
-                                 clip=config.critic.value_clip, agg=actor.loss_agg, norm=actor.loss_norm)
+                                 clip=loss.clip, agg=loss.agg, norm=norm)
         return out.loss, {"vf_loss": out.loss, "vf_clipfrac": out.clipfrac}
 
-    indices = _minibatches(len(batch.sequences), actor.mini_batch_rows, actor.ppo_epochs, rng,
+    indices = _minibatches(len(batch.sequences), batching.mini_batch_rows, batching.epochs, rng,
                            batch.returns.device)
-    return _update(params, opt_state, optimizer, batch, indices, loss_fn, actor.micro_batch_rows, value_and_grad,
-                   "critic", actor.loss_agg, max_tokens=config.critic.max_tokens_per_micro_batch
-                   or actor.max_tokens_per_micro_batch)
+    return _update(params, opt_state, optimizer, batch, indices, loss_fn, batching, value_and_grad, "critic",
+                   loss.agg)

@@ -112,6 +112,26 @@ class Rank(RewardModelHost):
         self.load_reward_model()
 
 
+    def _sharded_reference(self, params: Any) -> tuple[Any, Any]:
+        """The frozen reference sharded with FSDP2 (in host memory between uses under params
+        offload): its ``(module, params)``."""
+        from purerl.executors.fsdp import shard_causal_lm
+
+        return shard_causal_lm(self.skeleton, params, mesh=self.mesh, trainable=False, offload=self.offload.params)
+
+    def _sharded_critic(self, params: Any, where: str) -> tuple[Any, Any]:
+        """The critic sharded with FSDP2 like the policy: its sharded model and params. ``where``
+        names who was given critic params without a critic model, for the error."""
+        from purerl.executors.fsdp import ShardedCritic, shard_module
+
+        if self.critic_skeleton is None:
+            raise ValueError(f"{where} was given critic params but no critic model")
+        skeleton = self.critic_skeleton
+        module, sharded = shard_module(skeleton.module, params, mesh=self.mesh, buffers=skeleton.buffers,
+                                       offload=self.offload.params, compute_dtype=skeleton.compute_dtype)
+        return ShardedCritic.of(skeleton, [(module, sharded)]), sharded
+
+
 class TrainRank(Rank):
     """One training rank: sharded params, the step function, optionally an engine (colocated),
     and the roles the placement puts on other pools (:meth:`attach_roles`)."""
@@ -142,34 +162,20 @@ class TrainRank(Rank):
     def load(self, wire_state: Any) -> None:
         """Shard a full state: policy, reference and critic through FSDP2, each optimizer state
         like its params."""
-        from purerl.executors.fsdp import (
-            ShardedCausalLM,
-            ShardedCritic,
-            shard_causal_lm,
-            shard_like,
-            shard_module,
-            sharded_value_and_grad,
-        )
+        from purerl.executors.fsdp import ShardedCausalLM, shard_causal_lm, shard_like, sharded_value_and_grad
 
         state = from_wire(wire_state)
-        offload = self.offload.params
-        module, params = shard_causal_lm(self.skeleton, state.policy, mesh=self.mesh, offload=offload)
+        module, params = shard_causal_lm(self.skeleton, state.policy, mesh=self.mesh, offload=self.offload.params)
         modules = [(module, params)]
         reference = state.reference  # a LoRA policy's is {}: its own base, adapters off
         if state.reference:
-            ref_module, reference = shard_causal_lm(self.skeleton, state.reference, mesh=self.mesh, trainable=False,
-                                                    offload=offload)
+            ref_module, reference = self._sharded_reference(state.reference)
             modules.append((ref_module, reference))
         self.model = ShardedCausalLM.of(self.skeleton, modules)
         changes = dict(policy=params, policy_opt=shard_like(state.policy_opt, params), reference=reference)
         self.critic = None
         if state.critic is not None:
-            if self.critic_skeleton is None:
-                raise ValueError("the state has critic params but the executor was given no critic model")
-            critic_module, critic = shard_module(self.critic_skeleton.module, state.critic, mesh=self.mesh,
-                                                 buffers=self.critic_skeleton.buffers, offload=offload,
-                                                 compute_dtype=self.critic_skeleton.compute_dtype)
-            self.critic = ShardedCritic.of(self.critic_skeleton, [(critic_module, critic)])
+            self.critic, critic = self._sharded_critic(state.critic, "the executor")
             changes.update(critic=critic, critic_opt=shard_like(state.critic_opt, critic))
         self.state = self._optimizers_to("cpu", replace(state, **changes))
         self.value_and_grad = sharded_value_and_grad(self.rank, self.world)
@@ -235,62 +241,60 @@ class RoleRank(Rank):
     batch's rows, like the training ranks; every rank of the pool is called, rank 0 answers."""
 
     def __init__(self, rank: int, world: int, policy: CausalLM, critic: Critic | None, threads: int,
-                 device: str) -> None:
+                 device: str, offload: Any = None) -> None:
+        from purerl.executors.fsdp import Offload
+
         torch.set_num_threads(threads)
         self.rank, self.world, self.device = rank, world, device
         self.skeleton, self.critic_skeleton = policy, critic
+        self.offload = offload or Offload()
         self.held: dict[str, Any] = {}  # "critic", "critic_opt", "reference": this pool's part of the state
 
     def load(self, wire_params: Any) -> None:
         """Shard this pool's part of the state: ``{"critic": params, "critic_opt": state}`` and/or
         ``{"reference": params}``."""
-        from purerl.executors.fsdp import (
-            ShardedCausalLM,
-            ShardedCritic,
-            shard_causal_lm,
-            shard_like,
-            shard_module,
-            sharded_value_and_grad,
-        )
+        from purerl.executors.fsdp import ShardedCausalLM, moved, shard_like, sharded_value_and_grad
 
         parts = from_wire(wire_params)
         if "critic" in parts:
-            if self.critic_skeleton is None:
-                raise ValueError("the critic's pool was given critic params but no critic model")
-            module, params = shard_module(self.critic_skeleton.module, parts["critic"], mesh=self.mesh,
-                                          buffers=self.critic_skeleton.buffers,
-                                          compute_dtype=self.critic_skeleton.compute_dtype)
-            self.critic = ShardedCritic.of(self.critic_skeleton, [(module, params)])
-            self.held.update(critic=params, critic_opt=shard_like(parts["critic_opt"], params))
+            self.critic, params = self._sharded_critic(parts["critic"], "the critic's pool")
+            opt_state = shard_like(parts["critic_opt"], params)
+            self.held.update(critic=params, critic_opt=moved(opt_state, "cpu") if self.offload.optimizer else opt_state)
         if "reference" in parts:
-            module, params = shard_causal_lm(self.skeleton, parts["reference"], mesh=self.mesh, trainable=False)
+            module, params = self._sharded_reference(parts["reference"])
             self.reference = ShardedCausalLM.of(self.skeleton, [(module, params)])
             self.held["reference"] = params
         self.value_and_grad = sharded_value_and_grad(self.rank, self.world)
 
-    def values(self, seqs: Any, config: Any) -> Any:
+    def values(self, seqs: Any, batching: Any) -> Any:
         """The critic's values of ``seqs`` (:func:`~purerl.step.experience.critic_values`)."""
         from purerl.step.experience import critic_values
 
-        out = critic_values(self.critic, self.held["critic"], self._here(seqs), config=config)
+        out = critic_values(self.critic, self.held["critic"], self._here(seqs), batching=batching)
         return to_wire(out) if self.rank == 0 else None
 
-    def update_critic(self, batch: Any, optimizer: Any, config: Any, rng: RngState) -> dict[str, float]:
-        """One critic update on the shaped ``batch`` with the step's ``optimizer``; its metrics."""
+    def update_critic(self, batch: Any, optimizer: Any, loss: Any, batching: Any, rng: RngState) -> dict[str, float]:
+        """One critic update on the shaped ``batch`` with the step's ``optimizer``, ``loss`` and
+        ``batching``; its metrics."""
+        from purerl.executors.fsdp import moved
         from purerl.step.update import critic_update
 
-        params, opt_state, metrics = critic_update(self.held["critic"], self.held["critic_opt"], self._here(batch),
-                                                   critic=self.critic, optimizer=optimizer, config=config, rng=rng,
-                                                   value_and_grad=self.value_and_grad)
-        self.held.update(critic=params, critic_opt=opt_state)
+        opt_state = self.held["critic_opt"]
+        if self.offload.optimizer:  # in host memory between updates; the update runs where the params are
+            opt_state = moved(opt_state, "cpu" if self.offload.params else self.device)
+        params, opt_state, metrics = critic_update(self.held["critic"], opt_state, self._here(batch),
+                                                   critic=self.critic, loss=loss, batching=batching,
+                                                   optimizer=optimizer, rng=rng, value_and_grad=self.value_and_grad)
+        self.held.update(critic=params, critic_opt=moved(opt_state, "cpu") if self.offload.optimizer else opt_state)
         return metrics
 
-    def reference_logprobs(self, seqs: Any, config: Any) -> Any:
-        """Log-probs of ``seqs``' responses under the reference
+    def reference_logprobs(self, seqs: Any, temperature: float, batching: Any) -> Any:
+        """Log-probs of ``seqs``' responses under the reference at ``temperature``
         (:func:`~purerl.step.experience.reference_logprobs`)."""
         from purerl.step.experience import reference_logprobs
 
-        out = reference_logprobs(self.reference, self.held["reference"], self._here(seqs), config=config)
+        out = reference_logprobs(self.reference, self.held["reference"], self._here(seqs), temperature=temperature,
+                                 batching=batching)
         return to_wire(out) if self.rank == 0 else None
 
     def full_state(self) -> Any:

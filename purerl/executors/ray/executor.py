@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from purerl.batch import Rewards, Rollout
-from purerl.config.job import ExecutorConfig
+from purerl.config.execution import ExecutorConfig
 from purerl.executors.base import EngineSlot, ExecutorError
 from purerl.executors.ray.actors import ShippedRewardFn
 from purerl.executors.ray.pools import WorkerGroups

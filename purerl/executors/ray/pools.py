@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from purerl.config.job import ExecutorConfig
+from purerl.config.execution import ExecutorConfig
 from purerl.executors.base import ExecutorError
 from purerl.executors.ray.actors import RewardWorker, RoleRank, RolloutWorker, TrainRank
 from purerl.models import CausalLM, Critic
@@ -122,7 +122,7 @@ class WorkerGroups:
         import ray
         from ray.util.placement_group import placement_group
 
-        self.config = config
+        self.config, self.offload = config, offload
         self.actors: list[tuple[Any, str]] = []
         self.pools: dict[str, Any] = {}
         self.failure: str | None = None
@@ -233,7 +233,8 @@ class WorkerGroups:
                 raise ExecutorError(f"Ray could not reserve the {pool} pool ({count} × {group.bundle_specs[0]}) within "
                                     f"{config.start_timeout:.0f} s: not enough resources in the cluster")
             ranks = [ray.remote(RoleRank).options(**self._on(pool, r)).remote(
-                r, count, policy, critic, config.threads_per_worker, config.device) for r in range(count)]
+                r, count, policy, critic, config.threads_per_worker, config.device, self.offload)
+                for r in range(count)]
             self.actors += [(a, f"{pool} rank {r}") for r, a in enumerate(ranks)]
             self._join_group(ranks, f"{pool} rank")
         except BaseException:

@@ -108,12 +108,12 @@ class RemoteCritic(_RemoteRole):
 
     pool = "critic"
 
-    def values(self, params: Any, seqs: Any, *, config: Any) -> torch.Tensor:
-        return self._tensor(self._call("values", to_wire(seqs), config))
+    def values(self, params: Any, seqs: Any, *, batching: Any) -> torch.Tensor:
+        return self._tensor(self._call("values", to_wire(seqs), batching))
 
-    def update(self, params: Any, opt_state: Any, batch: Any, *, optimizer: Any, config: Any,
+    def update(self, params: Any, opt_state: Any, batch: Any, *, optimizer: Any, loss: Any, batching: Any,
                rng: RngState) -> tuple[None, None, Mapping[str, float]]:
-        return None, None, _Answer(self._send("update_critic", to_wire(batch), optimizer, config, rng))
+        return None, None, _Answer(self._send("update_critic", to_wire(batch), optimizer, loss, batching, rng))
 
 
 class RemoteReference(_RemoteRole):
@@ -121,5 +121,5 @@ class RemoteReference(_RemoteRole):
 
     pool = "reference"
 
-    def logprobs(self, params: Any, seqs: Any, *, config: Any) -> torch.Tensor:
-        return self._tensor(self._call("reference_logprobs", to_wire(seqs), config))
+    def logprobs(self, params: Any, seqs: Any, *, temperature: float, batching: Any) -> torch.Tensor:
+        return self._tensor(self._call("reference_logprobs", to_wire(seqs), temperature, batching))

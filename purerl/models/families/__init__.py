@@ -17,12 +17,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch import Tensor
 
-from purerl.models.families import llama, llama_decode
+from purerl.models.families import llama, llama_decode, llama_packed
 from purerl.registry import Registry
 
 if TYPE_CHECKING:
     from purerl.batch import Sequences
-    from purerl.models.base import CausalLM, Params
+
+CausalLM = Any
+"""A :class:`purerl.models.base.CausalLM`: named, not imported (``base`` imports this package, so
+the dependency runs one way)."""
+Params = dict[str, Tensor]
 
 __all__ = ["Decoding", "FAMILIES", "Family", "family_of"]
 
@@ -50,8 +54,8 @@ class Family:
       default: the params themselves).
     """
 
-    supports: Callable[["CausalLM"], bool]
-    response_logits: Callable[["CausalLM", "Params", "Sequences", tuple[Tensor, Tensor] | None], Tensor]
+    supports: Callable[[CausalLM], bool]
+    response_logits: Callable[[CausalLM, Params, "Sequences", tuple[Tensor, Tensor] | None], Tensor]
     decoding: Callable[..., AbstractContextManager[Decoding]]
     decoder_weights: Callable[..., Any] = lambda model, params, **options: params
 
@@ -59,7 +63,7 @@ class Family:
 FAMILIES: Registry[Any] = Registry("model family")
 
 
-def family_of(model: "CausalLM") -> Family | None:
+def family_of(model: CausalLM) -> Family | None:
     """The first registered family that supports ``model``; None (and a log line) when none does."""
     for name in FAMILIES.names():
         if FAMILIES[name].supports(model):
@@ -69,9 +73,9 @@ def family_of(model: "CausalLM") -> Family | None:
     return None
 
 
-def _llama_response_logits(model: "CausalLM", params: "Params", seqs: "Sequences",
+def _llama_response_logits(model: CausalLM, params: Params, seqs: "Sequences",
                            shared: tuple[Tensor, Tensor] | None) -> Tensor:
-    forward = llama.packed_response_logits if model.packed else llama.response_logits
+    forward = llama_packed.packed_response_logits if model.packed else llama.response_logits
     return forward(model.computed(params), model.buffers["model.rotary_emb.inv_freq"],
                                  llama.layout_of(model.config), seqs.input_ids, seqs.attention_mask,
                                  seqs.position_ids(), seqs.response_length, shared,

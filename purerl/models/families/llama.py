@@ -12,7 +12,8 @@ covers; the others (other architectures, rope variants that rescale attention, s
 go through the HF module.
 
 Users: :func:`response_logits` (the training and scoring forward, through
-:func:`purerl.models.response_logits`) and :mod:`purerl.models.families.llama_decode` (KV-cache decoding).
+:func:`purerl.models.response_logits`), :mod:`purerl.models.families.llama_packed` (the same forward
+with no compute on padding) and :mod:`purerl.models.families.llama_decode` (KV-cache decoding).
 
 Shapes: ``b`` rows, ``s`` positions, ``H`` query heads, ``K`` key/value heads, ``D`` head size.
 """
@@ -331,93 +332,3 @@ def response_logits(
     past = [(k[inverse], v[inverse]) for k, v in kv]  # one copy of each prompt's keys and values per row
     response, _ = run(input_ids[:, p:], positions[:, p:], attention_mask(valid, p), slice(0, t - 1), past)
     return logits_of(weights, layout, torch.cat((prompt[inverse], response), 1))
-
-
-def _segments_attention(lengths: list[int], scale: float, gqa: bool,
-                        prefixes: list[list[tuple[Tensor, Tensor]]] | None = None,
-                        kept: list[list[tuple[Tensor, Tensor]]] | None = None) -> Attention:
-    """Attention over one packed stream of segments of ``lengths`` tokens: each segment attends
-    causally to itself (and, with ``prefixes[layer][segment]``, first to those keys and values),
-    never to another segment. ``kept``, when given, receives each layer's per-segment keys and
-    values (for a later stream to continue from)."""
-
-    def attention(i: int, q: Tensor, k: Tensor, v: Tensor, queries: slice | None) -> Tensor:
-        outs, layer = [], []
-        for j, (qs, ks, vs) in enumerate(zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))):
-            layer.append((ks, vs))
-            if prefixes is not None:
-                pk, pv = prefixes[i][j]
-                ks, vs = torch.cat((pk, ks), 2), torch.cat((pv, vs), 2)
-            if qs.shape[2] == 0:
-                outs.append(qs)
-                continue
-            if ks.shape[2] == qs.shape[2]:
-                outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa))
-            else:  # queries are the last of the keys: each sees the prefix and the segment up to itself
-                n, m = qs.shape[2], ks.shape[2]
-                mask = torch.ones((n, m), dtype=torch.bool, device=qs.device).tril(m - n)
-                outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa))
-        if kept is not None:
-            kept.append(layer)
-        return torch.cat(outs, 2)
-
-    return attention
-
-
-def packed_response_logits(
-    params: dict[str, Tensor],
-    inv_freq: Float[Tensor, " half"],
-    layout: LlamaLayout,
-    input_ids: Int[Tensor, "b s"],
-    valid: Bool[Tensor, "b s"],
-    positions: Int[Tensor, "b s"],
-    response_length: int,
-    shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None,
-    lora_scale: float | None = None,
-) -> Float[Tensor, "b t v"]:
-    """:func:`response_logits` with no compute on padding: the rows' valid tokens run as one
-    packed stream (``[1, T]``, each row a segment at its own positions), attention stays inside a
-    segment (one causal attention per segment), and the LM head runs only where a valid token
-    predicts a response token. Where the input at a predicting position is padding, the logits
-    are 0 (the padded forward gives numbers there that every loss masks out); elsewhere they
-    are the padded forward's, to float rounding.
-
-    ``shared``: the distinct prompts run once, packed, and each row's response segment attends to
-    its prompt's keys and values first (the prompt reuse of :func:`response_logits`, kept)."""
-    weights = fused_weights(params, layout, lora_scale)
-    scale, gqa = layout.head_dim ** -0.5, layout.heads != layout.kv_heads
-    b, s = input_ids.shape
-    t = response_length
-    p = s - t
-
-    def run(ids: Tensor, at: Tensor, mask: Tensor, prefixes: list | None = None, kept: list | None = None) -> Tensor:
-        """The decoder on the valid tokens of ``ids`` (``mask``) packed row after row; hidden ``[T, h]``."""
-        lengths = mask.sum(1).tolist()
-        flat = mask.reshape(-1)
-        rope = RotaryTable.of(inv_freq, at.reshape(-1)[flat][None], dtype=weights.embed.dtype)
-        attention = _segments_attention(lengths, scale, gqa, prefixes, kept)
-        stream = ids.reshape(-1)[flat][None]
-        return decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, stream, attention)[0]
-
-    def slots(mask: Tensor) -> Tensor:
-        """Each cell's index in the packed stream of ``mask``'s valid cells (meaningless where invalid)."""
-        return (mask.reshape(-1).cumsum(0) - 1).view(mask.shape)
-
-    cells = valid[:, p - 1:s - 1]  # the positions predicting a response token, where the input is a token
-    if shared is None:
-        picked = run(input_ids, positions, valid)[slots(valid)[:, p - 1:s - 1][cells]]
-    else:
-        first, inverse = shared
-        prompt_mask, kept = valid[first, :p], []
-        prompt_hidden = run(input_ids[first, :p], positions[first, :p], prompt_mask, kept=kept)
-        prefixes = [[layer[g] for g in inverse.tolist()] for layer in kept]
-        response_mask = valid[:, p:]
-        response_hidden = run(input_ids[:, p:], positions[:, p:], response_mask, prefixes)
-        last = prompt_hidden[slots(prompt_mask)[:, -1]][inverse]  # each row's prompt's last token
-        grid = last.new_zeros((b, t, last.shape[-1]))  # hidden states in the cells' layout
-        grid[:, 0] = last
-        grid[:, 1:][cells[:, 1:]] = response_hidden[slots(response_mask)[:, :t - 1][cells[:, 1:]]]
-        picked = grid[cells]
-    logits = logits_of(weights, layout, picked)
-    rows, cols = cells.nonzero(as_tuple=True)
-    return logits.new_zeros((b, t, logits.shape[-1])).index_put((rows, cols), logits)

@@ -1,0 +1,44 @@
+"""A job's executor: the local one (an engine per generator when asynchronous) or Ray's, which
+builds the step function on each rank from the config."""
+
+import copy
+import functools
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from purerl.assembly.stages import step_function
+from purerl.config.job import JobConfig
+from purerl.executors.base import Executor
+from purerl.executors.local import LocalExecutor
+from purerl.models import CausalLM, Critic
+from purerl.rollout.engine import make_engine
+
+__all__ = ["make_executor"]
+
+
+def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any]) -> Executor:
+    """The local executor (with an engine per generator when asynchronous), or the Ray one,
+    which builds the step function on each rank from the config."""
+    rollout, executor = config.rollout, config.executor
+    if executor.kind == "local":
+        engine = make_engine(rollout.engine, model, device=config.model.device, **options)
+        generators = []
+        for _ in range(config.asynchronous.generators if config.asynchronous.enable else 0):
+            own = attrs.evolve(model, module=copy.deepcopy(model.module))  # no module shared with another thread
+            generators.append(make_engine(rollout.engine, own, device=config.model.device, **options))
+        return LocalExecutor(step_function(config), model, engine, generator_engines=generators, critic=critic,
+                             reward_model=config.reward.model)
+    from purerl.executors.ray import RayExecutor
+
+    ray_init = {"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir else None
+    from purerl.executors.fsdp import Offload
+
+    ray_executor = RayExecutor(None, model, engine_kwargs=options, config=executor, engine=rollout.engine,
+                               reward_model=config.reward.model, ray_init=ray_init, critic=critic,
+                               make_step_fn=functools.partial(step_function, config),
+                               offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
+                               generators=config.asynchronous.generators if config.asynchronous.enable else 0,
+                               generate_timeout=config.asynchronous.generate_timeout)
+    return ray_executor

@@ -1,0 +1,120 @@
+"""A job's models and first state: the policy (float32 masters computing in ``model.dtype``, LoRA
+when asked), the critic, the train state at step 0 and the rollout engine's options."""
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from purerl.assembly.data import decoder_of
+from purerl.assembly.stages import actor_optimizer, critic_optimizer, kl_controller_of
+from purerl.config.job import JobConfig
+from purerl.data.records import DataError
+from purerl.models import (
+    CausalLM,
+    Critic,
+    Params,
+    cast_floating,
+    causal_lm_from_config,
+    critic_from_causal_lm,
+    load_causal_lm,
+    smollm2_gguf,
+)
+from purerl.models.lora import LoraSpec, apply_lora
+from purerl.state import TrainState
+from purerl.tiny import char_tokenizer, tiny_llama_config
+from purerl.tree import tree_clone
+
+__all__ = ["compute_dtype", "driver_device", "engine_options", "initial_state", "load_critic", "load_policy"]
+
+
+def driver_device(config: JobConfig) -> str:
+    """Where this process keeps the weights: ``model.device`` for the local executor; the CPU under
+    Ray, whose workers take GPUs through ``executor.gpus_per_worker`` (the driver only ships them)."""
+    return config.model.device if config.executor.kind == "local" else "cpu"
+
+
+def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
+    """The policy (``model.path``, the default GGUF, or a tiny random one) and its tokenizer: float32
+    master weights, computing in ``model.dtype``."""
+    if config.model.tiny:
+        tokenizer = char_tokenizer()
+        context = {"max_position_embeddings": max(256, config.env.max_tokens)} if config.env.multi_turn else {}
+        model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64, **context),
+                                              seed=config.trainer.seed, device=driver_device(config))
+        return (*_adapted(config, model, params), tokenizer)
+    from transformers import AutoTokenizer
+
+    path = Path(config.model.path) if config.model.path else smollm2_gguf()
+    if path.suffix == ".gguf":
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    model, params = load_causal_lm(path, device=driver_device(config))
+    return (*_adapted(config, model, params), tokenizer)
+
+
+def compute_dtype(config: JobConfig) -> torch.dtype | None:
+    """The dtype the forwards compute in when it is not the float32 of the master weights."""
+    return None if config.model.dtype == "float32" else getattr(torch, config.model.dtype)
+
+
+def _adapted(config: JobConfig, model: CausalLM, params: Params) -> tuple[CausalLM, Params]:
+    """``model`` computing in ``model.dtype`` (mixed precision: the float32 ``params`` stay the
+    masters); with ``actor.packed_forwards``, its training forwards packed; with
+    ``actor.lora_rank``, the LoRA policy on that base (held in the compute dtype: it is never
+    updated) and its float32 adapters."""
+    actor = config.actor
+    model = attrs.evolve(model, packed=actor.packed_forwards, compute_dtype=compute_dtype(config))
+    if not actor.lora_rank:
+        return model, params
+    try:
+        model, adapters = apply_lora(model, params, LoraSpec(actor.lora_rank, actor.lora_alpha,
+                                                             tuple(actor.lora_targets)), seed=config.trainer.seed)
+    except ValueError as err:
+        raise DataError(f"actor.lora_targets: {err}") from None
+    return attrs.evolve(model, frozen=cast_floating(model.frozen, model.compute_dtype)), adapters
+
+
+def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Critic | None, Params | None]:
+    """The value model when the estimator reads values: a zero value head on a copy of the policy's
+    backbone (a LoRA policy's base), or on the base of ``critic.model``, packed with
+    ``actor.packed_forwards``; (None, None) otherwise."""
+    if not config.algorithm.estimator.needs_values:
+        return None, None
+    params = params if model.lora is None else model.frozen
+    if config.critic.model:
+        policy_vocab = model.config.vocab_size
+        model, params = load_causal_lm(Path(config.critic.model), device=driver_device(config))
+        if model.config.vocab_size < policy_vocab:
+            raise DataError(f"critic.model {config.critic.model}: vocabulary of {model.config.vocab_size} tokens, "
+                            f"smaller than the policy's {policy_vocab}: it cannot read the policy's token ids")
+    critic, critic_params = critic_from_causal_lm(model, params)
+    critic_params = {k: v.float() for k, v in critic_params.items()}  # masters (a LoRA base is held narrower)
+    return attrs.evolve(critic, packed=config.actor.packed_forwards, compute_dtype=compute_dtype(config)), critic_params
+
+
+def initial_state(config: JobConfig, params: Params, critic_params: Params | None = None) -> TrainState:
+    """Step 0: the policy and its optimizer state, a frozen reference copy when a KL term reads it
+    (with LoRA, ``{}``: the base itself, no copy), the critic and its optimizer state when there is
+    one, the KL controller, RNG and data cursor."""
+    reference = None
+    if config.actor.kl_loss_coef > 0 or config.algorithm.use_kl_in_reward:  # frozen: kept as it computes
+        reference = {} if config.actor.lora_rank else tree_clone(cast_floating(params, compute_dtype(config)))
+    state = TrainState.initial(params, actor_optimizer(config), kl_controller_of(config), seed=config.trainer.seed,
+                               reference=reference)
+    if critic_params is not None:
+        state = attrs.evolve(state, critic=critic_params, critic_opt=critic_optimizer(config).init(critic_params))
+    return state
+
+
+def engine_options(config: JobConfig, model: CausalLM, tokenizer: Any) -> dict[str, Any]:
+    """The rollout engine's keyword arguments: end-of-sequence and padding ids, ``decode``, and
+    ``rollout.engine_options``."""
+    eos_id = model.config.eos_token_id
+    eos = {tokenizer.eos_token_id, *([eos_id] if isinstance(eos_id, int) else (eos_id or []))}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return dict(eos_token_ids=sorted(e for e in eos if e is not None), pad_token_id=pad, decode=decoder_of(tokenizer),
+                **config.rollout.engine_options)

@@ -1,0 +1,146 @@
+"""A job's config as the bound settings of its stages: each function returns one piece, read from
+the sections that own its settings, on the resolved config (:func:`purerl.config.rules.resolve`,
+so derived values such as the critic's token budget are decided in one place).
+
+A script that builds a step by hand uses :func:`policy_loss` and :func:`advantage_estimator`,
+which take the settings they change and the sections' defaults for the rest::
+
+    loss = ActorLoss(policy_loss("cispo", clip_low=1.0), entropy_coeff=1e-3)
+    shaping = Shaping(advantage_estimator("rloo"))
+"""
+
+import functools
+from typing import Any
+
+import attrs
+
+from purerl.algo.estimators import BoundEstimator
+from purerl.algo.kl_control import make_kl_controller
+from purerl.algo.policy_loss import BoundPolicyLoss
+from purerl.config.job import JobConfig
+from purerl.config.rules import resolve
+from purerl.config.sections import ActorConfig, AlgorithmConfig, LossOptions
+from purerl.loop.sampling import BatchPlan
+from purerl.optim import Optimizer, adamw, chain, clip_by_global_norm, warmup_cosine_schedule
+from purerl.step.recipes import StepFn, grpo_step, ppo_step
+from purerl.step.settings import ActorLoss, Batching, ExperienceSettings, Shaping, ValueLoss
+
+__all__ = ["actor_batching_of", "actor_loss_of", "actor_optimizer", "advantage_estimator", "batch_plan_of",
+           "critic_batching_of", "critic_optimizer", "experience_settings_of", "kl_controller_of", "policy_loss",
+           "shaping_of", "stage_settings_of", "step_function", "value_loss_of"]
+
+
+def policy_loss(name: str, **settings: Any) -> BoundPolicyLoss:
+    """The policy loss ``name`` closed over ``settings`` (``clip_low``, ``loss_agg``, ``tau_pos``, …:
+    the ``actor`` and ``actor.loss_options`` keys it reads), the sections' defaults for the rest,
+    each checked as the config checks it. A setting it does not read raises ``ValueError``
+    (``PolicyLoss.bound`` is given it, and names it)."""
+    actor_keys, option_keys = attrs.fields_dict(ActorConfig), attrs.fields_dict(LossOptions)
+    actor = ActorConfig(policy_loss=name, **{k: v for k, v in settings.items() if k in actor_keys})
+    options = LossOptions(**{k: v for k, v in settings.items() if k in option_keys})
+    reads = {*actor.loss.settings, "loss_agg", "loss_norm"}
+    return actor.loss.bound(actor, options, **{k: v for k, v in settings.items() if k not in reads})
+
+
+def advantage_estimator(name: str, **settings: Any) -> BoundEstimator:
+    """The advantage estimator ``name`` closed over ``settings`` (``gamma``, ``lam``, …: the
+    ``algorithm`` keys it reads), the section's defaults for the rest; one it does not read
+    raises ``ValueError``."""
+    keys = attrs.fields_dict(AlgorithmConfig)
+    algorithm = AlgorithmConfig(adv_estimator=name, **{k: v for k, v in settings.items() if k in keys})
+    reads = set(algorithm.estimator.settings)
+    return algorithm.estimator.bound(algorithm, **{k: v for k, v in settings.items() if k not in reads})
+
+
+def actor_batching_of(config: JobConfig) -> Batching:
+    actor = config.actor
+    return Batching(actor.micro_batch_rows, actor.max_tokens_per_micro_batch, actor.mini_batch_rows, actor.ppo_epochs)
+
+
+def critic_batching_of(config: JobConfig) -> Batching:
+    """The actor's epochs, mini- and micro-batches of rows, the critic's own token budget."""
+    return attrs.evolve(actor_batching_of(config), max_tokens=resolve(config).critic.max_tokens_per_micro_batch)
+
+
+def experience_settings_of(config: JobConfig) -> ExperienceSettings:
+    resolved = resolve(config)
+    return ExperienceSettings(temperature=config.rollout.temperature, batching=actor_batching_of(config),
+                              critic_batching=critic_batching_of(config),
+                              recompute_old_logprobs=resolved.actor.recompute_old_logprobs,
+                              sum_pi_squared=config.algorithm.estimator.needs_sum_pi_squared)
+
+
+def shaping_of(config: JobConfig) -> Shaping:
+    algorithm = resolve(config).algorithm
+    return Shaping(algorithm.estimator.bound(algorithm), algorithm.kl_penalty if algorithm.use_kl_in_reward else None,
+                   algorithm.rollout_correction, algorithm.correction_cap)
+
+
+def actor_loss_of(config: JobConfig) -> ActorLoss:
+    actor = config.actor
+    return ActorLoss(actor.loss.bound(actor, actor.loss_options), temperature=config.rollout.temperature,
+                     entropy_coeff=actor.entropy_coeff, compute_entropy=actor.compute_entropy,
+                     kl_coef=actor.kl_loss_coef, kl_type=actor.kl_loss_type,
+                     skip_zero_advantage_rows=actor.skip_zero_advantage_rows)
+
+
+def value_loss_of(config: JobConfig) -> ValueLoss:
+    """The critic's clip; the actor's aggregation."""
+    return ValueLoss(config.critic.value_clip, config.actor.loss_agg, config.actor.loss_norm)
+
+
+def _optimizer(lr: float, warmup: int, config: JobConfig, grad_clip: float) -> Optimizer:
+    steps = config.trainer.steps
+    schedule = warmup_cosine_schedule(lr, min(warmup, steps - 1), steps, final_lr=lr * config.actor.min_lr_ratio)
+    return chain(clip_by_global_norm(grad_clip), adamw(schedule, weight_decay=config.actor.weight_decay))
+
+
+def actor_optimizer(config: JobConfig) -> Optimizer:
+    """Global-norm clipping (``actor.grad_clip``) and AdamW with a warm-up cosine schedule."""
+    actor = config.actor
+    return _optimizer(actor.lr, actor.warmup_steps, config, actor.grad_clip)
+
+
+def critic_optimizer(config: JobConfig) -> Optimizer:
+    """The critic's: its own learning rate, warm-up and clipping, the actor's decay and floor."""
+    critic = config.critic
+    return _optimizer(critic.lr, critic.warmup_steps, config, critic.grad_clip)
+
+
+def kl_controller_of(config: JobConfig) -> Any:
+    """The controller of the KL penalty in the reward (coefficient 0 when there is none)."""
+    algorithm = config.algorithm
+    ctrl = algorithm.kl_ctrl
+    return make_kl_controller(ctrl.type, coef=ctrl.kl_coef if algorithm.use_kl_in_reward else 0.0,
+                              target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+
+
+def stage_settings_of(config: JobConfig) -> dict[str, Any]:
+    """The settings :func:`~purerl.step.recipes.grpo_step` takes (``experience``, ``shaping``,
+    ``loss``, ``batching``) and, when the estimator reads values, those :func:`~purerl.step.recipes.ppo_step`
+    adds (``critic_loss``, ``critic_batching``, ``critic_warmup``); optimizers and KL controller apart."""
+    settings: dict[str, Any] = dict(experience=experience_settings_of(config), shaping=shaping_of(config),
+                                    loss=actor_loss_of(config), batching=actor_batching_of(config))
+    if config.algorithm.estimator.needs_values:
+        settings.update(critic_loss=value_loss_of(config), critic_batching=critic_batching_of(config),
+                        critic_warmup=config.trainer.critic_warmup)
+    return settings
+
+
+def step_function(config: JobConfig) -> StepFn:
+    """The step the config selects: PPO with a critic when the estimator reads values, else the
+    critic-free step; every stage's settings, the optimizers and the KL controller bound. A
+    picklable way to build it anywhere (a Ray rank): ``functools.partial(step_function, config)``."""
+    common = dict(stage_settings_of(config), optimizer=actor_optimizer(config), kl_controller=kl_controller_of(config))
+    if config.algorithm.estimator.needs_values:
+        return functools.partial(ppo_step, critic_optimizer=critic_optimizer(config), **common)
+    return functools.partial(grpo_step, **common)
+
+
+def batch_plan_of(config: JobConfig) -> BatchPlan:
+    """How the loops sample and score a step's batch."""
+    algorithm, trainer = config.algorithm, config.trainer
+    return BatchPlan(config.rollout, config.data.prompts_per_step, config.reward,
+                     greedy_baselines=algorithm.estimator.needs_baselines, dynamic_sampling=algorithm.dynamic_sampling,
+                     max_sampling_rounds=algorithm.max_sampling_rounds, samples_per_step=trainer.samples_per_step,
+                     sample_chars=trainer.sample_chars)

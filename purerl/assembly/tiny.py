@@ -1,0 +1,26 @@
+"""A tiny job for scripts, examples and tests: a model, engine and task that train in seconds."""
+
+from types import SimpleNamespace
+
+from purerl.data.math_problems import math_problems
+from purerl.data.records import encode_prompts
+from purerl.loop.task import Task
+from purerl.models import causal_lm_from_config
+from purerl.rewards import lenient_math_reward
+from purerl.rollout.backends.torch import TorchEngine
+from purerl.tiny import char_tokenizer, tiny_llama_config
+
+__all__ = ["tiny_math"]
+
+
+def tiny_math(problems: int = 32, *, seed: int = 0) -> SimpleNamespace:
+    """What a script or test trains in seconds: a tiny random Llama (``model``, ``params``) with its
+    character ``tokenizer``, an embedded ``engine`` over it, and a ``task`` of ``problems``
+    procedural math problems scored by the lenient reward (a namespace of those five)."""
+    tokenizer = char_tokenizer()
+    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer)), seed=seed)
+    records = math_problems(problems, seed=seed)
+    task = Task(encode_prompts(records, tokenizer, max_prompt_tokens=160).ids, records, lenient_math_reward,
+                tokenizer.decode)
+    engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
+    return SimpleNamespace(model=model, params=params, tokenizer=tokenizer, engine=engine, task=task)

@@ -1,0 +1,151 @@
+"""The sections of a job's configuration that say how it runs rather than what it learns: where
+each role lives and on what (:class:`ExecutorConfig`, :data:`PLACEMENTS`) and whether generation
+overlaps training (:class:`AsyncConfig`). Executors and the asynchronous loop take these sections.
+"""
+
+import math
+from typing import Any
+
+import attrs
+
+from purerl.checks import at_least, positive
+from purerl.config.loading import ConfigError, boolean, one_of, section
+
+__all__ = ["PLACEMENTS", "POOLS", "AsyncConfig", "ExecutorConfig"]
+
+
+POOLS = ("train", "rollout", "reward", "critic", "reference")
+
+PLACEMENTS = {
+    "split": {"rollout": "rollout", "reference": "train", "critic": "train", "reward_model": "reward"},
+    "colocated": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "reward"},
+    "hybrid_engine": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "reward"},
+    "fully_collocated": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "train"},
+    "split_collocate": {"rollout": "rollout", "reference": "train", "critic": "critic", "reward_model": "critic"},
+    "standalone": {"rollout": "rollout", "reference": "reference", "critic": "critic", "reward_model": "reward"},
+}
+"""Where each role lives under each ``executor.placement``: the pool (``train`` is the actor's).
+``colocated`` = ``hybrid_engine`` (verl's); ``split_collocate``: OpenRLHF's default."""
+
+
+def _pool_resources(_: Any, attribute: Any, value: dict) -> None:
+    for pool, resources in value.items():
+        if pool not in POOLS:
+            raise ConfigError(f"executor.pool_resources: no pool {pool!r} (pools: {', '.join(POOLS)})")
+        if not isinstance(resources, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in resources.items()):
+            raise ConfigError(f"executor.pool_resources.{pool}: a table of resource names to amounts > 0, "
+                              f"got {resources!r}")
+
+
+@section
+class ExecutorConfig:
+    """``local``: one process; ``ray``: FSDP2 training ranks, rollout workers (``split``) or the
+    ranks generating (``colocated``), reward workers.
+
+    ``ray_address``: None starts a private local Ray instance; ``auto`` or ``host:port`` joins a
+    running cluster. Each worker gets a bundle of ``cpus_per_worker`` CPUs (and as many torch
+    threads) and ``gpus_per_worker`` GPUs (CUDA when > 0); reward workers ``reward_gpus_per_worker``
+    (they hold the reward model, scoring ``reward_batch_size`` texts at a time). Weights travel
+    in buckets of ``bucket_bytes``, sha256-checked with ``sync_checksum``. ``step_timeout``,
+    ``sync_timeout`` and ``start_timeout`` (seconds) bound a step, a weight sync and starting the
+    workers: a worker silent longer ends the run, naming it. ``pool_resources``: custom Ray
+    resources that each worker of a pool (``train``, ``rollout``, ``reward``, ``critic``,
+    ``reference``) asks for besides
+    its CPUs and GPUs, to pin roles to nodes (start the generating nodes with
+    ``ray start --resources='{"rollout_node": 8}'`` and set ``pool_resources.rollout.rollout_node = 1``).
+
+    ``placement`` names where each role lives (:data:`PLACEMENTS`): ``split`` (default: rollout
+    workers apart), ``colocated`` = ``hybrid_engine`` (the ranks generate), ``fully_collocated``
+    (every role on the ranks, the reward model too), ``split_collocate`` (the critic and the reward
+    model on a ``critic`` pool of ``critic_workers``), ``standalone`` (the critic on a ``critic``
+    pool, the reference on a ``reference`` pool of ``reference_workers``, the reward model on the
+    reward workers). A pool of several workers shards its role with FSDP2 like the ranks."""
+
+    kind: str = attrs.field(default="local", validator=one_of(("local", "ray"), "executor"))
+    ray_address: str | None = None
+    placement: str = attrs.field(default="split", validator=one_of(tuple(PLACEMENTS), "placement"))
+    train_ranks: int = attrs.field(default=2, validator=at_least(1))
+    rollout_workers: int = attrs.field(default=1, validator=at_least(1))
+    reward_workers: int = attrs.field(default=0, validator=at_least(0))
+    critic_workers: int = attrs.field(default=1, validator=at_least(1))
+    reference_workers: int = attrs.field(default=1, validator=at_least(1))
+    gpus_per_worker: float = attrs.field(default=0.0, validator=at_least(0))
+    cpus_per_worker: float = attrs.field(default=1.0, validator=positive)
+    reward_gpus_per_worker: float = attrs.field(default=0.0, validator=at_least(0))
+    reward_batch_size: int = attrs.field(default=16, validator=at_least(1))
+    sync_checksum: bool = False
+    bucket_bytes: int = attrs.field(default=64 << 20, validator=at_least(1))
+    step_timeout: float = attrs.field(default=3600.0, validator=positive)
+    sync_timeout: float = attrs.field(default=600.0, validator=positive)
+    start_timeout: float = attrs.field(default=300.0, validator=positive)
+    ray_temp_dir: str | None = None
+    pool_resources: dict[str, dict[str, float]] = attrs.field(factory=dict, validator=_pool_resources)
+
+    @property
+    def device(self) -> str:
+        """Where the Ray workers compute: CUDA when they are given GPUs."""
+        return "cuda" if self.gpus_per_worker > 0 else "cpu"
+
+    @property
+    def threads_per_worker(self) -> int:
+        return max(1, math.floor(self.cpus_per_worker))
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """``{role: pool}`` for the rollout, the reference, the critic and the reward model."""
+        return PLACEMENTS[self.placement]
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the training ranks generate (no rollout pool)."""
+        return self.roles["rollout"] == "train"
+
+    @property
+    def workers(self) -> int:
+        """Ray actors at most: training ranks, rollout workers (not colocated), reward workers and
+        the critic's and the reference's pools (when the placement has them)."""
+        pools = set(self.roles.values())
+        return (self.train_ranks + (0 if self.colocated else self.rollout_workers) + self.reward_workers
+                + (self.critic_workers if "critic" in pools else 0)
+                + (self.reference_workers if "reference" in pools else 0))
+
+
+@section
+class AsyncConfig:
+    """``enable``: a generator samples with published weights while the trainer updates.
+
+    ``max_staleness = k``: a batch sampled with weights version ``v`` may be trained on by the
+    trainer at version ``≤ v + k``. ``stale_policy``: ``wait``, a generator does not start the
+    batch of step ``i`` before version ``i − 1 − k`` is published, so no batch is ever too stale
+    (``k = 0`` is the synchronous trainer, step for step); ``drop``, generators never wait for
+    weights and the trainer drops (and counts) the batches that are too stale.
+    ``queue_batches``: the bound of the queue: at most ``queue_batches + 1`` batches are under way
+    or waiting for the trainer (generators stop taking prompts meanwhile), so at most
+    ``queue_batches`` wait when the trainer takes one.
+
+    ``generators``: independent generator loops, each with its engine (locally, a model copy of
+    its own; on Ray, its share of the rollout workers), taking the next ``groups_per_call``
+    prompt groups (0: a step's prompts shared equally among the generators) from one cursor and
+    handing them in as they finish; the trainer takes each step's groups in prompt order.
+    A generator that fails is restarted (on Ray, with new rollout workers) after a back-off of
+    ``restart_backoff_s`` doubling each time, its groups handed out again, up to ``restarts``
+    times in the run; then the run fails, naming it. The run folder's ``status.json`` is
+    rewritten every ``status_every_s`` seconds. ``interruptible``: a generator that sees newer
+    weights published mid-generation stops, keeps the tokens sampled so far (with their
+    log-probs), loads the new weights and continues the open rows (:mod:`purerl.rollout.partial`;
+    the embedded engine only). ``generate_timeout``: on Ray, seconds a generator's workers may
+    take for one generate call before the generator counts as failed and is restarted (None:
+    ``executor.step_timeout``)."""
+
+    enable: bool = False
+    max_staleness: int = attrs.field(default=1, validator=at_least(0))
+    stale_policy: str = attrs.field(default="wait", validator=one_of(("wait", "drop"), "stale policy"))
+    queue_batches: int = attrs.field(default=2, validator=at_least(1))
+    generators: int = attrs.field(default=1, validator=at_least(1))
+    groups_per_call: int = attrs.field(default=0, validator=at_least(0))
+    restarts: int = attrs.field(default=3, validator=at_least(0))
+    restart_backoff_s: float = attrs.field(default=1.0, validator=at_least(0))
+    status_every_s: float = attrs.field(default=5.0, validator=positive)
+    interruptible: bool = attrs.field(default=False, validator=boolean)
+    generate_timeout: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive))

