@@ -9,9 +9,11 @@ scripts of their own::
     summary = run(config, "runs/ppo")
 """
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,7 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     if resume and not check_resume_config(run_dir, recorded, MAY_CHANGE_ON_RESUME):
         print(f"--resume: {run_dir} records no settings (config.json) in this layout to check against", flush=True)
     wall_start = time.time()
+    phases: dict[str, float] = {}
     train_records, eval_records, data_counts = load_records_of(config)
     reward_fn = reward_of(config)
     model, params, tokenizer = load_policy(config)
@@ -96,24 +99,41 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
                         "does): set env.sft_steps=0")
     critic, critic_params = load_critic(config, model, params)
     state = initial_state(config, params, critic_params)
+    phases["load"] = time.time() - wall_start
     for leftover in folder.begin(overwrite=overwrite):
         print(f"removed {leftover}, an unfinished checkpoint write", flush=True)
     if not resume or not (run_dir / "config.json").exists():
         save_run_config(run_dir, recorded)
     sft: dict[str, Any] = {}
     if config.env.sft_steps and not (resume and latest_checkpoint(run_dir / "checkpoints") is not None):
-        state, sft = _warm_up(config, state, model, options, train_task, eval_task)
+        with _timed(phases, "sft"):
+            state, sft = _warm_up(config, state, model, options, train_task, eval_task)
     with make_executor(config, model, critic, options) as executor:
-        summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop)
+        summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop, phases)
         state = summary.pop("_state")
-        policy = executor.full_state(state).policy
-        export = export_hf(model, policy, run_dir / "export", tokenizer)
-        adapter = {}
-        if model.lora is not None:
-            base = str(config.model.path or ("tiny" if config.model.tiny else smollm2_gguf()))
-            adapter = {"adapter": str(export_peft(model, policy, run_dir / "adapter", base_model=base))}
-    return {**summary, **counts, **data_counts, **sft, "wall_seconds": time.time() - wall_start, "export": str(export),
-            **adapter, "config": recorded}
+        with _timed(phases, "export"):
+            policy = executor.full_state(state).policy
+            export = export_hf(model, policy, run_dir / "export", tokenizer)
+            adapter = {}
+            if model.lora is not None:
+                base = str(config.model.path or ("tiny" if config.model.tiny else smollm2_gguf()))
+                adapter = {"adapter": str(export_peft(model, policy, run_dir / "adapter", base_model=base))}
+    wall = time.time() - wall_start
+    phases["other"] = wall - sum(phases.values())
+    print("wall " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + f": {wall:.1f} s", flush=True)
+    return {**summary, **counts, **data_counts, **sft, "wall_seconds": wall,
+            "phase_seconds": {k: round(v, 3) for k, v in phases.items()}, "export": str(export), **adapter,
+            "config": recorded}
+
+
+@contextlib.contextmanager
+def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall seconds to ``phases[name]``."""
+    start = time.time()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.time() - start
 
 
 def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dict[str, Any], train_task: Task,
@@ -156,9 +176,11 @@ def _read_baseline(path: Path) -> float | None:
 
 
 def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor: Executor, state: TrainState,
-                        train_task: Task, eval_task: Task, stop: threading.Event | None) -> dict[str, Any]:
+                        train_task: Task, eval_task: Task, stop: threading.Event | None,
+                        phases: dict[str, float]) -> dict[str, Any]:
     """Baseline evaluation (or resume), training, final evaluation; the summary, with the final
-    (driver's) state under ``_state``."""
+    (driver's) state under ``_state``. Adds the seconds of the executor's start, the evaluations and
+    the training (evaluations left out) to ``phases``."""
     log = MetricsLog(run_dir, tuple(config.trainer.log), config=to_dict(config))
 
     def evaluate_on_engine(state: TrainState) -> dict[str, Any]:
@@ -173,19 +195,21 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
         if state.step in evaluated:
             return dict(evaluated[state.step])
         broken = set(getattr(executor, "broken", ()))  # Ray: generators waiting for new workers
-        try:
-            result = evaluate_on_engine(state)
-        except ExecutorError:
-            if set(getattr(executor, "broken", ())) == broken:
-                raise
-            result = evaluate_on_engine(state)  # a generator's workers died under it: once more, on another's
+        with _timed(phases, "evaluate"):
+            try:
+                result = evaluate_on_engine(state)
+            except ExecutorError:
+                if set(getattr(executor, "broken", ())) == broken:
+                    raise
+                result = evaluate_on_engine(state)  # a generator's workers died under it: once more, on another's
         evaluated.clear()
         evaluated[state.step] = result
         return dict(result)
 
     baseline = run_dir / "baseline.json"
     if resume and (checkpoint := latest_checkpoint(run_dir / "checkpoints")) is not None:
-        state = executor.start(load_checkpoint(checkpoint, state))
+        with _timed(phases, "start"):
+            state = executor.start(load_checkpoint(checkpoint, state))
         _write_workers(executor, run_dir)
         log.truncate_after(state.step)
         before = _read_baseline(baseline)
@@ -194,7 +218,8 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
               flush=True)
     else:
         log.clear()
-        state = executor.start(state)
+        with _timed(phases, "start"):
+            state = executor.start(state)
         _write_workers(executor, run_dir)
         first = evaluate_fn(state)
         record_reward_errors(run_dir, 0, first)
@@ -207,10 +232,13 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
     report = None
     common = dict(executor=executor, task=train_task, plan=batch_plan_of(config), trainer=config.trainer,
                   run_dir=run_dir, log=log, evaluate_fn=evaluate_fn, stop=stop)
+    evaluating = phases.get("evaluate", 0.0)
+    train_start = time.time()
     if config.asynchronous.enable:
         state, report = train_async(state, asynchronous=config.asynchronous, **common)
     else:
         state = train(state, **common)
+    phases["train"] = time.time() - train_start - (phases.get("evaluate", 0.0) - evaluating)
     log.close()
     records = MetricsLog.read(log.path)
     if records and "val/accuracy" in records[-1]:
