@@ -8,6 +8,8 @@ import pytest
 import torch
 
 torch.use_deterministic_algorithms(True)
+# the GGUF's conversion (purerl.models.gguf_cache) shared by the workers and kept between runs, not in ~/.cache
+os.environ.setdefault("PURERL_CACHE", os.path.join(tempfile.gettempdir(), "purerl-test-cache"))
 
 
 @pytest.fixture(scope="session")

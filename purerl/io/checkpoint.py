@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from purerl.tree import tree_flatten, tree_paths, tree_unflatten
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriter",
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
@@ -96,17 +98,69 @@ def save_checkpoint(root: str | Path, state: Any, *, step: int, keep: int | None
 
     ``metadata`` (JSON-serialisable) is stored in the manifest for humans and tools.
     """
-    root = Path(root)
+    return _write_checkpoint(Path(root), step, *_host_leaves(state, copy=False), keep, metadata)
+
+
+class CheckpointWriter:
+    """Checkpoints written behind the training, one at a time.
+
+    :meth:`save` copies the state's tensors to host memory (the trainer may update them in place
+    right after) and writes them on a thread of their own, as :func:`save_checkpoint` would; it
+    first waits for the write before it. :meth:`wait` returns the newest checkpoint written and
+    raises the :class:`CheckpointError` of a write that failed (the checkpoints before it are
+    intact). The thread is not a daemon: a process that ends with a write in flight finishes it."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._written: Path | None = None
+        self._error: BaseException | None = None
+
+    def save(self, root: str | Path, state: Any, *, step: int, keep: int | None = 3,
+             metadata: dict[str, Any] | None = None) -> Path:
+        """Start writing ``state`` to ``<root>/step_<step>``; returns that path."""
+        self.wait()
+        entries, tensors = _host_leaves(state, copy=True)
+
+        def write() -> None:
+            try:
+                self._written = _write_checkpoint(Path(root), step, entries, tensors, keep, metadata)
+            except BaseException as err:  # noqa: BLE001 - handed to the thread that waits
+                self._error = err
+
+        self._thread = threading.Thread(target=write, name=f"purerl-checkpoint-{step}")
+        self._thread.start()
+        return Path(root) / f"step_{step:08d}"
+
+    def wait(self) -> Path | None:
+        """Block until the write in flight (if any) is done; the newest written checkpoint."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._written
+
+
+def _host_leaves(state: Any, *, copy: bool) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """The manifest entries of ``state``'s leaves and its tensors on the host (``copy``: never
+    sharing storage with the state, as a write behind the training needs)."""
+    entries, tensors = [], {}
+    for path, leaf in tree_paths(state):
+        entries.append(_leaf_entry(path, leaf))
+        if isinstance(leaf, torch.Tensor):
+            tensors[path] = leaf.detach().to("cpu", copy=copy).contiguous()
+    return entries, tensors
+
+
+def _write_checkpoint(root: Path, step: int, entries: list[dict[str, Any]], tensors: dict[str, torch.Tensor],
+                      keep: int | None, metadata: dict[str, Any] | None) -> Path:
+    """The checkpoint folder written whole (a temporary sibling renamed), then the oldest beyond ``keep`` removed."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    entries, tensors = [], {}
-    for path, leaf in tree_paths(state):
-        entries.append(_leaf_entry(path, leaf))
-        if isinstance(leaf, torch.Tensor):
-            tensors[path] = leaf.detach().to("cpu").contiguous()
     try:
         _write(tmp, tensors, entries, step, metadata)
     except Exception as err:  # a full disk: safetensors' SafetensorError or an OSError; the last checkpoint stands

@@ -11,7 +11,7 @@ from typing import Any
 
 from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
-from purerl.io.checkpoint import list_checkpoints, save_checkpoint
+from purerl.io.checkpoint import CheckpointError, CheckpointWriter, list_checkpoints
 from purerl.io.metrics import MetricsLog
 from purerl.state import TrainState
 
@@ -92,15 +92,20 @@ class StepRecorder:
 
         self.executor, self.trainer, self.run_dir, self.log, self.evaluate_fn = executor, trainer, run_dir, log, evaluate_fn
         self.stop, self.saved, self.first_step = stop, None, state.step
+        self.writer = CheckpointWriter()
         self.rejected_in_a_row = self.failed_rewards_in_a_row = 0
         self.bar = tqdm(total=trainer.steps, initial=state.step, disable=not trainer.progress, unit="step",
                         dynamic_ncols=True)
 
-    def _save(self, state: TrainState) -> Path:
+    def _save(self, state: TrainState, *, wait: bool = True) -> Path:
+        """Checkpoint ``state`` (once per step); ``wait``: until it is on disk, else written behind
+        the next steps (a failed write raises at the next checkpoint or at the end)."""
         if self.saved is None or self.saved[0] != state.step:
-            path = save_checkpoint(Path(self.run_dir) / "checkpoints", self.executor.full_state(state),
-                                   step=state.step, keep=self.trainer.keep_checkpoints)
+            path = self.writer.save(Path(self.run_dir) / "checkpoints", self.executor.full_state(state),
+                                    step=state.step, keep=self.trainer.keep_checkpoints)
             self.saved = state.step, path
+        if wait:
+            self.writer.wait()
         return self.saved[1]
 
     def check(self, state: TrainState) -> None:
@@ -126,11 +131,20 @@ class StepRecorder:
 
     def __exit__(self, *exc: Any) -> None:
         self.bar.close()
+        try:
+            self.writer.wait()  # nothing left half-written behind the run
+        except CheckpointError:
+            if exc[0] is None:
+                raise
 
     def _last_good(self, before: int) -> str:
         """The newest checkpoint of a step before ``before`` (the first step whose weights went
         bad): each of those was checked by the forward of the step after it. Checkpoints of bad
         weights are set aside (renamed ``diverged_step_*``: kept, but not what ``--resume`` takes)."""
+        try:
+            self.writer.wait()
+        except CheckpointError:
+            pass  # that write left nothing; the ones before it stand
         saved = list_checkpoints(Path(self.run_dir) / "checkpoints")
         good = [c for c in saved if int(c.name.split("_")[-1]) < before]
         aside = []
@@ -208,7 +222,7 @@ class StepRecorder:
                 raise
         self.log.write(state.step, metrics)
         if trainer.checkpoint_every and state.step % trainer.checkpoint_every == 0:
-            self._save(state)
+            self._save(state, wait=False)
         self.bar.update(1)
         self.bar.set_postfix({
             "reward": f"{metrics.get('critic/score/mean', float('nan')):.3f}",
