@@ -168,3 +168,17 @@ def test_exported_hf_directory_reloads_with_identical_logits(tmp_path):
         got = response_logits(model, params, seqs)
     mask = seqs.response_mask  # padding positions' logits are never used (and differ)
     torch.testing.assert_close(got[mask], expected[mask], rtol=0, atol=1e-6)  # lean vs module rounding
+
+
+def test_a_loaded_folder_gives_params_of_their_own_aligned_for_the_cpu_products(tmp_path):
+    from purerl.models import load_causal_lm
+
+    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    export_hf(model, params, tmp_path / "m")
+    on_disk = (tmp_path / "m" / "model.safetensors").read_bytes()
+    _, loaded = load_causal_lm(tmp_path / "m")
+    assert all(p.data_ptr() % 64 == 0 and p.untyped_storage().resizable() for p in loaded.values())
+    assert tree_equal(loaded, params)
+    for p in loaded.values():
+        p.add_(1.0)  # an in-place update (the donated AdamW) must not reach the file
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == on_disk

@@ -35,9 +35,29 @@ def _tie_aliases(module: nn.Module) -> dict[str, str]:
 
 
 
+def _owned(param: torch.Tensor) -> torch.Tensor:
+    """``param`` itself, or a copy in memory of its own where it sits in a memory-mapped file or
+    off the 64-byte alignment of torch's CPU allocator (safetensors and GGUF loads): the optimizer
+    updates params in place, and on a CPU the products' rounding depends on their operands'
+    alignment (MKL's and oneDNN's vector loops peel unaligned heads), so a model would train
+    differently depending on where its file put each tensor."""
+    if param.device.type != "cpu" or param.data_ptr() % 64 == 0 and _allocated(param):
+        return param
+    return param.clone(memory_format=torch.contiguous_format)
+
+
+def _allocated(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage came from torch's allocator (not a view of a mapped file)."""
+    try:
+        return tensor.untyped_storage().resizable()
+    except RuntimeError:
+        return False
+
+
 def _adapt(module: nn.Module, activation_checkpointing: bool) -> tuple[CausalLM, Params]:
-    """Split an HF module into a meta skeleton + buffers + tie map, and its params tree."""
-    params = {name: p.detach() for name, p in module.named_parameters()}
+    """Split an HF module into a meta skeleton + buffers + tie map, and its params tree (each
+    param in memory of its own, :func:`_owned`)."""
+    params = {name: _owned(p.detach()) for name, p in module.named_parameters()}
     buffers = {name: b.detach() for name, b in module.named_buffers()}
     aliases = _tie_aliases(module)
     module.eval()
