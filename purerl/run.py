@@ -30,6 +30,7 @@ from purerl.episodes.calculator import demonstration
 from purerl.executors.base import Executor, ExecutorError
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
 from purerl.io.metrics import MetricsLog
+from purerl.io.records import records_bytes
 from purerl.io.run_folder import RunFolder, check_resume_config, save_run_config
 from purerl.loop.async_train import train_async
 from purerl.loop.evaluation import evaluate
@@ -47,6 +48,7 @@ __all__ = ["MAY_CHANGE_ON_RESUME", "run"]
 
 MAY_CHANGE_ON_RESUME = {"trainer.steps", "trainer.eval_every", "trainer.checkpoint_every", "trainer.log",
                         "trainer.progress", "trainer.threads", "trainer.samples_per_step", "trainer.sample_chars",
+                        "trainer.records", "trainer.keep_records",
                         "model.device", "actor.micro_batch_rows",
                         "actor.offload_params", "actor.offload_optimizer",
                         "rollout.engine_options", "executor"}
@@ -122,7 +124,8 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     phases["other"] = wall - sum(phases.values())
     print("wall " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + f": {wall:.1f} s", flush=True)
     return {**summary, **counts, **data_counts, **sft, "wall_seconds": wall,
-            "phase_seconds": {k: round(v, 3) for k, v in phases.items()}, "export": str(export), **adapter,
+            "phase_seconds": {k: round(v, 3) for k, v in phases.items()}, "records_bytes": records_bytes(run_dir),
+            "export": str(export), **adapter,
             "config": recorded}
 
 

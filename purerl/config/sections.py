@@ -268,7 +268,9 @@ class TrainerConfig:
     ``max_rejected_steps`` steps in a row whose update was rejected (a non-finite loss or gradient), or
     ``max_failed_reward_steps`` steps in a row whose rewards all failed or timed out; at once when an update
     leaves non-finite weights. ``samples.jsonl``: ``samples_per_step`` training samples a step, every held-out
-    answer, texts cut to their last ``sample_chars`` characters."""
+    answer, texts cut to their last ``sample_chars`` characters. ``records``: each step's batch (what its update
+    consumed) in ``records/step_*`` (:mod:`purerl.io.records`; what ``python3 -m purerl.replay`` re-runs), the
+    newest ``keep_records`` of them (0: all)."""
 
     steps: int = attrs.field(default=30, validator=at_least(1))
     eval_every: int = attrs.field(default=10, validator=at_least(0))
@@ -284,6 +286,8 @@ class TrainerConfig:
     progress: bool = True
     samples_per_step: int = attrs.field(default=4, validator=at_least(0))
     sample_chars: int = attrs.field(default=1000, validator=at_least(1))
+    records: bool = True
+    keep_records: int = attrs.field(default=0, validator=at_least(0))
 
 
 def _environment(instance: Any, attribute: Any, value: str) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointWriter",
     "save_checkpoint",
     "load_checkpoint",
+    "read_manifest",
     "latest_checkpoint",
     "list_checkpoints",
     "remove_partial_checkpoints",
@@ -195,7 +196,8 @@ def _write(tmp: Path, tensors: dict[str, torch.Tensor], entries: list[dict[str, 
     make_readable(tmp / _TENSORS)
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The checkpoint folder's manifest, checked for its form (``CheckpointError`` naming the folder)."""
     manifest_path = path / _MANIFEST
     if not manifest_path.exists():
         raise CheckpointError(f"{path}: no {_MANIFEST} (not a purerl checkpoint, or an interrupted write)")
@@ -225,7 +227,7 @@ def load_checkpoint(path: str | Path, template: Any, *, verify_hash: bool = True
     file must have the recorded size and, with ``verify_hash``, the recorded sha256.
     """
     path = Path(path)
-    manifest = _read_manifest(path)
+    manifest = read_manifest(path)
     tensor_file = path / manifest["tensor_file"]["name"]
     if not tensor_file.exists():
         raise CheckpointError(f"{path}: tensor file {tensor_file.name} is missing")

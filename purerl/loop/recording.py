@@ -13,6 +13,7 @@ from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
 from purerl.io.checkpoint import CheckpointError, CheckpointWriter, list_checkpoints
 from purerl.io.metrics import MetricsLog
+from purerl.io.records import save_record
 from purerl.state import TrainState
 
 __all__ = ["Interrupted", "StepRecorder", "StopRequest", "TrainingStopped", "record_reward_errors"]
@@ -107,6 +108,11 @@ class StepRecorder:
         if wait:
             self.writer.wait()
         return self.saved[1]
+
+    def batch(self, step: int, rollout: Any, rewards: Any, data: Any) -> None:
+        """Record step ``step``'s batch (:func:`~purerl.io.records.save_record`) unless ``trainer.records`` is off."""
+        if self.trainer.records:
+            save_record(self.run_dir, step, rollout, rewards, data, keep=self.trainer.keep_records or None)
 
     def check(self, state: TrainState) -> None:
         """Raise :class:`Interrupted` if a stop was requested (checkpointing a step trained here)."""

@@ -42,6 +42,7 @@ def train(state: TrainState, *, executor: Executor, task: Task, plan: BatchPlan,
             with executor.engine(executor.newest(state.step)) as engine:
                 state, rollout, rewards, metrics = rollout_batch(state, engine, task, plan, score=executor.score,
                                                                  score_model=executor.score_model)
+            record.batch(state.step + 1, rollout, rewards, state.data)
             train_start = time.perf_counter()
             state, step_metrics = executor.step(state, rollout, rewards)
             metrics.update(step_metrics)

@@ -1,0 +1,91 @@
+"""Runs as data: each step's batch recorded, a run replayed from its records bit for bit (from the
+start and from a checkpoint, GRPO and PPO with a critic), a counterfactual that equals the step
+called directly, and the refusals (a damaged or missing record, a setting that changes sampling)."""
+
+from pathlib import Path
+
+import attrs
+import pytest
+
+from purerl.assembly.models import initial_state, load_critic, load_policy
+from purerl.assembly.stages import step_function
+from purerl.io.records import RecordError, load_record, record_path
+from purerl.models import value_and_grad
+from purerl.replay import ReplayError, main, replay
+from tests.jobs import SMALL, parse, run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--tiny", *SMALL, "--steps", "6", "--checkpoint-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    summary = run_job([*TINY, "--out-dir", str(out)])
+    return out, summary
+
+
+def test_every_step_is_recorded_small_beside_a_checkpoint(grpo_run):
+    out, summary = grpo_run
+    assert sorted(p.name for p in (out / "records").iterdir()) == [f"step_{k:08d}" for k in range(1, 7)]
+    rollout, rewards, cursor = load_record(out, 2)
+    assert rollout.version == 1 and len(rewards.scores) == len(rollout.sequences) == 4
+    checkpoint = sum(f.stat().st_size for f in (out / "checkpoints").rglob("*") if f.is_file()) / 2
+    assert 0 < summary["records_bytes"] / 6 < 0.05 * checkpoint
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_a_run_replays_bit_for_bit_from_the_start_and_from_a_checkpoint(grpo_run, start):
+    out, _ = grpo_run
+    result = replay(out, from_step=start, out=lambda line: None)
+    assert result["steps"] == list(range(start + 1, 7))
+    assert result["mismatches"] == [] and result["state_equal"] is True
+    assert all(len(m) > 10 for m in result["metrics"])
+
+
+def test_a_ppo_run_with_a_critic_replays_bit_for_bit(tmp_path):
+    out = tmp_path / "ppo"
+    run_job([*TINY, "--config", str(ROOT / "examples" / "ppo_gae.toml"), "--out-dir", str(out)])
+    for start in (0, 3):
+        result = replay(out, from_step=start, out=lambda line: None)
+        assert result["mismatches"] == [] and result["state_equal"] is True
+        assert any(key.startswith("critic/vf_loss") for key in result["metrics"][0])
+
+
+def test_a_counterfactual_estimator_gives_the_update_of_its_step_called_on_the_recorded_batch(grpo_run):
+    out, _ = grpo_run
+    result = replay(out, to_step=1, settings={"algorithm.adv_estimator": "rloo"}, out=lambda line: None)
+    config = parse([*TINY, "algorithm.adv_estimator=rloo"]).config
+    model, params, _ = load_policy(config)
+    critic, critic_params = load_critic(config, model, params)
+    rollout, rewards, cursor = load_record(out, 1)
+    state = attrs.evolve(initial_state(config, params, critic_params), data=cursor)
+    _, metrics = step_function(config)(state, rollout, rewards, policy=model, value_and_grad=value_and_grad)
+    assert result["metrics"][0] == metrics
+    assert (out / "replays" / "algorithm.adv_estimator=rloo" / "metrics.jsonl").exists()
+
+
+def test_a_damaged_or_missing_record_is_refused_naming_the_file_and_the_step(grpo_run, tmp_path):
+    out, _ = grpo_run
+    copy = tmp_path / "run"
+    import shutil
+
+    shutil.copytree(out, copy)
+    tensors = record_path(copy, 4) / "tensors.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-3] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    with pytest.raises(RecordError, match=r"step 4: .*tensors\.safetensors: sha256 does not match"):
+        replay(copy, out=lambda line: None)
+    shutil.rmtree(record_path(copy, 2))
+    with pytest.raises(RecordError, match=r"records/step_00000002: no record of step 2"):
+        load_record(copy, 2)
+
+
+def test_a_setting_that_changes_sampling_or_the_state_is_refused_naming_the_key(grpo_run, capsys):
+    out, _ = grpo_run
+    for key, value in (("rollout.temperature", 0.5), ("data.seed", 3), ("actor.lora_rank", 4)):
+        with pytest.raises(ReplayError, match=rf"replay: {key} would change what the run sampled"):
+            replay(out, settings={key: value}, out=lambda line: None)
+    assert main([str(out), "rollout.n=8"]) == 2
+    assert "replay: rollout.n would change" in capsys.readouterr().err
