@@ -193,6 +193,30 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(pa
     assert_trees_close(grads, reference, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_shared_prompt_reaches_its_rows_through_index_select_whose_gradient_adds_in_row_order(packed):
+    """``x[inverse]``'s backward (``IndexBackward0``: ``index_put_`` accumulating) adds a prompt's rows
+    with atomics on a CPU's threads, in an order that changed from process to process: the main job's
+    updates differed in their last bits between two identical runs. ``index_select``'s adds in row order."""
+    config = tiny_llama_config()
+    model, params = causal_lm_from_config(config, seed=0)
+    model = attrs.evolve(model, packed=packed)
+    seqs = grouped(random_sequences(8, 12, 6, config.vocab_size, seed=2), 4)
+    assert shared_prompts(seqs) is not None
+    leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+    out = response_logprobs(model, leaves, seqs)
+    seen, stack, names = set(), [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    assert "IndexSelectBackward0" in names
+    assert "IndexBackward0" not in names or packed  # the packed path gathers unique cells: one add each
+
+
 def test_prompts_are_shared_only_when_that_saves_enough():
     config = tiny_llama_config()
     distinct = random_sequences(8, 12, 6, config.vocab_size, seed=2)

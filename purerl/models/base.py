@@ -264,7 +264,7 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     cache.batch_select_indices(inverse)  # one copy of each prompt's keys and values per row
     response = model(params, input_ids=seqs.input_ids[:, p:], attention_mask=mask, position_ids=positions[:, p:],
                      logits_to_keep=t, **model.cache_arguments(cache))
-    return torch.cat([prompt.logits[inverse], response.logits[:, :-1]], 1)
+    return torch.cat([prompt.logits.index_select(0, inverse), response.logits[:, :-1]], 1)
 
 
 _KEEPS_ROWS_APART: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # the HF modules whose packing was checked

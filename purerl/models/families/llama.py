@@ -329,6 +329,9 @@ def response_logits(
     first, inverse = shared
     p = s - t
     prompt, kv = run(input_ids[first, :p], positions[first, :p], attention_mask(valid[first, :p], 0), slice(p - 1, p))
-    past = [(k[inverse], v[inverse]) for k, v in kv]  # one copy of each prompt's keys and values per row
+    # one copy of each prompt's keys and values per row; index_select, not x[inverse]: its backward adds
+    # the rows' gradients in row order, where indexing's (index_put_ accumulating) adds them with atomics
+    # on a CPU's threads, in an order that changes from process to process
+    past = [(k.index_select(0, inverse), v.index_select(0, inverse)) for k, v in kv]
     response, _ = run(input_ids[:, p:], positions[:, p:], attention_mask(valid, p), slice(0, t - 1), past)
-    return logits_of(weights, layout, torch.cat((prompt[inverse], response), 1))
+    return logits_of(weights, layout, torch.cat((prompt.index_select(0, inverse), response), 1))

@@ -99,7 +99,7 @@ def packed_response_logits(
         prefixes = [[layer[g] for g in inverse.tolist()] for layer in kept]
         response_mask = valid[:, p:]
         response_hidden = run(input_ids[:, p:], positions[:, p:], response_mask, prefixes)
-        last = prompt_hidden[slots(prompt_mask)[:, -1]][inverse]  # each row's prompt's last token
+        last = prompt_hidden[slots(prompt_mask)[:, -1]].index_select(0, inverse)  # each row's prompt's last token
         grid = last.new_zeros((b, t, last.shape[-1]))  # hidden states in the cells' layout
         grid[:, 0] = last
         grid[:, 1:][cells[:, 1:]] = response_hidden[slots(response_mask)[:, :t - 1][cells[:, 1:]]]
