@@ -43,13 +43,20 @@ def test_a_run_replays_bit_for_bit_from_the_start_and_from_a_checkpoint(grpo_run
     assert all(len(m) > 10 for m in result["metrics"])
 
 
-def test_a_ppo_run_with_a_critic_replays_bit_for_bit(tmp_path):
-    out = tmp_path / "ppo"
-    run_job([*TINY, "--config", str(ROOT / "examples" / "ppo_gae.toml"), "--out-dir", str(out)])
+@pytest.mark.parametrize("recipe", ["ppo_gae.toml", "remax.toml", "dapo.toml"])
+def test_ppo_with_a_critic_and_the_recipes_that_generate_more_replay_bit_for_bit(tmp_path, recipe):
+    """PPO's critic is in the state; ReMax's greedy baselines and DAPO's extra sampling rounds are in
+    the records (the batch the step took), so none of them is generated again."""
+    out = tmp_path / "run"
+    fits = ["reward.overlong_buffer=2"] if recipe == "dapo.toml" else []  # SMALL's 6 new tokens
+    run_job([*TINY, "--config", str(ROOT / "examples" / recipe), *fits, "--out-dir", str(out)])
     for start in (0, 3):
         result = replay(out, from_step=start, out=lambda line: None)
         assert result["mismatches"] == [] and result["state_equal"] is True
+    if recipe == "ppo_gae.toml":
         assert any(key.startswith("critic/vf_loss") for key in result["metrics"][0])
+    if recipe == "remax.toml":
+        assert load_record(out, 1)[1].baselines is not None
 
 
 def test_a_counterfactual_estimator_gives_the_update_of_its_step_called_on_the_recorded_batch(grpo_run):
