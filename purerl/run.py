@@ -30,7 +30,7 @@ from purerl.episodes.calculator import demonstration
 from purerl.executors.base import Executor, ExecutorError
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
 from purerl.io.metrics import MetricsLog
-from purerl.io.records import records_bytes
+from purerl.io.records import drop_records_after, records_bytes
 from purerl.io.run_folder import RunFolder, check_resume_config, save_run_config
 from purerl.loop.async_train import train_async
 from purerl.loop.evaluation import evaluate
@@ -215,6 +215,7 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
             state = executor.start(load_checkpoint(checkpoint, state))
         _write_workers(executor, run_dir)
         log.truncate_after(state.step)
+        drop_records_after(run_dir, state.step)
         before = _read_baseline(baseline)
         print(f"resumed from {checkpoint} at step {state.step}"
               + ("" if baseline.exists() else f" ({baseline} is missing: no step-0 accuracy to compare with)"),

@@ -96,3 +96,16 @@ def test_a_setting_that_changes_sampling_or_the_state_is_refused_naming_the_key(
             replay(out, settings={key: value}, out=lambda line: None)
     assert main([str(out), "rollout.n=8"]) == 2
     assert "replay: rollout.n would change" in capsys.readouterr().err
+
+
+def test_a_resumed_run_records_its_steps_anew_and_replays_bit_for_bit(grpo_run, tmp_path):
+    import shutil
+
+    out, _ = grpo_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_00000006")  # back to step 3; steps 4-6 recorded by the first run
+    run_job([*TINY[:-4], "--steps", "4", "--checkpoint-every", "3", "--out-dir", str(copy), "--resume"])
+    assert sorted(p.name for p in (copy / "records").iterdir())[-1] == "step_00000004"
+    result = replay(copy, out=lambda line: None)
+    assert result["steps"] == [1, 2, 3, 4] and result["mismatches"] == [] and result["state_equal"] is True

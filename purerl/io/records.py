@@ -10,6 +10,7 @@ step on exactly what the run trained on. A record is small: the main job's is ~4
 against a 1.6 GB checkpoint.
 """
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from purerl.batch import Rewards, Rollout, Sequences
 from purerl.data.cursor import DataCursor
 from purerl.io.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, read_manifest, save_checkpoint
 
-__all__ = ["RECORDS", "RecordError", "load_record", "record_path", "records_bytes", "save_record"]
+__all__ = ["RECORDS", "RecordError", "drop_records_after", "load_record", "record_path", "records_bytes", "save_record"]
 
 RECORDS = "records"
 """The run folder's subfolder of step records."""
@@ -62,6 +63,13 @@ def load_record(run_dir: str | Path, step: int) -> tuple[Rollout, Rewards, DataC
                           rollout.sequences.response_mask)
     return (Rollout(sequences, rollout.behaviour_logprobs, rollout.finish_reasons, rollout.group, rollout.version),
             tree["rewards"], tree["data"])
+
+
+def drop_records_after(run_dir: str | Path, step: int) -> None:
+    """Remove the records of steps after ``step`` (a run resumed there records them anew)."""
+    for path in list_checkpoints(Path(run_dir) / RECORDS):
+        if int(path.name.split("_")[-1]) > step:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def records_bytes(run_dir: str | Path) -> int:
