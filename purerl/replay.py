@@ -3,6 +3,7 @@ re-stepped under other settings (a counterfactual).
 
     python3 -m purerl.replay RUN_DIR [--from-step K] [--to-step M]          # check: every metric, the weights
     python3 -m purerl.replay RUN_DIR algorithm.adv_estimator=rloo           # the same batches, another estimator
+    python3 -m purerl.replay --compare RUN_DIR RUN_DIR/replays/SETTINGS --plot diff.png   # per-step differences
 
 A replay starts from the run's state at step K (its checkpoint; step 0 is rebuilt from the run's
 ``config.json``, as the run built it) and calls the step function on each recorded batch
@@ -40,7 +41,7 @@ from purerl.io.run_folder import CONFIG
 from purerl.models import value_and_grad
 from purerl.tree import tree_equal, tree_map
 
-__all__ = ["REPLAYABLE", "replay"]
+__all__ = ["HEADLINE", "REPLAYABLE", "compare", "replay"]
 
 REPLAYABLE = ("algorithm.", "actor.", "critic.")
 """Settings a counterfactual may change: how the batch is turned into an update."""
@@ -184,16 +185,78 @@ def _replay_dir(run_dir: Path, settings: dict[str, Any]) -> Path:
     return path
 
 
+HEADLINE = ("critic/score/mean", "critic/advantages/max", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl",
+            "actor/entropy")
+"""The metrics :func:`compare` prints and plots by default."""
+
+
+def compare(a: str | Path, b: str | Path, *, keys: tuple[str, ...] = HEADLINE, plot: str | Path | None = None,
+            out: Any = print) -> dict[int, dict[str, tuple[float, float]]]:
+    """Per step, ``keys``' values in two runs or replays (a folder holding ``metrics.jsonl``, or the
+    file): ``{step: {key: (a, b)}}`` over the steps both recorded, printed as differences; ``plot``:
+    one figure of the keys over the steps, both lines in each panel."""
+    rows = [{int(r["step"]): r for r in MetricsLog.read(_metrics_file(x))} for x in (a, b)]
+    steps = sorted(set(rows[0]) & set(rows[1]))
+    table = {step: {k: (rows[0][step][k], rows[1][step][k]) for k in keys
+                    if k in rows[0][step] and k in rows[1][step]} for step in steps}
+    for step in steps:
+        out(f"step {step}: " + "; ".join(f"{k} {x:.4g} -> {y:.4g} ({y - x:+.3g})" for k, (x, y) in table[step].items()))
+    if plot is not None:
+        _plot(table, keys, (str(a), str(b)), Path(plot))
+        out(f"wrote {plot}")
+    return table
+
+
+def _metrics_file(path: str | Path) -> Path:
+    path = Path(path)
+    found = path / "metrics.jsonl" if path.is_dir() else path
+    if not found.exists():
+        raise ReplayError(f"replay --compare: {found} does not exist (give a run or replay folder, or its metrics.jsonl)")
+    return found
+
+
+def _plot(table: dict[int, dict[str, tuple[float, float]]], keys: tuple[str, ...], names: tuple[str, str],
+          path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [k for k in keys if any(k in row for row in table.values())]
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 2.8), squeeze=False)
+    for ax, key in zip(axes[0], shown):
+        steps = [s for s, row in table.items() if key in row]
+        for side, name in enumerate(names):
+            ax.plot(steps, [table[s][key][side] for s in steps], marker=".", label=Path(name).name or name)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m purerl.replay", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir")
+    ap.add_argument("run_dir", nargs="?")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="print two runs' or replays' metrics per step")
+    ap.add_argument("--plot", default=None, help="with --compare: write one figure of them here")
     ap.add_argument("--from-step", type=int, default=0, help="start from the run's checkpoint at this step (0: the start)")
     ap.add_argument("--to-step", type=int, default=None, help="the last step replayed (default: the last recorded)")
     argv = sys.argv[1:] if argv is None else argv
     items = [a for a in argv if re.match(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=", a)]
     args = ap.parse_args([a for a in argv if a not in items])
     settings = flatten(overrides(items)) if items else {}
+    if args.compare:
+        try:
+            compare(*args.compare, plot=args.plot)
+        except ReplayError as err:
+            print(err, file=sys.stderr)
+            return 2
+        return 0
+    if args.run_dir is None:
+        ap.error("give RUN_DIR (or --compare A B)")
     try:
         result = replay(args.run_dir, from_step=args.from_step, to_step=args.to_step, settings=settings)
     except (ReplayError, RecordError) as err:

@@ -109,3 +109,19 @@ def test_a_resumed_run_records_its_steps_anew_and_replays_bit_for_bit(grpo_run, 
     assert sorted(p.name for p in (copy / "records").iterdir())[-1] == "step_00000004"
     result = replay(copy, out=lambda line: None)
     assert result["steps"] == [1, 2, 3, 4] and result["mismatches"] == [] and result["state_equal"] is True
+
+
+def test_compare_prints_per_step_differences_and_draws_one_plot(grpo_run, tmp_path, capsys):
+    from purerl.replay import compare
+
+    out, _ = grpo_run
+    other = tmp_path / "seed1"
+    run_job([*TINY, "--seed", "1", "--out-dir", str(other)])
+    table = compare(out, other, keys=("actor/entropy", "response_length/mean"), plot=tmp_path / "diff.png",
+                    out=lambda line: None)
+    assert sorted(table) == [1, 2, 3, 4, 5, 6] and (tmp_path / "diff.png").stat().st_size > 0
+    assert any(x != y for row in table.values() for x, y in row.values())  # another seed samples otherwise
+    assert all(x == y for row in compare(out, out, out=lambda line: None).values() for x, y in row.values())
+    assert main(["--compare", str(out), str(other / "metrics.jsonl")]) == 0
+    assert "step 6: " in capsys.readouterr().out
+    assert main(["--compare", str(out), str(tmp_path / "nowhere")]) == 2
