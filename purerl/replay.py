@@ -7,7 +7,8 @@ re-stepped under other settings (a counterfactual).
 
 A replay starts from the run's state at step K (its checkpoint; step 0 is rebuilt from the run's
 ``config.json``, as the run built it) and calls the step function on each recorded batch
-(:mod:`purerl.io.records`) for steps K+1 … M: no generation, no reward calls. Without settings it
+(:mod:`purerl.io.records`) for steps K+1 … M: no generation, no reward calls. An asynchronous
+run's records are its batches in the order the trainer took them, so it replays with no generators. Without settings it
 compares every metric the step returns with the run's ``metrics.jsonl`` and, where the run has a
 checkpoint at step M, the whole state with it, bit for bit (on a CPU; a GPU's kernels need not
 repeat themselves; the run's ``trainer.threads`` is used, and a run that left it 0 replays alike only on
@@ -126,9 +127,6 @@ def _config(run_dir: Path, settings: dict[str, Any]) -> JobConfig:
         config = resolve(build(JobConfig, merge(recorded, *(nest(k, v) for k, v in settings.items()))))
     except ConfigError as err:
         raise ReplayError(f"replay: {err}") from None
-    if config.asynchronous.enable:
-        raise ReplayError(f"replay: {run_dir} is an asynchronous run (asynchronous.enable): its batches are not "
-                          "recorded yet; replay covers synchronous runs")
     if not config.trainer.records:
         raise ReplayError(f"replay: {run_dir} ran with trainer.records=false: it recorded no batches")
     return config

@@ -83,6 +83,7 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, plan: Batc
                 continue
             staleness_seen[staleness] += 1
             state = replace(state, data=item.data)
+            record.batch(state.step + 1, item.rollout, item.scores, item.data)  # the batch taken, in this order
             train_start = time.perf_counter()
             state, step_metrics = executor.step(state, item.rollout, item.scores)
             idle = waited / max(time.perf_counter() - start, 1e-9)
