@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import torch
 
-from purerl.assembly.models import initial_state, load_critic, load_policy
+from purerl.assembly.models import initial_state, load_critic, load_policy, load_teacher
 from purerl.assembly.stages import step_function
 from purerl.config.job import JobConfig
 from purerl.config.loading import ConfigError, build, flatten, merge, nest, overrides
@@ -76,12 +76,14 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
     to_step = last if to_step is None else to_step
     if not 0 <= from_step < to_step:
         raise ReplayError(f"replay: --from-step {from_step} must be below --to-step {to_step}")
-    model, params, _ = load_policy(config)
+    model, params, tokenizer = load_policy(config)
     critic, critic_params = load_critic(config, model, params)
+    teacher = load_teacher(config, model, tokenizer)
     state = _state_at(run_dir, config, from_step, initial_state(config, params, critic_params))
     step_fn = step_function(config)
     device = next(iter(params.values())).device
-    effects = {"policy": model, "value_and_grad": value_and_grad, **({"critic": critic} if critic else {})}
+    effects = {"policy": model, "value_and_grad": value_and_grad, **({"critic": critic} if critic else {}),
+               **({"teacher": teacher} if teacher else {})}
     recorded = {int(row["step"]): row for row in MetricsLog.read(run_dir / "metrics.jsonl")} if not settings else {}
     log = None if not settings else MetricsLog(_replay_dir(run_dir, settings))
     if log is not None:

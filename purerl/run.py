@@ -21,7 +21,14 @@ import torch
 
 from purerl.assembly.data import check_context, episodes_of, load_records_of, load_tasks, reward_of
 from purerl.assembly.executor import make_executor
-from purerl.assembly.models import driver_device, engine_options, initial_state, load_critic, load_policy
+from purerl.assembly.models import (
+    driver_device,
+    engine_options,
+    initial_state,
+    load_critic,
+    load_policy,
+    load_teacher,
+)
 from purerl.assembly.stages import actor_batching_of, actor_optimizer, batch_plan_of
 from purerl.config.job import JobConfig
 from purerl.config.loading import to_dict
@@ -100,6 +107,7 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
         raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (only calculator "
                         "does): set env.sft_steps=0")
     critic, critic_params = load_critic(config, model, params)
+    teacher = load_teacher(config, model, tokenizer)
     state = initial_state(config, params, critic_params)
     phases["load"] = time.time() - wall_start
     for leftover in folder.begin(overwrite=overwrite):
@@ -110,7 +118,7 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     if config.env.sft_steps and not (resume and latest_checkpoint(run_dir / "checkpoints") is not None):
         with _timed(phases, "sft"):
             state, sft = _warm_up(config, state, model, options, train_task, eval_task)
-    with make_executor(config, model, critic, options) as executor:
+    with make_executor(config, model, critic, options, teacher) as executor:
         summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop, phases)
         state = summary.pop("_state")
         with _timed(phases, "export"):

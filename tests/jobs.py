@@ -31,6 +31,20 @@ def step_config(**settings) -> JobConfig:
     return build(JobConfig, nested)
 
 
+def tiny_teacher(folder: Path, seed: int = 1, sharpness: float = 5.0) -> Path:
+    """A teacher for ``--tiny`` jobs, exported to ``folder``: a tiny Llama of the tiny policy's
+    vocabulary (the character tokenizer's) from another seed, its final norm scaled by
+    ``sharpness`` so its next-token distributions are peaked, far from a random student's."""
+    from purerl.models import causal_lm_from_config
+    from purerl.models.hf import export_hf
+    from purerl.tiny import char_tokenizer, tiny_llama_config
+
+    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(char_tokenizer()), hidden_size=64),
+                                          seed=seed)
+    params = {k: v * sharpness if k == "model.norm.weight" else v for k, v in params.items()}
+    return export_hf(model, params, folder)
+
+
 def parse(argv: list[str]) -> Invocation:
     return parse_command_line(argv, prog="grpo_math", default_out_dir="runs/grpo_math")
 

@@ -9,7 +9,7 @@ import pytest
 from purerl.config.job import JobConfig
 from purerl.config.loading import ConfigError, build, load_file, merge, overrides, to_dict
 from purerl.io.run_folder import RunFolderError
-from tests.jobs import parse, run_job
+from tests.jobs import parse, run_job, tiny_teacher
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml")) + sorted((ROOT / "examples").glob("*.yaml"))
@@ -104,6 +104,8 @@ def test_every_example_recipe_trains_three_steps_on_the_tiny_model(recipe, tmp_p
         extra.append("reward.overlong_buffer=4")  # within the tiny run's 6-token budget
     if recipe.stem == "drgrpo":
         extra.append("actor.loss_norm=6.0")
+    if recipe.stem == "distill":
+        extra.append(f"distill.teacher={tiny_teacher(tmp_path / 'teacher')}")
     summary = _tiny_job(tmp_path, *extra)
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     expected = build(JobConfig, load_file(recipe))

@@ -14,13 +14,16 @@ from purerl.executors.base import Executor
 from purerl.executors.local import LocalExecutor
 from purerl.models import CausalLM, Critic
 from purerl.rollout.engine import make_engine
+from purerl.step.roles import LocalTeacher
 
 __all__ = ["make_executor"]
 
 
-def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any]) -> Executor:
+def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any],
+                  teacher: LocalTeacher | None = None) -> Executor:
     """The local executor (with an engine per generator when asynchronous), or the Ray one,
-    which builds the step function on each rank from the config."""
+    which builds the step function on each rank from the config. ``teacher``: a distillation
+    teacher loaded here (:func:`~purerl.assembly.models.load_teacher`)."""
     rollout, executor = config.rollout, config.executor
     if executor.kind == "local":
         engine = make_engine(rollout.engine, model, device=config.model.device, **options)
@@ -29,7 +32,7 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
             own = attrs.evolve(model, module=copy.deepcopy(model.module))  # no module shared with another thread
             generators.append(make_engine(rollout.engine, own, device=config.model.device, **options))
         return LocalExecutor(step_function(config), model, engine, generator_engines=generators, critic=critic,
-                             reward_model=config.reward.model)
+                             reward_model=config.reward.model, teacher=teacher)
     from purerl.executors.ray import RayExecutor
 
     ray_init = {"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir else None
@@ -40,5 +43,5 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
                                make_step_fn=functools.partial(step_function, config),
                                offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
                                generators=config.asynchronous.generators if config.asynchronous.enable else 0,
-                               generate_timeout=config.asynchronous.generate_timeout)
+                               generate_timeout=config.asynchronous.generate_timeout, teacher=teacher)
     return ray_executor

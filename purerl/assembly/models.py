@@ -1,5 +1,6 @@
 """A job's models and first state: the policy (float32 masters computing in ``model.dtype``, LoRA
-when asked), the critic, the train state at step 0 and the rollout engine's options."""
+when asked), the critic, a distillation teacher, the train state at step 0 and the rollout
+engine's options."""
 
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,12 @@ from purerl.models import (
 from purerl.models.gguf_cache import gguf_as_folder
 from purerl.models.lora import LoraSpec, apply_lora
 from purerl.state import TrainState
+from purerl.step.roles import LocalTeacher
 from purerl.tiny import char_tokenizer, tiny_llama_config
 from purerl.tree import tree_clone
 
-__all__ = ["compute_dtype", "driver_device", "engine_options", "initial_state", "load_critic", "load_policy"]
+__all__ = ["compute_dtype", "driver_device", "engine_options", "initial_state", "load_critic", "load_policy",
+           "load_teacher"]
 
 
 def driver_device(config: JobConfig) -> str:
@@ -47,9 +50,7 @@ def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
         return (*_adapted(config, model, params), tokenizer)
     from transformers import AutoTokenizer
 
-    path = Path(config.model.path) if config.model.path else smollm2_gguf()
-    if path.suffix == ".gguf" and (converted := gguf_as_folder(path)) is not None:
-        path = converted  # the GGUF's weights and tokenizer, converted once (purerl.models.gguf_cache)
+    path = _loadable(Path(config.model.path) if config.model.path else smollm2_gguf())
     if path.suffix == ".gguf":
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
@@ -57,6 +58,43 @@ def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
     tokenizer.padding_side = "left"
     model, params = load_causal_lm(path, device=driver_device(config))
     return (*_adapted(config, model, params), tokenizer)
+
+
+def _loadable(path: Path) -> Path:
+    """A GGUF's converted folder when the cache has or makes one (:mod:`purerl.models.gguf_cache`)."""
+    if path.suffix == ".gguf" and (converted := gguf_as_folder(path)) is not None:
+        return converted
+    return path
+
+
+def load_teacher(config: JobConfig, model: CausalLM, tokenizer: Any) -> LocalTeacher | None:
+    """``distill.teacher`` as a role computed here, frozen in the policy's compute dtype; None
+    without one. A teacher whose vocabulary differs from the policy's (its model's size, or its
+    tokenizer's tokens when the folder has one) raises a one-line ``DataError``."""
+    if not config.distill.teacher:
+        return None
+    path = _loadable(Path(config.distill.teacher))
+    teacher, params = load_causal_lm(path, device=driver_device(config))
+    where = f"distill.teacher {config.distill.teacher}"
+    if teacher.config.vocab_size != model.config.vocab_size:
+        raise DataError(f"{where}: vocabulary of {teacher.config.vocab_size} tokens, the policy's "
+                        f"{model.config.vocab_size}: a teacher must share the policy's tokenizer")
+    theirs = _tokenizer_vocab(path)
+    if theirs is not None and hasattr(tokenizer, "get_vocab") and theirs != tokenizer.get_vocab():
+        differ = sorted(set(theirs.items()) ^ set(tokenizer.get_vocab().items()))[:1]
+        raise DataError(f"{where}: its tokenizer maps tokens to other ids than the policy's (e.g. {differ[0]!r}): "
+                        "a teacher must share the policy's tokenizer")
+    teacher = attrs.evolve(teacher, compute_dtype=compute_dtype(config))
+    return LocalTeacher(teacher, cast_floating(params, compute_dtype(config)))
+
+
+def _tokenizer_vocab(path: Path) -> dict[str, int] | None:
+    """The token → id map of the tokenizer saved with the model at ``path``; None when it has none."""
+    if path.suffix == ".gguf" or not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path).get_vocab()
 
 
 def compute_dtype(config: JobConfig) -> torch.dtype | None:

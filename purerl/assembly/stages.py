@@ -23,7 +23,15 @@ from purerl.config.sections import ActorConfig, AlgorithmConfig, LossOptions
 from purerl.loop.sampling import BatchPlan
 from purerl.optim import Optimizer, adamw, chain, clip_by_global_norm, warmup_cosine_schedule
 from purerl.step.recipes import StepFn, grpo_step, ppo_step
-from purerl.step.settings import ActorLoss, Batching, ExperienceSettings, Shaping, ValueLoss
+from purerl.step.settings import (
+    ActorLoss,
+    Batching,
+    DistillAdvantage,
+    DistillLoss,
+    ExperienceSettings,
+    Shaping,
+    ValueLoss,
+)
 
 __all__ = ["actor_batching_of", "actor_loss_of", "actor_optimizer", "advantage_estimator", "batch_plan_of",
            "critic_batching_of", "critic_optimizer", "experience_settings_of", "kl_controller_of", "policy_loss",
@@ -67,13 +75,20 @@ def experience_settings_of(config: JobConfig) -> ExperienceSettings:
     return ExperienceSettings(temperature=config.rollout.temperature, batching=actor_batching_of(config),
                               critic_batching=critic_batching_of(config),
                               recompute_old_logprobs=resolved.actor.recompute_old_logprobs,
-                              sum_pi_squared=config.algorithm.estimator.needs_sum_pi_squared)
+                              sum_pi_squared=config.algorithm.estimator.needs_sum_pi_squared,
+                              teacher_top_k=config.distill.top_k if _distill_loss(config) else None)
+
+
+def _distill_loss(config: JobConfig) -> DistillLoss | None:
+    distill = config.distill
+    return DistillLoss(distill.loss_coef, distill.beta) if distill.teacher and distill.loss_coef else None
 
 
 def shaping_of(config: JobConfig) -> Shaping:
-    algorithm = resolve(config).algorithm
+    algorithm, distill = resolve(config).algorithm, config.distill
     return Shaping(algorithm.estimator.bound(algorithm), algorithm.kl_penalty if algorithm.use_kl_in_reward else None,
-                   algorithm.rollout_correction, algorithm.correction_cap)
+                   algorithm.rollout_correction, algorithm.correction_cap,
+                   DistillAdvantage(distill.coef, distill.gamma, distill.reward_coef) if distill.teacher else None)
 
 
 def actor_loss_of(config: JobConfig) -> ActorLoss:
@@ -81,7 +96,7 @@ def actor_loss_of(config: JobConfig) -> ActorLoss:
     return ActorLoss(actor.loss.bound(actor, actor.loss_options), temperature=config.rollout.temperature,
                      entropy_coeff=actor.entropy_coeff, compute_entropy=actor.compute_entropy,
                      kl_coef=actor.kl_loss_coef, kl_type=actor.kl_loss_type,
-                     skip_zero_advantage_rows=actor.skip_zero_advantage_rows)
+                     skip_zero_advantage_rows=actor.skip_zero_advantage_rows, distill=_distill_loss(config))
 
 
 def value_loss_of(config: JobConfig) -> ValueLoss:

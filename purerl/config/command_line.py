@@ -49,6 +49,8 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--lr", "actor.lr", dict(type=float)),
     ("--warmup-steps", "actor.warmup_steps", dict(type=int)),
     ("--policy-loss", "actor.policy_loss", dict(help="policy loss (vanilla: PPO clip)")),
+    ("--teacher", "distill.teacher", dict(help="distil from this teacher (HF folder or .gguf sharing the tokenizer): "
+                                               "its per-token reverse KL as the advantage (README: Distillation)")),
     ("--kl-coef", "actor.kl_loss_coef", dict(type=float, help="KL-to-reference loss coefficient (0: no reference)")),
     ("--clip-high", "actor.clip_high", dict(type=float, help="upper clip ratio (DAPO clip-higher)")),
     ("--lora-rank", "actor.lora_rank", dict(type=int, help="train LoRA adapters of this rank (0: every weight); "

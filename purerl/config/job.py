@@ -8,6 +8,7 @@ Sections and what they own::
     algorithm   advantage estimator and its settings, KL in the reward, off-policy correction, DAPO sampling
     actor       the policy update: optimiser, policy loss and its settings, clipping, aggregation, KL loss, batching
     critic      the value model of PPO (GAE): its weights, optimiser, value clip
+    distill     on-policy distillation: the teacher, its advantage and loss term
     reward      rule reward function, learned reward model, their weights, overlong shaping, deadlines
     trainer     steps, evaluation, checkpoints, seed, critic warm-up, logging, samples.jsonl
     executor    local, or Ray (FSDP2 ranks, rollout and reward workers, timeouts)
@@ -32,6 +33,7 @@ from purerl.config.sections import (
     AlgorithmConfig,
     CriticConfig,
     DataConfig,
+    DistillConfig,
     EnvConfig,
     KLControlConfig,
     LossOptions,
@@ -41,8 +43,8 @@ from purerl.config.sections import (
     TrainerConfig,
 )
 
-__all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "DataConfig", "EnvConfig",
-           "ExecutorConfig", "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig", "PLACEMENTS",
+__all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "DataConfig", "DistillConfig",
+           "EnvConfig", "ExecutorConfig", "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig", "PLACEMENTS",
            "RewardConfig", "RolloutConfig", "TrainerConfig"]
 
 
@@ -54,6 +56,7 @@ class JobConfig:
     algorithm: AlgorithmConfig = AlgorithmConfig()
     actor: ActorConfig = ActorConfig()
     critic: CriticConfig = CriticConfig()
+    distill: DistillConfig = DistillConfig()
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
     executor: ExecutorConfig = ExecutorConfig()

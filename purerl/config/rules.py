@@ -113,9 +113,12 @@ def _path_problems(config: JobConfig) -> list[str]:
     if model.path and model.tiny:
         found.append("model.path and model.tiny exclude each other")
     for key, value in (("model.path", model.path), ("critic.model", config.critic.model),
-                       ("reward.model", config.reward.model)):
+                       ("reward.model", config.reward.model), ("distill.teacher", config.distill.teacher)):
         if value:
             found += _model_path_problems(key, Path(value), gguf=key != "reward.model")
+    distill = config.distill
+    if distill.teacher and distill.coef == 0 and distill.loss_coef == 0:
+        found.append("distill.teacher is set but distill.coef and distill.loss_coef are both 0: nothing would use it")
     if config.critic.model and model.tiny:
         found.append("critic.model with model.tiny: the tiny policy's critic is its own backbone (leave it unset)")
     data = config.data

@@ -21,8 +21,8 @@ from purerl.episodes.limits import EpisodeLimits
 from purerl.models.lora import DEFAULT_TARGETS
 from purerl.rollout.sampling import SamplingParams
 
-__all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "EnvConfig", "KLControlConfig",
-           "LossOptions", "ModelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig"]
+__all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "DistillConfig", "EnvConfig",
+           "KLControlConfig", "LossOptions", "ModelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig"]
 
 
 @section
@@ -236,6 +236,25 @@ class CriticConfig:
     grad_clip: float = attrs.field(default=1.0, validator=positive)
     value_clip: float | None = attrs.field(default=0.5, validator=positive)
     max_tokens_per_micro_batch: int | None = attrs.field(default=None, validator=at_least(1))
+
+
+@section
+class DistillConfig:
+    """On-policy distillation (:mod:`purerl.algo.distill`): a frozen ``teacher`` (a local HF folder or
+    .gguf sharing the policy's tokenizer; None: no distillation) scores the policy's own samples.
+    ``coef``: weight of its per-token reverse-KL advantage ``log π_T − log π_old``, discounted by
+    ``gamma`` (0: per token), added to ``reward_coef`` × the task's advantages (0: distillation
+    alone; 1: RL and distillation); ``loss_coef``: weight of GKD's ``JSD_β`` loss term on the full
+    next-token distributions over the teacher's ``top_k`` likeliest tokens (0: none; 0 tokens: the
+    whole vocabulary; ``beta`` 0: forward KL, 1: reverse KL)."""
+
+    teacher: str | None = None
+    coef: float = attrs.field(default=1.0, validator=at_least(0))
+    gamma: float = attrs.field(default=0.0, validator=in_range(0, 1))
+    reward_coef: float = attrs.field(default=0.0, validator=at_least(0))
+    loss_coef: float = attrs.field(default=0.0, validator=at_least(0))
+    beta: float = attrs.field(default=0.5, validator=in_range(0, 1))
+    top_k: int = attrs.field(default=64, validator=at_least(0))
 
 
 @section

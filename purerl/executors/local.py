@@ -38,18 +38,21 @@ class LocalExecutor:
     everything. ``reward_model``: a local HF reward-model
     folder (or a loaded :class:`~purerl.rewards.model.RewardModel`) for :meth:`score_model`,
     loaded on first use in this process on ``reward_model_device`` (default: the engine's device,
-    else the CPU)."""
+    else the CPU). ``teacher``: a distillation teacher's role (:mod:`purerl.step.roles`), passed to
+    the step."""
 
     def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine, *,
                  generator_engines: Sequence[RolloutEngine] = (), critic: Critic | None = None,
                  value_and_grad: Callable = pure_value_and_grad, reward_model: str | Path | RewardModel | None = None,
-                 reward_model_device: str | None = None, reward_batch_size: int = 16) -> None:
+                 reward_model_device: str | None = None, reward_batch_size: int = 16, teacher: Any = None) -> None:
         self.step_fn, self.policy, self.value_and_grad = step_fn, policy, value_and_grad
         self.reward_model, self.reward_batch_size = reward_model, reward_batch_size
         self.reward_model_device = reward_model_device
         self.effects = {"policy": policy, "value_and_grad": value_and_grad}
         if critic is not None:
             self.effects["critic"] = critic
+        if teacher is not None:
+            self.effects["teacher"] = teacher
         self.evaluator = EngineSlot(engine, _load)
         self.generators = [EngineSlot(e, _load) for e in generator_engines] or [self.evaluator]
         self._published = Published()

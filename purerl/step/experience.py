@@ -1,6 +1,6 @@
 """Experience: everything the updates need from a scored rollout, computed before any update and
-without gradients: the old (proximal) log-probs, the reference log-probs, the critic's values and,
-for the optimal-token-baseline estimators, ``Σ_v π_old(v)²``.
+without gradients: the old (proximal) log-probs, the reference log-probs, the critic's values, a
+distillation teacher's scores and, for the optimal-token-baseline estimators, ``Σ_v π_old(v)²``.
 
 Devices: the stages run where the rollout's tensors are (CPU or one GPU).
 """
@@ -21,7 +21,19 @@ from purerl.step.micro_batches import chunks, token_budget_rows, trimmed_sequenc
 from purerl.step.settings import Batching, ExperienceSettings
 from purerl.tree import pytree
 
-__all__ = ["CriticValues", "Experience", "ReferenceLogprobs", "critic_values", "make_experience", "reference_logprobs"]
+__all__ = ["CriticValues", "Experience", "ReferenceLogprobs", "TeacherScores", "TeacherScoring", "critic_values",
+           "make_experience", "reference_logprobs", "teacher_scores"]
+
+
+@pytree
+class TeacherScores:
+    """A frozen teacher's view of the responses: ``logprobs`` of the sampled tokens and, when asked
+    for, its ``k`` likeliest tokens per position (``top_ids``, ``top_logprobs``; None otherwise),
+    all at the sampling temperature. Padding positions hold 0."""
+
+    logprobs: Float[Tensor, "b t"]
+    top_ids: Int[Tensor, "b t k"] | None = None
+    top_logprobs: Float[Tensor, "b t k"] | None = None
 
 
 @pytree
@@ -29,7 +41,8 @@ class Experience:
     """A scored rollout with everything the updates need, computed before any update.
     ``baselines``/``components``: see :class:`~purerl.batch.Rewards`; ``sum_pi_squared``:
     ``Σ_v π_old(v)²`` per response position, for the optimal-token-baseline estimators;
-    ``token_rewards``: the scores placed on tokens (per-turn rewards), when the rewards give them."""
+    ``token_rewards``: the scores placed on tokens (per-turn rewards), when the rewards give them;
+    ``teacher``: a distillation teacher's scores (:class:`TeacherScores`), with a teacher."""
 
     sequences: Sequences
     group: Int[Tensor, " b"]
@@ -42,6 +55,7 @@ class Experience:
     components: Float[Tensor, "b k"] | None = None
     sum_pi_squared: Float[Tensor, "b t"] | None = None
     token_rewards: Float[Tensor, "b t"] | None = None
+    teacher: TeacherScores | None = None
 
 
 @torch.no_grad()
@@ -99,6 +113,38 @@ def reference_logprobs(policy: CausalLM, params: Params, seqs: Sequences, *, tem
                     batching.max_tokens)
 
 
+def _teacher_fn(model: CausalLM, params: Params, temperature: float, top_k: int | None
+                ) -> Callable[[Sequences], Tensor]:
+    """The sampled tokens' log-probs and, with ``top_k``, the ``k`` likeliest tokens' log-probs and
+    ids, stacked on the last axis as float32 ``[b, t, 1 + 2k]`` (ids below 2²⁴ are exact there)."""
+    def scores(part: Sequences) -> Tensor:
+        logits = response_logits(model, params, part)
+        logp = logprobs_from_logits(logits, part.responses(), temperature=temperature).to(torch.float32)
+        if top_k is None:
+            return logp[..., None]
+        full = torch.log_softmax(logits.float() / temperature, -1)
+        k = full.shape[-1] if top_k == 0 else min(top_k, full.shape[-1])
+        top = full.topk(k, dim=-1)
+        return torch.cat([logp[..., None], top.values, top.indices.to(torch.float32)], -1)
+
+    return scores
+
+
+def teacher_scores(teacher: CausalLM, params: Params, seqs: Sequences, *, temperature: float, batching: Batching,
+                   top_k: int | None = None) -> TeacherScores:
+    """The teacher's :class:`TeacherScores` of ``seqs``' responses at ``temperature``, without
+    gradients, in ``batching``'s micro-batches; ``top_k`` as in :class:`ExperienceSettings`."""
+    if len(seqs) and int(seqs.input_ids.max()) >= teacher.config.vocab_size:
+        raise ValueError(f"teacher_scores: token id {int(seqs.input_ids.max())} is outside the teacher's "
+                         f"vocabulary of {teacher.config.vocab_size}")
+    packed = _batched(teacher, _teacher_fn(teacher, params, temperature, top_k), seqs, batching.micro_batch_rows,
+                      batching.max_tokens)
+    if top_k is None:
+        return TeacherScores(packed[..., 0])
+    k = (packed.shape[-1] - 1) // 2
+    return TeacherScores(packed[..., 0], packed[..., 1 + k:].to(torch.int64), packed[..., 1:1 + k])
+
+
 @runtime_checkable
 class CriticValues(Protocol):
     """What :func:`make_experience` asks of a critic role (:mod:`purerl.step.roles`)."""
@@ -114,10 +160,20 @@ class ReferenceLogprobs(Protocol):
                  batching: Batching) -> Tensor: ...
 
 
+@runtime_checkable
+class TeacherScoring(Protocol):
+    """What :func:`make_experience` asks of a distillation teacher (:mod:`purerl.step.roles`): its
+    params are its own (frozen, outside the train state)."""
+
+    def scores(self, seqs: Sequences, *, temperature: float, batching: Batching,
+               top_k: int | None) -> TeacherScores: ...
+
+
 def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] | Rewards, *,
                     policy: CausalLM, settings: ExperienceSettings = ExperienceSettings(),
                     critic: Critic | CriticValues | None = None,
-                    reference: ReferenceLogprobs | None = None) -> Experience:
+                    reference: ReferenceLogprobs | None = None,
+                    teacher: TeacherScoring | None = None) -> Experience:
     """Old log-probs (the policy before the update; the rollout's behaviour log-probs unless
     ``settings.recompute_old_logprobs``), reference log-probs, values (with a ``critic``) and
     ``Σπ²`` (with ``settings.sum_pi_squared``), all without gradients, at ``settings.temperature``,
@@ -129,7 +185,8 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
     role, whose ``values`` may run wherever the critic lives. ``reference``: a reference role (an
     executor's, for a reference that lives on a pool of its own: its params are not in
     ``state``); without one, the reference log-probs are computed here when ``state.reference``
-    holds params."""
+    holds params. ``teacher``: a distillation teacher role, scoring the responses with
+    ``settings.teacher_top_k``."""
     rewards = Rewards.of(rewards)
     seqs, temperature, batching = rollout.sequences, settings.temperature, settings.batching
     rows, budget = batching.micro_batch_rows, batching.max_tokens
@@ -152,6 +209,9 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
         values = critic_values(critic, state.critic, seqs, batching=critic_batching)
     elif critic is not None:
         values = critic.values(state.critic, seqs, batching=critic_batching)
+    scored = None
+    if teacher is not None:
+        scored = teacher.scores(seqs, temperature=temperature, batching=batching, top_k=settings.teacher_top_k)
     return Experience(seqs, rollout.group, rewards.scores.to(torch.float32), old, rollout.behaviour_logprobs, ref,
                       values, rewards.baselines, rewards.components, sum_pi_squared,
-                      None if rewards.token_rewards is None else rewards.token_rewards.to(torch.float32))
+                      None if rewards.token_rewards is None else rewards.token_rewards.to(torch.float32), scored)

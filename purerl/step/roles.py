@@ -1,4 +1,5 @@
-"""Roles: the stages a step function asks of the critic and the reference, wherever they live.
+"""Roles: the stages a step function asks of the critic, the reference and a distillation teacher,
+wherever they live.
 
 A step function does not compute the critic's values, the critic's update or the reference
 log-probs itself: it asks a *role* for them, passing the params the state holds for that role.
@@ -6,7 +7,8 @@ The roles here compute in this process with those params (the local executor, an
 that hold the role themselves). An executor that places a role on a pool of its own passes a
 role of the same shape that runs the stage there instead; the state it steps then holds ``None``
 for that role's params (they live with the pool), and the role ignores them. So one step
-function runs under every placement (``executor.placement``).
+function runs under every placement (``executor.placement``). A teacher is frozen and not part of
+the state: its role holds its model and params (:class:`LocalTeacher`), or reaches them on its pool.
 """
 
 from typing import Any, Protocol, runtime_checkable
@@ -18,12 +20,20 @@ from torch import Tensor
 from purerl.models import CausalLM, Critic, Params
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import RngState
-from purerl.step.experience import CriticValues, ReferenceLogprobs, critic_values, reference_logprobs
+from purerl.step.experience import (
+    CriticValues,
+    ReferenceLogprobs,
+    TeacherScores,
+    TeacherScoring,
+    critic_values,
+    reference_logprobs,
+    teacher_scores,
+)
 from purerl.step.settings import Batching, ValueLoss
 from purerl.step.shaping import Metrics, TrainBatch
 from purerl.step.update import ValueAndGrad, critic_update
 
-__all__ = ["CriticRole", "LocalCritic", "LocalReference", "ReferenceRole", "critic_role"]
+__all__ = ["CriticRole", "LocalCritic", "LocalReference", "LocalTeacher", "ReferenceRole", "TeacherRole", "critic_role"]
 
 
 @runtime_checkable
@@ -38,6 +48,10 @@ class CriticRole(CriticValues, Protocol):
 
 ReferenceRole = ReferenceLogprobs
 """The reference's one stage: log-probs of the responses (no gradients)."""
+
+TeacherRole = TeacherScoring
+"""A distillation teacher's one stage: its :class:`~purerl.step.experience.TeacherScores` of the
+responses (no gradients)."""
 
 
 @attrs.frozen
@@ -70,6 +84,18 @@ class LocalReference:
         if params is None:
             raise ValueError("reference log-probs: a reference role without TrainState.reference params")
         return reference_logprobs(self.model, params, seqs, temperature=temperature, batching=batching)
+
+
+@attrs.frozen
+class LocalTeacher:
+    """A teacher computed here: its own model and frozen params (any causal LM that reads the
+    policy's token ids)."""
+
+    model: CausalLM
+    params: Params
+
+    def scores(self, seqs: Any, *, temperature: float, batching: Batching, top_k: int | None) -> TeacherScores:
+        return teacher_scores(self.model, self.params, seqs, temperature=temperature, batching=batching, top_k=top_k)
 
 
 def critic_role(critic: Critic | CriticRole, value_and_grad: ValueAndGrad = pure_value_and_grad) -> CriticRole:

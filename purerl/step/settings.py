@@ -7,7 +7,9 @@ small frozen records that pickle, so a step function built from them runs on any
   reward and the off-policy correction (:func:`~purerl.step.shaping.shape_rewards`);
 - :class:`ActorLoss`: the policy loss (closed over its settings), the entropy bonus and the KL
   loss (:func:`~purerl.step.update.actor_update`);
-- :class:`ValueLoss`: the critic's clipped value loss (:func:`~purerl.step.update.critic_update`).
+- :class:`ValueLoss`: the critic's clipped value loss (:func:`~purerl.step.update.critic_update`);
+- :class:`DistillAdvantage`, :class:`DistillLoss`: a teacher's signal as an advantage and as a loss
+  term (:mod:`purerl.algo.distill`).
 
 A job's config becomes these in one place (:mod:`purerl.assembly`); a script builds them directly.
 """
@@ -17,7 +19,7 @@ import attrs
 from purerl.algo.estimators import BoundEstimator
 from purerl.algo.policy_loss import BoundPolicyLoss
 
-__all__ = ["ActorLoss", "Batching", "ExperienceSettings", "Shaping", "ValueLoss"]
+__all__ = ["ActorLoss", "Batching", "DistillAdvantage", "DistillLoss", "ExperienceSettings", "Shaping", "ValueLoss"]
 
 
 @attrs.frozen
@@ -38,13 +40,36 @@ class ExperienceSettings:
     """The experience's forwards: log-probs at ``temperature`` (the sampling one) in ``batching``'s
     micro-batches, the critic's values in ``critic_batching``'s (None: ``batching``).
     ``recompute_old_logprobs``: the old log-probs from a forward of the policy (else the engine's);
-    ``sum_pi_squared``: also ``Σ_v π_old(v)²`` per position (the optimal-token-baseline estimators)."""
+    ``sum_pi_squared``: also ``Σ_v π_old(v)²`` per position (the optimal-token-baseline estimators);
+    ``teacher_top_k``: with a teacher, also its ``k`` likeliest tokens per position (0: the whole
+    vocabulary), for a :class:`DistillLoss`; None: its log-probs of the sampled tokens only."""
 
     temperature: float = 1.0
     batching: Batching = Batching()
     critic_batching: Batching | None = None
     recompute_old_logprobs: bool = True
     sum_pi_squared: bool = False
+    teacher_top_k: int | None = None
+
+
+@attrs.frozen
+class DistillAdvantage:
+    """The teacher's per-token reverse-KL advantage (:func:`~purerl.algo.distill.reverse_kl_advantages`,
+    discounted by ``gamma``) times ``coef``, added to the task's advantages times ``reward_coef``
+    (0: distillation alone)."""
+
+    coef: float = 1.0
+    gamma: float = 0.0
+    reward_coef: float = 0.0
+
+
+@attrs.frozen
+class DistillLoss:
+    """GKD's ``JSD_β`` to the teacher on its top-k tokens (:func:`~purerl.algo.distill.generalized_jsd`)
+    times ``coef``, aggregated as the policy loss is."""
+
+    coef: float = 1.0
+    beta: float = 0.5
 
 
 @attrs.frozen
@@ -52,12 +77,14 @@ class Shaping:
     """``estimator``: the advantages (``ADVANTAGE_ESTIMATORS[name].bound(...)``); ``kl_penalty``:
     the KL estimator of the penalty in the reward (None: no penalty); ``correction``: the
     importance weights from the engine's log-probs to the trainer's, capped at ``correction_cap``
-    (:func:`~purerl.algo.correction.importance_weights`)."""
+    (:func:`~purerl.algo.correction.importance_weights`); ``distill``: the teacher's advantage (None:
+    none)."""
 
     estimator: BoundEstimator
     kl_penalty: str | None = None
     correction: str = "none"
     correction_cap: float = 2.0
+    distill: DistillAdvantage | None = None
 
 
 @attrs.frozen
@@ -66,7 +93,8 @@ class ActorLoss:
     minus ``entropy_coeff`` × the entropy, plus ``kl_coef`` × the ``kl_type`` KL to the reference,
     all aggregated as the policy loss is; log-probs at ``temperature`` (the sampling one).
     ``compute_entropy``: report ``actor/entropy`` without a bonus. ``skip_zero_advantage_rows``:
-    rows whose advantages are all 0 skip the forward and backward where that changes nothing."""
+    rows whose advantages are all 0 skip the forward and backward where that changes nothing.
+    ``distill``: a loss term to the teacher's distributions (None: none)."""
 
     policy_loss: BoundPolicyLoss
     temperature: float = 1.0
@@ -75,6 +103,7 @@ class ActorLoss:
     kl_coef: float = 0.0
     kl_type: str = "low_var_kl"
     skip_zero_advantage_rows: bool = True
+    distill: DistillLoss | None = None
 
 
 @attrs.frozen

@@ -10,10 +10,11 @@ from torch import Tensor
 
 from purerl.algo.advantages import AdvantageInputs
 from purerl.algo.correction import importance_weights
+from purerl.algo.distill import reverse_kl_advantages, sampled_reverse_kl
 from purerl.algo.kl import apply_kl_penalty
 from purerl.algo.masked import masked_mean
 from purerl.batch import Sequences
-from purerl.step.experience import Experience
+from purerl.step.experience import Experience, TeacherScores
 from purerl.step.settings import Shaping
 from purerl.tree import pytree, tree_map
 
@@ -25,7 +26,8 @@ Metrics = dict[str, float]
 @pytree
 class TrainBatch:
     """What the actor and critic updates consume. ``is_weights``: the off-policy correction's
-    per-token weights of the policy loss (None: uncorrected; :attr:`Shaping.correction`)."""
+    per-token weights of the policy loss (None: uncorrected; :attr:`Shaping.correction`);
+    ``teacher``: a distillation teacher's scores, for its loss term."""
 
     sequences: Sequences
     old_logprobs: Float[Tensor, "b t"]
@@ -34,6 +36,7 @@ class TrainBatch:
     returns: Float[Tensor, "b t"]
     values: Float[Tensor, "b t"] | None
     is_weights: Float[Tensor, "b t"] | None = None
+    teacher: TeacherScores | None = None
 
     def rows(self, index: Tensor | slice) -> "TrainBatch":
         return tree_map(lambda x: x[index] if isinstance(x, Tensor) else x, self)
@@ -51,7 +54,8 @@ def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
                   shaping: Shaping) -> tuple[TrainBatch, Any, Metrics]:
     """Token rewards (minus the KL penalty when ``shaping.kl_penalty`` names one, whose controller
     state comes back updated), the importance weights of ``shaping.correction`` (``rollout_corr/*``
-    metrics) and the advantages of ``shaping.estimator``."""
+    metrics) and the advantages of ``shaping.estimator``, mixed with a teacher's reverse-KL
+    advantages under ``shaping.distill`` (``distill/*`` metrics whenever a teacher scored)."""
     mask = experience.sequences.response_mask
     rewards = (token_level_scores(experience.scores, mask) if experience.token_rewards is None
                else torch.where(mask, experience.token_rewards, 0.0))
@@ -76,6 +80,8 @@ def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
                              sum_pi_squared=experience.sum_pi_squared if otb else None,
                              is_weights=is_weights if otb else None)
     advantages, returns = estimator(inputs)
+    if experience.teacher is not None:
+        advantages = _distilled(advantages, experience, shaping, metrics)
     metrics.update({
         "critic/score/mean": float(experience.scores.mean()),
         "critic/rewards/mean": float(rewards.sum(-1).mean()),
@@ -86,5 +92,22 @@ def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
     })
     metrics.update({f"rollout_corr/{name}": float(value.value()) for name, value in correction.items()})
     batch = TrainBatch(experience.sequences, experience.old_logprobs, experience.ref_logprobs,
-                       advantages, returns, experience.values, is_weights)
+                       advantages, returns, experience.values, is_weights, experience.teacher)
     return batch, kl_state, metrics
+
+
+def _distilled(advantages: Tensor, experience: Experience, shaping: Shaping, metrics: Metrics) -> Tensor:
+    """``reward_coef·A_task + coef·A_teacher`` under ``shaping.distill`` (unchanged without it), and
+    the teacher's metrics: the sampled reverse KL and its mean log-prob of the student's tokens."""
+    mask, teacher = experience.sequences.response_mask, experience.teacher.logprobs
+    metrics["distill/reverse_kl"] = float(masked_mean(sampled_reverse_kl(experience.old_logprobs, teacher, mask),
+                                                      mask))
+    metrics["distill/teacher_logprob"] = float(masked_mean(teacher, mask))
+    distill = shaping.distill
+    if distill is None:
+        return advantages
+    mixed = distill.reward_coef * advantages
+    if distill.coef:
+        mixed = mixed + distill.coef * reverse_kl_advantages(experience.old_logprobs, teacher, mask,
+                                                             gamma=distill.gamma)
+    return torch.where(mask, mixed, 0.0)

@@ -23,6 +23,7 @@ from jaxtyping import Bool
 from torch import Tensor
 
 from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, loss_denominator
+from purerl.algo.distill import generalized_jsd
 from purerl.algo.kl import kl_loss
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.algo.value_loss import clipped_value_loss
@@ -102,6 +103,16 @@ def _actor_loss(policy: CausalLM, loss: ActorLoss, rng: RngState) -> Callable:
             kl = kl_loss(logp, batch.ref_logprobs, mask, loss.kl_type, agg, norm)
             aux["kl_loss"] = kl
             total = SumCount(total.total + loss.kl_coef * kl.total, total.count)
+        if loss.distill is not None:
+            teacher = batch.teacher
+            if teacher is None or teacher.top_ids is None:
+                raise ValueError("actor_update: a distillation loss needs the teacher's top-k scores "
+                                 "(ExperienceSettings.teacher_top_k and a teacher role)")
+            jsd = generalized_jsd(logits, teacher.top_ids, teacher.top_logprobs, mask, beta=loss.distill.beta,
+                                  temperature=temperature)
+            divergence = LOSS_AGGREGATIONS[agg](jsd, mask, norm)
+            aux["distill_loss"] = divergence
+            total = SumCount(total.total + loss.distill.coef * divergence.total, total.count)
         return total, aux
 
     return loss_fn
@@ -168,11 +179,11 @@ def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: C
     """PPO-style policy updates of ``loss`` over ``batching.epochs`` × mini-batches × micro-batches
     (donates ``params``/``opt_state``). With ``loss.skip_zero_advantage_rows``, rows whose
     advantages are all 0 skip the forward and backward while the loss lets them (it vanishes
-    there, and no entropy bonus or KL loss reads them); the actor metrics then average over the
+    there, and no entropy bonus, KL loss or distillation loss reads them); the actor metrics then average over the
     rows that were updated."""
     indices = _minibatches(len(batch.sequences), batching.mini_batch_rows, batching.epochs, rng,
                            batch.advantages.device)
-    skip = (loss.skip_zero_advantage_rows and loss.entropy_coeff == 0 and loss.kl_coef == 0
+    skip = (loss.skip_zero_advantage_rows and loss.entropy_coeff == 0 and loss.kl_coef == 0 and loss.distill is None
             and loss.policy_loss.vanishes_at_zero_advantage)
     needed = (batch.advantages != 0).any(-1) if skip else None
     fixed = attrs.evolve(loss, policy_loss=loss.policy_loss.with_norm(_fixed_norm(loss.policy_loss.loss_norm,

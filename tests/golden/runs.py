@@ -98,7 +98,12 @@ def run(name: str) -> dict:
     """Run the golden run ``name`` in this process; what it recorded."""
     with tempfile.TemporaryDirectory() as tmp, _threads():
         out = Path(tmp) / "run"
-        job(argv_of(name, out))
+        argv = argv_of(name, out)
+        if name.startswith("distill.toml/"):  # its teacher: a tiny one, made here (tests.jobs.tiny_teacher)
+            from tests.jobs import tiny_teacher
+
+            argv.append(f"distill.teacher={tiny_teacher(Path(tmp) / 'teacher')}")
+        job(argv)
         return outcome(out)
 
 

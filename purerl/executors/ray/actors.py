@@ -1,5 +1,5 @@
-"""The Ray executor's actors: a training rank, a rollout worker, a reward worker (reward
-functions and the reward model).
+"""The Ray executor's actors: a training rank, a role's rank, a rollout worker (the reward workers:
+:mod:`~.reward_actors`).
 
 Each is a plain class made remote by the executor (``ray.remote(cls)``), so it can also be
 built and tested in-process. Everything they receive or return crosses a process boundary as
@@ -8,15 +8,14 @@ numpy (:mod:`purerl.executors.wire`).
 
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
 
+from purerl.executors.ray.reward_actors import RewardModelHost, RewardWorker, ShippedRewardFn
 from purerl.executors.wire import (
     from_wire,
     load_weight_buckets,
@@ -25,8 +24,6 @@ from purerl.executors.wire import (
     weight_buckets,
 )
 from purerl.models import CausalLM, Critic
-from purerl.rewards import RewardFn, Scores, score_responses
-from purerl.rewards.model import RewardModel
 from purerl.rollout.engine import make_engine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState, with_params, without_params
@@ -39,28 +36,6 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-class RewardModelHost:
-    """The reward model on a worker that hosts it (a reward worker, or a rank whose pool the
-    placement gives it): loaded once, by :meth:`load_reward_model`."""
-
-    reward_model_path: str | None = None
-    reward_model: RewardModel | None = None
-    reward_device: str = "cpu"
-    reward_batch_size: int = 16
-
-    def load_reward_model(self) -> None:
-        """Load the reward model (once; a no-op after)."""
-        if self.reward_model is None:
-            if self.reward_model_path is None:
-                raise ValueError("this worker was given no reward model (RayExecutor(reward_model=...))")
-            self.reward_model = RewardModel(self.reward_model_path, device=self.reward_device)
-
-    def score_model(self, prompts: list[str], responses: list[str]) -> np.ndarray:
-        """:meth:`RewardModel.score` of this shard, as float32 numpy."""
-        self.load_reward_model()
-        return self.reward_model.score(prompts, responses, batch_size=self.reward_batch_size).numpy()
 
 
 class Rank(RewardModelHost):
@@ -119,6 +94,21 @@ class Rank(RewardModelHost):
 
         return shard_causal_lm(self.skeleton, params, mesh=self.mesh, trainable=False, offload=self.offload.params)
 
+    def host_teacher(self, skeleton: CausalLM, wire_params: Any) -> None:
+        """Hold a distillation teacher: its frozen params sharded with FSDP2 over this group, its
+        forwards split by rows like the reference's (:class:`~purerl.step.roles.LocalTeacher`)."""
+        from purerl.executors.fsdp import ShardedCausalLM, shard_causal_lm
+        from purerl.step.roles import LocalTeacher
+
+        module, params = shard_causal_lm(skeleton, from_wire(wire_params), mesh=self.mesh, trainable=False,
+                                         offload=self.offload.params)
+        self.teacher = LocalTeacher(ShardedCausalLM.of(skeleton, [(module, params)]), params)
+
+    def teacher_scores(self, seqs: Any, temperature: float, batching: Any, top_k: int | None) -> Any:
+        """The hosted teacher's scores of ``seqs`` (:func:`~purerl.step.experience.teacher_scores`)."""
+        out = self.teacher.scores(self._here(seqs), temperature=temperature, batching=batching, top_k=top_k)
+        return to_wire(out) if self.rank == 0 else None
+
     def _sharded_critic(self, params: Any, where: str) -> tuple[Any, Any]:
         """The critic sharded with FSDP2 like the policy: its sharded model and params. ``where``
         names who was given critic params without a critic model, for the error."""
@@ -148,14 +138,15 @@ class TrainRank(Rank):
         self.engine = make_engine(engine, policy, device=device, **engine_kwargs) if engine_kwargs is not None else None
         self.state: TrainState | None = None
         self.remote_roles: dict[str, Any] = {}
+        self.teacher = None  # a distillation teacher these ranks hold (host_teacher)
 
     def attach_roles(self, pools: dict[str, list[Any]], timeout_s: float) -> None:
-        """The critic and/or the reference live on ``pools`` (``{"critic": [rank handles], …}``):
-        the step function gets roles that run their stages there (rank 0 calls, every rank gets
-        the result)."""
-        from purerl.executors.ray.roles import RemoteCritic, RemoteReference
+        """The critic, the reference and/or a distillation teacher live on ``pools`` (``{role: [rank
+        handles], …}``): the step function gets roles that run their stages there (rank 0 calls,
+        every rank gets the result)."""
+        from purerl.executors.ray.roles import RemoteCritic, RemoteReference, RemoteTeacher
 
-        kinds = {"critic": RemoteCritic, "reference": RemoteReference}
+        kinds = {"critic": RemoteCritic, "reference": RemoteReference, "teacher": RemoteTeacher}
         self.remote_roles = {name: kinds[name](ranks, self.rank, self.device, timeout_s)
                              for name, ranks in pools.items()}
 
@@ -194,6 +185,8 @@ class TrainRank(Rank):
         effects = dict(policy=self.model, value_and_grad=self.value_and_grad)
         if self.critic is not None:
             effects["critic"] = self.critic
+        if self.teacher is not None:
+            effects["teacher"] = self.teacher
         effects.update(self.remote_roles)
         state = self._optimizers_to(self._params_device(), with_params(small, self.state))
         state, metrics = self.step_fn(state, rollout, scores, **effects)
@@ -350,43 +343,3 @@ class RolloutWorker:
         """Stop the open rows of generate call ``call`` (a late signal names a call that has ended:
         call ids are never reused, so it changes nothing)."""
         self.calls.add(call)
-
-
-class RewardWorker(RewardModelHost):
-    """A reward worker: scores one shard of the responses with a reward function and, given a
-    reward-model folder, with that model (loaded once, by :meth:`load_reward_model`)."""
-
-    def __init__(self, reward_model: str | None = None, device: str = "cpu", threads: int = 1,
-                 batch_size: int = 16) -> None:
-        torch.set_num_threads(threads)
-        self.reward_model_path, self.reward_device, self.reward_batch_size = reward_model, device, batch_size
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def score(self, fn: RewardFn, responses: list[str], truths: list[str], timeout: float, penalty: float,
-              first_index: int, data_sources: list[str] | None = None, extra_infos: list[dict] | None = None,
-              batch_timeout: float | None = None) -> Scores:
-        return score_responses(fn, responses, truths, timeout=timeout, penalty=penalty, first_index=first_index,
-                               data_sources=data_sources, extra_infos=extra_infos, batch_timeout=batch_timeout)
-
-class ShippedRewardFn:
-    """A reward function on its way to the reward workers with the driver's ``sys.path``:
-    unpickling adds the paths first, then loads the function, so a function that
-    :func:`~purerl.rewards.load_reward_fn` loaded from a file (a module importable only from its
-    folder) imports on the worker. Unpickles as the function itself."""
-
-    def __init__(self, fn: RewardFn) -> None:
-        self.fn, self.paths = fn, [p for p in sys.path if p]
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        from ray import cloudpickle
-
-        return _unship, (self.paths, cloudpickle.dumps(self.fn))
-
-
-def _unship(paths: list[str], blob: bytes) -> Any:
-    from ray import cloudpickle
-
-    sys.path.extend(p for p in paths if p not in sys.path)
-    return cloudpickle.loads(blob)

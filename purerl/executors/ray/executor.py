@@ -122,7 +122,9 @@ class RayExecutor:
     ranks keep in host memory between uses). ``generators``: asynchronous generators, each
     driving its own share of the rollout workers (restarted when they fail, or when a generate
     call outlasts ``generate_timeout`` seconds; default ``config.step_timeout``); evaluation takes
-    turns with the first generator whose workers are not waiting for a restart.
+    turns with the first generator whose workers are not waiting for a restart. ``teacher``: a
+    distillation teacher (:class:`~purerl.step.roles.LocalTeacher`), sharded where the placement
+    puts it (the training ranks, or the reference's pool) and passed to the step as ``teacher=``.
 
     The driver keeps the small part of the state (:func:`~purerl.state.without_params`); params
     and optimizer states stay on the ranks. Its engine generates on the rollout workers; in
@@ -134,10 +136,11 @@ class RayExecutor:
                  config: ExecutorConfig = ExecutorConfig(kind="ray"), engine: str = "torch",
                  reward_model: str | None = None, ray_init: dict[str, Any] | None = None,
                  make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None,
-                 offload: Any = None, generators: int = 0, generate_timeout: float | None = None) -> None:
+                 offload: Any = None, generators: int = 0, generate_timeout: float | None = None,
+                 teacher: Any = None) -> None:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
-        self.config, self.reward_model, self.engine_name = config, reward_model, engine
+        self.config, self.reward_model, self.engine_name, self.teacher = config, reward_model, engine, teacher
         self.generate_timeout, self.policy, self.critic = generate_timeout, policy, critic
         self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,
                                    ray_init, engine=engine, reward_model=reward_model, offload=offload)
@@ -191,9 +194,10 @@ class RayExecutor:
         if roles["reference"] == "reference" and state.reference:
             parts["reference"] = {"reference": state.reference}
             state = replace(state, reference=None)
+        teacher_pool = roles["teacher"] if self.teacher is not None else None
         rm_pool = roles["reward_model"] if self.reward_model is not None else None
         for pool in ("critic", "reference"):
-            if (pool in parts or rm_pool == pool) and pool not in self.groups.role_ranks:
+            if (pool in parts or pool in (rm_pool, teacher_pool)) and pool not in self.groups.role_ranks:
                 ranks = self.groups.start_role_pool(pool, self.policy, self.critic)
                 if rm_pool == pool:
                     self.groups.host_reward_model(ranks, f"{pool} rank", self.reward_model)
@@ -201,16 +205,29 @@ class RayExecutor:
             ref = ray.put(to_wire(part))
             self.wait([(w.load.remote(ref), f"{pool} rank {r}") for r, w in enumerate(self.groups.role_ranks[pool])],
                       self.config.start_timeout, "load state")
-        if parts:
-            remote = {pool: self.groups.role_ranks[pool] for pool in parts}
+        remote = {pool: self.groups.role_ranks[pool] for pool in parts}
+        if teacher_pool not in (None, "train"):
+            self._host_teacher(self.groups.role_ranks[teacher_pool], f"{teacher_pool} rank")
+            remote["teacher"] = self.groups.role_ranks[teacher_pool]
+        if remote:
             self.wait([(w.attach_roles.remote(remote, _ROLE_SHARE * self.config.step_timeout), f"train rank {r}")
                        for r, w in enumerate(self.train)], self.config.start_timeout, "attach roles")
         self.remote_parts = set(parts)
         ref = ray.put(to_wire(state))
         self.wait([(w.load.remote(ref), f"train rank {r}") for r, w in enumerate(self.train)],
                   self.config.start_timeout, "load state")
+        if teacher_pool == "train":
+            self._host_teacher(self.train, "train rank")
         self.publish(state)
         return without_params(state)
+
+    def _host_teacher(self, ranks: list[Any], label: str) -> None:
+        """The teacher's skeleton and frozen params to ``ranks``, which shard them (once per run)."""
+        import ray
+
+        skeleton, params = ray.put(self.teacher.model), ray.put(to_wire(self.teacher.params))
+        self.wait([(w.host_teacher.remote(skeleton, params), f"{label} {r}") for r, w in enumerate(ranks)],
+                  self.config.start_timeout, "host teacher")
 
     def step(self, state: TrainState, rollout: Rollout, rewards: torch.Tensor | Rewards
              ) -> tuple[TrainState, dict[str, float]]:

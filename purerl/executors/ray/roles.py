@@ -1,4 +1,4 @@
-"""The critic and the reference as roles on a pool of their own (:mod:`purerl.step.roles`), as the
+"""The critic, the reference and a distillation teacher as roles on a pool of their own (:mod:`purerl.step.roles`), as the
 training ranks see them.
 
 The step function runs on every training rank; it asks these roles for the critic's values and
@@ -20,8 +20,9 @@ import torch
 from purerl.executors.base import ExecutorError
 from purerl.executors.wire import from_wire, to_wire
 from purerl.state import RngState
+from purerl.tree import tree_map
 
-__all__ = ["RemoteCritic", "RemoteReference"]
+__all__ = ["RemoteCritic", "RemoteReference", "RemoteTeacher"]
 
 
 class _Answer(Mapping[str, float]):
@@ -123,3 +124,13 @@ class RemoteReference(_RemoteRole):
 
     def logprobs(self, params: Any, seqs: Any, *, temperature: float, batching: Any) -> torch.Tensor:
         return self._tensor(self._call("reference_logprobs", to_wire(seqs), temperature, batching))
+
+
+class RemoteTeacher(_RemoteRole):
+    """A distillation teacher on the reference's pool (:class:`~purerl.step.roles.TeacherRole`)."""
+
+    pool = "reference"
+
+    def scores(self, seqs: Any, *, temperature: float, batching: Any, top_k: int | None) -> Any:
+        out = from_wire(self._call("teacher_scores", to_wire(seqs), temperature, batching, top_k))
+        return tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, out)
