@@ -178,10 +178,12 @@ def test_a_teacher_nothing_uses_and_a_missing_teacher_are_config_errors(tmp_path
         parse(["--tiny", "--teacher", str(teacher), "distill.coef=0"])
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "lora_packed"])
 def test_the_job_distils_from_a_teacher_with_both_signals(tmp_path, mode):
     teacher = tiny_teacher(tmp_path / "teacher")
-    extra = ["--async", "--max-staleness", "1"] if mode == "async" else []
+    extra = {"sync": [], "async": ["--async", "--max-staleness", "1"],
+             "lora_packed": ["--lora-rank", "4", "actor.packed_forwards=true", "actor.max_tokens_per_micro_batch=64"]
+             }[mode]
     summary = run_job(["--tiny", *SMALL, "--steps", "3", "--teacher", str(teacher), "distill.loss_coef=0.5",
                        "distill.top_k=8", "distill.reward_coef=1.0", *extra, "--out-dir", str(tmp_path / "run")])
     for record in summary["records"]:

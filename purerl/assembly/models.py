@@ -68,8 +68,8 @@ def _loadable(path: Path) -> Path:
 
 
 def load_teacher(config: JobConfig, model: CausalLM, tokenizer: Any) -> LocalTeacher | None:
-    """``distill.teacher`` as a role computed here, frozen in the policy's compute dtype; None
-    without one. A teacher whose vocabulary differs from the policy's (its model's size, or its
+    """``distill.teacher`` as a role computed here, frozen in the policy's compute dtype, its
+    forwards packed as the policy's are (``actor.packed_forwards``); None without one. A teacher whose vocabulary differs from the policy's (its model's size, or its
     tokenizer's tokens when the folder has one) raises a one-line ``DataError``."""
     if not config.distill.teacher:
         return None
@@ -84,7 +84,7 @@ def load_teacher(config: JobConfig, model: CausalLM, tokenizer: Any) -> LocalTea
         differ = sorted(set(theirs.items()) ^ set(tokenizer.get_vocab().items()))[:1]
         raise DataError(f"{where}: its tokenizer maps tokens to other ids than the policy's (e.g. {differ[0]!r}): "
                         "a teacher must share the policy's tokenizer")
-    teacher = attrs.evolve(teacher, compute_dtype=compute_dtype(config))
+    teacher = attrs.evolve(teacher, compute_dtype=compute_dtype(config), packed=config.actor.packed_forwards)
     return LocalTeacher(teacher, cast_floating(params, compute_dtype(config)))
 
 

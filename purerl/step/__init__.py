@@ -15,10 +15,12 @@ a job's config.
 
 from purerl.step.experience import Experience, make_experience
 from purerl.step.recipes import StepFn, grpo_step, ppo_step
-from purerl.step.settings import ActorLoss, Batching, ExperienceSettings, Shaping, ValueLoss
+from purerl.step.roles import LocalTeacher
+from purerl.step.settings import ActorLoss, Batching, DistillAdvantage, DistillLoss, ExperienceSettings, Shaping, ValueLoss
+from purerl.step.sft import sft_step
 from purerl.step.shaping import Metrics, TrainBatch, shape_rewards, token_level_scores
 from purerl.step.update import actor_update, critic_update
 
-__all__ = ["ActorLoss", "Batching", "Experience", "ExperienceSettings", "Metrics", "Shaping", "StepFn", "TrainBatch",
-           "ValueLoss", "actor_update", "critic_update", "grpo_step", "make_experience", "ppo_step", "shape_rewards",
-           "token_level_scores"]
+__all__ = ["ActorLoss", "Batching", "DistillAdvantage", "DistillLoss", "Experience", "ExperienceSettings",
+           "LocalTeacher", "Metrics", "Shaping", "StepFn", "TrainBatch", "ValueLoss", "actor_update", "critic_update",
+           "grpo_step", "make_experience", "ppo_step", "sft_step", "shape_rewards", "token_level_scores"]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from purerl.batch import Sequences
-from purerl.tree import replace
+from purerl.tree import replace, tree_map
 
 __all__ = ["chunks", "micro_batch_rows", "token_budget_rows", "trimmed", "trimmed_sequences"]
 
@@ -51,11 +51,14 @@ def trimmed_sequences(seqs: Sequences) -> tuple[Sequences, int]:
 
 def trimmed(batch):
     """A :class:`~purerl.step.shaping.TrainBatch` with its padding columns trimmed: the sequences
-    by :func:`trimmed_sequences`, every per-token field (``[b, t]``) to the kept response columns."""
+    by :func:`trimmed_sequences`, every per-token field (``[b, t]``, and a teacher's ``[b, t, k]``) to
+    the kept response columns."""
     seqs, keep_t = trimmed_sequences(batch.sequences)
     fields = {name: getattr(batch, name)[:, :keep_t] for name in ("old_logprobs", "ref_logprobs", "advantages",
                                                                   "returns", "values", "is_weights")
               if getattr(batch, name, None) is not None}
+    if getattr(batch, "teacher", None) is not None:  # a teacher's scores: [b, t] and [b, t, k]
+        fields["teacher"] = tree_map(lambda x: x[:, :keep_t] if isinstance(x, Tensor) else x, batch.teacher)
     return replace(batch, sequences=seqs, **fields)
 
 
