@@ -399,3 +399,14 @@ def test_the_main_job_runs_ppo_with_the_critic_on_its_own_pool_on_cuda(tmp_path)
     summary = _main_job(tmp_path, "--executor", "ray", "--placement", "split_collocate", "--adv-estimator", "gae",
                         "--train-ranks", "1", "--rollout-workers", "1", "--gpus-per-worker", "0.3")
     assert summary["steps"] == 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_main_job_distils_from_a_teacher_on_cuda(tmp_path, dtype):
+    from tests.jobs import tiny_teacher
+
+    teacher = tiny_teacher(tmp_path / "teacher")
+    summary = _main_job(tmp_path / "run", "--dtype", dtype, "--teacher", str(teacher), "distill.loss_coef=0.5",
+                        "distill.top_k=8")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 3 and all(r["distill/reverse_kl"] > 0 and r["actor/distill_loss"] > 0 for r in rows)
