@@ -69,8 +69,9 @@ def _loadable(path: Path) -> Path:
 
 def load_teacher(config: JobConfig, model: CausalLM, tokenizer: Any) -> LocalTeacher | None:
     """``distill.teacher`` as a role computed here, frozen in the policy's compute dtype, its
-    forwards packed as the policy's are (``actor.packed_forwards``); None without one. A teacher whose vocabulary differs from the policy's (its model's size, or its
-    tokenizer's tokens when the folder has one) raises a one-line ``DataError``."""
+    forwards packed as the policy's are (``actor.packed_forwards``); None without one. A teacher
+    whose vocabulary differs from the policy's (its model's size, or its tokenizer's tokens when
+    the folder has one) raises a one-line ``DataError``."""
     if not config.distill.teacher:
         return None
     path = _loadable(Path(config.distill.teacher))
@@ -90,7 +91,8 @@ def load_teacher(config: JobConfig, model: CausalLM, tokenizer: Any) -> LocalTea
 
 def _tokenizer_vocab(path: Path) -> dict[str, int] | None:
     """The token → id map of the tokenizer saved with the model at ``path``; None when it has none."""
-    if path.suffix == ".gguf" or not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+    names = ("tokenizer.json", "tokenizer_config.json")
+    if path.suffix == ".gguf" or not any((path / name).is_file() for name in names):
         return None
     from transformers import AutoTokenizer
 

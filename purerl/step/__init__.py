@@ -16,7 +16,15 @@ a job's config.
 from purerl.step.experience import Experience, make_experience
 from purerl.step.recipes import StepFn, grpo_step, ppo_step
 from purerl.step.roles import LocalTeacher
-from purerl.step.settings import ActorLoss, Batching, DistillAdvantage, DistillLoss, ExperienceSettings, Shaping, ValueLoss
+from purerl.step.settings import (
+    ActorLoss,
+    Batching,
+    DistillAdvantage,
+    DistillLoss,
+    ExperienceSettings,
+    Shaping,
+    ValueLoss,
+)
 from purerl.step.sft import sft_step
 from purerl.step.shaping import Metrics, TrainBatch, shape_rewards, token_level_scores
 from purerl.step.update import actor_update, critic_update

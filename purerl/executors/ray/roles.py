@@ -1,8 +1,8 @@
-"""The critic, the reference and a distillation teacher as roles on a pool of their own (:mod:`purerl.step.roles`), as the
-training ranks see them.
+"""The critic, the reference and a distillation teacher as roles on a pool of their own
+(:mod:`purerl.step.roles`), as the training ranks see them.
 
 The step function runs on every training rank; it asks these roles for the critic's values and
-update and for the reference log-probs. Rank 0 calls every rank of the role's pool (they split
+update, for the reference log-probs and for the teacher's scores. Rank 0 calls every rank of the role's pool (they split
 the rows and answer through their rank 0) and broadcasts the answer to the other training ranks,
 so the pool does each stage once per step whatever the number of training ranks. The params the
 step passes in are ``None``: the pool holds them (and the critic's optimizer state). The critic's
