@@ -17,22 +17,15 @@ __all__ = ["PLACEMENTS", "POOLS", "AsyncConfig", "ExecutorConfig"]
 POOLS = ("train", "rollout", "reward", "critic", "reference")
 
 PLACEMENTS = {
-    "split": {"rollout": "rollout", "reference": "train", "critic": "train", "reward_model": "reward",
-              "teacher": "train"},
-    "colocated": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "reward",
-                  "teacher": "train"},
-    "hybrid_engine": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "reward",
-                      "teacher": "train"},
-    "fully_collocated": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "train",
-                         "teacher": "train"},
-    "split_collocate": {"rollout": "rollout", "reference": "train", "critic": "critic", "reward_model": "critic",
-                        "teacher": "train"},
-    "standalone": {"rollout": "rollout", "reference": "reference", "critic": "critic", "reward_model": "reward",
-                   "teacher": "reference"},
+    "split": {"rollout": "rollout", "reference": "train", "critic": "train", "reward_model": "reward"},
+    "colocated": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "reward"},
+    "hybrid_engine": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "reward"},
+    "fully_collocated": {"rollout": "train", "reference": "train", "critic": "train", "reward_model": "train"},
+    "split_collocate": {"rollout": "rollout", "reference": "train", "critic": "critic", "reward_model": "critic"},
+    "standalone": {"rollout": "rollout", "reference": "reference", "critic": "critic", "reward_model": "reward"},
 }
 """Where each role lives under each ``executor.placement``: the pool (``train`` is the actor's).
-``colocated`` = ``hybrid_engine`` (verl's); ``split_collocate``: OpenRLHF's default. A distillation
-teacher lives where the reference does (frozen both, they share that pool)."""
+``colocated`` = ``hybrid_engine`` (verl's); ``split_collocate``: OpenRLHF's default."""
 
 
 def _pool_resources(_: Any, attribute: Any, value: dict) -> None:
@@ -100,8 +93,10 @@ class ExecutorConfig:
 
     @property
     def roles(self) -> dict[str, str]:
-        """``{role: pool}`` for the rollout, the reference, the critic and the reward model."""
-        return PLACEMENTS[self.placement]
+        """``{role: pool}`` for the rollout, the reference, the critic, the reward model and a
+        distillation teacher, which lives where the reference does (frozen both, they share that pool)."""
+        roles = PLACEMENTS[self.placement]
+        return {**roles, "teacher": roles["reference"]}
 
     @property
     def colocated(self) -> bool:

@@ -133,10 +133,9 @@ def _teacher_fn(model: CausalLM, params: Params, temperature: float, top_k: int 
 def teacher_scores(teacher: CausalLM, params: Params, seqs: Sequences, *, temperature: float, batching: Batching,
                    top_k: int | None = None) -> TeacherScores:
     """The teacher's :class:`TeacherScores` of ``seqs``' responses at ``temperature``, without
-    gradients, in ``batching``'s micro-batches; ``top_k`` as in :class:`ExperienceSettings`."""
-    if len(seqs) and int(seqs.input_ids.max()) >= teacher.config.vocab_size:
-        raise ValueError(f"teacher_scores: token id {int(seqs.input_ids.max())} is outside the teacher's "
-                         f"vocabulary of {teacher.config.vocab_size}")
+    gradients, in ``batching``'s micro-batches; ``top_k`` as in :class:`ExperienceSettings`. The
+    teacher must read the policy's token ids (its vocabulary is checked once, when it is loaded:
+    :func:`~purerl.assembly.models.load_teacher`)."""
     packed = _batched(teacher, _teacher_fn(teacher, params, temperature, top_k), seqs, batching.micro_batch_rows,
                       batching.max_tokens)
     if top_k is None:
