@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from purerl.agents.play import agent_of
 from purerl.config.job import JobConfig
 from purerl.data.math_problems import train_eval_split
 from purerl.data.records import DataError, PromptRecord, encode_prompts, load_records
@@ -54,7 +55,8 @@ def episodes_of(config: JobConfig, tokenizer: Any, reward_fn: RewardFn, options:
     if not env_config.multi_turn:
         return None
     try:
-        env = environment(env_config.name, answer_fn=reward_fn, tools=env_config.tools, format=env_config.format)
+        env = agent_of(env_config.name, answer_fn=reward_fn) or environment(
+            env_config.name, answer_fn=reward_fn, tools=env_config.tools, format=env_config.format)
     except ValueError as err:
         raise DataError(f"env.name: {err}") from None
     try:

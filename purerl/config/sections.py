@@ -312,7 +312,7 @@ class TrainerConfig:
 def _environment(instance: Any, attribute: Any, value: str) -> None:
     if value not in ("single_turn", "calculator") and ":" not in value:
         raise ConfigError(f"env.name must be single_turn, calculator or a 'module:name' / 'file.py:name' of an "
-                          f"environment, got {value!r}")
+                          f"environment or an agent function, got {value!r}")
 
 
 @section
@@ -321,7 +321,10 @@ class EnvConfig(EpisodeLimits):
     ``calculator`` (:mod:`purerl.episodes.calculator`: episodes of turns in which the model may
     call a calculator before it answers; ``tools = false`` is the same task without the tool, the
     baseline), or a user's environment as ``module:name`` / ``file.py:name`` (purerl's ``Env``, or
-    a class in TRL's ``environment_factory`` convention: :mod:`purerl.episodes.adapters`). ``format``: how tools are called (``tags``: ``<calc>1+2</calc>``; ``json``:
+    a class in TRL's ``environment_factory`` convention: :mod:`purerl.episodes.adapters`), or an
+    agent function ``run(client, task) -> score`` written for an OpenAI client, played against
+    the job's endpoint (:mod:`purerl.agents.play`). ``format``: how tools are called (``tags``:
+    ``<calc>1+2</calc>``; ``json``:
     ``<tool_call>{…}</tool_call>``). The section is the episodes' limits
     (:class:`~purerl.episodes.limits.EpisodeLimits`): ``max_turns`` model turns, ``max_tokens``
     ids in all (the context budget), ``step_timeout`` seconds per environment step (a tool call),

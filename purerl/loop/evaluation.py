@@ -5,7 +5,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from purerl.episodes.rollout import episode_metrics, run_episodes
+from purerl.agents.play import player
+from purerl.episodes.rollout import episode_metrics
 from purerl.loop.samples import rollout_finishes, sample_rows
 from purerl.loop.sampling import decode_responses
 from purerl.loop.task import Task
@@ -35,7 +36,7 @@ def evaluate(engine: RolloutEngine, task: Task, *, version: int, max_new_tokens:
     for start in range(0, len(task.records), batch_prompts):
         if task.episodes is not None:
             setup = task.episodes
-            played += run_episodes(engine, setup.env, setup.codec, task.records[start:start + batch_prompts], sampling,
+            played += player(setup.env)(engine, setup.env, setup.codec, task.records[start:start + batch_prompts], sampling,
                                    RngState(0), version, setup.limits, decode=task.decode,
                                    seeds=range(start, min(start + batch_prompts, len(task.records))),
                                    template_kwargs=dict(setup.template_kwargs), batch_timeout=batch_timeout)

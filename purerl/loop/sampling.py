@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import torch
 
+from purerl.agents.play import player
 from purerl.algo.dapo import varied_groups
 from purerl.batch import Rewards, Rollout
 from purerl.config.sections import RewardConfig
@@ -24,7 +25,6 @@ from purerl.episodes.rollout import (
     episode_metrics,
     episode_scores,
     episodes_rollout,
-    run_episodes,
     turn_token_rewards,
 )
 from purerl.loop.samples import rollout_finishes, sample_rows, spread
@@ -278,13 +278,14 @@ def _training_samples(task: Task, indices: list[int], n: int, rollout: Rollout, 
 def _episode_rollout(engine: RolloutEngine, task: Task, episodes: Episodes, indices: list[int], rng: RngState,
                      version: int, sampling: SamplingParams, batch_timeout: float | None,
                      penalty: float) -> tuple[Rollout, Scores, dict[str, Any]]:
-    """``sampling.n`` episodes per prompt (:func:`~purerl.episodes.rollout.run_episodes`; task
+    """``sampling.n`` episodes per prompt (:func:`~purerl.episodes.rollout.run_episodes`, or
+    :func:`~purerl.agents.play.run_agents` for an agent function; task
     ``i`` resets with seed ``i``, so a prompt's episodes replay), their rollout and scores (the
     environment's rewards with the tool bonus; ``penalty`` for an episode whose environment
     returned a bad reward or messages, counted and its message kept as a reward error's), and
     sums: ``gen_s`` (sampling and stepping), ``env_s`` and the ``episodes``."""
     timings: dict[str, float] = {}
-    played = run_episodes(engine, episodes.env, episodes.codec, [task.records[i] for i in indices], sampling, rng,
+    played = player(episodes.env)(engine, episodes.env, episodes.codec, [task.records[i] for i in indices], sampling, rng,
                           version, episodes.limits, decode=task.decode, seeds=indices,
                           template_kwargs=dict(episodes.template_kwargs), batch_timeout=batch_timeout, timings=timings)
     group = [j for j in range(len(indices)) for _ in range(sampling.n)]
