@@ -233,3 +233,37 @@ def test_an_async_agent_function_plays_on_an_async_client(tiny):
               for fn in ("guess", "guess_async")}
     for s, a in zip(played["guess"], played["guess_async"], strict=True):
         assert s.ids == a.ids and s.reward == a.reward
+
+
+@pytest.mark.parametrize("spec", ["tests.verifiers_envs:load_environment", "tests.verifiers_envs:multi_turn"],
+                         ids=["single_turn", "multi_turn"])
+@pytest.mark.parametrize("mode", [[], ["--async", "--max-staleness", "1"]], ids=["sync", "async"])
+def test_verifiers_environments_train_as_they_are(tmp_path, spec, mode):
+    pytest.importorskip("verifiers")
+    summary = run_job(["--tiny", "--env", spec, "--max-turns", "3", "--steps", "2", "--prompts-per-step", "2",
+                       "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size", "2", "--train-size", "20",
+                       "--eval-every", "0", "--no-progress", "--threads", "1", "env.max_tokens=256", *mode,
+                       "--out-dir", str(tmp_path / "run")])
+    turns = 1 if spec.endswith("load_environment") else 3
+    assert summary["steps"] == 2
+    for row in summary["records"]:
+        assert row["episode/turns_mean"] == turns and row["episode/env_errors"] == 0 and row["reward/errors"] == 0
+        assert row["episode/finish/answer"] == 1 and row["episode/new_segments"] == 0
+
+
+def test_a_verifiers_rubric_scores_the_recorded_episode(tiny):
+    verifiers_envs = pytest.importorskip("tests.verifiers_envs")
+    from purerl.agents import agent_of
+
+    tokenizer, _, _, engine, decode = tiny
+    env = agent_of("tests.verifiers_envs:load_environment", answer_fn=lenient_math_reward)
+    played = run_agents(engine, env, ChatCodec(tokenizer), _records("What is 2+2?"),
+                        SamplingParams(max_new_tokens=6, n=4, temperature=1.0), RngState(0), 0,
+                        EpisodeLimits(max_turns=1, max_tokens=400), decode=decode)
+    for e in played:  # the rubric: 1 for ending with the answer, 0.5 for a digit, on the text the model sampled
+        text = e.actions[-1]
+        rubric = float(text.strip().endswith("12")) + 0.5 * any(c.isdigit() for c in text)
+        assert e.reward == rubric and e.finish == "answer"
+        prompt = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2+2?"}]
+        assert e.ids[: e.prompt_length] == ChatCodec(tokenizer).initial_ids(prompt)
+    assert verifiers_envs is not None

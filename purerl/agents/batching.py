@@ -3,7 +3,9 @@
 Agents call the endpoint from many threads or coroutines at once; the engine samples a batch
 best. :class:`EngineBatcher` owns the engine on one thread: it waits for a first request, collects
 what else arrives while requests keep coming (each within ``window_s`` of the last, for at most
-``max_wait_s``, up to ``max_rows`` rows), and samples them in as few
+``max_wait_s``, up to ``max_rows`` rows) — or, when it knows how many agents are running
+(``live``), until every one of them is waiting (agents that step in lock-step then share one
+call without waiting at all) — and samples them in as few
 ``generate`` calls as their settings allow — one per distinct (call index, temperature, top-p,
 top-k, stop strings); ``max_new_tokens`` may differ, each row is cut at its own. No request waits
 for another agent's episode, only for the batch it joined.
@@ -16,7 +18,7 @@ row draws the same whatever else is in its batch.
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import attrs
@@ -61,10 +63,12 @@ class EngineBatcher:
     """The engine behind one thread, fed by :meth:`submit` from any thread (module docstring).
     ``calls``: the engine calls made; ``rows``: the rows they sampled."""
 
-    def __init__(self, engine: RolloutEngine, rng: RngState, version: int | None, *, window_s: float = 0.02,
-                 max_wait_s: float = 0.2, max_rows: int = 256) -> None:
+    def __init__(self, engine: RolloutEngine, rng: RngState, version: int | None, *, window_s: float = 0.05,
+                 max_wait_s: float = 0.2, max_rows: int = 256, live: Callable[[], int] | None = None) -> None:
         self.engine, self.rng, self.version = engine, rng, version
         self.window_s, self.max_wait_s, self.max_rows = window_s, max_wait_s, max_rows
+        self.live = live
+        """How many agents are running (each waits on at most one request), when known."""
         self.calls, self.rows = 0, 0
         self._queue: queue.Queue[tuple[Request, Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="purerl-engine-batcher", daemon=True)
@@ -89,6 +93,8 @@ class EngineBatcher:
             last = time.monotonic()
             cap = last + self.max_wait_s
             while sum(r.sampling.n for r, _ in batch) < self.max_rows:
+                if self.live is not None and len(batch) >= self.live():  # nobody else can call now
+                    break
                 try:
                     item = self._queue.get(timeout=max(0.0, min(last + self.window_s, cap) - time.monotonic()))
                 except queue.Empty:

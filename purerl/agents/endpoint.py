@@ -106,9 +106,12 @@ class Endpoint:
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}/v1"
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop serving; ``wait``: until the server's thread has ended (uvicorn notices within
+        ~0.1 s), else return at once."""
         self._server.should_exit = True
-        self._thread.join()
+        if wait:
+            self._thread.join()
 
     def __enter__(self) -> "Endpoint":
         return self

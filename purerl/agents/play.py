@@ -33,6 +33,7 @@ import attrs
 from purerl.agents.batching import EngineBatcher
 from purerl.agents.endpoint import Endpoint
 from purerl.agents.traces import EPISODE_HEADER, AgentEpisode, EpisodeTraces
+from purerl.agents.verifiers_envs import verifiers_agent, verifiers_env_of
 from purerl.data.records import PromptRecord
 from purerl.episodes.codec import ChatCodec
 from purerl.episodes.limits import EpisodeLimits
@@ -56,7 +57,7 @@ class AgentEnv:
 
     fn: Callable[..., Any]
     answer_fn: RewardFn
-    window_s: float = 0.02
+    window_s: float = 0.05
     max_agents: int = 64
     stop: tuple[str, ...] = ()
 
@@ -72,11 +73,15 @@ def is_agent_function(value: Any) -> bool:
 
 def agent_of(spec: str, *, answer_fn: RewardFn) -> AgentEnv | None:
     """The :class:`AgentEnv` of ``spec`` (``module:name`` / ``file.py:name``) when it names an
-    agent function; None when it names something else (or is a built-in name)."""
+    agent function or a verifiers environment (:mod:`purerl.agents.verifiers_envs`); None when it
+    names something else (or is a built-in name)."""
     if ":" not in spec:
         return None
     found = load_object(spec, "environment")
-    return AgentEnv(found, answer_fn) if is_agent_function(found) else None
+    if is_agent_function(found):
+        return AgentEnv(found, answer_fn)
+    env = verifiers_env_of(found)
+    return None if env is None else AgentEnv(verifiers_agent(env), answer_fn)
 
 
 def player(env: Any) -> Callable[..., list[Episode]]:
@@ -116,29 +121,31 @@ def run_agents(engine: RolloutEngine, env: AgentEnv, codec: ChatCodec, tasks: Se
 
     start = time.perf_counter()
     traces = EpisodeTraces(codec, max_turns=limits.max_turns, max_tokens=limits.max_tokens)
-    batcher = EngineBatcher(engine, rng, version, window_s=env.window_s)
-    token_text = (lambda t: codec.tokenizer.decode([t]))
     is_async = inspect.iscoroutinefunction(env.fn)
-    with Endpoint(batcher, traces, decode=decode, token_text=token_text, sampling=attrs.evolve(sampling, n=1),
-                  stream_of=stream_of) as endpoint:
-        def client(name: str) -> Any:
-            kind = openai.AsyncOpenAI if is_async else openai.OpenAI
+    running = _Running(len(names), len(names) if is_async else env.max_agents)
+    batcher = EngineBatcher(engine, rng, version, window_s=env.window_s, live=running.count)
+    token_text = (lambda t: codec.tokenizer.decode([t]))
+    rows = [_row(tasks[k // n], seeds[k // n]) for k in range(len(names))]
+    endpoint = Endpoint(batcher, traces, decode=decode, token_text=token_text, sampling=attrs.evolve(sampling, n=1),
+                        stream_of=stream_of)
+    try:
+        def client(kind: Any, http: Any, name: str) -> Any:
             return kind(base_url=endpoint.url, api_key=endpoint.token, default_headers={EPISODE_HEADER: name},
-                        max_retries=0, timeout=None)
+                        max_retries=0, timeout=None, http_client=http)
 
-        rows = [_row(tasks[k // n], seeds[k // n]) for k in range(len(names))]
         for name in names:
             traces.start(name)
-        clients = [client(name) for name in names]
         if is_async:
-            outcomes = _run_async(env.fn, clients, rows)
+            outcomes = _run_async(running.wrap_async(env.fn), lambda http, name: client(openai.AsyncOpenAI, http, name),
+                                  names, rows)
+            results = _wait(outcomes, names, traces, limits.step_timeout, running)
         else:
-            outcomes = _run_threads(env.fn, clients, rows, env.max_agents)
-        results = _wait(outcomes, names, traces, limits.step_timeout)
-        if not is_async:  # async clients are closed by their event loop
-            for c, (kind, _) in zip(clients, results):
-                if kind != "timeout":  # an overrunning agent may still hold its client
-                    c.close()
+            outcomes, http = _run_threads(running.wrap(env.fn), lambda http, name: client(openai.OpenAI, http, name),
+                                          names, rows, env.max_agents)
+            results = _wait(outcomes, names, traces, limits.step_timeout, running)
+            http.close()
+    finally:
+        endpoint.close(wait=False)  # uvicorn takes ~0.1 s to notice: not waited for
     batcher.close()
     if timings is not None:
         timings["gen_s"] = timings.get("gen_s", 0.0) + time.perf_counter() - start
@@ -152,15 +159,53 @@ def run_agents(engine: RolloutEngine, env: AgentEnv, codec: ChatCodec, tasks: Se
     return episodes
 
 
-def _run_threads(fn: Callable[..., Any], clients: list[Any], rows: list[dict[str, Any]],
-                 workers: int) -> list[Future]:
+class _Running:
+    """How many agents may call now: those not yet returned (nor abandoned), at most ``workers``
+    (the batcher's ``live``: once that many calls wait, no other can come)."""
+
+    def __init__(self, agents: int, workers: int) -> None:
+        self._left, self._workers, self._lock = agents, workers, threading.Lock()
+
+    def count(self) -> int:
+        return min(self._left, self._workers)
+
+    def done(self) -> None:
+        with self._lock:
+            self._left -= 1
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def running(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            finally:
+                self.done()
+        return running
+
+    def wrap_async(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        async def running(*args: Any) -> Any:
+            try:
+                return await fn(*args)
+            finally:
+                self.done()
+        return running
+
+
+def _run_threads(fn: Callable[..., Any], client: Callable[[Any, str], Any], names: list[str],
+                 rows: list[dict[str, Any]], workers: int) -> tuple[list[Future], Any]:
+    """Each agent on a thread (``workers`` at once), its client sharing one connection pool."""
+    import httpx
+
+    http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=workers))
     pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(rows))), thread_name_prefix="purerl-agent")
-    futures = [pool.submit(fn, c, row) for c, row in zip(clients, rows)]
+    futures = [pool.submit(fn, client(http, name), row) for name, row in zip(names, rows)]
     pool.shutdown(wait=False)  # an agent that overruns is abandoned, not waited for
-    return futures
+    return futures, http
 
 
-def _run_async(fn: Callable[..., Any], clients: list[Any], rows: list[dict[str, Any]]) -> list[Future]:
+def _run_async(fn: Callable[..., Any], client: Callable[[Any, str], Any], names: list[str],
+               rows: list[dict[str, Any]]) -> list[Future]:
+    """Every agent as a coroutine on one event loop of its own thread, their clients sharing one
+    connection pool."""
     futures: list[Future] = [Future() for _ in rows]
 
     async def one(c: Any, row: dict[str, Any], future: Future) -> None:
@@ -168,16 +213,19 @@ def _run_async(fn: Callable[..., Any], clients: list[Any], rows: list[dict[str, 
             future.set_result(await fn(c, row))
         except BaseException as err:  # noqa: BLE001 - the episode's error, not the run's
             future.set_exception(err)
-        await c.close()
 
     async def every() -> None:
-        await asyncio.gather(*(one(c, row, f) for c, row, f in zip(clients, rows, futures)))
+        import httpx
+
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
+            await asyncio.gather(*(one(client(http, name), row, f) for name, row, f in zip(names, rows, futures)))
 
     threading.Thread(target=lambda: asyncio.run(every()), name="purerl-agents", daemon=True).start()
     return futures
 
 
-def _wait(futures: list[Future], names: list[str], traces: EpisodeTraces, timeout: float) -> list[Any]:
+def _wait(futures: list[Future], names: list[str], traces: EpisodeTraces, timeout: float,
+          running: _Running) -> list[Any]:
     """Each agent's outcome: ``("score", value)``, ``("error", message)`` or ``("timeout", message)``."""
     results: list[Any] = [None] * len(futures)
     open_ = set(range(len(futures)))
@@ -190,6 +238,7 @@ def _wait(futures: list[Future], names: list[str], traces: EpisodeTraces, timeou
         for name in traces.stop_idle([names[k] for k in open_], timeout):
             k = names.index(name)
             open_.discard(k)
+            running.done()  # abandoned: the batcher no longer waits for its calls
             results[k] = ("timeout", f"the agent ran {timeout:g} s of its own without a call or a return "
                                      "(env.step_timeout)")
         if open_:

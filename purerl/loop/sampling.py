@@ -221,7 +221,7 @@ def _scored_rollout(engine: RolloutEngine, task: Task, plan: BatchPlan, indices:
     if task.episodes is not None:
         rollout, scored, sums = _episode_rollout(engine, task, task.episodes, indices, rng, version, sampling,
                                                  reward.batch_timeout, reward.penalty)
-        texts = [episode.actions[-1] for episode in sums["episodes"]]
+        texts = [episode.actions[-1] if episode.actions else "" for episode in sums["episodes"]]
     else:
         start = time.perf_counter()
         rollout = engine.generate([task.prompt_ids[i] for i in indices], sampling, rng, version=version,

@@ -1,0 +1,132 @@
+"""The agents' endpoint against direct engine calls: the same episodes, once played by ``--agents``
+concurrent agent functions through the OpenAI client and the endpoint (HTTP, JSON, batching
+window, stitching), once by purerl's own Env path calling the engine directly.
+
+Both play identical episodes (an environment / an agent that answers every turn with "Go on.",
+so all run ``--turns`` turns; the same draws: ``tests/test_agents.py`` pins the ids equal) from
+the same RNG; runs are interleaved so machine noise hits both alike. The direct path re-prefills
+each turn's whole context, as the endpoint does (``reuse_cache=False``); its KV-reusing default
+is timed too. Prints the median seconds per batch, tokens per second, the ratio endpoint / direct
+and the engine calls the endpoint made.
+
+    python bench/bench_agents.py                  # SmolLM2-135M-Instruct (the GGUF), CPU
+    python bench/bench_agents.py --tiny           # a tiny random model: the endpoint's overhead bound
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from purerl.agents import AgentEnv, run_agents  # noqa: E402
+from purerl.data.records import PromptRecord  # noqa: E402
+from purerl.episodes import ChatCodec, StepResult  # noqa: E402
+from purerl.episodes.rollout import EpisodeLimits, run_episodes  # noqa: E402
+from purerl.rewards import lenient_math_reward  # noqa: E402
+from purerl.rollout.engine import make_engine  # noqa: E402
+from purerl.rollout.sampling import SamplingParams  # noqa: E402
+from purerl.state import RngState  # noqa: E402
+
+
+class Echo:
+    """Every turn is answered ("Go on."): episodes last ``max_turns`` turns."""
+
+    stop = ()
+
+    def reset(self, task, seed):
+        return None, list(task.messages)
+
+    def step(self, state, action):
+        return StepResult(state, [{"role": "user", "content": "Go on."}], 0.0, False)
+
+
+def make_echo_agent(turns: int):
+    def echo(client, task):
+        messages = list(task["prompt"])
+        for _ in range(turns):
+            reply = client.chat.completions.create(model="policy", messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+        return 0.0
+    return echo
+
+
+def main() -> None:
+    import logging
+
+    logging.getLogger("purerl").setLevel(logging.ERROR)  # Echo lives in __main__: it steps on threads, as meant
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--agents", type=int, default=32, help="concurrent agents (prompts × n, n = 4)")
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--new", type=int, default=24, help="new tokens per turn")
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args()
+    if args.tiny:
+        from purerl.models import causal_lm_from_config
+        from purerl.tiny import char_tokenizer, tiny_llama_config
+
+        tokenizer = char_tokenizer(chatml=True)
+        model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64,
+                                                                max_position_embeddings=2048))
+    else:
+        from transformers import AutoTokenizer
+
+        from purerl.models import load_causal_lm, smollm2_gguf
+
+        path = smollm2_gguf()
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model, params = load_causal_lm(path, dtype=torch.float32)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    engine = make_engine("torch", model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0, decode=decode)
+    engine.sync(params, 0)
+    n = 4
+    records = [PromptRecord(({"role": "user", "content": f"Tell me one fact about the number {i}."},), "")
+               for i in range(args.agents // n)]
+    codec, sampling = ChatCodec(tokenizer), SamplingParams(max_new_tokens=args.new, n=n, temperature=1.0)
+    limits = EpisodeLimits(max_turns=args.turns, max_tokens=2048, step_timeout=600.0)
+    agent = AgentEnv(make_echo_agent(args.turns), lenient_math_reward)
+    ways = {
+        "direct": lambda rng: run_episodes(engine, Echo(), codec, records, sampling, rng, 0, limits, decode=decode,
+                                           reuse_cache=False),
+        "direct_kv_reuse": lambda rng: run_episodes(engine, Echo(), codec, records, sampling, rng, 0, limits,
+                                                    decode=decode),
+        "endpoint": lambda rng: run_agents(engine, agent, codec, records, sampling, rng, 0, limits, decode=decode),
+    }
+    seconds: dict[str, list[float]] = {k: [] for k in ways}
+    tokens: dict[str, int] = {}
+    calls = []
+    counting = engine.generate
+
+    def counted(*a, **k):
+        calls[-1] += 1
+        return counting(*a, **k)
+
+    engine.generate = counted
+    for it in range(args.iters + 1):  # the first round warms up, untimed
+        for name, play in ways.items():
+            calls.append(0)
+            start = time.perf_counter()
+            played = play(RngState(it))
+            elapsed = time.perf_counter() - start
+            if it:
+                seconds[name].append(elapsed)
+                tokens[name] = sum(sum(e.sampled) for e in played)
+            if name == "endpoint":
+                endpoint_calls = calls[-1]
+    direct = statistics.median(seconds["direct"])
+    for name, times in seconds.items():
+        median = statistics.median(times)
+        print(f"{name:16s} {median:7.2f} s per batch  {tokens[name] / median:8.1f} sampled tok/s  "
+              f"endpoint/this {median / direct if name == 'direct' else direct / median:.3f}")
+    print(f"endpoint throughput / direct: {statistics.median(seconds['direct']) / statistics.median(seconds['endpoint']):.3f}"
+          f"  (the endpoint made {endpoint_calls} engine calls for {args.agents} agents × {args.turns} turns; "
+          f"torch threads {torch.get_num_threads()})")
+
+
+if __name__ == "__main__":
+    main()
