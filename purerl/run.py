@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from purerl.assembly.data import check_context, episodes_of, load_records_of, load_tasks, reward_of
@@ -26,6 +27,7 @@ from purerl.assembly.models import (
     engine_options,
     initial_state,
     load_critic,
+    load_judge,
     load_policy,
     load_teacher,
 )
@@ -108,6 +110,9 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
                         "does): set env.sft_steps=0")
     critic, critic_params = load_critic(config, model, params)
     teacher = load_teacher(config, model, tokenizer)
+    judge = load_judge(config)
+    if judge is not None:
+        train_task = attrs.evolve(train_task, judge=judge)
     state = initial_state(config, params, critic_params)
     phases["load"] = time.time() - wall_start
     for leftover in folder.begin(overwrite=overwrite):

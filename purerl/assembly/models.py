@@ -1,6 +1,6 @@
 """A job's models and first state: the policy (float32 masters computing in ``model.dtype``, LoRA
-when asked), the critic, a distillation teacher, the train state at step 0 and the rollout
-engine's options."""
+when asked), the critic, a distillation teacher, an LLM judge, the train state at step 0 and the
+rollout engine's options."""
 
 from pathlib import Path
 from typing import Any
@@ -24,13 +24,15 @@ from purerl.models import (
 )
 from purerl.models.gguf_cache import gguf_as_folder
 from purerl.models.lora import LoraSpec, apply_lora
+from purerl.rewards.judge import Judge, JudgeSettings
+from purerl.rollout.engine import make_engine
 from purerl.state import TrainState
 from purerl.step.roles import LocalTeacher
 from purerl.tiny import char_tokenizer, tiny_llama_config
 from purerl.tree import tree_clone
 
-__all__ = ["compute_dtype", "driver_device", "engine_options", "initial_state", "load_critic", "load_policy",
-           "load_teacher"]
+__all__ = ["compute_dtype", "driver_device", "engine_options", "initial_state", "load_critic", "load_judge",
+           "load_policy", "load_teacher"]
 
 
 def driver_device(config: JobConfig) -> str:
@@ -87,6 +89,38 @@ def load_teacher(config: JobConfig, model: CausalLM, tokenizer: Any) -> LocalTea
                         "a teacher must share the policy's tokenizer")
     teacher = attrs.evolve(teacher, compute_dtype=compute_dtype(config), packed=config.actor.packed_forwards)
     return LocalTeacher(teacher, cast_floating(params, compute_dtype(config)))
+
+
+def load_judge(config: JobConfig) -> Judge | None:
+    """``reward.judge``: the judge model behind an embedded engine of its own, frozen, greedy,
+    on the driver's device; None without one. A folder without a tokenizer (or one without a
+    chat template, or with more tokens than the model) is a one-line ``DataError``."""
+    reward = config.reward
+    if not reward.judge:
+        return None
+    from transformers import AutoTokenizer
+
+    path, where = _loadable(Path(reward.judge)), f"reward.judge {reward.judge}"
+    try:
+        tokenizer = (AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) if path.suffix == ".gguf"
+                     else AutoTokenizer.from_pretrained(path))
+    except (OSError, ValueError) as err:
+        raise DataError(f"{where}: no tokenizer to render the judge's prompt ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0]})") from None
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(f"{where}: its tokenizer has no chat template to render the judge's prompt")
+    tokenizer.padding_side = "left"
+    model, params = load_causal_lm(path, device=driver_device(config))
+    if len(tokenizer) > model.config.vocab_size:
+        raise DataError(f"{where}: its tokenizer has {len(tokenizer)} tokens, its model {model.config.vocab_size}")
+    engine = make_engine("torch", model, **engine_options(config, model, tokenizer))
+    engine.sync(cast_floating(params, compute_dtype(config)) if compute_dtype(config) else params, 0)
+    settings = JudgeSettings(reward.judge_prompt, reward.judge_pattern, reward.judge_low, reward.judge_high,
+                             reward.judge_max_new_tokens, reward.judge_timeout, reward.penalty)
+    try:
+        return Judge(engine, tokenizer, settings, name=where)
+    except ValueError as err:
+        raise DataError(str(err)) from None
 
 
 def _tokenizer_vocab(path: Path) -> dict[str, int] | None:

@@ -19,6 +19,7 @@ from purerl.checks import at_least, in_range, positive
 from purerl.config.loading import ConfigError, boolean, one_of, section
 from purerl.episodes.limits import EpisodeLimits
 from purerl.models.lora import DEFAULT_TARGETS
+from purerl.rewards.verdicts import DEFAULT_JUDGE_PROMPT, DEFAULT_VERDICT_PATTERN
 from purerl.rollout.sampling import SamplingParams
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "DistillConfig", "EnvConfig",
@@ -265,7 +266,12 @@ class RewardConfig:
     ``timeout`` seconds and a step's calls ``batch_timeout`` in all (then what still runs is
     stopped), and a failed or timed-out call scores ``penalty``. ``model``: a local HF
     sequence-classification model scoring prompt + response; the reward is
-    ``fn_weight·fn + model_weight·model``. ``overlong_buffer`` > 0 (DAPO): responses longer than
+    ``fn_weight·fn + model_weight·model``. ``judge``: a local causal LM (HF folder or .gguf) grading
+    each response by ``judge_prompt`` (``{question}``, ``{answer}``, ``{response}``; default: a
+    0-10 correctness grade), its verdict the first match of ``judge_pattern`` bounded to
+    ``[judge_low, judge_high]`` and mapped to [0, 1], adding ``judge_weight·judge``
+    (:mod:`purerl.rewards.judge`; a verdict it cannot read is a sample error scored ``penalty``;
+    ``judge_timeout`` seconds per step). ``overlong_buffer`` > 0 (DAPO): responses longer than
     ``rollout.max_new_tokens − overlong_buffer`` lose up to ``overlong_penalty``, linearly."""
 
     fn: str = "lenient"
@@ -276,6 +282,14 @@ class RewardConfig:
     fn_weight: float = 1.0
     model: str | None = None
     model_weight: float = 1.0
+    judge: str | None = None
+    judge_prompt: str = DEFAULT_JUDGE_PROMPT
+    judge_pattern: str = DEFAULT_VERDICT_PATTERN
+    judge_low: float = 0.0
+    judge_high: float = 10.0
+    judge_weight: float = 1.0
+    judge_max_new_tokens: int = attrs.field(default=32, validator=at_least(1))
+    judge_timeout: float = attrs.field(default=60.0, validator=positive)
     overlong_buffer: int = attrs.field(default=0, validator=at_least(0))
     overlong_penalty: float = attrs.field(default=1.0, validator=at_least(0))
 

@@ -194,7 +194,7 @@ def joined_batch(parts: Sequence[SampledPart], plan: BatchPlan) -> tuple[Rollout
         metrics["reward/error_messages"] = sampled["messages"]
         if metrics["reward/errors"] + metrics["reward/timeouts"] >= sampled["rows"] + sampled["baseline_rows"]:
             metrics["reward/all_failed"] = 1.0
-    for name in ("model", "overlong_penalty"):  # means over every sampled response, kept or not
+    for name in ("model", "judge", "overlong_penalty"):  # means over every sampled response, kept or not
         if name in sampled:
             metrics[f"reward/{name}_mean"] = sampled[name] / max(sampled["rows"], 1.0)
     for name in ("sampling/rounds", "sampling/varied_groups"):
@@ -237,6 +237,12 @@ def _scored_rollout(engine: RolloutEngine, task: Task, plan: BatchPlan, indices:
                        extra_infos=[r.extra for r in records], batch_timeout=reward.batch_timeout)
     device = rollout.sequences.input_ids.device
     rule = torch.tensor(scored.values, dtype=torch.float32, device=device)
+    judged = None
+    if task.judge is not None:
+        verdicts = task.judge([prompt_text(r) for r in records], texts, [r.ground_truth for r in records])
+        judged = torch.tensor(verdicts.values, dtype=torch.float32, device=device)
+        scored = Scores(scored.values, scored.errors + verdicts.errors, scored.timeouts + verdicts.timeouts,
+                        [*scored.error_messages, *verdicts.error_messages])
     sums.update(errors=float(scored.errors), timeouts=float(scored.timeouts))
     learned = None
     if uses_reward_model(reward):
@@ -244,7 +250,7 @@ def _scored_rollout(engine: RolloutEngine, task: Task, plan: BatchPlan, indices:
             raise ValueError("reward.model is used, but the executor has no reward model")
         learned = score_model([prompt_text(r) for r in records], texts).to(device=device, dtype=torch.float32)
     rewards, parts = mixed_rewards(rule, rollout.sequences.response_mask.sum(-1), learned, reward=reward,
-                                   max_new_tokens=sampling.max_new_tokens)
+                                   max_new_tokens=sampling.max_new_tokens, judged=judged)
     if task.episodes is not None and task.episodes.limits.per_turn_rewards:
         rewards = attrs.evolve(rewards, token_rewards=turn_token_rewards(sums["episodes"], rewards.scores,
                                                                          rollout.sequences.response_length))

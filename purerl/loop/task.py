@@ -9,7 +9,7 @@ import attrs
 from purerl.data.records import PromptRecord
 from purerl.episodes import ChatCodec, Env
 from purerl.episodes.limits import EpisodeLimits
-from purerl.rewards import RewardFn
+from purerl.rewards import RewardFn, Scores
 
 __all__ = ["Episodes", "Task"]
 
@@ -33,7 +33,8 @@ class Task:
     ``decode`` (token ids → text) and the held-out metrics: ``val/<name>`` is the fraction of
     greedy answers that ``eval_fns[name]`` scores ≥ 1 (default: the reward function, as
     ``accuracy``). With ``episodes``, each prompt is an episode of turns in its environment
-    (the reward function is then the environment's)."""
+    (the reward function is then the environment's). With ``judge``, its verdicts enter the
+    training reward (not the held-out metrics)."""
 
     prompt_ids: Sequence[Sequence[int]]
     records: Sequence[PromptRecord]
@@ -42,6 +43,8 @@ class Task:
     eval_fns: Mapping[str, RewardFn] = attrs.field(default=attrs.Factory(lambda self: {"accuracy": self.reward_fn},
                                                                          takes_self=True))
     episodes: Episodes | None = None
+    judge: Callable[[Sequence[str], Sequence[str], Sequence[str]], Scores] | None = None
+    """Scores (questions, responses, reference answers) into the reward (:mod:`purerl.rewards.judge`)."""
 
     def __attrs_post_init__(self) -> None:
         if len(self.prompt_ids) != len(self.records) or not self.records:

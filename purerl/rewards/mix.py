@@ -1,7 +1,9 @@
-"""A response's reward from its parts: ``fn_weight·rule + model_weight·model + overlong``, where
-``rule`` is the task's reward function, ``model`` a learned reward model's score (when
-``reward.model`` is set and ``model_weight`` ≠ 0) and ``overlong`` DAPO's length penalty (when
-``reward.overlong_buffer`` > 0; :func:`~purerl.algo.dapo.overlong_penalty`)."""
+"""A response's reward from its parts: ``fn_weight·rule + model_weight·model +
+judge_weight·judge + overlong``, where ``rule`` is the task's reward function, ``model`` a
+learned reward model's score (when ``reward.model`` is set and ``model_weight`` ≠ 0), ``judge``
+an LLM judge's verdict in [0, 1] (when ``reward.judge`` is set: :mod:`purerl.rewards.judge`) and
+``overlong`` DAPO's length penalty (when ``reward.overlong_buffer`` > 0;
+:func:`~purerl.algo.dapo.overlong_penalty`)."""
 
 from typing import TYPE_CHECKING
 
@@ -24,10 +26,11 @@ def uses_reward_model(reward: "RewardConfig") -> bool:
 
 
 def mixed_rewards(rule: Float[Tensor, " b"], lengths: Int[Tensor, " b"], learned: Float[Tensor, " b"] | None, *,
-                  reward: "RewardConfig", max_new_tokens: int) -> tuple[Rewards, dict[str, float]]:
-    """The rewards of ``b`` responses from their ``rule`` scores, response ``lengths`` and reward-model
-    scores (``learned``, when the model is used), and the sums of the parts (``overlong_penalty``,
-    ``model``) for metrics. GDPO's components (:class:`~purerl.batch.Rewards`) are the rule reward
+                  reward: "RewardConfig", max_new_tokens: int,
+                  judged: Float[Tensor, " b"] | None = None) -> tuple[Rewards, dict[str, float]]:
+    """The rewards of ``b`` responses from their ``rule`` scores, response ``lengths``, reward-model
+    scores (``learned``, when the model is used) and judge verdicts (``judged``), and the sums of
+    the parts (``overlong_penalty``, ``model``, ``judge``) for metrics. GDPO's components (:class:`~purerl.batch.Rewards`) are the rule reward
     (with the overlong penalty) and the model's score, when there are two."""
     sums: dict[str, float] = {}
     total, columns = reward.fn_weight * rule, [rule]
@@ -39,4 +42,8 @@ def mixed_rewards(rule: Float[Tensor, " b"], lengths: Int[Tensor, " b"], learned
         sums["model"] = float(learned.sum())
         columns.append(learned)
         total = total + reward.model_weight * learned
+    if judged is not None:
+        sums["judge"] = float(judged.sum())
+        columns.append(judged)
+        total = total + reward.judge_weight * judged
     return Rewards(total, components=torch.stack(columns, 1) if len(columns) > 1 else None), sums
