@@ -267,3 +267,28 @@ def test_a_verifiers_rubric_scores_the_recorded_episode(tiny):
         prompt = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2+2?"}]
         assert e.ids[: e.prompt_length] == ChatCodec(tokenizer).initial_ids(prompt)
     assert verifiers_envs is not None
+
+
+def test_an_agent_function_trains_on_ray(tmp_path, ray_cluster):
+    summary = run_job(["--tiny", "--env", "tests.agent_fns:guess", "--max-turns", "3", "--steps", "2",
+                       "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size",
+                       "2", "--train-size", "20", "--eval-every", "0", "--no-progress", "--threads", "1",
+                       "env.max_tokens=256", "--executor", "ray", "--train-ranks", "2", "--rollout-workers", "1",
+                       "--out-dir", str(tmp_path / "run")])
+    assert summary["steps"] == 2
+    for row in summary["records"]:
+        assert row["episode/turns_mean"] == 3 and row["episode/env_errors"] == 0
+
+
+def test_the_readmes_agent_function_trains_unchanged(tmp_path):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("# my_agent.py")[1].split("\n", 1)[1].split("```")[0]
+    (tmp_path / "my_agent.py").write_text(code)
+    summary = run_job(["--tiny", "--env", f"{tmp_path / 'my_agent.py'}:run", "--max-turns", "2", "--steps", "1",
+                       "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size",
+                       "2", "--train-size", "20", "--eval-every", "0", "--no-progress", "--threads", "1",
+                       "env.max_tokens=256", "--out-dir", str(tmp_path / "run")])
+    row = summary["records"][0]
+    assert row["episode/turns_mean"] == 2 and row["episode/env_errors"] == 0 and row["episode/new_segments"] == 0
