@@ -193,6 +193,23 @@ def test_calls_past_the_episodes_turns_are_refused_in_one_line(tiny):
                 client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
 
 
+def test_an_episodes_next_call_prefills_only_its_new_ids(tiny):
+    tokenizer, _, _, engine, decode = tiny
+    with _endpoint(tokenizer, engine, decode) as endpoint, \
+            openai.OpenAI(base_url=endpoint.url, api_key=endpoint.token, max_retries=0,
+                          default_headers={EPISODE_HEADER: "e"}) as client:
+        messages = [{"role": "user", "content": "hi"}]
+        first = client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+        session = endpoint.batcher._session
+        assert session.prefilled_tokens == len(first.model_extra["prompt_token_ids"])
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        second = client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+    sampled = first.choices[0].model_extra["token_ids"]
+    new = len(second.model_extra["prompt_token_ids"]) - len(first.model_extra["prompt_token_ids"]) - len(sampled)
+    assert new > 0 and session.prefilled_tokens == len(first.model_extra["prompt_token_ids"]) + 1 + new
+    # the last sampled id was never fed through the model: it is prefilled with the new ones
+
+
 def test_concurrent_clients_on_threads_each_get_their_own_episode(tiny):
     tokenizer, _, _, engine, decode = tiny
     with _endpoint(tokenizer, engine, decode) as endpoint:

@@ -12,7 +12,9 @@ for another agent's episode, only for the batch it joined.
 
 Draws are the Env path's (:func:`~purerl.episodes.rollout.run_episodes`): a call with index ``k``
 samples from ``rng`` (``k = 0``) or ``rng.fold_in(k)``, on its request's stream and sample, so a
-row draws the same whatever else is in its batch.
+row draws the same whatever else is in its batch. On an engine with sessions (the embedded one),
+an engine call whose every request extends its episode's row of the previous call (agents that
+step together) reuses those rows' KV cache and prefills only the new ids, as the Env path does.
 """
 
 import queue
@@ -34,13 +36,15 @@ __all__ = ["EngineBatcher", "Request", "Sampled"]
 @attrs.frozen
 class Request:
     """One prompt to continue ``n`` times: ``ids``; its call index ``turn``; its random ``stream``
-    and ``sample`` (the first of its ``n`` samples); its sampling settings."""
+    and ``sample`` (the first of its ``n`` samples); its sampling settings; its ``episode``."""
 
     ids: Sequence[int]
     sampling: SamplingParams
     turn: int = 0
     stream: int = 0
     sample: int = 0
+    episode: str | None = None
+    """The episode the request continues (its KV cache may be reused)."""
 
 
 @attrs.frozen
@@ -69,6 +73,8 @@ class EngineBatcher:
         self.window_s, self.max_wait_s, self.max_rows = window_s, max_wait_s, max_rows
         self.live = live
         """How many agents are running (each waits on at most one request), when known."""
+        self._session = engine.session() if hasattr(engine, "session") else None
+        self._rows: dict[str, int] = {}  # episode -> its row in the session's last call
         self.calls, self.rows = 0, 0
         self._queue: queue.Queue[tuple[Request, Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="purerl-engine-batcher", daemon=True)
@@ -128,7 +134,13 @@ class EngineBatcher:
         # one row per sample, each naming its stream and sample: any mix of n's is one call
         sampling = attrs.evolve(first.sampling, max_new_tokens=widest, n=1)
         streams, samples = [r.stream for r, _ in rows], [r.sample + j for r, j in rows]
-        if getattr(self.engine, "interruptible", False):
+        if self._session is not None:
+            previous = [self._rows.get(r.episode) if r.episode is not None else None for r, _ in rows]
+            rollout = self._session.generate([r.ids for r, _ in rows], sampling, rng, version=self.version,
+                                             streams=streams, samples=samples,
+                                             previous=None if None in previous else previous)
+            self._rows = {r.episode: row for row, (r, _) in enumerate(rows) if r.episode is not None}
+        elif getattr(self.engine, "interruptible", False):
             rollout = self.engine.generate([r.ids for r, _ in rows], sampling, rng, version=self.version,
                                            streams=streams, samples=samples)
         else:  # engines without per-row samples: a row's draws are its stream's, offset by its sample

@@ -192,7 +192,7 @@ class Endpoint:
         except (TypeError, ValueError) as err:
             return _error(400, f"{type(err).__name__}: {err}", "invalid_request")
         stream, sample = self.stream_of(name, turn, sampling.n)
-        future = self.batcher.submit(Request(ids, sampling, turn, stream, sample))
+        future = self.batcher.submit(Request(ids, sampling, turn, stream, sample, name if record else None))
         samples: list[Sampled] = await asyncio.wrap_future(future)
         choices, recorded = [], []
         for index, s in enumerate(samples):

@@ -121,7 +121,7 @@ class TorchEngine:
                                        samples=samples, start=start)
             else:
                 decoded = self._decode(*continuing.new_ids, sampling, rng, streams, positions=continuing.positions,
-                                       context=continuing.context(self, sampling), drop=False)
+                                       context=continuing.context(self, sampling), drop=False, samples=samples)
         tokens, logprobs, alive, reasons = (x.clone() for x in decoded)
         return rollout_of(prompt_ids, prompt_mask, tokens, logprobs, alive, reasons, sampling.n, self.version)
 
@@ -266,8 +266,8 @@ class EngineSession:
     prompt that extends a row of the previous call's output (its prompt, its sampled ids, then new
     ids) reuses that row's KV cache and prefills only the new ids, instead of the whole context.
 
-    ``generate(prompts, sampling, rng, version=…, previous=rows, streams=…)``: ``previous[k]`` is the row of
-    the previous call's output that ``prompts[k]`` extends. Where the cache cannot serve (the first
+    ``generate(prompts, sampling, rng, version=…, previous=rows, streams=…, samples=…)``: ``previous[k]`` is
+    the row of the previous call's output that ``prompts[k]`` extends (``samples``: as the engine's). Where the cache cannot serve (the first
     call, a prompt that does not extend its row, ``n > 1``, a model without a lean decoder) the
     call prefills in full; either way the result is the engine's ``generate``'s, up to float
     rounding (``tests/test_episodes.py``). Rows do not leave the batch when they finish here, so
@@ -283,11 +283,11 @@ class EngineSession:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState, *,
                  version: int | None = None, previous: Sequence[int] | None = None,
-                 streams: Sequence[int] | None = None) -> Rollout:
+                 streams: Sequence[int] | None = None, samples: Sequence[int] | None = None) -> Rollout:
         engine = self.engine
         if not engine.lean:
             self.prefilled_tokens += sum(len(p) for p in prompts)
-            return engine.generate(prompts, sampling, rng, version=version, streams=streams)
+            return engine.generate(prompts, sampling, rng, version=version, streams=streams, samples=samples)
         continuing = None
         if (previous is not None and self._cache is not None and sampling.n == 1 and len(previous) == len(prompts)
                 and all(len(p) > len(self._ids[j]) and list(p[: len(self._ids[j])]) == self._ids[j]
@@ -301,7 +301,7 @@ class EngineSession:
             continuing = _Continuation(None, None, [list(p) for p in prompts], [0] * len(prompts), engine)
         continuing.keep_cache = kept.append
         self.prefilled_tokens += sum(len(ids) for ids in continuing.new)
-        rollout = engine._generate(prompts, sampling, rng, version, continuing, streams)
+        rollout = engine._generate(prompts, sampling, rng, version, continuing, streams, samples=samples)
         with torch.inference_mode():
             self._remember(kept[0], prompts, sampling.n, rollout)
         return rollout
