@@ -68,12 +68,13 @@ class EngineBatcher:
     ``calls``: the engine calls made; ``rows``: the rows they sampled."""
 
     def __init__(self, engine: RolloutEngine, rng: RngState, version: int | None, *, window_s: float = 0.05,
-                 max_wait_s: float = 0.2, max_rows: int = 256, live: Callable[[], int] | None = None) -> None:
+                 max_wait_s: float = 0.2, max_rows: int = 256, live: Callable[[], int] | None = None,
+                 reuse_cache: bool = True) -> None:
         self.engine, self.rng, self.version = engine, rng, version
         self.window_s, self.max_wait_s, self.max_rows = window_s, max_wait_s, max_rows
         self.live = live
         """How many agents are running (each waits on at most one request), when known."""
-        self._session = engine.session() if hasattr(engine, "session") else None
+        self._session = engine.session() if reuse_cache and hasattr(engine, "session") else None
         self._rows: dict[str, int] = {}  # episode -> its row in the session's last call
         self.calls, self.rows = 0, 0
         self._queue: queue.Queue[tuple[Request, Future] | None] = queue.Queue()

@@ -102,8 +102,9 @@ def run_agents(engine: RolloutEngine, env: AgentEnv, codec: ChatCodec, tasks: Se
                timings: dict[str, float] | None = None, reuse_cache: bool = True) -> list[Episode]:
     """``sampling.n`` episodes per task, prompt-major, as
     :func:`~purerl.episodes.rollout.run_episodes` plays an environment's (its arguments; draws
-    alike: call ``k`` of episode ``j`` of task ``i`` samples as that episode's turn ``k`` would).
-    ``timings`` gains ``gen_s``, the wall time of the whole."""
+    alike: call ``k`` of episode ``j`` of task ``i`` samples as that episode's turn ``k`` would;
+    ``reuse_cache``: KV caches kept across calls, :mod:`purerl.agents.batching`). ``timings``
+    gains ``gen_s``, the wall time of the whole."""
     import openai
 
     seeds = list(range(len(tasks)) if seeds is None else seeds)
@@ -123,7 +124,7 @@ def run_agents(engine: RolloutEngine, env: AgentEnv, codec: ChatCodec, tasks: Se
     traces = EpisodeTraces(codec, max_turns=limits.max_turns, max_tokens=limits.max_tokens)
     is_async = inspect.iscoroutinefunction(env.fn)
     running = _Running(len(names), len(names) if is_async else env.max_agents)
-    batcher = EngineBatcher(engine, rng, version, window_s=env.window_s, live=running.count)
+    batcher = EngineBatcher(engine, rng, version, window_s=env.window_s, live=running.count, reuse_cache=reuse_cache)
     token_text = (lambda t: codec.tokenizer.decode([t]))
     rows = [_row(tasks[k // n], seeds[k // n]) for k in range(len(names))]
     endpoint = Endpoint(batcher, traces, decode=decode, token_text=token_text, sampling=attrs.evolve(sampling, n=1),
