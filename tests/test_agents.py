@@ -41,7 +41,7 @@ def tiny():
 
 def _endpoint(tokenizer, engine, decode, *, sampling=SamplingParams(max_new_tokens=12, n=1, temperature=1.0),
               limits=EpisodeLimits(max_turns=4, max_tokens=400), rng=RngState(5)):
-    batcher = EngineBatcher(engine, rng, 0)
+    batcher = EngineBatcher(engine, rng, 0, thread=True)
     traces = EpisodeTraces(ChatCodec(tokenizer), max_turns=limits.max_turns, max_tokens=limits.max_tokens)
     return Endpoint(batcher, traces, decode=decode, token_text=lambda t: tokenizer.decode([t]), sampling=sampling)
 

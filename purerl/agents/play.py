@@ -139,11 +139,13 @@ def run_agents(engine: RolloutEngine, env: AgentEnv, codec: ChatCodec, tasks: Se
         if is_async:
             outcomes = _run_async(running.wrap_async(env.fn), lambda http, name: client(openai.AsyncOpenAI, http, name),
                                   names, rows)
-            results = _wait(outcomes, names, traces, limits.step_timeout, running)
         else:
             outcomes, http = _run_threads(running.wrap(env.fn), lambda http, name: client(openai.OpenAI, http, name),
                                           names, rows, env.max_agents)
-            results = _wait(outcomes, names, traces, limits.step_timeout, running)
+        waiting = _Outcomes(outcomes, names, traces, limits.step_timeout, running)
+        batcher.serve(until=waiting.all_known, every=waiting.check, poll_s=0.02)  # the engine on this thread
+        results = waiting.results
+        if not is_async:
             http.close()
     finally:
         endpoint.close(wait=False)  # uvicorn takes ~0.1 s to notice: not waited for
@@ -225,26 +227,31 @@ def _run_async(fn: Callable[..., Any], client: Callable[[Any, str], Any], names:
     return futures
 
 
-def _wait(futures: list[Future], names: list[str], traces: EpisodeTraces, timeout: float,
-          running: _Running) -> list[Any]:
-    """Each agent's outcome: ``("score", value)``, ``("error", message)`` or ``("timeout", message)``."""
-    results: list[Any] = [None] * len(futures)
-    open_ = set(range(len(futures)))
-    while open_:
-        for k in [k for k in open_ if futures[k].done()]:
-            open_.discard(k)
-            err = futures[k].exception()
-            results[k] = ("score", futures[k].result()) if err is None else (
+class _Outcomes:
+    """Each agent's outcome as it becomes known: ``("score", value)``, ``("error", message)`` or
+    ``("timeout", message)`` (an agent idle past ``timeout`` seconds of its own)."""
+
+    def __init__(self, futures: list[Future], names: list[str], traces: EpisodeTraces, timeout: float,
+                 running: _Running) -> None:
+        self.futures, self.names, self.traces, self.timeout, self.running = futures, names, traces, timeout, running
+        self.results: list[Any] = [None] * len(futures)
+        self.open = set(range(len(futures)))
+
+    def all_known(self) -> bool:
+        return not self.open
+
+    def check(self) -> None:
+        for k in [k for k in self.open if self.futures[k].done()]:
+            self.open.discard(k)
+            err = self.futures[k].exception()
+            self.results[k] = ("score", self.futures[k].result()) if err is None else (
                 "error", f"{type(err).__name__}: {err}" + _where(err))
-        for name in traces.stop_idle([names[k] for k in open_], timeout):
-            k = names.index(name)
-            open_.discard(k)
-            running.done()  # abandoned: the batcher no longer waits for its calls
-            results[k] = ("timeout", f"the agent ran {timeout:g} s of its own without a call or a return "
-                                     "(env.step_timeout)")
-        if open_:
-            time.sleep(0.005)
-    return results
+        for name in self.traces.stop_idle([self.names[k] for k in self.open], self.timeout):
+            k = self.names.index(name)
+            self.open.discard(k)
+            self.running.done()  # abandoned: the batcher no longer waits for its calls
+            self.results[k] = ("timeout", f"the agent ran {self.timeout:g} s of its own without a call or a "
+                                          "return (env.step_timeout)")
 
 
 def _where(err: BaseException) -> str:
