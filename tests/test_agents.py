@@ -309,3 +309,18 @@ def test_the_readmes_agent_function_trains_unchanged(tmp_path):
                        "env.max_tokens=256", "--out-dir", str(tmp_path / "run")])
     row = summary["records"][0]
     assert row["episode/turns_mean"] == 2 and row["episode/env_errors"] == 0 and row["episode/new_segments"] == 0
+
+
+@pytest.mark.parametrize("name", ["second_chance", "load_environment"])
+def test_the_example_agents_train(tmp_path, name):
+    from pathlib import Path
+
+    if name == "load_environment":
+        pytest.importorskip("verifiers")
+    example = Path(__file__).resolve().parents[1] / "examples" / "agents.py"
+    summary = run_job(["--tiny", "--env", f"{example}:{name}", "--max-turns", "2", "--steps", "1",
+                       "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size",
+                       "2", "--train-size", "20", "--eval-every", "0", "--no-progress", "--threads", "1",
+                       "--out-dir", str(tmp_path / "run")])
+    row = summary["records"][0]
+    assert row["episode/turns_mean"] == 2 and row["episode/env_errors"] == 0  # a random model is never right
