@@ -265,8 +265,8 @@ def turn_token_rewards(episodes: Sequence[Episode], scores: Tensor, width: int) 
 
 
 def episode_metrics(episodes: Sequence[Episode], prefix: str = "episode") -> dict[str, float]:
-    """``{prefix}/turns_mean``, ``tool_calls_mean``, ``tool_errors``, ``tool_timeouts``, ``env_errors``,
-    ``new_segments`` (agents' histories that did not extend their episode; sums),
+    """``{prefix}/turns_mean``, ``tool_calls_mean``, ``tool_errors``, ``tool_timeouts``, ``env_errors``
+    (sums), ``new_segments`` (of agents' episodes: histories that did not extend them; a sum),
     ``observation_token_frac`` (observation tokens over every token after the prompts) and
     ``finish/<reason>`` (fractions of episodes)."""
     n = max(len(episodes), 1)
@@ -277,9 +277,10 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str = "episode") -> dic
         f"{prefix}/tool_errors": sum(e.counts.get("tool_errors", 0.0) for e in episodes),
         f"{prefix}/tool_timeouts": sum(e.counts.get("tool_timeouts", 0.0) for e in episodes),
         f"{prefix}/env_errors": sum(e.counts.get("env_errors", 0.0) for e in episodes),
-        f"{prefix}/new_segments": sum(e.counts.get("new_segments", 0.0) for e in episodes),
         f"{prefix}/observation_token_frac": sum(len(e.sampled) - sum(e.sampled) for e in episodes) / max(after_prompt, 1),
     }
+    if any("new_segments" in e.counts for e in episodes):  # agents' episodes (purerl.agents)
+        metrics[f"{prefix}/new_segments"] = sum(e.counts.get("new_segments", 0.0) for e in episodes)
     for reason in sorted({*FINISHES, *(e.finish for e in episodes)}):
         metrics[f"{prefix}/finish/{reason}"] = sum(e.finish == reason for e in episodes) / n
     return metrics
