@@ -324,3 +324,21 @@ def test_the_example_agents_train(tmp_path, name):
                        "--out-dir", str(tmp_path / "run")])
     row = summary["records"][0]
     assert row["episode/turns_mean"] == 2 and row["episode/env_errors"] == 0  # a random model is never right
+
+
+def test_a_verifiers_tool_env_calls_its_tool_through_the_endpoint():
+    pytest.importorskip("verifiers")
+    from purerl.agents import agent_of
+
+    tokenizer = char_tokenizer(chatml=True)
+    call = '<tool_call>{"name": "square", "arguments": {"x": 12}}</tool_call>'
+    engine = ScriptedEngine(tokenizer, lambda prompt, k: _text(tokenizer, call) if "tool\n144" not in prompt
+                            else _text(tokenizer, "#### 144", end=True))
+    env = agent_of("tests.verifiers_envs:tool_env", answer_fn=lenient_math_reward)
+    played = run_agents(engine, env, ChatCodec(tokenizer), [PromptRecord(({"role": "user", "content": "12²?"},), "144")],
+                        SamplingParams(max_new_tokens=80, n=2), RngState(0), 0, EpisodeLimits(max_turns=3, max_tokens=600),
+                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    for e in played:  # the tool's result came back as an observation, then the answer; the rubric scored it
+        assert len(e.turn_ends) == 2 and e.reward == 1.0 and e.counts["new_segments"] == 0
+        observed = [t for t, s in zip(e.ids[e.prompt_length:], e.sampled) if not s]
+        assert "tool\n144" in tokenizer.decode(observed)

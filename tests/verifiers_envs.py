@@ -33,3 +33,20 @@ def load_multi_turn():
 
 
 multi_turn = load_multi_turn()
+
+
+def square(x: int) -> str:
+    """Square a number.
+
+    Args:
+        x: The number.
+    """
+    return str(x * x)
+
+
+def load_tool_env():
+    """A ToolEnv with one tool; its rubric: the last answer ends with the answer."""
+    return vf.ToolEnv(dataset=_DATA, tools=[square], rubric=vf.Rubric(funcs=[_ends_with_answer]), max_turns=3)
+
+
+tool_env = load_tool_env()
