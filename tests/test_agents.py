@@ -317,7 +317,7 @@ def test_the_example_agents_train(tmp_path, name):
 
     if name == "load_environment":
         pytest.importorskip("verifiers")
-    example = Path(__file__).resolve().parents[1] / "examples" / "agents.py"
+    example = Path(__file__).resolve().parents[1] / "examples" / "agent_functions.py"
     summary = run_job(["--tiny", "--env", f"{example}:{name}", "--max-turns", "2", "--steps", "1",
                        "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size",
                        "2", "--train-size", "20", "--eval-every", "0", "--no-progress", "--threads", "1",

@@ -1,7 +1,7 @@
 """Agents as they are written, trained by purerl unchanged (README: Agents behind an endpoint).
 
-    python experiments/grpo_math.py --tiny --env examples/agents.py:second_chance --max-turns 2
-    python experiments/grpo_math.py --env examples/agents.py:load_environment --max-turns 2   # verifiers
+    python experiments/grpo_math.py --tiny --env examples/agent_functions.py:second_chance --max-turns 2
+    python experiments/grpo_math.py --env examples/agent_functions.py:load_environment --max-turns 2   # verifiers
 
 ``second_chance`` is a plain function on an OpenAI client: it could run against any server that
 speaks the OpenAI API. ``load_environment`` makes the same task as a verifiers ``MultiTurnEnv``
