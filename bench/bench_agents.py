@@ -22,27 +22,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_episodes import Echo  # noqa: E402  (the Env path's side: every turn answered)
 
 from purerl.agents import AgentEnv, run_agents  # noqa: E402
 from purerl.data.records import PromptRecord  # noqa: E402
-from purerl.episodes import ChatCodec, StepResult  # noqa: E402
+from purerl.episodes import ChatCodec  # noqa: E402
 from purerl.episodes.rollout import EpisodeLimits, run_episodes  # noqa: E402
 from purerl.rewards import lenient_math_reward  # noqa: E402
 from purerl.rollout.engine import make_engine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState  # noqa: E402
-
-
-class Echo:
-    """Every turn is answered ("Go on."): episodes last ``max_turns`` turns."""
-
-    stop = ()
-
-    def reset(self, task, seed):
-        return None, list(task.messages)
-
-    def step(self, state, action):
-        return StepResult(state, [{"role": "user", "content": "Go on."}], 0.0, False)
 
 
 def make_echo_agent(turns: int):
