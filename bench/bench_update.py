@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the card's dense peak, for MFU (GPU only)")
     ap.add_argument("--no-default-adamw", action="store_true", help="leave out the module with the default AdamW")
     ap.add_argument("--profile", action="store_true", help="torch.profiler's kernel table of one step per variant")
+    ap.add_argument("--compile", action="store_true",
+                    help="add both sides compiled by torch.compile: purerl's actor.compile, the module's forward")
     args = ap.parse_args()
     if args.qwen05b_shape:
         for key, value in QWEN05B.items():
@@ -85,31 +87,40 @@ def main() -> None:
     opt = chain(clip_by_global_norm(1.0), adamw(lr, weight_decay=wd))
     state = {"params": params, "opt": opt.init(params)}
 
-    def loss_fn(p):
-        return aggregate_loss(-weights * response_logprobs(model, p, seqs), seqs.response_mask), None
+    def purerl_step_factory(compiled: bool):
+        policy = attrs.evolve(model, compiled=compiled)
+        grad_fn = value_and_grad(lambda p: (aggregate_loss(-weights * response_logprobs(policy, p, seqs),
+                                                           seqs.response_mask), None))
 
-    grad_fn = value_and_grad(loss_fn)
+        def step() -> None:
+            _, _, grads = grad_fn(state["params"])
+            state["params"], state["opt"] = opt.update(grads, state["opt"], state["params"])
 
-    def purerl_step() -> None:
-        _, _, grads = grad_fn(state["params"])
-        state["params"], state["opt"] = opt.update(grads, state["opt"], state["params"])
+        return step
+
+    purerl_step = purerl_step_factory(False)
 
     def guarded_step() -> None:  # the trainer's divergence guard after the update
         purerl_step()
         assert tree_all_finite(state["params"], state["opt"])
 
-    def module_step_factory(fused: bool):
+    def module_step_factory(fused: bool, compiled: bool = False):
         torch.manual_seed(0)
         module = AutoModelForCausalLM.from_config(config).to(device).eval()
         optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=wd, fused=fused or None)
         t = seqs.response_length
         autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if mixed else contextlib.nullcontext
 
-        def step() -> None:
+        def logprobs() -> torch.Tensor:
             with autocast():
                 logits = module(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask.long(),
                                 position_ids=seqs.position_ids(), use_cache=False, logits_to_keep=t + 1).logits
-            logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, seqs.responses()[..., None]).squeeze(-1)
+            return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, seqs.responses()[..., None]).squeeze(-1)
+
+        forward = torch.compile(logprobs) if compiled else logprobs
+
+        def step() -> None:
+            logp = forward()
             mask = seqs.response_mask
             loss = -(weights * logp * mask).sum() / mask.sum()
             optimizer.zero_grad(set_to_none=True)
@@ -124,13 +135,31 @@ def main() -> None:
         variants["module + torch.optim.AdamW(default)"] = module_step_factory(False)
     variants["purerl functional + donated fused AdamW"] = purerl_step
     variants["  + divergence guard (tree_all_finite)"] = guarded_step
+    if args.compile:
+        variants["module compiled + AdamW(fused)"] = module_step_factory(True, compiled=True)
+        variants["purerl compiled (actor.compile)"] = purerl_step_factory(True)
 
     def synchronize() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(3):  # warm-up
+    if args.compile:
+        print(f"compiled vs eager, one gradient from the same params: {_compiled_gap(model, state['params'], seqs, weights)}")
+    for name, fn in list(variants.items()):  # warm-up (and compilation), timed once
+        synchronize()
+        start = time.perf_counter()
+        try:
+            fn()
+        except Exception as err:  # a machine that cannot compile (no triton, no C compiler) still gets the rest
+            if "compiled" not in name:
+                raise
+            print(f"first call: {name.strip()} failed, left out: {type(err).__name__}: {str(err)[:300]}")
+            del variants[name]
+            continue
+        synchronize()
+        print(f"first call: {name.strip()} {time.perf_counter() - start:.1f} s", flush=True)
+    for _ in range(2):
         for fn in variants.values():
             fn()
     for _ in range(args.iters):
@@ -156,6 +185,19 @@ def main() -> None:
         print(f"{name:42s} median {med * 1e3:8.2f} ms   ratio vs fused module {med / base:5.3f}{mfu}")
 
 
+def _compiled_gap(model, params, seqs, weights) -> str:
+    """How far ``actor.compile``'s log-probs and gradient are from the eager ones, on one batch."""
+    out = []
+    for compiled in (False, True):
+        policy = attrs.evolve(model, compiled=compiled)
+        _, logp, grads = value_and_grad(lambda p: (aggregate_loss(-weights * (lp := response_logprobs(
+            policy, p, seqs)), seqs.response_mask), lp))(params)
+        out.append((logp, torch.cat([g.flatten().float() for g in grads.values()])))
+    (logp, grad), (logp_c, grad_c) = out
+    return (f"log-probs max |diff| {(logp - logp_c).abs().max().item():.2e}, gradient relative "
+            f"{((grad - grad_c).norm() / grad.norm()).item():.2e}")
+
+
 def _profile(variants, device: torch.device) -> None:
     """The profiler's table (by device time, or CPU time on a CPU) of one step of each variant."""
     from torch.profiler import ProfilerActivity, profile
@@ -163,7 +205,7 @@ def _profile(variants, device: torch.device) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     for name, fn in variants.items():
-        if "default" in name or "guard" in name:
+        if "default" in name or "guard" in name or "module compiled" in name:
             continue
         with profile(activities=activities) as prof:
             fn()

@@ -19,7 +19,8 @@ label gradient is 0, here they are correct to ~1e-7 relative. Elsewhere the two 
 rounding.
 """
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ def logprobs_from_logits(
     *,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
+    compiled: bool = False,
 ) -> Float[Tensor, "b t"]:
     """``log softmax(z)[y] = z_y − logsumexp(z)`` with ``z = logits / temperature``.
 
@@ -54,7 +56,9 @@ def logprobs_from_logits(
     labels and two floats per position (row max and log-normaliser). Differs from verl only in
     precision: verl computes half-precision logits' log-softmax (and ``logits / τ``) in their own
     dtype, here both are in float32, and see the module note on confident tokens.
-    ``temperature <= 0`` raises ``ValueError`` (verl clamps it to 1e-8).
+    ``temperature <= 0`` raises ``ValueError`` (verl clamps it to 1e-8). ``compiled``: forward and
+    backward each run as one kernel over all positions, compiled by ``torch.compile`` (the same
+    formulas, fused; no float32 block is materialised, so ``chunk_size`` does not apply).
     """
     check_rank("logprobs_from_logits", 3, logits=logits)
     check_floating("logprobs_from_logits", logits=logits)
@@ -64,7 +68,7 @@ def logprobs_from_logits(
             f"{tuple(logits.shape)}; labels must be logits.shape[:-1]"
         )
     _check_options("logprobs_from_logits", temperature, chunk_size)
-    logprobs, _, _ = _ChunkedLogProbs.apply(logits, labels.long(), float(temperature), int(chunk_size))
+    logprobs, _, _ = _ChunkedLogProbs.apply(logits, labels.long(), float(temperature), int(chunk_size), compiled)
     return logprobs
 
 
@@ -179,8 +183,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        logits: Tensor, labels: Tensor, temperature: float, chunk_size: int
+        logits: Tensor, labels: Tensor, temperature: float, chunk_size: int, compiled: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
+        if compiled:
+            return _logprob_stats(logits, labels, temperature)
         b, t, _ = logits.shape
         dtype = _compute_dtype(logits.dtype)
         logprobs, peak, log_norm = (logits.new_empty((b, t), dtype=dtype) for _ in range(3))
@@ -193,19 +199,22 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
-        logits, labels, temperature, chunk_size = inputs
-        _, peak, log_norm = output
-        ctx.save_for_backward(logits, labels, peak, log_norm)
+        logits, labels, temperature, chunk_size, compiled = inputs
+        logprobs, peak, log_norm = output
+        ctx.save_for_backward(logits, labels, peak, log_norm, *([logprobs] if compiled else []))
         ctx.mark_non_differentiable(peak, log_norm)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.compiled = temperature, chunk_size, compiled
 
     @staticmethod
     def backward(
         ctx: Any, grad_logprobs: Tensor, _grad_peak: Tensor, _grad_norm: Tensor
-    ) -> tuple[Tensor | None, None, None, None]:
-        logits, labels, peak, log_norm = ctx.saved_tensors
+    ) -> tuple[Tensor | None, None, None, None, None]:
+        logits, labels, peak, log_norm, *logprobs = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
+        if ctx.compiled:
+            return _logprob_grad(logits, labels, logprobs[0], grad_logprobs, peak, log_norm, ctx.temperature), \
+                None, None, None, None
         b, t, _ = logits.shape
         tau = ctx.temperature
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -218,7 +227,47 @@ class _ChunkedLogProbs(torch.autograd.Function):
             # which keeps 1 − p_y accurate when p_y is close to 1
             label_grad = torch.expm1(log_p.gather(-1, y)).mul_(-g)
             grad[rows, cols] = log_p.exp_().mul_(-g).scatter_(-1, y, label_grad)
-        return grad, None, None, None
+        return grad, None, None, None, None
+
+
+def _logprob_stats(logits: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:class:`_ChunkedLogProbs`' forward over all positions at once (one fused kernel under
+    ``torch.compile``; a select by vocabulary index where the blocks scatter): ``(log p_y, max z,
+    log1p Σ_{v ≠ argmax} exp(z_v − max z))``. ``log1p`` runs eagerly on the per-position sums."""
+    z_y, peak, rest = _compiled(_logprob_sums)(logits, labels, temperature)
+    log_norm = torch.log1p(rest)
+    return z_y - log_norm, peak, log_norm
+
+
+def _logprob_sums(logits: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    z = logits.to(_compute_dtype(logits.dtype)) / temperature
+    peak, top = z.max(-1, keepdim=True)
+    vocab = torch.arange(z.shape[-1], device=z.device)
+    rest = torch.where(vocab == top, 0.0, (z - peak).exp()).sum(-1)
+    return (z.gather(-1, labels[..., None]) - peak).squeeze(-1), peak.squeeze(-1), rest
+
+
+def _logprob_grad(logits: Tensor, labels: Tensor, logprobs: Tensor, grad_logprobs: Tensor, peak: Tensor,
+                  log_norm: Tensor, temperature: float) -> Tensor:
+    """:class:`_ChunkedLogProbs`' backward over all positions at once: ``g·(onehot − p) / τ`` in the
+    logits' dtype. The label's ``g·(1 − p_y) = −g·expm1(log p_y)`` is taken eagerly on the saved
+    log-probs (compiled CPU code computes ``expm1`` as ``exp − 1``, which loses ``1 − p_y`` near 1),
+    the rest in one fused kernel."""
+    g = grad_logprobs.to(log_norm.dtype) / temperature
+    return _compiled(_softmax_grad)(logits, labels, torch.expm1(logprobs).mul_(-g), g, peak, log_norm, temperature)
+
+
+def _softmax_grad(logits: Tensor, labels: Tensor, label_grad: Tensor, g: Tensor, peak: Tensor, log_norm: Tensor,
+                  temperature: float) -> Tensor:
+    log_p = logits.to(log_norm.dtype) / temperature - peak[..., None] - log_norm[..., None]
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    return torch.where(vocab == labels[..., None], label_grad[..., None], log_p.exp() * -g[..., None]).to(logits.dtype)
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled by ``torch.compile`` (built on first use, once per process)."""
+    return torch.compile(fn)
 
 
 class _ChunkedEntropy(torch.autograd.Function):

@@ -144,7 +144,8 @@ def _adapted(config: JobConfig, model: CausalLM, params: Params) -> tuple[Causal
     ``actor.lora_rank``, the LoRA policy on that base (held in the compute dtype: it is never
     updated) and its float32 adapters."""
     actor = config.actor
-    model = attrs.evolve(model, packed=actor.packed_forwards, compute_dtype=compute_dtype(config))
+    model = attrs.evolve(model, packed=actor.packed_forwards, compute_dtype=compute_dtype(config),
+                         compiled=actor.compile)
     if not actor.lora_rank:
         return model, params
     try:

@@ -182,6 +182,9 @@ class ActorConfig:
     ``packed_forwards``: the training and scoring forwards (the policy's and the critic's) run each
     micro-batch's rows packed into one stream of their attended tokens, attention kept inside
     each row (no compute on padding; the same values and gradients).
+    ``compile``: the policy's padded lean forward and its log-probs run compiled by ``torch.compile``
+    (fused kernels; a GPU's choice for models of ~0.5 B and up, see BENCHMARKS; the first steps
+    pay the compilation).
     ``lora_rank`` > 0 trains LoRA adapters of that rank on the ``lora_targets`` layers (scale
     ``lora_alpha / lora_rank``) instead of every weight; the reference is then the base itself.
     LoRA wants a larger ``lr`` than full fine-tuning (about 10×; "LoRA Without Regret").
@@ -211,6 +214,7 @@ class ActorConfig:
     loss_options: LossOptions = LossOptions()
     max_tokens_per_micro_batch: int | None = attrs.field(default=None, validator=at_least(1))
     packed_forwards: bool = attrs.field(default=False, validator=boolean)
+    compile: bool = attrs.field(default=False, validator=boolean)
     lora_rank: int = attrs.field(default=0, validator=at_least(0))
     lora_alpha: float = attrs.field(default=32.0, validator=positive)
     lora_targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=tuple, validator=_targets)

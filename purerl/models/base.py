@@ -95,6 +95,11 @@ class CausalLM:
     in it, on a cast of the params made per forward, while the params tree the state holds (the
     master weights the optimizer updates) keeps its own dtype (float32); gradients arrive in the
     masters' dtype. None: the params' own dtype.
+
+    ``compiled`` (``actor.compile``): a lean family's padded training and scoring forward, the cast
+    to ``compute_dtype`` included, runs as one graph compiled by ``torch.compile``, and the log-probs
+    through compiled kernels (:func:`purerl.algo.logprobs.logprobs_from_logits`); the same values to
+    float rounding. The packed forward and the HF module run eagerly.
     """
 
     module: nn.Module
@@ -110,6 +115,7 @@ class CausalLM:
     frozen: Params = attrs.field(factory=dict)
     packed: bool = False
     compute_dtype: torch.dtype | None = None
+    compiled: bool = False
 
     def full(self, params: Params) -> Params:
         """The frozen base weights (a LoRA policy's) overlaid with ``params``."""
@@ -331,7 +337,7 @@ def response_logprobs(
 ) -> Float[Tensor, "b t"]:
     """``log π(y_t | prefix)`` for every response position, float32 (masked positions included)."""
     logits = response_logits(model, params, seqs)
-    return logprobs_from_logits(logits, seqs.responses(), temperature=temperature)
+    return logprobs_from_logits(logits, seqs.responses(), temperature=temperature, compiled=model.compiled)
 
 
 def response_entropy(

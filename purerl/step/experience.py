@@ -78,7 +78,8 @@ def _batched(model: CausalLM | Critic, fn: Callable[[Sequences], Tensor], seqs: 
 
 def _logprobs_fn(model: CausalLM, params: Params, temperature: float) -> Callable[[Sequences], Tensor]:
     def logprobs(part: Sequences) -> Tensor:
-        return logprobs_from_logits(response_logits(model, params, part), part.responses(), temperature=temperature)
+        return logprobs_from_logits(response_logits(model, params, part), part.responses(), temperature=temperature,
+                                    compiled=model.compiled)
 
     return logprobs
 

@@ -82,7 +82,8 @@ def _actor_loss(policy: CausalLM, loss: ActorLoss, rng: RngState) -> Callable:
     def loss_fn(params: Params, batch: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
         mask = batch.sequences.response_mask
         logits = response_logits(policy, params, batch.sequences)
-        logp = logprobs_from_logits(logits, batch.sequences.responses(), temperature=temperature)
+        logp = logprobs_from_logits(logits, batch.sequences.responses(), temperature=temperature,
+                                    compiled=policy.compiled)
         out = policy_loss(logp, batch.old_logprobs, batch.advantages, mask, is_weights=batch.is_weights,
                           generator=generator)
         total = out.loss

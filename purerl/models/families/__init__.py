@@ -9,12 +9,14 @@ Registered: ``llama`` (Llama, Qwen2, SmolLM2; :mod:`.llama`, :mod:`.llama_decode
 A new family registers a :class:`Family` under its name: ``FAMILIES.register("name")(Family(...))``.
 """
 
+import functools
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import torch
 from torch import Tensor
 
 from purerl.models.families import llama, llama_decode, llama_packed
@@ -75,11 +77,27 @@ def family_of(model: CausalLM) -> Family | None:
 
 def _llama_response_logits(model: CausalLM, params: Params, seqs: "Sequences",
                            shared: tuple[Tensor, Tensor] | None) -> Tensor:
-    forward = llama_packed.packed_response_logits if model.packed else llama.response_logits
-    return forward(model.computed(params), model.buffers["model.rotary_emb.inv_freq"],
-                                 llama.layout_of(model.config), seqs.input_ids, seqs.attention_mask,
-                                 seqs.position_ids(), seqs.response_length, shared,
-                                 None if model.lora is None else model.lora.scale)
+    if model.compiled and not model.packed:
+        forward = _compiled_llama_forward()
+    else:
+        forward = functools.partial(_llama_forward, llama_packed.packed_response_logits if model.packed
+                                    else llama.response_logits)
+    return forward(model, params, seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
+                   shared)
+
+
+def _llama_forward(forward: Callable[..., Tensor], model: CausalLM, params: Params, ids: Tensor, valid: Tensor,
+                   positions: Tensor, response_length: int, shared: tuple[Tensor, Tensor] | None) -> Tensor:
+    return forward(model.computed(params), model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(model.config),
+                   ids, valid, positions, response_length, shared, None if model.lora is None else model.lora.scale)
+
+
+@functools.cache
+def _compiled_llama_forward() -> Callable[..., Tensor]:
+    """The padded lean forward, the cast to the compute dtype included, as one graph compiled by
+    ``torch.compile`` (inductor fuses the norms, rotary, SwiGLU and the casts; built on first use;
+    shapes go dynamic after the first recompile)."""
+    return torch.compile(functools.partial(_llama_forward, llama.response_logits))
 
 
 FAMILIES.register("llama")(Family(llama.supports, _llama_response_logits, llama_decode.decoding,

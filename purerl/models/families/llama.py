@@ -19,9 +19,8 @@ Shapes: ``b`` rows, ``s`` positions, ``H`` query heads, ``K`` key/value heads, `
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
@@ -67,8 +66,7 @@ def supports(model: Any) -> bool:
     )
 
 
-@attrs.frozen
-class LlamaLayout:
+class LlamaLayout(NamedTuple):
     """Sizes of a Llama-family model (from its HF config)."""
 
     layers: int
@@ -95,8 +93,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-@attrs.frozen(eq=False)
-class RotaryTable:
+class RotaryTable(NamedTuple):
     """``cos`` and sign-folded ``sin`` of positions, ``[..., D]`` each. Rotating ``x`` at position
     ``p`` is ``x · cos[p] + roll(x, D/2) · sin[p]``, which equals HF's
     ``x · cos + rotate_half(x) · sin`` value for value (``roll`` moves the halves as
@@ -127,8 +124,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-@attrs.frozen(eq=False)
-class LayerWeights:
+class LayerWeights(NamedTuple):
     """One decoder layer with its projections fused: q, k, v in one matrix, gate and up in another.
     Matrices are transposed views, ``[in, out]``, as the products take them."""
 
@@ -146,8 +142,7 @@ class LayerWeights:
     down_lora: "Lora | None" = None
 
 
-@attrs.frozen(eq=False)
-class Lora:
+class Lora(NamedTuple):
     """The LoRA update of a (fused) projection, ``s · (x @ a) @ b``: ``a`` ``[in, R]`` is the
     parts' ``lora_A`` side by side, ``b`` ``[R, out]`` their ``lora_B`` block-diagonal (part ``j``'s
     rank columns feed part ``j``'s outputs only), both transposed like the layers' matrices."""
@@ -157,8 +152,7 @@ class Lora:
     scale: float
 
 
-@attrs.frozen(eq=False)
-class FusedWeights:
+class FusedWeights(NamedTuple):
     """What the lean forward reads, built from the params tree by :func:`fused_weights`."""
 
     embed: Tensor

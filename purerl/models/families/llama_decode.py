@@ -228,9 +228,9 @@ def decoder_weights(model: Any, params: dict[str, Tensor], *, onednn: bool = Tru
     if not onednn or some.device.type != "cpu" or not onednn_runs(some.dtype):
         return params
     w = fused_weights(params, layout_of(model.config))
-    layers = [attrs.evolve(x, qkv=OneDNNLinear.of(x.qkv), out=OneDNNLinear.of(x.out),
-                           gate_up=OneDNNLinear.of(x.gate_up), down=OneDNNLinear.of(x.down)) for x in w.layers]
-    return attrs.evolve(w, layers=layers, head=OneDNNLinear.of(w.head))
+    layers = [x._replace(qkv=OneDNNLinear.of(x.qkv), out=OneDNNLinear.of(x.out),
+                      gate_up=OneDNNLinear.of(x.gate_up), down=OneDNNLinear.of(x.down)) for x in w.layers]
+    return w._replace(layers=layers, head=OneDNNLinear.of(w.head))
 
 
 _CAPTURE_LOCK = threading.Lock()
