@@ -16,7 +16,7 @@ a GPU each variant also prints its MFU: 6 · params · tokens per second over ``
 (989, an H100's dense bfloat16 peak).
 
     python bench/bench_update.py [--hidden 256 --layers 4 --batch 8 --prompt 32 --response 64 --iters 30]
-    python bench/bench_update.py --device cuda --dtype bfloat16 --qwen05b-shape --iters 10 [--profile]
+    python bench/bench_update.py --device cuda --dtype bfloat16 --qwen05b-shape --iters 10 [--profile] [--compile [--cudagraphs]]
 """
 
 import argparse
@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="torch.profiler's kernel table of one step per variant")
     ap.add_argument("--compile", action="store_true",
                     help="add both sides compiled by torch.compile: purerl's actor.compile, the module's forward")
+    ap.add_argument("--cudagraphs", action="store_true",
+                    help="with --compile on a GPU: the compiled graphs replay as CUDA graphs (inductor's triton.cudagraphs)")
     args = ap.parse_args()
     if args.qwen05b_shape:
         for key, value in QWEN05B.items():
@@ -67,6 +69,10 @@ def main() -> None:
         args.full_rows = True
     device = torch.device(args.device)
     mixed = args.dtype == "bfloat16"
+    if args.cudagraphs:
+        from torch._inductor import config as inductor_config
+
+        inductor_config.triton.cudagraphs = True
 
     config = tiny_llama_config(vocab_size=args.vocab, hidden_size=args.hidden, layers=args.layers,
                                num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -93,6 +99,8 @@ def main() -> None:
                                                            seqs.response_mask), None))
 
         def step() -> None:
+            if compiled and args.cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
             _, _, grads = grad_fn(state["params"])
             state["params"], state["opt"] = opt.update(grads, state["opt"], state["params"])
 
@@ -120,6 +128,8 @@ def main() -> None:
         forward = torch.compile(logprobs) if compiled else logprobs
 
         def step() -> None:
+            if compiled and args.cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
             logp = forward()
             mask = seqs.response_mask
             loss = -(weights * logp * mask).sum() / mask.sum()
