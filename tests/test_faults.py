@@ -221,14 +221,6 @@ def test_bad_settings_are_refused_in_one_line_before_anything_loads(argv, messag
 
 
 # 2. a reward that never returns costs a sample its timeout, in training and in evaluation
-def reward_that_spins_on_odd_lengths(response: str, truth: str) -> float:
-    """Module level, so it is scored in a reward process; loops forever in pure Python (holding
-    the GIL) on responses of odd length."""
-    while len(response) % 2:
-        pass
-    return 1.0
-
-
 def test_a_reward_spinning_forever_costs_samples_their_timeout_and_the_run_finishes(tmp_path):
     from purerl.assembly.stages import batch_plan_of, step_function
     from purerl.config.job import JobConfig
@@ -243,6 +235,7 @@ def test_a_reward_spinning_forever_costs_samples_their_timeout_and_the_run_finis
     from purerl.rollout.backends.torch import TorchEngine
     from purerl.run import initial_state
     from purerl.tiny import tiny_llama_config
+    from tests.spinning_reward import reward_that_spins_on_odd_lengths
 
     config = build(JobConfig, {"trainer": {"steps": 2, "eval_every": 2, "progress": False},
                                "data": {"prompts_per_step": 2},
