@@ -183,8 +183,9 @@ class ActorConfig:
     micro-batch's rows packed into one stream of their attended tokens, attention kept inside
     each row (no compute on padding; the same values and gradients).
     ``compile``: the policy's padded lean forward and its log-probs run compiled by ``torch.compile``
-    (fused kernels; a GPU's choice for models of ~0.5 B and up, see BENCHMARKS; the first steps
-    pay the compilation).
+    (fused kernels; a GPU's choice for models of ~0.5 B and up, see BENCHMARKS). The first steps
+    pay the compilation: three times, as the rows' lengths and counts vary, then never again
+    (``python3 experiments/grpo_math.py --tiny actor.compile=true``).
     ``lora_rank`` > 0 trains LoRA adapters of that rank on the ``lora_targets`` layers (scale
     ``lora_alpha / lora_rank``) instead of every weight; the reference is then the base itself.
     LoRA wants a larger ``lr`` than full fine-tuning (about 10×; "LoRA Without Regret").
