@@ -185,7 +185,8 @@ class ActorConfig:
     ``compile``: the policy's padded lean forward and its log-probs run compiled by ``torch.compile``
     (fused kernels; a GPU's choice for models of ~0.5 B and up, see BENCHMARKS). The first steps
     pay the compilation: three times, as the rows' lengths and counts vary, then never again
-    (``python3 experiments/grpo_math.py --tiny actor.compile=true``).
+    (``python3 experiments/grpo_math.py --tiny actor.compile=true``). FSDP2 ranks (the Ray
+    executor's training ranks) run their HF modules eagerly.
     ``lora_rank`` > 0 trains LoRA adapters of that rank on the ``lora_targets`` layers (scale
     ``lora_alpha / lora_rank``) instead of every weight; the reference is then the base itself.
     LoRA wants a larger ``lr`` than full fine-tuning (about 10×; "LoRA Without Regret").
