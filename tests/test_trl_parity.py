@@ -41,7 +41,7 @@ from purerl.step.experience import reference_logprobs  # noqa: E402
 from purerl.tiny import char_tokenizer, tiny_llama_config  # noqa: E402
 
 DIFFERENCES = {"advantage epsilon": (1e-6, 1e-4), "positions under left padding": "none here: equal prompt lengths"}
-PROMPTS = ["12+34=", "56-78="]
+PROMPTS = ["12+34=", "56-78=", "3*3="]
 N, MAX_NEW, TEMPERATURE = 4, 10, 0.7
 SETTINGS = {"rollout": {"temperature": TEMPERATURE, "n": N, "max_new_tokens": MAX_NEW},
             "data": {"prompts_per_step": len(PROMPTS)}, "trainer": {"steps": 30},
@@ -50,11 +50,14 @@ SETTINGS = {"rollout": {"temperature": TEMPERATURE, "n": N, "max_new_tokens": MA
 
 
 def _batch(tokenizer):
-    """Per prompt, ``N`` responses (ids) and their rewards: two groups with different spreads,
-    responses of several lengths, ended by EOS or cut at ``MAX_NEW``."""
+    """Per prompt, ``N`` responses (ids) and their rewards: two groups with different spreads and
+    one whose rewards are all equal (zero advantages: purerl skips its rows' forward and backward,
+    TRL runs them; both count their tokens in the loss's denominator), responses of several
+    lengths, ended by EOS or cut at ``MAX_NEW``."""
     eos = tokenizer.eos_token_id
-    texts = [["46", "4 6", "47 is it", "0123456789"], ["-22", "-2 2", "22", "minus twenty"]]
-    rewards = [[1.0, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.5]]  # one std: one factor between the epsilons
+    texts = [["46", "4 6", "47 is it", "0123456789"], ["-22", "-2 2", "22", "minus twenty"],
+             ["6", "33", "nine or so", "3*3 is 6, 6+3"]]
+    rewards = [[1.0, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.5], [0.0] * N]  # one std: one factor between the epsilons
     responses = []
     for group in texts:
         for text in group:
@@ -157,12 +160,14 @@ def test_one_batch_gives_trls_params_and_gradients_up_to_the_named_differences(m
     with tempfile.TemporaryDirectory() as tmp:
         hf = AutoModelForCausalLM.from_pretrained(export_hf(model, params, Path(tmp) / "start"))  # the same weights
         theirs, their_grads, their_advantages = _trl(hf, tokenizer, responses, rewards, steps=2, tmp=tmp)
-    ours, our_grads, _ = _purerl(model, params, tokenizer, responses, rewards, steps=2)
+    ours, our_grads, metrics = _purerl(model, params, tokenizer, responses, rewards, steps=2)
+    assert metrics["actor/skipped_rows_frac"] == pytest.approx(1 / 3)  # the zero-advantage group skipped
 
-    # the advantages: the same up to the epsilon in the denominator (both groups have one std)
+    # the advantages: the same up to the epsilon in the denominator (both varied groups have one
+    # std; the third group's are 0 on both sides)
     scores = torch.tensor(rewards).view(len(PROMPTS), N)
     std = float(scores.std(-1)[0])
-    assert torch.allclose(scores.std(-1), torch.tensor(std))
+    assert torch.allclose(scores.std(-1), torch.tensor([std, std, 0.0]))
     ours_eps, theirs_eps = DIFFERENCES["advantage epsilon"]
     factor = (std + ours_eps) / (std + theirs_eps)
     ours_adv = (scores - scores.mean(-1, keepdim=True)) / (std + ours_eps)
