@@ -336,11 +336,13 @@ def test_a_trl_environment_factory_class_plays_with_its_tools_and_reward_and_a_s
             return call(2 if script.rows == 1 else 1)
         return call(1) if turn == 2 else _text(tokenizer, "done", end=True)
 
-    (first, second), _ = _play(tokenizer, env, script, [_record("Count.", "3")], n=2)
+    # a generous step deadline: the steps run in reward processes, which a loaded machine may start slowly
+    (first, second), _ = _play(tokenizer, env, script, [_record("Count.", "3")], n=2,
+                               limits=EpisodeLimits(step_timeout=120.0))
     assert "Count. Reach 3." in tokenizer.decode(first.ids[: first.prompt_length])
-    assert (first.reward, second.reward) == (1.0, 0.0)  # 2+1 = 3 and 1+1 = 2: each episode its own counter
+    assert first.counts == {"tool_calls": 2.0, "tool_errors": 0.0} and len(first.turn_ends) == 3, first.counts
     assert first.state[0].count == 3 and second.state[0].count == 2
-    assert first.counts == {"tool_calls": 2.0, "tool_errors": 0.0} and len(first.turn_ends) == 3
+    assert (first.reward, second.reward) == (1.0, 0.0)  # 2+1 = 3 and 1+1 = 2: each episode its own counter
     with pytest.raises(ValueError, match="environment 'tests.episode_envs:hang'"):
         environment("tests.episode_envs:hang", answer_fn=math_reward)
     with pytest.raises(ValueError, match="no attribute 'Nope'"):
