@@ -340,7 +340,8 @@ def test_a_trl_environment_factory_class_plays_with_its_tools_and_reward_and_a_s
     (first, second), _ = _play(tokenizer, env, script, [_record("Count.", "3")], n=2,
                                limits=EpisodeLimits(step_timeout=120.0))
     assert "Count. Reach 3." in tokenizer.decode(first.ids[: first.prompt_length])
-    assert first.counts == {"tool_calls": 2.0, "tool_errors": 0.0} and len(first.turn_ends) == 3, first.counts
+    assert first.counts == {"tool_calls": 2.0, "tool_errors": 0.0} and len(first.turn_ends) == 3, \
+        (first.counts, tokenizer.decode(first.ids[first.prompt_length:]))  # a failed step's message is in its observation
     assert first.state[0].count == 3 and second.state[0].count == 2
     assert (first.reward, second.reward) == (1.0, 0.0)  # 2+1 = 3 and 1+1 = 2: each episode its own counter
     with pytest.raises(ValueError, match="environment 'tests.episode_envs:hang'"):
