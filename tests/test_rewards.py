@@ -313,7 +313,8 @@ def test_load_reward_fn_from_a_module_and_from_a_file_that_runs_in_the_reward_pr
 def test_load_reward_fn_errors_name_the_spec_and_what_is_wrong(tmp_path):
     _, broken = _write_module(tmp_path, "def f(:\n")
     _, good = _write_module(tmp_path, "X = 3\n\ndef one(x):\n    return 1.0\n")
-    shadow = tmp_path / "json.py"
+    (tmp_path / "shadowing").mkdir()  # not beside the others: loading them puts their folder first on sys.path
+    shadow = tmp_path / "shadowing" / "json.py"
     shadow.write_text("def f(a, b):\n    return 1.0\n")
     cases = [
         ("no_colon_here", "expected 'package.module:function'"),
@@ -334,6 +335,20 @@ def test_load_reward_fn_errors_name_the_spec_and_what_is_wrong(tmp_path):
         with pytest.raises(ValueError, match=message) as err:
             load_reward_fn(spec)
         assert repr(spec) in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_reward_file_beside_a_module_named_like_the_standard_librarys_warns_naming_it(tmp_path, caplog):
+    name, path = _write_module(tmp_path, "def one(response, truth):\n    return 1.0\n")
+    (tmp_path / "json.py").write_text("X = 1\n")  # a fresh reward process would import it as json
+    (tmp_path / "random").mkdir()
+    (tmp_path / "random" / "__init__.py").write_text("")
+    with caplog.at_level("WARNING", logger="purerl"):
+        load_reward_fn(f"{path}:one")
+    sys.path.remove(str(tmp_path))  # the next test's reward processes must not import this json
+    [record] = caplog.records
+    message = record.getMessage()
+    assert f"{path}:one" in message and "holds json.py, random, which the reward processes import" in message
+    assert "\n" not in message
 
 
 # ---- the learned reward model ---------------------------------------------------------------------

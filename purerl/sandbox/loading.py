@@ -8,6 +8,7 @@ environments (``env.name``) are loaded this way.
 
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from types import ModuleType
 
 __all__ = ["load_object"]
 
+_log = logging.getLogger("purerl")
 _USAGE = "expected 'package.module:function' or 'path/to/file.py:function'"
 
 
@@ -74,6 +76,7 @@ def _load_file(spec: str, path: Path, what: str) -> ModuleType:
     folder = str(path.parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
+        _warn_of_shadows(spec, path.parent, what)
     importlib.invalidate_caches()
     module_spec = importlib.util.spec_from_file_location(stem, path)
     if module_spec is None or module_spec.loader is None:
@@ -86,3 +89,15 @@ def _load_file(spec: str, path: Path, what: str) -> ModuleType:
         del sys.modules[stem]
         raise ValueError(f"{what} {spec!r}: running {path} failed: {type(err).__name__}: {err}") from None
     return module
+
+
+def _warn_of_shadows(spec: str, folder: Path, what: str) -> None:
+    """Warn (one line) when ``folder``, now first on ``sys.path``, holds modules named like the
+    standard library's: a reward or step process imports its modules afresh, so it would take
+    ``folder/json.py`` for ``json`` where this process, which imported ``json`` before, does not."""
+    shadows = sorted(p.name for p in folder.iterdir() if p.stem in sys.stdlib_module_names
+                     and (p.suffix == ".py" or (p / "__init__.py").is_file()))
+    if shadows:
+        _log.warning("%s %r: its folder %s holds %s, which the reward processes import in place of the "
+                     "standard library's module of that name; rename or move them", what, spec, folder,
+                     ", ".join(shadows))
