@@ -6,7 +6,10 @@ main job's settings (``experiments/grpo_math.py``: clip 0.2/0.28, token-mean, no
 TRL's side is its own trainer: its ``rollout_func`` hands it the fixed responses, and its data
 flow, advantages, loss, clipping, schedule and AdamW step do the rest. Both sides start from the
 same weights; two steps run, so the warm-up's first step (lr 0 on both), AdamW's moments and
-bias correction are all exercised.
+bias correction are all exercised. The tiny model's gradient norm (~0.8) stays under the main
+job's clip of 1.0, where the main job's are mostly above it; so a second case clips at 0.25 and
+runs four steps: every step is clipped, and steps 3 and 4 start from params that the clipped
+updates moved.
 
 Where the two differ on purpose (``DIFFERENCES``), the test accounts for the difference by name:
 - the advantage's epsilon: purerl follows verl, ``(r − μ)/(σ + 1e-6)``; TRL divides by
@@ -66,9 +69,13 @@ def _batch(tokenizer):
     return responses, [r for group in rewards for r in group]
 
 
-def _purerl(model, params, tokenizer, responses, rewards, steps):
+def _settings(grad_clip: float) -> dict:
+    return {**SETTINGS, "actor": {**SETTINGS["actor"], "grad_clip": grad_clip}}
+
+
+def _purerl(model, params, tokenizer, responses, rewards, steps, grad_clip):
     """purerl's job step ``steps`` times on the batch; the params, and the raw gradient of each step."""
-    config = build(JobConfig, SETTINGS)
+    config = build(JobConfig, _settings(grad_clip))
     prompt_ids, prompt_mask = left_pad([tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS],
                                        tokenizer.pad_token_id)
     width = max(map(len, responses))
@@ -91,7 +98,7 @@ def _purerl(model, params, tokenizer, responses, rewards, steps):
     return state.policy, grads, metrics
 
 
-def _trl(model, tokenizer, responses, rewards, steps, tmp):
+def _trl(model, tokenizer, responses, rewards, steps, grad_clip, tmp):
     """TRL's trainer ``steps`` times on the batch (its rollout_func hands over the responses); the
     params, each step's raw gradient (before clipping) and its advantages."""
     from datasets import Dataset
@@ -126,7 +133,7 @@ def _trl(model, tokenizer, responses, rewards, steps, tmp):
                       learning_rate=actor["lr"], warmup_steps=actor["warmup_steps"],
                       lr_scheduler_type="cosine_with_min_lr",
                       lr_scheduler_kwargs={"min_lr_rate": actor["min_lr_ratio"]},
-                      max_grad_norm=actor["grad_clip"], weight_decay=0.0, beta=0.0, loss_type="dapo", epsilon=0.2,
+                      max_grad_norm=grad_clip, weight_decay=0.0, beta=0.0, loss_type="dapo", epsilon=0.2,
                       epsilon_high=0.28, temperature=TEMPERATURE, scale_rewards="group", report_to="none",
                       save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, shuffle_dataset=False)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
@@ -151,7 +158,8 @@ def _trl(model, tokenizer, responses, rewards, steps, tmp):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, grads, advantages
 
 
-def test_one_batch_gives_trls_params_and_gradients_up_to_the_named_differences(monkeypatch):
+@pytest.mark.parametrize("grad_clip, steps", [(1.0, 2), (0.25, 4)], ids=["main-job-clip", "clipped-4-steps"])
+def test_one_batch_gives_trls_params_and_gradients_up_to_the_named_differences(monkeypatch, grad_clip, steps):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     tokenizer = char_tokenizer()
     model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer) + 8), seed=0)
@@ -159,8 +167,8 @@ def test_one_batch_gives_trls_params_and_gradients_up_to_the_named_differences(m
     responses, rewards = _batch(tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
         hf = AutoModelForCausalLM.from_pretrained(export_hf(model, params, Path(tmp) / "start"))  # the same weights
-        theirs, their_grads, their_advantages = _trl(hf, tokenizer, responses, rewards, steps=2, tmp=tmp)
-    ours, our_grads, metrics = _purerl(model, params, tokenizer, responses, rewards, steps=2)
+        theirs, their_grads, their_advantages = _trl(hf, tokenizer, responses, rewards, steps, grad_clip, tmp)
+    ours, our_grads, metrics = _purerl(model, params, tokenizer, responses, rewards, steps, grad_clip)
     assert metrics["actor/skipped_rows_frac"] == pytest.approx(1 / 3)  # the zero-advantage group skipped
 
     # the advantages: the same up to the epsilon in the denominator (both varied groups have one
@@ -175,15 +183,18 @@ def test_one_batch_gives_trls_params_and_gradients_up_to_the_named_differences(m
     assert sorted(their_advantages[0].flatten().tolist()) == pytest.approx(expected, rel=1e-6, abs=1e-7)
 
     # each step's raw gradient (before clipping): TRL's is purerl's times that factor
-    assert len(our_grads) == len(their_grads) == 2
+    assert len(our_grads) == len(their_grads) == steps
+    norms = [float(torch.sqrt(sum((g.double() ** 2).sum() for g in step.values()))) for step in our_grads]
+    assert all(n < 1.0 for n in norms) if grad_clip == 1.0 else all(n > 2 * grad_clip for n in norms), norms
     for step, (ours_g, theirs_g) in enumerate(zip(our_grads, their_grads), 1):
         assert ours_g.keys() == theirs_g.keys()
         for name, g in ours_g.items():
             scale = float(g.abs().max())
             assert scale > 0 and torch.allclose(g * factor, theirs_g[name], rtol=1e-5, atol=1e-6 * scale), (step, name)
 
-    # the params after two steps: step 1 has lr 0 on both sides, step 2 lr / 2 with AdamW's moments
-    # of both steps; AdamW's step is invariant to the gradient's scale, so the epsilon drops out
+    # the params after the steps: step 1 has lr 0 on both sides, step 2 lr / 2 with AdamW's moments
+    # of both steps; AdamW's step is invariant to the gradient's scale, and a clipped gradient
+    # has the clip's norm, so the epsilon drops out
     for name, value in ours.items():
         assert not torch.equal(value, start[name]), name  # every tensor took the update
         assert torch.allclose(value, theirs[name], rtol=1e-6, atol=1e-6 * float(start[name].abs().max())), name
