@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _after_first_step(proc: subprocess.Popen, out: Path) -> Path:
-    """Wait (up to 240 s) until the job ``proc`` has recorded a step in ``out``; its metrics file."""
-    deadline = time.monotonic() + 240
+    """Wait (up to 600 s: two Ray jobs may share 2 cores with a suite beside them) until the job
+    ``proc`` has recorded a step in ``out``; its metrics file."""
+    deadline = time.monotonic() + 600
     metrics = out / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
         assert proc.poll() is None, proc.stdout.read()
