@@ -338,7 +338,7 @@ def test_load_reward_fn_errors_name_the_spec_and_what_is_wrong(tmp_path):
 
 
 def test_a_reward_file_beside_a_module_named_like_the_standard_librarys_warns_naming_it(tmp_path, caplog):
-    name, path = _write_module(tmp_path, "def one(response, truth):\n    return 1.0\n")
+    _, path = _write_module(tmp_path, "def one(response, truth):\n    return 1.0\n")
     (tmp_path / "json.py").write_text("X = 1\n")  # a fresh reward process would import it as json
     (tmp_path / "random").mkdir()
     (tmp_path / "random" / "__init__.py").write_text("")
