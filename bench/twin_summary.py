@@ -26,8 +26,8 @@ def runs_in(folder: Path) -> list[dict]:
 
 
 def tail_mean(values: list[float]) -> float:
-    tail = values[-LAST:]
-    return sum(tail) / len(tail)
+    """The mean of the last ``LAST`` steps' values."""
+    return statistics.fmean(values[-LAST:])
 
 
 def spread(gains: list[float]) -> tuple[float, float, float]:
@@ -43,14 +43,13 @@ def summary(runs: list[dict]) -> str:
         lines.append(f"{r['seed']:>4}  {r['side']:<6} {r['gain_points']:+6.1f}  {tail_mean(r['length']):5.1f}  "
                      f"{tail_mean(r['cut']):5.0%}  {tail_mean(r['reward']):5.2f}   {r['wall_s']:5.0f} s")
     sides = {side: [r for r in runs if r["side"] == side] for side in ("purerl", "trl")}
-    for side, rs in sides.items():
-        if rs:
-            mean, sd, se = spread([r["gain_points"] for r in rs])
-            long = sum(tail_mean(r["cut"]) > LONG_CUT for r in rs)
-            lines.append(f"{side}: {len(rs)} seeds, gain {mean:+.1f} ± {sd:.1f} (SE {se:.1f}); "
-                         f"{long} ended with over {LONG_CUT:.0%} cut")
-    if all(sides.values()):
-        (mp, _, sp), (mt, _, st) = (spread([r["gain_points"] for r in rs]) for rs in sides.values())
+    stats = {side: spread([r["gain_points"] for r in rs]) for side, rs in sides.items() if rs}
+    for side, (mean, sd, se) in stats.items():
+        long = sum(tail_mean(r["cut"]) > LONG_CUT for r in sides[side])
+        lines.append(f"{side}: {len(sides[side])} seeds, gain {mean:+.1f} ± {sd:.1f} (SE {se:.1f}); "
+                     f"{long} ended with over {LONG_CUT:.0%} cut")
+    if len(stats) == 2:
+        (mp, _, sp), (mt, _, st) = stats["purerl"], stats["trl"]
         lines.append(f"purerl − TRL, means: {mp - mt:+.1f} (SE {math.hypot(sp, st):.1f})")
         trl = {r["seed"]: r["gain_points"] for r in sides["trl"]}
         gaps = [r["gain_points"] - trl[r["seed"]] for r in sides["purerl"] if r["seed"] in trl]
