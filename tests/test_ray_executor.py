@@ -285,6 +285,8 @@ def test_every_placement_runs_ppo_with_a_critic_a_reference_and_a_reward_model_l
                                   critic=critic, reward_model=str(reward_model)) as executor:
         got, rollouts, scores, metrics = two_steps(executor, executor.score_model, want_scores)
         labels = {label.rsplit(" ", 1)[0] for _, label in executor.groups.actors}
+        rendezvous = list(executor.groups.rendezvous)
+    assert rendezvous and not any(path.exists() for path in rendezvous)  # one per group, removed on close
     assert labels == {"fully_collocated": {"train rank"}, "hybrid_engine": {"train rank", "reward worker"},
                       "split_collocate": {"train rank", "rollout worker", "critic rank"},
                       "standalone": {"train rank", "rollout worker", "reward worker", "critic rank",

@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from purerl.config.execution import ExecutorConfig
@@ -128,6 +129,7 @@ class WorkerGroups:
         self.failure: str | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self.rendezvous: list[Path] = []  # the file rendezvous of one-node groups, removed on close
         colocated = config.colocated
         self.role_ranks: dict[str, list[Any]] = {}  # the critic's and the reference's pools, once started
         self.owns_ray = not ray.is_initialized()
@@ -204,7 +206,8 @@ class WorkerGroups:
         places = self.wait([(w.place.remote(), f"{label} {r}") for r, w in enumerate(ranks)], config.start_timeout,
                            "start")
         if len({node for node, _, _ in places}) == 1:  # one node: a file rendezvous, collectives on loopback
-            init_method = f"file://{tempfile.gettempdir()}/purerl-rendezvous-{uuid.uuid4().hex}"
+            self.rendezvous.append(Path(tempfile.gettempdir()) / f"purerl-rendezvous-{uuid.uuid4().hex}")
+            init_method = self.rendezvous[-1].as_uri()
         else:
             _, host, port = places[0]
             init_method = f"tcp://{host}:{port}"
@@ -354,6 +357,8 @@ class WorkerGroups:
             return
         self._closed = True
         self._kill()
+        for path in self.rendezvous:  # killed ranks never destroy their FileStore, which would remove it
+            path.unlink(missing_ok=True)
         if self.owns_ray:
             import ray
 
