@@ -207,7 +207,7 @@ class WorkerGroups:
                            "start")
         if len({node for node, _, _ in places}) == 1:  # one node: a file rendezvous, collectives on loopback
             self.rendezvous.append(Path(tempfile.gettempdir()) / f"purerl-rendezvous-{uuid.uuid4().hex}")
-            init_method = self.rendezvous[-1].as_uri()
+            init_method = f"file://{self.rendezvous[-1]}"
         else:
             _, host, port = places[0]
             init_method = f"tcp://{host}:{port}"
