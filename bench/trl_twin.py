@@ -18,6 +18,7 @@ process, one after the other.
     python3 bench/trl_twin.py --seed 0            # both sides, ~20 min on a 2-core CPU
     python3 bench/trl_twin.py --seed 1 --side trl # one side
     python3 bench/trl_twin.py --steps 2 --eval-size 8 --prompts-per-step 2   # a quick look
+    python3 bench/trl_twin.py --model runs/x/export --steps 10 --seed 100    # both from one trained state
 
 Needs ``pip install trl`` (pinned in constraints.txt; a test dependency).
 """
@@ -49,7 +50,8 @@ from purerl.run import engine_options, load_policy, load_records_of, load_tasks,
 
 def _job(args: argparse.Namespace) -> list[str]:
     return ["--seed", str(args.seed), "--steps", str(args.steps), "--eval-size", str(args.eval_size),
-            "--prompts-per-step", str(args.prompts_per_step), "--no-progress", "--eval-every", "0"]
+            "--prompts-per-step", str(args.prompts_per_step), "--no-progress", "--eval-every", "0",
+            *(["--model", args.model] if args.model else [])]
 
 
 def purerl_side(args: argparse.Namespace, out: Path) -> dict:
@@ -139,6 +141,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-size", type=int, default=64)
     ap.add_argument("--prompts-per-step", type=int, default=8)
+    ap.add_argument("--model", help="start both sides from this HF directory or GGUF (default: the main job's model)")
     ap.add_argument("--side", choices=["both", "purerl", "trl"], default="both")
     ap.add_argument("--out", default="runs/trl_twin")
     args = ap.parse_args()
