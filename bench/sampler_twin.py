@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from purerl.batch import left_pad  # noqa: E402
 from purerl.config.command_line import parse_command_line  # noqa: E402
 from purerl.models.hf import export_hf  # noqa: E402
 from purerl.rewards import lenient_math_reward  # noqa: E402
@@ -64,11 +65,10 @@ def hf_responses(hf, tokenizer, options, prompts: list[list[int]], draw: int) ->
     out = []
     for start in range(0, len(prompts), CHUNK):
         batch = [p for p in prompts[start:start + CHUNK] for _ in range(N)]
-        width = max(map(len, batch))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        attention = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in batch])[:, None]).long()
+        ids, attention = left_pad(batch, pad)
         with torch.no_grad():
-            generated = hf.generate(input_ids=ids, attention_mask=attention, generation_config=config)[:, width:]
+            generated = hf.generate(input_ids=ids, attention_mask=attention.long(),
+                                    generation_config=config)[:, ids.shape[1]:]
         for row in generated.tolist():
             ends = [j for j, t in enumerate(row) if t in eos]
             out.append(row[:ends[0] + 1] if ends else row)
