@@ -26,7 +26,8 @@ def resolve(config: JobConfig) -> JobConfig:
     ``actor.recompute_old_logprobs`` (None: recompute unless the engine's log-probs are exactly
     the trainer's: the embedded engine in float32, synchronous, no top-p, no correction; a
     bfloat16 decoder and a bfloat16 forward round differently) and
-    ``executor.rollout_workers`` (asynchronous on Ray: at least one per generator) and, with a
+    ``executor.rollout_workers`` (asynchronous on Ray: at least one per generator),
+    ``reward.overlong_buffer`` (None: a third of ``rollout.max_new_tokens``) and, with a
     critic, ``critic.max_tokens_per_micro_batch`` (None: the actor's token budget). Resolving a
     resolved config changes nothing."""
     device = config.model.device
@@ -47,7 +48,10 @@ def resolve(config: JobConfig) -> JobConfig:
     critic = config.critic
     if algorithm.estimator.needs_values and critic.max_tokens_per_micro_batch is None:
         critic = attrs.evolve(critic, max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch)
-    return attrs.evolve(config, model=attrs.evolve(config.model, device=device),
+    reward = config.reward
+    if reward.overlong_buffer is None:
+        reward = attrs.evolve(reward, overlong_buffer=rollout.max_new_tokens // 3)
+    return attrs.evolve(config, model=attrs.evolve(config.model, device=device), reward=reward,
                         algorithm=attrs.evolve(algorithm, rollout_correction=correction),
                         actor=attrs.evolve(actor, recompute_old_logprobs=recompute), executor=executor, critic=critic)
 
@@ -67,7 +71,7 @@ def problems(config: JobConfig) -> list[str]:
     if not rollout.temperature > 0:
         found.append(f"rollout.temperature {rollout.temperature}: training needs sampling (> 0); greedy samples "
                      "of a prompt are all alike (evaluation is greedy already)")
-    if reward.overlong_buffer > rollout.max_new_tokens:
+    if reward.overlong_buffer is not None and reward.overlong_buffer > rollout.max_new_tokens:
         found.append(f"reward.overlong_buffer {reward.overlong_buffer} exceeds rollout.max_new_tokens "
                      f"{rollout.max_new_tokens}")
     if "dro_beta" in actor.loss.settings and actor.loss_options.dro_beta is None:

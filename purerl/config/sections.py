@@ -277,8 +277,11 @@ class RewardConfig:
     0-10 correctness grade), its verdict the first match of ``judge_pattern`` bounded to
     ``[judge_low, judge_high]`` and mapped to [0, 1], adding ``judge_weight·judge``
     (:mod:`purerl.rewards.judge`; a verdict it cannot read is a sample error scored ``penalty``;
-    ``judge_timeout`` seconds per step). ``overlong_buffer`` > 0 (DAPO): responses longer than
-    ``rollout.max_new_tokens − overlong_buffer`` lose up to ``overlong_penalty``, linearly."""
+    ``judge_timeout`` seconds per step). ``overlong_buffer`` > 0 (DAPO's soft overlong punishment):
+    responses longer than ``rollout.max_new_tokens − overlong_buffer`` lose up to ``overlong_penalty``,
+    linearly; None (the default) is a third of ``rollout.max_new_tokens`` (16 of the main job's 48:
+    without it a run can settle into responses cut at the limit, which the lenient reward still
+    credits; BENCHMARKS.md, "Learns on every seed"), 0 turns it off."""
 
     fn: str = "lenient"
     format_bonus: float = attrs.field(default=0.0, validator=at_least(0))
@@ -296,7 +299,7 @@ class RewardConfig:
     judge_weight: float = 1.0
     judge_max_new_tokens: int = attrs.field(default=32, validator=at_least(1))
     judge_timeout: float = attrs.field(default=60.0, validator=positive)
-    overlong_buffer: int = attrs.field(default=0, validator=at_least(0))
+    overlong_buffer: int | None = attrs.field(default=None, validator=at_least(0))
     overlong_penalty: float = attrs.field(default=1.0, validator=at_least(0))
 
 

@@ -1,0 +1,149 @@
+"""A job over many seeds, in one table: how much a recipe's end point depends on its luck.
+
+Runs ``experiments/grpo_math.py --seed S`` for each seed (any further arguments are the job's:
+a ``--config``, flags, ``key=value``), ``--lanes`` runs at a time, each on one thread, each in
+``OUT/seed_S`` (a seed whose ``summary.json`` is there already is read, not run again: rerun the
+command to finish an interrupted sweep). Then it writes, per seed, the held-out gain, the share of
+responses cut at the length limit and the train reward over the last 10 steps, the wall time and
+the health symptoms the run ended with (:mod:`purerl.loop.health`), and over the seeds the mean
+gain ± its standard deviation, the lowest gain and how many runs ended with over 20 % cut:
+
+    python3 bench/seeds.py --seeds 0-19 --out runs/seeds                     # the main job
+    python3 bench/seeds.py --seeds 0-4 --out runs/seeds_dapo -- --config examples/dapo.toml
+    python3 bench/seeds.py --seeds 0-19 --out runs/seeds --no-run --json docs/grpo_math_seeds.json \\
+        --plot docs/grpo_math_seeds.png                                       # the table of finished runs
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAST, CUT_SHARE = 10, 0.2
+
+
+def seed_list(text: str) -> list[int]:
+    """``"0-3,7"`` → ``[0, 1, 2, 3, 7]``."""
+    seeds = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        seeds.extend(range(int(low), int(high or low) + 1))
+    return seeds
+
+
+def run_seed(seed: int, out: Path, job_args: list[str]) -> None:
+    """One run of the main job at ``seed`` in ``out/seed_<seed>`` on one thread, its console in ``seed_<seed>.log``."""
+    folder = out / f"seed_{seed}"
+    if (folder / "summary.json").exists():
+        return
+    argv = [sys.executable, str(ROOT / "experiments" / "grpo_math.py"), "--seed", str(seed), "--threads", "1",
+            "--no-progress", "--overwrite", "--out-dir", str(folder), *job_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with open(out / f"seed_{seed}.log", "w") as log:
+        started = time.perf_counter()
+        code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+    print(f"seed {seed}: exit {code} after {time.perf_counter() - started:.0f} s ({out / f'seed_{seed}.log'})",
+          flush=True)
+
+
+def tail_mean(rows: list[dict], key: str) -> float:
+    """The mean of ``key`` over the last ``LAST`` training steps that report it."""
+    values = [r[key] for r in rows if key in r][-LAST:]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def seed_row(seed: int, folder: Path) -> dict:
+    """One finished run as a row of the table."""
+    summary = json.loads((folder / "summary.json").read_text())
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    health = summary.get("health", {})
+    return {"seed": seed, "accuracy_before": summary["accuracy_before"], "accuracy_after": summary["accuracy_after"],
+            "gain_points": summary["accuracy_gain_points"],
+            "cut_last10": tail_mean(rows, "response_length/clip_ratio"),
+            "reward_last10": tail_mean(rows, "critic/score/mean"),
+            "wall_s": summary["wall_seconds"],
+            "unhealthy_at_end": sorted(health.get("active", [])),
+            "health_symptoms": sorted(health.get("seen", []))}
+
+
+def spread(rows: list[dict]) -> dict:
+    """Mean, standard deviation (N − 1), lowest gain and the count of runs ending with over 20 % cut."""
+    gains = [r["gain_points"] for r in rows]
+    return {"seeds": len(rows), "mean_gain": statistics.fmean(gains),
+            "sd_gain": statistics.stdev(gains) if len(gains) > 1 else 0.0, "min_gain": min(gains),
+            "runs_over_20pct_cut": sum(r["cut_last10"] > CUT_SHARE for r in rows),
+            "runs_unhealthy_at_end": sum(bool(r["unhealthy_at_end"]) for r in rows),
+            "mean_wall_s": statistics.fmean(r["wall_s"] for r in rows)}
+
+
+def table(rows: list[dict], over: dict) -> str:
+    lines = ["| seed | held-out before → after | gain | cut, last 10 | reward, last 10 | wall | unhealthy at end |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seed']} | {r['accuracy_before']:.1%} → {r['accuracy_after']:.1%} | "
+                     f"{r['gain_points']:+.1f} | {r['cut_last10']:.0%} | {r['reward_last10']:.2f} | "
+                     f"{r['wall_s']:.0f} s | {', '.join(r['unhealthy_at_end']) or '—'} |")
+    lines.append(f"\n{over['seeds']} seeds: gain {over['mean_gain']:+.1f} ± {over['sd_gain']:.1f} (SD), lowest "
+                 f"{over['min_gain']:+.1f}; {over['runs_over_20pct_cut']} ended with over {CUT_SHARE:.0%} cut; "
+                 f"{over['runs_unhealthy_at_end']} unhealthy at the end; mean wall {over['mean_wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], over: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (gain_ax, cut_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    seeds = [r["seed"] for r in rows]
+    colors = ["tab:red" if r["unhealthy_at_end"] or r["cut_last10"] > CUT_SHARE else "tab:blue" for r in rows]
+    gain_ax.bar(seeds, [r["gain_points"] for r in rows], color=colors)
+    gain_ax.axhline(over["mean_gain"], color="k", lw=1, label=f"mean {over['mean_gain']:+.1f} ± {over['sd_gain']:.1f}")
+    gain_ax.set(xlabel="seed", ylabel="held-out gain (points)", title=title)
+    gain_ax.legend(loc="lower right")
+    cut_ax.bar(seeds, [100 * r["cut_last10"] for r in rows], color=colors)
+    cut_ax.axhline(100 * CUT_SHARE, color="k", lw=1, ls="--")
+    cut_ax.set(xlabel="seed", ylabel="% cut at the limit, last 10 steps", ylim=(0, 100),
+               title="red: over 20 % cut or unhealthy at the end")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=seed_list, default=seed_list("0-19"), help="e.g. 0-19 or 0,3,5-7")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "seeds", help="one folder per seed goes here")
+    ap.add_argument("--lanes", type=int, default=2, help="runs at a time, one thread each")
+    ap.add_argument("--no-run", action="store_true", help="only read the finished runs")
+    ap.add_argument("--json", type=Path, help="write the rows and the spread here")
+    ap.add_argument("--plot", type=Path, help="write the gains and cut shares per seed here (PNG)")
+    ap.add_argument("--title", default="purerl grpo_math, gain per seed")
+    args, job_args = ap.parse_known_args()
+    job_args = [a for a in job_args if a != "--"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.no_run:
+        with ThreadPoolExecutor(args.lanes) as pool:
+            list(pool.map(lambda s: run_seed(s, args.out, job_args), args.seeds))
+    done = [s for s in args.seeds if (args.out / f"seed_{s}" / "summary.json").exists()]
+    rows = [seed_row(s, args.out / f"seed_{s}") for s in done]
+    if not rows:
+        raise SystemExit(f"seeds: no finished run under {args.out}")
+    over = spread(rows)
+    print(table(rows, over))
+    if args.json:
+        args.json.write_text(json.dumps({"command": " ".join(["python3 bench/seeds.py", *sys.argv[1:]]),
+                                         "job_args": job_args, "rows": rows, "spread": over}, indent=1) + "\n")
+    if args.plot:
+        plot(rows, over, args.plot, args.title)
+
+
+if __name__ == "__main__":
+    main()
