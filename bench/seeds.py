@@ -62,7 +62,7 @@ def seed_row(seed: int, folder: Path) -> dict:
     """One finished run as a row of the table."""
     summary = json.loads((folder / "summary.json").read_text())
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    health = summary.get("health", {})
+    health = summary.get("health") or _health_of(folder, rows)
     return {"seed": seed, "accuracy_before": summary["accuracy_before"], "accuracy_after": summary["accuracy_after"],
             "gain_points": summary["accuracy_gain_points"],
             "cut_last10": tail_mean(rows, "response_length/clip_ratio"),
@@ -70,6 +70,18 @@ def seed_row(seed: int, folder: Path) -> dict:
             "wall_s": summary["wall_seconds"],
             "unhealthy_at_end": sorted(health.get("active", [])),
             "health_symptoms": sorted(health.get("seen", []))}
+
+
+def _health_of(folder: Path, rows: list[dict]) -> dict:
+    """The health report of a run that ran before the monitor existed: its rows folded by today's monitor (the
+    signals it did not log yet, ``health/*``, leave their symptoms unread)."""
+    sys.path.insert(0, str(ROOT))
+    from purerl.health import Context, HealthLimits, Monitor, report
+
+    config = json.loads((folder / "config.json").read_text())
+    monitor = Monitor(HealthLimits(), Context(config["rollout"]["max_new_tokens"], config["actor"]["grad_clip"],
+                                              str(folder / "samples.jsonl")))
+    return report(*monitor.fold(rows), "warn")
 
 
 def spread(rows: list[dict]) -> dict:

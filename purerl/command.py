@@ -14,6 +14,7 @@ from purerl.data.records import DataError
 from purerl.executors.base import ExecutorError
 from purerl.io.checkpoint import CheckpointError
 from purerl.io.run_folder import RunFolderError
+from purerl.rollout.canary import CanaryError
 from purerl.loop.recording import Interrupted, StopRequest, TrainingStopped
 from purerl.run import run
 
@@ -74,7 +75,8 @@ def main(argv: Sequence[str] | None, *, prog: str, description: str | None, defa
         print(f"{prog}: stopped at once (a second interrupt); the newest checkpoint in {inv.out_dir} resumes with "
               "--resume", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
-    except (ExecutorError, DataError, RunFolderError, CheckpointError, TrainingStopped, OSError, ValueError) as e:
+    except (ExecutorError, CanaryError, DataError, RunFolderError, CheckpointError, TrainingStopped, OSError,
+            ValueError) as e:
         if inv.debug:
             raise
         raise SystemExit(f"{prog}: {e} (--debug: the traceback)") from None

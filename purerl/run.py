@@ -31,12 +31,13 @@ from purerl.assembly.models import (
     load_policy,
     load_teacher,
 )
-from purerl.assembly.stages import actor_batching_of, actor_optimizer, batch_plan_of
+from purerl.assembly.stages import actor_batching_of, actor_optimizer, batch_plan_of, health_monitor_of
 from purerl.config.job import JobConfig
 from purerl.config.loading import to_dict
 from purerl.data.records import DataError
 from purerl.episodes.calculator import demonstration
 from purerl.executors.base import Executor, ExecutorError
+from purerl.health import report as health_report
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import drop_records_after, records_bytes
@@ -57,7 +58,8 @@ __all__ = ["MAY_CHANGE_ON_RESUME", "run"]
 
 MAY_CHANGE_ON_RESUME = {"trainer.steps", "trainer.eval_every", "trainer.checkpoint_every", "trainer.log",
                         "trainer.progress", "trainer.threads", "trainer.samples_per_step", "trainer.sample_chars",
-                        "trainer.records", "trainer.keep_records",
+                        "trainer.records", "trainer.keep_records", "trainer.health", "health",
+                        "actor.lr", "actor.warmup_steps", "actor.min_lr_ratio", "critic.lr",
                         "model.device", "actor.micro_batch_rows",
                         "actor.offload_params", "actor.offload_optimizer",
                         "rollout.engine_options", "executor"}
@@ -247,8 +249,9 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
               f"{len(eval_task.records)} problems", flush=True)
 
     report = None
+    health = health_monitor_of(config, str(log.samples_path))
     common = dict(executor=executor, task=train_task, plan=batch_plan_of(config), trainer=config.trainer,
-                  run_dir=run_dir, log=log, evaluate_fn=evaluate_fn, stop=stop)
+                  run_dir=run_dir, log=log, evaluate_fn=evaluate_fn, stop=stop, health=health)
     evaluating = phases.get("evaluate", 0.0)
     train_start = time.time()
     if config.asynchronous.enable:
@@ -278,5 +281,7 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
             "accuracy_after": after, "accuracy_gain_points": gain,
             "strict_accuracy_after": final.get("val/strict_accuracy"),
             "final_evaluation": {k: v for k, v in final.items() if k.startswith("val/")}, **async_report,
+            "health": {"mode": "off"} if config.trainer.health == "off" else health_report(
+                *health.fold(records), config.trainer.health),
             "records": records,
             "_state": state}

@@ -13,6 +13,7 @@ from purerl.config.job import JobConfig
 from purerl.executors.base import Executor
 from purerl.executors.local import LocalExecutor
 from purerl.models import CausalLM, Critic
+from purerl.rollout.canary import Canary
 from purerl.rollout.engine import make_engine
 from purerl.step.roles import LocalTeacher
 
@@ -32,7 +33,7 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
             own = attrs.evolve(model, module=copy.deepcopy(model.module))  # no module shared with another thread
             generators.append(make_engine(rollout.engine, own, device=config.model.device, **options))
         return LocalExecutor(step_function(config), model, engine, generator_engines=generators, critic=critic,
-                             reward_model=config.reward.model, teacher=teacher)
+                             reward_model=config.reward.model, teacher=teacher, canary=canary_of(config, model))
     from purerl.executors.ray import RayExecutor
 
     ray_init = {"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir else None
@@ -45,3 +46,12 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
                                generators=config.asynchronous.generators if config.asynchronous.enable else 0,
                                generate_timeout=config.asynchronous.generate_timeout, teacher=teacher)
     return ray_executor
+
+
+def canary_of(config: JobConfig, model: CausalLM) -> Canary | None:
+    """The weight-sync check (``executor.sync_canary``), its tolerance the compute dtype's: float32 engines
+    agree with the trainer to rounding, bfloat16 ones (or vLLM's kernels) to a tenth of a nat or so."""
+    if not config.executor.sync_canary:
+        return None
+    exact = config.model.dtype == "float32" and config.rollout.engine == "torch"
+    return Canary(model, tolerance=1e-3 if exact else 0.5)

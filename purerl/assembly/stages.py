@@ -20,6 +20,7 @@ from purerl.algo.policy_loss import BoundPolicyLoss
 from purerl.config.job import JobConfig
 from purerl.config.rules import resolve
 from purerl.config.sections import ActorConfig, AlgorithmConfig, LossOptions
+from purerl.health import Context, Monitor
 from purerl.loop.sampling import BatchPlan
 from purerl.optim import Optimizer, adamw, chain, clip_by_global_norm, warmup_cosine_schedule
 from purerl.step.recipes import StepFn, grpo_step, ppo_step
@@ -34,6 +35,7 @@ from purerl.step.settings import (
 )
 
 __all__ = ["actor_batching_of", "actor_loss_of", "actor_optimizer", "advantage_estimator", "batch_plan_of",
+           "health_monitor_of",
            "critic_batching_of", "critic_optimizer", "experience_settings_of", "kl_controller_of", "policy_loss",
            "shaping_of", "stage_settings_of", "step_function", "value_loss_of"]
 
@@ -159,3 +161,9 @@ def batch_plan_of(config: JobConfig) -> BatchPlan:
                      greedy_baselines=algorithm.estimator.needs_baselines, dynamic_sampling=algorithm.dynamic_sampling,
                      max_sampling_rounds=algorithm.max_sampling_rounds, samples_per_step=trainer.samples_per_step,
                      sample_chars=trainer.sample_chars)
+
+
+def health_monitor_of(config: JobConfig, samples: str) -> Monitor:
+    """The run-health monitor bound to the ``health`` section (a :class:`~purerl.health.HealthLimits`) and to what
+    its lines name: the response budget, the policy's gradient clip and the run's ``samples`` file."""
+    return Monitor(config.health, Context(config.rollout.max_new_tokens, config.actor.grad_clip, samples))

@@ -47,7 +47,10 @@ class ExecutorConfig:
     running cluster. Each worker gets a bundle of ``cpus_per_worker`` CPUs (and as many torch
     threads) and ``gpus_per_worker`` GPUs (CUDA when > 0); reward workers ``reward_gpus_per_worker``
     (they hold the reward model, scoring ``reward_batch_size`` texts at a time). Weights travel
-    in buckets of ``bucket_bytes``, sha256-checked with ``sync_checksum``. ``step_timeout``,
+    in buckets of ``bucket_bytes``, sha256-checked with ``sync_checksum``. ``sync_canary``: after
+    every load of a version into an engine, the engine's log-probs of a fixed sequence must equal the
+    trainer's (:mod:`purerl.rollout.canary`; local executor) or the run stops naming the version and the
+    engine. ``step_timeout``,
     ``sync_timeout`` and ``start_timeout`` (seconds) bound a step, a weight sync and starting the
     workers: a worker silent longer ends the run, naming it. ``pool_resources``: custom Ray
     resources that each worker of a pool (``train``, ``rollout``, ``reward``, ``critic``,
@@ -75,6 +78,7 @@ class ExecutorConfig:
     reward_gpus_per_worker: float = attrs.field(default=0.0, validator=at_least(0))
     reward_batch_size: int = attrs.field(default=16, validator=at_least(1))
     sync_checksum: bool = False
+    sync_canary: bool = True
     bucket_bytes: int = attrs.field(default=64 << 20, validator=at_least(1))
     step_timeout: float = attrs.field(default=3600.0, validator=positive)
     sync_timeout: float = attrs.field(default=600.0, validator=positive)

@@ -10,7 +10,8 @@ Sections and what they own::
     critic      the value model of PPO (GAE): its weights, optimiser, value clip
     distill     on-policy distillation: the teacher, its advantage and loss term
     reward      rule reward function, learned reward model, their weights, overlong shaping, deadlines
-    trainer     steps, evaluation, checkpoints, seed, critic warm-up, logging, samples.jsonl
+    trainer     steps, evaluation, checkpoints, seed, critic warm-up, logging, samples.jsonl, health mode
+    health      when the run-health monitor reports a symptom (cut responses, no signal, a dead reward, …)
     executor    local, or Ray (FSDP2 ranks, rollout and reward workers, timeouts)
     asynchronous  generation overlapping training, its staleness bound
     env         the task's environment: single-turn answers, or multi-turn tool episodes and their limits
@@ -35,6 +36,7 @@ from purerl.config.sections import (
     DataConfig,
     DistillConfig,
     EnvConfig,
+    HealthConfig,
     KLControlConfig,
     LossOptions,
     ModelConfig,
@@ -44,7 +46,7 @@ from purerl.config.sections import (
 )
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "DataConfig", "DistillConfig",
-           "EnvConfig", "ExecutorConfig", "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig", "PLACEMENTS",
+           "EnvConfig", "ExecutorConfig", "HealthConfig", "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig", "PLACEMENTS",
            "RewardConfig", "RolloutConfig", "TrainerConfig"]
 
 
@@ -59,6 +61,7 @@ class JobConfig:
     distill: DistillConfig = DistillConfig()
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
+    health: HealthConfig = HealthConfig()
     executor: ExecutorConfig = ExecutorConfig()
     asynchronous: AsyncConfig = AsyncConfig()
     env: EnvConfig = EnvConfig()

@@ -18,11 +18,12 @@ from purerl.algo.policy_loss import POLICY_LOSSES
 from purerl.checks import at_least, in_range, positive
 from purerl.config.loading import ConfigError, boolean, one_of, section
 from purerl.episodes.limits import EpisodeLimits
+from purerl.health import HealthLimits
 from purerl.models.lora import DEFAULT_TARGETS
 from purerl.rewards.verdicts import DEFAULT_JUDGE_PROMPT, DEFAULT_VERDICT_PATTERN
 from purerl.rollout.sampling import SamplingParams
 
-__all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "DistillConfig", "EnvConfig",
+__all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "DistillConfig", "EnvConfig", "HealthConfig",
            "KLControlConfig", "LossOptions", "ModelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig"]
 
 
@@ -312,7 +313,8 @@ class TrainerConfig:
     leaves non-finite weights. ``samples.jsonl``: ``samples_per_step`` training samples a step, every held-out
     answer, texts cut to their last ``sample_chars`` characters. ``records``: each step's batch (what its update
     consumed) in ``records/step_*`` (:mod:`purerl.io.records`; what ``python3 -m purerl.replay`` re-runs), the
-    newest ``keep_records`` of them (0: all)."""
+    newest ``keep_records`` of them (0: all). ``health``: what the run-health monitor does with a symptom
+    (``warn``, ``stop``, ``off``; its thresholds are the ``health`` section, :class:`HealthConfig`)."""
 
     steps: int = attrs.field(default=30, validator=at_least(1))
     eval_every: int = attrs.field(default=10, validator=at_least(0))
@@ -330,6 +332,17 @@ class TrainerConfig:
     sample_chars: int = attrs.field(default=1000, validator=at_least(1))
     records: bool = True
     keep_records: int = attrs.field(default=0, validator=at_least(0))
+    health: str = attrs.field(default="warn", validator=one_of(("warn", "stop", "off"), "trainer.health"))
+
+
+@section
+class HealthConfig(HealthLimits):
+    """When the run-health monitor (:mod:`purerl.health`) reports a symptom: the fields of
+    :class:`~purerl.health.HealthLimits`, which the monitor is bound to as they are.
+    ``trainer.health`` says what a report does: ``warn`` prints one line when a symptom starts and
+    one when it clears (and writes ``health/*`` into ``metrics.jsonl`` and ``summary.json``),
+    ``stop`` also ends the run at the first one (exit status 1, checkpointed), ``off`` watches
+    nothing."""
 
 
 def _environment(instance: Any, attribute: Any, value: str) -> None:

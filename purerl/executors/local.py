@@ -14,6 +14,7 @@ from purerl.models import CausalLM, Critic
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
+from purerl.rollout.canary import Canary
 from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.queue import Published, Weights
 from purerl.state import TrainState
@@ -23,8 +24,15 @@ from purerl.tree import tree_clone
 __all__ = ["LocalExecutor"]
 
 
-def _load(engine: RolloutEngine, weights: Weights) -> None:
-    engine.sync(weights.payload, weights.version)
+def _loader(canary: Canary | None) -> Callable[[RolloutEngine, Weights], None]:
+    """Load a version into an engine, then (with a ``canary``) check that the engine computes with it."""
+
+    def load(engine: RolloutEngine, weights: Weights) -> None:
+        engine.sync(weights.payload, weights.version)
+        if canary is not None:
+            canary.check(engine, weights.payload, weights.version, type(engine).__name__)
+
+    return load
 
 
 class LocalExecutor:
@@ -39,12 +47,14 @@ class LocalExecutor:
     folder (or a loaded :class:`~purerl.rewards.model.RewardModel`) for :meth:`score_model`,
     loaded on first use in this process on ``reward_model_device`` (default: the engine's device,
     else the CPU). ``teacher``: a distillation teacher's role (:mod:`purerl.step.roles`), passed to
-    the step."""
+    the step. ``canary``: the weight-sync check run after every load of a version into an engine
+    (:mod:`purerl.rollout.canary`; None: unchecked)."""
 
     def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine, *,
                  generator_engines: Sequence[RolloutEngine] = (), critic: Critic | None = None,
                  value_and_grad: Callable = pure_value_and_grad, reward_model: str | Path | RewardModel | None = None,
-                 reward_model_device: str | None = None, reward_batch_size: int = 16, teacher: Any = None) -> None:
+                 reward_model_device: str | None = None, reward_batch_size: int = 16, teacher: Any = None,
+                 canary: Canary | None = None) -> None:
         self.step_fn, self.policy, self.value_and_grad = step_fn, policy, value_and_grad
         self.reward_model, self.reward_batch_size = reward_model, reward_batch_size
         self.reward_model_device = reward_model_device
@@ -53,8 +63,9 @@ class LocalExecutor:
             self.effects["critic"] = critic
         if teacher is not None:
             self.effects["teacher"] = teacher
-        self.evaluator = EngineSlot(engine, _load)
-        self.generators = [EngineSlot(e, _load) for e in generator_engines] or [self.evaluator]
+        load = _loader(canary)
+        self.evaluator = EngineSlot(engine, load)
+        self.generators = [EngineSlot(e, load) for e in generator_engines] or [self.evaluator]
         self._published = Published()
 
     def start(self, state: TrainState) -> TrainState:

@@ -25,6 +25,7 @@ from typing import Any
 from purerl.config.execution import AsyncConfig
 from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
+from purerl.health import Monitor
 from purerl.io.metrics import MetricsLog
 from purerl.loop.generators import Batches, Generators
 from purerl.loop.recording import StepRecorder
@@ -39,7 +40,8 @@ __all__ = ["train_async"]
 def train_async(state: TrainState, *, executor: Executor, task: Task, plan: BatchPlan, trainer: TrainerConfig,
                 asynchronous: AsyncConfig, run_dir: str | Path,
                 log: MetricsLog | None = None, evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
-                stop: threading.Event | None = None) -> tuple[TrainState, dict[str, Any]]:
+                stop: threading.Event | None = None,
+                health: Monitor | None = None) -> tuple[TrainState, dict[str, Any]]:
     """Run steps ``state.step + 1 … trainer.steps`` with generation on ``asynchronous.generators``
     background threads.
 
@@ -68,7 +70,7 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, plan: Batc
     start = time.perf_counter()
     progress = {"step": state.step, "idle_frac": 0.0, "waiting": True}
     generators = Generators(executor, task, plan, settings, batches, Path(run_dir), lambda: dict(progress))
-    with StepRecorder(state, executor, trainer, run_dir, log, evaluate_fn, stop) as record, generators:
+    with StepRecorder(state, executor, trainer, run_dir, log, evaluate_fn, stop, health) as record, generators:
         record.check(state)
         while state.step < trainer.steps:
             step_start = time.perf_counter()

@@ -11,6 +11,7 @@ from typing import Any
 
 from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
+from purerl.health import HealthState, Monitor
 from purerl.io.checkpoint import CheckpointError, CheckpointWriter, list_checkpoints
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import save_record
@@ -84,15 +85,23 @@ class StepRecorder:
     ``trainer.eval_every``, log (reward error messages to ``reward_errors.jsonl``), checkpoint every
     ``trainer.checkpoint_every`` (keeping ``trainer.keep_checkpoints``), advance the progress bar;
     then, if ``stop`` is set, checkpoint and raise :class:`Interrupted`. :meth:`finish` writes the
-    final checkpoint."""
+    final checkpoint. ``health`` (unless ``trainer.health`` is ``off``) watches each step's row
+    (:mod:`purerl.health`): a symptom that starts or clears prints its line and marks the row
+    (``health/<symptom>``); under ``trainer.health=stop`` a start checkpoints the step and raises
+    :class:`TrainingStopped`. A resumed run's monitor starts from the rows already logged."""
 
     def __init__(self, state: TrainState, executor: Executor, trainer: TrainerConfig, run_dir: str | Path,
                  log: MetricsLog, evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, health: Monitor | None = None) -> None:
         from tqdm.auto import tqdm
 
         self.executor, self.trainer, self.run_dir, self.log, self.evaluate_fn = executor, trainer, run_dir, log, evaluate_fn
         self.stop, self.saved, self.first_step = stop, None, state.step
+        self.health = None if trainer.health == "off" else health
+        self.health_state = HealthState()
+        if self.health is not None and log.path.exists():
+            logged = MetricsLog.read(log.path)
+            self.health_state, _ = self.health.fold(row for row in logged if row["step"] <= state.step)
         self.writer = CheckpointWriter()
         self.rejected_in_a_row = self.failed_rewards_in_a_row = 0
         self.bar = tqdm(total=trainer.steps, initial=state.step, disable=not trainer.progress, unit="step",
@@ -159,7 +168,8 @@ class StepRecorder:
             aside.append(f"diverged_{checkpoint.name}")
         bad = f" (set aside, as holding the bad weights: {', '.join(aside)})" if aside else ""
         if not good:
-            return f"no checkpoint of good weights was written{bad}" if saved else "no checkpoint was written"
+            return (f"no checkpoint of good weights was written{bad}" if saved else "no checkpoint was written") + (
+                ": the good weights are the model's own; rerun with a smaller learning rate (--overwrite)")
         return (f"the last good checkpoint is {good[-1]} (resume from it with --resume, e.g. with a smaller "
                 f"learning rate){bad}")
 
@@ -183,8 +193,12 @@ class StepRecorder:
         self.check_outputs(step, metrics)
         diverged = [key for key in metrics if key.endswith("/diverged")]
         if diverged:
-            raise TrainingStopped(f"step {step}: the update left non-finite weights or optimizer moments "
-                                  f"({', '.join(diverged)}); nothing of it was saved; {self._last_good(step)}")
+            changes = {k: metrics[k] for k in metrics if k.endswith("/param_norm_change")}
+            what = ("non-finite weights or optimizer moments" if not changes else "weights of another scale: "
+                    + ", ".join(f"{k.split('/')[0]}'s norm changed ×{v:.3g} in one step" for k, v in changes.items())
+                    + " (a learning rate far too large)")
+            raise TrainingStopped(f"step {step}: the update left {what} ({', '.join(diverged)}); nothing of it was "
+                                  f"saved; {self._last_good(step)}")
         rejected = [key for key in metrics if key.endswith("/rejected_updates") and metrics[key] > 0]
         if rejected:
             self.rejected_in_a_row += 1
@@ -210,6 +224,17 @@ class StepRecorder:
         else:
             self.failed_rewards_in_a_row = 0
 
+    def _watch(self, step: int, metrics: dict[str, Any]) -> list[str]:
+        """Feed step ``step``'s row to the health monitor: print each event's line, mark the row;
+        the lines of the symptoms that started."""
+        if self.health is None:
+            return []
+        self.health_state, events = self.health.observe(self.health_state, {"step": step, **metrics})
+        for event in events:
+            print(event.line, flush=True)
+            metrics[f"health/{event.symptom}"] = float(event.started)
+        return [event.line for event in events if event.started]
+
     def __call__(self, state: TrainState, metrics: dict[str, Any]) -> None:
         trainer = self.trainer
         record_reward_errors(self.run_dir, state.step, metrics)
@@ -226,7 +251,12 @@ class StepRecorder:
             except TrainingStopped:
                 self.log.write(state.step, metrics)
                 raise
+        started = self._watch(state.step, metrics)
         self.log.write(state.step, metrics)
+        if started and trainer.health == "stop":
+            path = self._save(state)
+            raise TrainingStopped(f"{started[0]} (trainer.health=stop: the run stopped at step {state.step}, "
+                                  f"checkpointed in {path}; change what the line names and --resume)")
         if trainer.checkpoint_every and state.step % trainer.checkpoint_every == 0:
             self._save(state, wait=False)
         self.bar.update(1)

@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 import torch
+from jaxtyping import Float, Int
+from torch import Tensor
 
 from purerl.agents.play import player
 from purerl.algo.dapo import varied_groups
@@ -200,7 +202,21 @@ def joined_batch(parts: Sequence[SampledPart], plan: BatchPlan) -> tuple[Rollout
     for name in ("sampling/rounds", "sampling/varied_groups"):
         if name in sampled:
             metrics[name] = sampled[name]
+    metrics.update(signal_metrics(rewards.scores, rollout.group, sampled["rule_positive"], sampled["rows"]))
     return rollout, rewards, metrics
+
+
+def signal_metrics(scores: Float[Tensor, " b"], group: Int[Tensor, " b"], rule_positive: float,
+                   rows: float) -> dict[str, float]:
+    """What the health monitor (:mod:`purerl.health`) reads beyond the step's own metrics: the
+    fraction of the batch's groups whose rewards are all equal (``health/no_signal_frac``: their
+    advantages are 0) and of every sampled response whose task reward was above 0
+    (``health/rule_positive_frac``, ``rule_positive`` of ``rows``)."""
+    varied = varied_groups(scores, group)
+    groups = torch.unique(group)
+    varied_count = torch.unique(group[varied]).numel()
+    return {"health/no_signal_frac": 1.0 - varied_count / max(groups.numel(), 1),
+            "health/rule_positive_frac": rule_positive / max(rows, 1.0)}
 
 
 def _pad_id(rollout: Rollout) -> int:
@@ -243,7 +259,7 @@ def _scored_rollout(engine: RolloutEngine, task: Task, plan: BatchPlan, indices:
         judged = torch.tensor(verdicts.values, dtype=torch.float32, device=device)
         scored = Scores(scored.values, scored.errors + verdicts.errors, scored.timeouts + verdicts.timeouts,
                         [*scored.error_messages, *verdicts.error_messages])
-    sums.update(errors=float(scored.errors), timeouts=float(scored.timeouts))
+    sums.update(errors=float(scored.errors), timeouts=float(scored.timeouts), rule_positive=float((rule > 0).sum()))
     learned = None
     if uses_reward_model(reward):
         if score_model is None:

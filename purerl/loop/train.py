@@ -16,6 +16,7 @@ from pathlib import Path
 
 from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
+from purerl.health import Monitor
 from purerl.io.metrics import MetricsLog
 from purerl.loop.recording import StepRecorder
 from purerl.loop.sampling import BatchPlan, rollout_batch
@@ -28,14 +29,15 @@ __all__ = ["train"]
 def train(state: TrainState, *, executor: Executor, task: Task, plan: BatchPlan, trainer: TrainerConfig,
           run_dir: str | Path,
           log: MetricsLog | None = None, evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
-          stop: threading.Event | None = None) -> TrainState:
+          stop: threading.Event | None = None, health: Monitor | None = None) -> TrainState:
     """Run steps ``state.step + 1 … trainer.steps`` on ``executor`` (already started with
     ``state``), each on a batch sampled as ``plan`` says; returns the final (driver's) state. Metrics go to ``log`` (default:
     ``metrics.jsonl`` in ``run_dir``), checkpoints (the executor's full state) to ``run_dir``.
     ``stop`` (e.g. :attr:`~purerl.loop.recording.StopRequest.event`): once set, the loop
-    checkpoints the step it finished and raises :class:`~purerl.loop.recording.Interrupted`."""
+    checkpoints the step it finished and raises :class:`~purerl.loop.recording.Interrupted`. ``health``:
+    the run-health monitor each step's row goes through (:class:`~purerl.loop.recording.StepRecorder`)."""
     log = MetricsLog(run_dir) if log is None else log
-    with StepRecorder(state, executor, trainer, run_dir, log, evaluate_fn, stop) as record:
+    with StepRecorder(state, executor, trainer, run_dir, log, evaluate_fn, stop, health) as record:
         record.check(state)
         while state.step < trainer.steps:
             step_start = time.perf_counter()

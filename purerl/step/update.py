@@ -4,9 +4,11 @@ micro-batches, with the donated optimizer.
 Optimizer updates *donate* the old params and optimizer state (they are updated in place and
 returned): never use a ``TrainState`` after passing it to a step. A mini-batch whose loss or
 gradient norm is not finite is rejected: the optimizer is not called (``*/rejected_updates``).
-An update whose finite gradient still leaves a non-finite param or optimizer moment flags
-``*/diverged``: it was written in place (undoing it would cost a second copy of params and
-moments), so the driver stops the run before anything of it is saved.
+An update whose finite gradient still leaves a non-finite param or optimizer moment, or moves the
+params' global norm by more than a factor of :data:`MAX_NORM_CHANGE` either way (huge but finite
+weights: an ``lr`` of 1e6 or 1e30; a healthy step moves it by about 1e-4), flags ``*/diverged``
+(and ``*/param_norm_change``, the factor): it was written in place (undoing it would cost a second copy of
+params and moments), so the driver stops the run before anything of it is saved.
 
 The one injected effect is ``value_and_grad``: the pure :func:`purerl.models.value_and_grad`
 here, a sharded ``.backward()`` in distributed executors. Index tensors are built on the device
@@ -53,6 +55,20 @@ def _minibatches(n: int, rows: int | None, epochs: int, rng: RngState, device: t
         order = (torch.randperm(n, generator=g) if size < n else torch.arange(n)).to(device)
         out.extend(order[sl] for sl in chunks(n, size))
     return out
+
+
+MAX_NORM_CHANGE = 2.0
+"""The largest factor by which one optimizer step may change the params' global L2 norm."""
+
+
+def _norm_change(before: Tensor, after: Tensor) -> float:
+    """``max(after / before, before / after)`` of two global norms (inf when either is 0 and the other is not)."""
+    before, after = float(before), float(after)
+    if before == after:
+        return 1.0
+    if min(before, after) == 0:
+        return float("inf")
+    return max(after / before, before / after)
 
 
 def _finite(*values: Tensor) -> bool:
@@ -135,6 +151,7 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
     grad_fn, max_tokens = value_and_grad(loss_fn), batching.max_tokens
     sums: dict[str, SumCount] = {}
     norms, rejected, skipped, flags = [], 0, 0, {}
+    param_norm = _grad_norm(params) if tree_leaves(params) else None
     for rows in indices:
         denominator = loss_denominator(batch.sequences.response_mask[rows], agg)
         if needed is not None:
@@ -165,6 +182,13 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
         if not tree_all_finite(params, opt_state):
             flags = {"diverged": 1.0}
             break
+        if param_norm is not None:
+            new_norm = _grad_norm(params)
+            change = _norm_change(param_norm, new_norm)
+            if not change <= MAX_NORM_CHANGE:
+                flags = {"diverged": 1.0, "param_norm_change": change}
+                break
+            param_norm = new_norm
     metrics = {f"{prefix}/{name}": float(value.value()) for name, value in sums.items()}
     metrics[f"{prefix}/grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
     metrics[f"{prefix}/rejected_updates"] = float(rejected)

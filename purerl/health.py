@@ -1,0 +1,213 @@
+"""The run-health monitor: the symptoms of a run going wrong, read from each step's metrics row.
+
+Pure: :meth:`Monitor.observe` takes the monitor's :class:`HealthState` and one row of
+``metrics.jsonl`` (what the step and, every ``trainer.eval_every`` steps, its evaluation reported)
+and returns the next state and the :class:`Event` of each symptom that started or cleared at that
+step. A symptom starts when its condition has held for ``patience`` steps in a row, and clears
+when it has not held for as many (held-out accuracy: at the next evaluation). The loops print each
+event's line, write ``health/<symptom>`` (1 started, 0 cleared) into that step's row, and the
+summary folds the rows again (:meth:`Monitor.fold`), so a resumed run reports its whole history.
+
+Each symptom is a :class:`Symptom` record in :data:`SYMPTOMS`: the signal it reads, when it holds,
+and its line, which names the step, what was seen and the setting or file to look at. A row that
+lacks a symptom's signal (a critic warm-up step has no policy gradient) leaves that symptom as it
+was. The signals are metrics the step already reports, and two the sampling adds for this
+(:func:`purerl.loop.sampling.joined_batch`): ``health/no_signal_frac`` (groups whose rewards are
+all equal) and ``health/rule_positive_frac`` (samples the task's reward scored above 0).
+"""
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from purerl.checks import at_least, in_range, positive
+
+__all__ = ["SYMPTOMS", "Context", "Event", "HealthLimits", "HealthState", "Monitor", "Symptom", "report"]
+
+
+@attrs.frozen
+class HealthLimits:
+    """When a symptom is reported (defaults chosen from the main job's seeds, BENCHMARKS.md "Learns on
+    every seed"): ``patience`` steps in a row; ``cut_share`` of responses cut at
+    ``rollout.max_new_tokens``; ``no_signal_share`` of groups whose rewards are all equal; the
+    task's reward above 0 for no sample; ``actor/entropy`` below ``entropy_floor`` nats per token;
+    the engine's log-probs ``logprob_gap`` nats per token (mean) from the trainer's; a gradient
+    norm over ``grad_norm_factor`` × ``actor.grad_clip`` (clipping alone is no symptom: the main
+    job's norm is 2–5× its clip of 1.0 on nearly every healthy step), or of 0 while some rows had
+    an advantage; held-out accuracy ``eval_drop`` (a fraction: 0.15 is 15 points) below the best
+    evaluation so far."""
+
+    patience: int = attrs.field(default=3, validator=at_least(1))
+    cut_share: float = attrs.field(default=0.5, validator=in_range(0, 1))
+    no_signal_share: float = attrs.field(default=0.9, validator=in_range(0, 1))
+    entropy_floor: float = attrs.field(default=0.05, validator=at_least(0))
+    logprob_gap: float = attrs.field(default=0.1, validator=positive)
+    grad_norm_factor: float = attrs.field(default=10.0, validator=positive)
+    eval_drop: float = attrs.field(default=0.15, validator=in_range(0, 1))
+
+
+@attrs.frozen
+class Context:
+    """What the lines name: the response budget, the gradient clip and the samples file."""
+
+    max_new_tokens: int = 0
+    grad_clip: float = float("inf")
+    samples: str = "samples.jsonl"
+
+
+@attrs.frozen
+class Symptom:
+    """One symptom: ``holds(row, limits, context, best)`` is True or False where the row has its
+    signal, None where it has not (``best``: the best held-out accuracy before this row);
+    ``line(row, limits, context, steps)`` says what was seen when it starts (``steps``: for how long);
+    ``patience(limits)`` is how many steps in a row make it start (and clear)."""
+
+    holds: Callable[[Mapping[str, Any], HealthLimits, Context, float | None], bool | None]
+    line: Callable[[Mapping[str, Any], HealthLimits, Context, int], str]
+    patience: Callable[[HealthLimits], int] = lambda limits: limits.patience
+
+
+def _has(row: Mapping[str, Any], *keys: str) -> bool:
+    return all(isinstance(row.get(k), (int, float)) for k in keys)
+
+
+def _cut(row, limits, context, best):
+    return row["response_length/clip_ratio"] > limits.cut_share if _has(row, "response_length/clip_ratio") else None
+
+
+def _no_signal(row, limits, context, best):
+    if not _has(row, "health/no_signal_frac", "health/rule_positive_frac"):
+        return None
+    return row["health/rule_positive_frac"] > 0 and row["health/no_signal_frac"] > limits.no_signal_share
+
+
+def _dead_reward(row, limits, context, best):
+    return row["health/rule_positive_frac"] == 0 if _has(row, "health/rule_positive_frac") else None
+
+
+def _entropy(row, limits, context, best):
+    return row["actor/entropy"] < limits.entropy_floor if _has(row, "actor/entropy") else None
+
+
+def _drift(row, limits, context, best):
+    return row["rollout/logprob_gap_mean"] > limits.logprob_gap if _has(row, "rollout/logprob_gap_mean") else None
+
+
+def _grad_norm(row, limits, context, best):
+    if not _has(row, "actor/grad_norm"):
+        return None
+    return row["actor/grad_norm"] > limits.grad_norm_factor * context.grad_clip
+
+
+def _zero_gradient(row, limits, context, best):
+    if not _has(row, "actor/grad_norm"):
+        return None
+    return row["actor/grad_norm"] == 0 and row.get("actor/skipped_rows_frac", 0.0) < 1
+
+
+def _dropped(row, limits, context, best):
+    if not _has(row, "val/accuracy") or best is None:
+        return None
+    return best - row["val/accuracy"] > limits.eval_drop
+
+
+SYMPTOMS: dict[str, Symptom] = {
+    "cut_responses": Symptom(_cut, lambda row, limits, context, steps: (
+        f"{row['response_length/clip_ratio']:.0%} of responses cut at rollout.max_new_tokens={context.max_new_tokens} "
+        f"(over {limits.cut_share:.0%} for {steps} steps): the answers do not fit; raise rollout.max_new_tokens or "
+        f"reward.overlong_buffer, and read the responses in {context.samples}")),
+    "no_signal": Symptom(_no_signal, lambda row, limits, context, steps: (
+        f"{row['health/no_signal_frac']:.0%} of groups scored alike (over {limits.no_signal_share:.0%} for {steps} "
+        "steps): their advantages are 0 and nothing is learned from them; the task is too hard or too easy for the "
+        "model: a larger rollout.n, algorithm.dynamic_sampling=true, or other data.difficulty")),
+    "dead_reward": Symptom(_dead_reward, lambda row, limits, context, steps: (
+        f"the task's reward gave no sample more than 0 for {steps} steps: read {context.samples} (each response, "
+        "its reward and the reference) and check reward.fn against what the model writes")),
+    "entropy_collapse": Symptom(_entropy, lambda row, limits, context, steps: (
+        f"entropy {row['actor/entropy']:.3g} nats per token (under {limits.entropy_floor:g} for {steps} steps): "
+        "the policy has collapsed onto single answers; lower actor.lr, or add actor.entropy_coeff")),
+    "logprob_drift": Symptom(_drift, lambda row, limits, context, steps: (
+        f"the engine's log-probs are {row['rollout/logprob_gap_mean']:.3g} nats per token from the trainer's "
+        f"(over {limits.logprob_gap:g} for {steps} steps): the rollout is off-policy; check the weight sync, "
+        "rollout.engine and model.dtype, or set algorithm.rollout_correction")),
+    "grad_norm_high": Symptom(_grad_norm, lambda row, limits, context, steps: (
+        f"gradient norm {row['actor/grad_norm']:.3g}, over {limits.grad_norm_factor:g}× actor.grad_clip="
+        f"{context.grad_clip:g} for {steps} steps: every update is clipped hard and steers by direction alone; "
+        "lower actor.lr")),
+    "zero_gradient": Symptom(_zero_gradient, lambda row, limits, context, steps: (
+        f"gradient norm 0 for {steps} steps although some rows have an advantage: the weights no longer respond "
+        "(an update too large, e.g. actor.lr); resume from an earlier checkpoint with a smaller actor.lr")),
+    "heldout_drop": Symptom(_dropped, lambda row, limits, context, steps: (
+        f"held-out accuracy {row['val/accuracy']:.1%}, over {100 * limits.eval_drop:.0f} points below the run's "
+        f"best: the run is forgetting; lower actor.lr, or keep the checkpoint of the best evaluation"),
+        patience=lambda limits: 1),
+}
+"""Every symptom the monitor knows, by the name its lines and ``health/*`` keys use."""
+
+
+@attrs.frozen
+class Event:
+    """Symptom ``symptom`` started (``started``) or cleared at ``step``; ``line`` is what the console shows."""
+
+    step: int
+    symptom: str
+    started: bool
+    line: str
+
+
+@attrs.frozen
+class HealthState:
+    """Per symptom, the steps in a row its condition held (``held``) or did not (``absent``); the
+    symptoms active now and every one seen; the best held-out accuracy so far."""
+
+    held: Mapping[str, int] = attrs.field(factory=dict)
+    absent: Mapping[str, int] = attrs.field(factory=dict)
+    active: frozenset[str] = frozenset()
+    seen: frozenset[str] = frozenset()
+    best_accuracy: float | None = None
+
+
+@attrs.frozen
+class Monitor:
+    """The monitor bound to its limits and to what its lines name."""
+
+    limits: HealthLimits = HealthLimits()
+    context: Context = Context()
+
+    def observe(self, state: HealthState, row: Mapping[str, Any]) -> tuple[HealthState, list[Event]]:
+        """The state after step ``row["step"]``'s row, and the symptoms that started or cleared there."""
+        step = int(row.get("step", 0))
+        held, absent, active, events = dict(state.held), dict(state.absent), set(state.active), []
+        for name, symptom in SYMPTOMS.items():
+            holds = symptom.holds(row, self.limits, self.context, state.best_accuracy)
+            if holds is None:
+                continue
+            held[name], absent[name] = (held.get(name, 0) + 1, 0) if holds else (0, absent.get(name, 0) + 1)
+            patience = symptom.patience(self.limits)
+            if name not in active and held[name] >= patience:
+                active.add(name)
+                events.append(Event(step, name, True, f"health: step {step}: {name}: "
+                                    + symptom.line(row, self.limits, self.context, held[name])))
+            elif name in active and absent[name] >= patience:
+                active.discard(name)
+                events.append(Event(step, name, False, f"health: step {step}: {name} cleared"))
+        best = state.best_accuracy
+        if _has(row, "val/accuracy"):
+            best = row["val/accuracy"] if best is None else max(best, row["val/accuracy"])
+        return HealthState(held, absent, frozenset(active), state.seen | {e.symptom for e in events if e.started},
+                           best), events
+
+    def fold(self, rows: Iterable[Mapping[str, Any]]) -> tuple[HealthState, list[Event]]:
+        """The state after ``rows`` (a run's ``metrics.jsonl``, in order) and every event on the way."""
+        state, events = HealthState(), []
+        for row in rows:
+            state, new = self.observe(state, row)
+            events.extend(new)
+        return state, events
+
+
+def report(state: HealthState, events: list[Event], mode: str) -> dict[str, Any]:
+    """The summary's ``health``: the mode, the symptoms active at the end and every one seen, and each event."""
+    return {"mode": mode, "active": sorted(state.active), "seen": sorted(state.seen),
+            "events": [attrs.asdict(e) for e in events]}

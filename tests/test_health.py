@@ -1,0 +1,127 @@
+"""The run-health monitor (:mod:`purerl.health`): each symptom starts after its patience and clears
+after as long without it, as a pure fold over metrics rows; and on tiny runs each symptom is provoked
+and its one console line checked, while a healthy run prints none."""
+
+import string
+
+import pytest
+
+from purerl.health import SYMPTOMS, Context, HealthLimits, HealthState, Monitor
+from purerl.loop.recording import TrainingStopped
+from tests.jobs import run_job
+
+MONITOR = Monitor(HealthLimits(patience=2), Context(max_new_tokens=48, grad_clip=1.0, samples="run/samples.jsonl"))
+HEALTHY = {"response_length/clip_ratio": 0.1, "health/no_signal_frac": 0.3, "health/rule_positive_frac": 0.4,
+           "actor/entropy": 0.8, "rollout/logprob_gap_mean": 0.0, "actor/grad_norm": 3.0,
+           "actor/skipped_rows_frac": 0.3}
+SICK = {"cut_responses": {"response_length/clip_ratio": 0.9},
+        "no_signal": {"health/no_signal_frac": 1.0},
+        "dead_reward": {"health/rule_positive_frac": 0.0},
+        "entropy_collapse": {"actor/entropy": 0.001},
+        "logprob_drift": {"rollout/logprob_gap_mean": 0.5},
+        "grad_norm_high": {"actor/grad_norm": 50.0},
+        "zero_gradient": {"actor/grad_norm": 0.0}}
+
+
+def _rows(*changes: dict) -> list[dict]:
+    return [{"step": step, **HEALTHY, **change} for step, change in enumerate(changes, 1)]
+
+
+def test_every_symptom_has_a_provocation_here():
+    assert set(SICK) | {"heldout_drop"} == set(SYMPTOMS)
+
+
+@pytest.mark.parametrize("symptom", sorted(SICK))
+def test_a_symptom_starts_after_its_patience_and_clears_after_as_long_without_it(symptom):
+    sick = SICK[symptom]
+    state, events = MONITOR.fold(_rows({}, sick, sick, sick, {}, {}, {}))
+    assert [(e.step, e.symptom, e.started) for e in events] == [(3, symptom, True), (6, symptom, False)]
+    assert events[0].line.startswith(f"health: step 3: {symptom}: ") and "\n" not in events[0].line
+    assert events[1].line == f"health: step 6: {symptom} cleared"
+    assert state.active == frozenset() and state.seen == {symptom}
+
+
+def test_one_sick_step_is_not_a_symptom_and_a_row_without_the_signal_keeps_the_count():
+    sick = SICK["cut_responses"]
+    _, events = MONITOR.fold(_rows(sick, {}, sick))
+    assert events == []
+    rows = _rows(sick, {}, sick)
+    del rows[1]["response_length/clip_ratio"]  # e.g. a critic warm-up step: no count either way
+    state, events = MONITOR.fold(rows)
+    assert [(e.step, e.symptom) for e in events] == [(3, "cut_responses")] and state.active == {"cut_responses"}
+
+
+def test_held_out_accuracy_falling_below_its_best_is_reported_at_that_evaluation():
+    rows = _rows({"val/accuracy": 0.5}, {}, {"val/accuracy": 0.3}, {"val/accuracy": 0.45})
+    _, events = MONITOR.fold(rows)
+    assert [(e.step, e.symptom, e.started) for e in events] == [(3, "heldout_drop", True),
+                                                                 (4, "heldout_drop", False)]
+    assert "30.0%" in events[0].line and "actor.lr" in events[0].line
+
+
+def test_no_signal_defers_to_a_dead_reward_and_lines_name_what_to_look_at():
+    dead = {"health/rule_positive_frac": 0.0, "health/no_signal_frac": 1.0}
+    state, events = MONITOR.fold(_rows(dead, dead))
+    assert [e.symptom for e in events] == ["dead_reward"]
+    assert "run/samples.jsonl" in events[0].line and "reward.fn" in events[0].line
+    _, events = MONITOR.fold(_rows(SICK["cut_responses"], SICK["cut_responses"]))
+    assert "rollout.max_new_tokens=48" in events[0].line and "reward.overlong_buffer" in events[0].line
+
+
+def test_observing_row_by_row_is_the_fold():
+    rows = _rows({}, SICK["entropy_collapse"], SICK["entropy_collapse"], {"val/accuracy": 0.2}, {}, {})
+    state, events = HealthState(), []
+    for row in rows:
+        state, new = MONITOR.observe(state, row)
+        events += new
+    assert (state, events) == MONITOR.fold(rows)
+
+
+# tiny runs: the job as the command line runs it, each symptom provoked
+STOPS = "rollout.stop=[" + ",".join(f'"{c}"' for c in string.ascii_letters) + "]"  # short answers: none cut
+DIGITS = "reward.fn=tests/golden/reward.py:digit_fraction"  # scores vary within a group
+BASE = ["--tiny", "--steps", "5", "--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "8",
+        "--eval-size", "4", "--train-size", "40", "--eval-every", "0", "--checkpoint-every", "0", "--no-progress",
+        "--threads", "1"]
+
+
+def _health_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("health: ")]
+
+
+def _rewards(tmp_path, value: float, module: str) -> str:
+    """A reward of ``value`` for every response, from ``<module>.py`` (a module name this process has not loaded)."""
+    (tmp_path / f"{module}.py").write_text(f"def score(response, ground_truth):\n    return {value}\n")
+    return f"reward.fn={tmp_path / module}.py:score"
+
+
+def test_a_healthy_tiny_run_prints_no_health_line(tmp_path, capsys):
+    summary = run_job([*BASE, STOPS, DIGITS, "--out-dir", str(tmp_path / "run")])
+    assert _health_lines(capsys) == []
+    assert summary["health"] == {"mode": "warn", "active": [], "seen": [], "events": []}
+
+
+@pytest.mark.parametrize("case, symptom", [("never_fires", "dead_reward"), ("all_cut", "cut_responses"),
+                                           ("huge_lr", "zero_gradient"), ("equal_rewards", "no_signal")])
+def test_each_provoked_symptom_prints_its_line_and_lands_in_metrics_and_summary(tmp_path, capsys, case, symptom):
+    argv = {"never_fires": lambda: [STOPS, _rewards(tmp_path, 0.0, "never_fires")],
+            "all_cut": lambda: [DIGITS, "--max-new-tokens", "2"],
+            "huge_lr": lambda: [STOPS, DIGITS, "--lr", "1e6", "--warmup-steps", "0"],
+            "equal_rewards": lambda: [STOPS, _rewards(tmp_path, 1.0, "equal_rewards"),
+                                      "reward.overlong_buffer=0"]}[case]()
+    summary = run_job([*BASE, *argv, "--out-dir", str(tmp_path / "run")])
+    lines = _health_lines(capsys)
+    assert any(line.startswith("health: step ") and f": {symptom}: " in line for line in lines), lines
+    assert symptom in summary["health"]["seen"]
+    assert any(r.get(f"health/{symptom}") == 1.0 for r in summary["records"])
+
+
+def test_health_stop_ends_the_run_at_the_first_symptom_with_a_checkpoint(tmp_path):
+    with pytest.raises(TrainingStopped, match=r"health: step 3: dead_reward: .*trainer.health=stop.*step_00000003"):
+        run_job([*BASE, STOPS, _rewards(tmp_path, 0.0, "stop_at_dead"), "trainer.health=stop",
+                 "--out-dir", str(tmp_path / "run")])
+
+
+def test_health_off_watches_nothing(tmp_path, capsys):
+    summary = run_job([*BASE, "--max-new-tokens", "2", DIGITS, "trainer.health=off", "--out-dir", str(tmp_path / "r")])
+    assert _health_lines(capsys) == [] and summary["health"] == {"mode": "off"}
