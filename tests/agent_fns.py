@@ -83,3 +83,11 @@ def broken(client, task):
 
 def silent(client, task):
     return 1.0
+
+
+def hangs(client, task):
+    """Calls once, then never returns (a hung tool, a deadlocked agent)."""
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    import time
+
+    time.sleep(1e6)

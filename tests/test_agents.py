@@ -4,7 +4,10 @@ engine calls, strangers are refused, edited histories become counted segments, a
 functions train in the job."""
 
 import json
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 from purerl.tiny import char_tokenizer, tiny_llama_config
 from tests import agent_fns, episode_envs
-from tests.jobs import run_job
+from tests.jobs import ENV, SCRIPT, run_job
 from tests.test_episodes import ScriptedEngine, _text
 
 openai = pytest.importorskip("openai")
@@ -342,3 +345,19 @@ def test_a_verifiers_tool_env_calls_its_tool_through_the_endpoint():
         assert len(e.turn_ends) == 2 and e.reward == 1.0 and e.counts["new_segments"] == 0
         observed = [t for t, s in zip(e.ids[e.prompt_length:], e.sampled) if not s]
         assert "tool\n144" in tokenizer.decode(observed)
+
+
+def test_a_hung_agent_is_abandoned_and_the_job_still_exits(tmp_path):
+    """An agent that calls once and then sleeps forever becomes an env_error episode after
+    env.step_timeout, and the process exits soon after its last step (its thread never holds it)."""
+    argv = [sys.executable, str(SCRIPT), "--tiny", "--env", "tests.agent_fns:hangs", "--max-turns", "2", "--steps", "1",
+            "--prompts-per-step", "1", "--samples-per-prompt", "2", "--max-new-tokens", "4", "--eval-size", "1",
+            "--train-size", "10", "--eval-every", "0", "--no-progress", "--threads", "1", "env.step_timeout=3",
+            "env.max_tokens=256", "--out-dir", str(tmp_path / "run")]
+    started = time.monotonic()
+    done = subprocess.run(argv, cwd=SCRIPT.parents[1], env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = (tmp_path / "run" / "summary.json").stat().st_mtime
+    assert time.time() - written < 60  # exited within seconds of writing its summary (before: never)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 1 and time.monotonic() - started < 280

@@ -20,12 +20,13 @@ message kept.
 
 import asyncio
 import inspect
+import queue
 import threading
 import time
 import traceback
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import attrs
@@ -195,13 +196,31 @@ class _Running:
 
 def _run_threads(fn: Callable[..., Any], client: Callable[[Any, str], Any], names: list[str],
                  rows: list[dict[str, Any]], workers: int) -> tuple[list[Future], Any]:
-    """Each agent on a thread (``workers`` at once), its client sharing one connection pool."""
+    """Each agent on a thread (``workers`` at once), its client sharing one connection pool. The
+    threads are daemons: an agent that overruns is abandoned, and never holds the process at exit
+    (a ``ThreadPoolExecutor``'s threads are joined then, so a hung agent kept the job from ending)."""
     import httpx
 
     http = httpx.Client(timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=workers))
-    pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(rows))), thread_name_prefix="purerl-agent")
-    futures = [pool.submit(fn, client(http, name), row) for name, row in zip(names, rows)]
-    pool.shutdown(wait=False)  # an agent that overruns is abandoned, not waited for
+    futures: list[Future] = [Future() for _ in rows]
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    for future, name, row in zip(futures, names, rows):
+        work.put((future, client(http, name), row))
+
+    def serve() -> None:
+        while True:
+            try:
+                future, agent_client, row = work.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(agent_client, row))
+                except BaseException as err:  # noqa: BLE001 - the episode's error, not the run's
+                    future.set_exception(err)
+
+    for k in range(max(1, min(workers, len(rows)))):
+        threading.Thread(target=serve, name=f"purerl-agent-{k}", daemon=True).start()
     return futures, http
 
 
