@@ -38,7 +38,18 @@ def test_samples_hold_each_steps_training_samples_and_every_held_out_answer_scor
     for step, answers in held_out.items():
         assert sorted(r["index"] for r in answers) == list(range(6))
         assert sum(r["correct"] for r in answers) / 6 == accuracy[step]
+        assert all(r["correct"] == (int(r["reference"]) % 2 == 0) for r in answers)  # the reference is the row's
     assert 0 < sum(r["correct"] for answers in held_out.values() for r in answers) < 18
+    assert all(r["reference"].isdigit() and "error" not in r for r in rows)
+
+
+def test_an_env_error_episodes_row_says_why(tmp_path):
+    out = tmp_path / "run"
+    run_job(["--tiny", "--env", "tests.agent_fns:broken", "--max-turns", "2", "--steps", "1", "--prompts-per-step", "1",
+             "--samples-per-prompt", "2", "--max-new-tokens", "4", "--eval-size", "1", "--train-size", "10",
+             "--eval-every", "0", "--no-progress", "--threads", "1", "env.max_tokens=256", "--out-dir", str(out)])
+    broken = [r for r in _rows(out) if r["finish"] == "env_error"]
+    assert broken and all("RuntimeError: the agent's own bug" in r["error"] for r in broken)
 
 
 def test_a_resumed_run_appends_its_samples_without_repeating_a_step(tmp_path):

@@ -76,5 +76,6 @@ def evaluate(engine: RolloutEngine, task: Task, *, version: int, max_new_tokens:
         metrics["val/samples"] = sample_rows(
             range(len(records)), prompts=prompts, responses=answers, rewards=first, lengths=lengths, finishes=finishes,
             chars=sample_chars, indices=range(len(records)), turns=[len(e.turn_ends) for e in played] if played else None,
+            references=[r.ground_truth for r in records], errors=[e.error for e in played] if played else None,
             correct=[v >= 1.0 for v in first], scores=[{n: v[i] for n, v in values.items()} for i in range(len(records))])
     return metrics

@@ -23,16 +23,22 @@ def spread(rows: int, k: int) -> list[int]:
 
 def sample_rows(rows: Sequence[int], *, prompts: Sequence[str], responses: Sequence[str], rewards: Sequence[float],
                 lengths: Sequence[int], finishes: Sequence[str], chars: int, indices: Sequence[int],
-                turns: Sequence[int] | None = None, **per_row: Sequence[Any]) -> list[dict[str, Any]]:
+                turns: Sequence[int] | None = None, references: Sequence[str] | None = None,
+                errors: Sequence[str] | None = None, **per_row: Sequence[Any]) -> list[dict[str, Any]]:
     """One row per index in ``rows``: the prompt's and the response's last ``chars`` characters,
-    the reward, the response's length (tokens) and finish reason, the task's index, the episode's
-    turns, and any ``per_row`` fields (``correct``, …)."""
+    the reward, the response's length (tokens) and finish reason, the task's index, the reference
+    answer (``reference``: the task's ground truth), the episode's turns, an ``env_error``
+    episode's message (``error``, where it has one), and any ``per_row`` fields (``correct``, …)."""
     out = []
     for r in rows:
         row = {"index": indices[r], "prompt": prompts[r][-chars:], "response": responses[r][-chars:],
                "reward": float(rewards[r]), "length": int(lengths[r]), "finish": finishes[r]}
+        if references is not None:
+            row["reference"] = references[r]
         if turns is not None:
             row["turns"] = int(turns[r])
+        if errors is not None and errors[r]:
+            row["error"] = errors[r][-chars:]
         row.update({name: values[r] for name, values in per_row.items()})
         out.append(row)
     return out

@@ -294,7 +294,9 @@ def _training_samples(task: Task, indices: list[int], n: int, rollout: Rollout, 
     return sample_rows(rows, prompts=prompts, responses=responses, rewards=scores,
                        lengths=rollout.sequences.response_mask.sum(-1).tolist(), finishes=finishes,
                        chars=plan.sample_chars, indices=[indices[r // n] for r in range(len(texts))],
-                       turns=None if episodes is None else [len(e.turn_ends) for e in episodes])
+                       turns=None if episodes is None else [len(e.turn_ends) for e in episodes],
+                       references=[task.records[indices[r // n]].ground_truth for r in range(len(texts))],
+                       errors=None if episodes is None else [e.error for e in episodes])
 
 
 def _episode_rollout(engine: RolloutEngine, task: Task, episodes: Episodes, indices: list[int], rng: RngState,
