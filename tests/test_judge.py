@@ -80,15 +80,18 @@ def _tiny_judge(folder):
     return folder
 
 
-def test_a_judge_model_in_the_job_records_its_unreadable_verdicts_as_sample_errors(tmp_path):
+def test_a_judge_model_in_the_job_records_its_unreadable_verdicts_as_sample_errors(tmp_path, capsys):
+    """Every verdict fails, the task's reward still scores: the steps go on (before, three such steps stopped the
+    run as if every reward had failed)."""
     folder = _tiny_judge(tmp_path / "judge")
-    summary = run_job(["--tiny", "--steps", "2", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+    summary = run_job(["--tiny", "--steps", "4", "--prompts-per-step", "2", "--samples-per-prompt", "2",
                        "--max-new-tokens", "4", "--eval-size", "2", "--train-size", "20", "--eval-every", "0",
                        "--no-progress", "--threads", "1", f"reward.judge={folder}", "reward.judge_max_new_tokens=6",
                        "--out-dir", str(tmp_path / "run")])
-    assert summary["steps"] == 2
+    assert summary["steps"] == 4
     for row in summary["records"]:  # a random judge writes no "Score: N": every verdict a recorded error
-        assert row["reward/errors"] == 4 and row["reward/judge_mean"] == 0.0
+        assert row["reward/errors"] == 4 and row["reward/judge_mean"] == 0.0 and "reward/all_failed" not in row
+    assert "every reward call failed" not in capsys.readouterr().out
 
 
 def test_a_judge_without_a_tokenizer_or_with_a_larger_one_is_refused_in_one_line(tmp_path):

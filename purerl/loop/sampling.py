@@ -149,6 +149,7 @@ def sample_part(engine: RolloutEngine, task: Task, plan: BatchPlan, data: DataCu
             sampled["baseline_s"] += cost["gen_s"] + cost["reward_s"]
             sampled["errors"] += cost["errors"]
             sampled["timeouts"] += cost["timeouts"]
+            sampled["rule_failed"] += cost["rule_failed"]
             rewards = attrs.evolve(rewards, baselines=base.scores.repeat_interleave(n))
         rounds += 1
         if not plan.dynamic_sampling:
@@ -194,7 +195,7 @@ def joined_batch(parts: Sequence[SampledPart], plan: BatchPlan) -> tuple[Rollout
         metrics["samples/train"] = sampled["samples"][: plan.samples_per_step]
     if sampled["messages"]:  # only when some call failed: taken out before logging (purerl.loop.recording)
         metrics["reward/error_messages"] = sampled["messages"]
-        if metrics["reward/errors"] + metrics["reward/timeouts"] >= sampled["rows"] + sampled["baseline_rows"]:
+        if sampled["rule_failed"] >= sampled["rows"] + sampled["baseline_rows"]:  # a failing judge alone is not
             metrics["reward/all_failed"] = 1.0
     for name in ("model", "judge", "overlong_penalty"):  # means over every sampled response, kept or not
         if name in sampled:
@@ -253,13 +254,15 @@ def _scored_rollout(engine: RolloutEngine, task: Task, plan: BatchPlan, indices:
                        extra_infos=[r.extra for r in records], batch_timeout=reward.batch_timeout)
     device = rollout.sequences.input_ids.device
     rule = torch.tensor(scored.values, dtype=torch.float32, device=device)
+    rule_failed = float(scored.errors + scored.timeouts)  # the task's own reward calls: the judge's apart
     judged = None
     if task.judge is not None:
         verdicts = task.judge([prompt_text(r) for r in records], texts, [r.ground_truth for r in records])
         judged = torch.tensor(verdicts.values, dtype=torch.float32, device=device)
         scored = Scores(scored.values, scored.errors + verdicts.errors, scored.timeouts + verdicts.timeouts,
                         [*scored.error_messages, *verdicts.error_messages])
-    sums.update(errors=float(scored.errors), timeouts=float(scored.timeouts), rule_positive=float((rule > 0).sum()))
+    sums.update(errors=float(scored.errors), timeouts=float(scored.timeouts), rule_failed=rule_failed,
+                rule_positive=float((rule > 0).sum()))
     learned = None
     if uses_reward_model(reward):
         if score_model is None:
