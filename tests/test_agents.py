@@ -361,3 +361,74 @@ def test_a_hung_agent_is_abandoned_and_the_job_still_exits(tmp_path):
     assert time.time() - written < 60  # exited within seconds of writing its summary (before: never)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 1 and time.monotonic() - started < 280
+
+
+def _fixed_endpoint(tokenizer, engine, decode, **kwargs):
+    """An endpoint whose every call draws from one stream: two requests alike sample alike."""
+    batcher = EngineBatcher(engine, RngState(5), 0, thread=True)
+    traces = EpisodeTraces(ChatCodec(tokenizer), max_turns=4, max_tokens=kwargs.pop("max_tokens", 400))
+    return Endpoint(batcher, traces, decode=decode, token_text=lambda t: tokenizer.decode([t]),
+                    sampling=SamplingParams(max_new_tokens=12, n=1, temperature=1.0),
+                    stream_of=lambda name, turn, n: (7, 0))
+
+
+def test_streamed_answers_are_the_answers_as_server_sent_events(tiny):
+    tokenizer, _, _, engine, decode = tiny
+    with _fixed_endpoint(tokenizer, engine, decode) as endpoint, \
+            openai.OpenAI(base_url=endpoint.url, api_key=endpoint.token, max_retries=0) as client:
+        ask = dict(model="policy", messages=[{"role": "user", "content": "What is 3*4?"}], max_tokens=8, n=2,
+                   logprobs=True)
+        whole = client.chat.completions.create(**ask)
+        chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+        texts, ids, logprobs, finishes = {}, {}, {}, {}
+        for chunk in chunks[:-1]:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+                ids[choice.index] = ids.get(choice.index, []) + choice.model_extra.get("token_ids", [])
+                logprobs[choice.index] = logprobs.get(choice.index, []) + [
+                    t.logprob for t in (choice.logprobs.content if choice.logprobs else [])]
+                finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+        for choice in whole.choices:
+            assert texts[choice.index] == choice.message.content and finishes[choice.index] == choice.finish_reason
+            assert ids[choice.index] == choice.model_extra["token_ids"]
+            assert logprobs[choice.index] == [t.logprob for t in choice.logprobs.content]
+        text = client.completions.create(model="policy", prompt="3*4=", max_tokens=6)
+        streamed = list(client.completions.create(model="policy", prompt="3*4=", max_tokens=6, stream=True))
+        assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+        assert streamed[-1].choices[0].finish_reason == text.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("field, body", [
+    ("n", {"n": 0}), ("seed", {"seed": 1}), ("response_format", {"response_format": {"type": "json_object"}}),
+    ("tool_choice", {"tool_choice": "required"}), ("presence_penalty", {"presence_penalty": 0.5}),
+    ("messages[1].role", {"messages": [{"role": "user", "content": "a"}, {"content": "no role"}]}),
+    ("max_tokens", {"max_tokens": 0}),
+])
+def test_a_request_it_cannot_honour_is_a_400_naming_the_field(tiny, field, body):
+    import httpx
+
+    tokenizer, _, _, engine, decode = tiny
+    with _fixed_endpoint(tokenizer, engine, decode) as endpoint:
+        request = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}
+        answer = httpx.post(f"{endpoint.url}/chat/completions", json=request,
+                            headers={"Authorization": f"Bearer {endpoint.token}"})
+        assert answer.status_code == 400 and field in answer.json()["error"]["message"], answer.text
+        assert endpoint.batcher.calls == 0
+
+
+def test_bad_bodies_and_prompts_are_400s_in_one_line(tiny):
+    import httpx
+
+    tokenizer, _, _, engine, decode = tiny
+    with _fixed_endpoint(tokenizer, engine, decode, max_tokens=40) as endpoint:
+        auth = {"Authorization": f"Bearer {endpoint.token}"}
+        for path, content in (("chat/completions", b"{not json"), ("completions", b"[1, 2]")):
+            answer = httpx.post(f"{endpoint.url}/{path}", content=content, headers=auth)
+            assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_json"
+        for prompt in ([5, len(tokenizer) + 3], [5, -1]):
+            answer = httpx.post(f"{endpoint.url}/completions", json={"prompt": prompt, "max_tokens": 2}, headers=auth)
+            assert answer.status_code == 400 and "outside the vocabulary" in answer.json()["error"]["message"]
+        answer = httpx.post(f"{endpoint.url}/completions", json={"prompt": [5] * 40, "max_tokens": 2}, headers=auth)
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+        assert endpoint.batcher.calls == 0

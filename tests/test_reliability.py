@@ -117,23 +117,25 @@ def test_weights_that_give_non_finite_log_probs_stop_the_run_and_their_checkpoin
         "diverged_step_00000006", "step_00000002", "step_00000004"]  # --resume takes step 4
 
 
-def test_a_huge_but_finite_update_stops_the_job_before_any_export(tmp_path):
-    # adapters ~1e36 after the first update with a gradient: finite, the logits are not
+def test_a_huge_but_finite_update_stops_the_job_at_that_step_before_any_export(tmp_path):
+    # adapters ~1e36 after the first update with a gradient: finite, but the params' norm jumps by orders of
+    # magnitude, which the update's norm guard stops before anything of the step is saved (before the guard,
+    # the next forward's non-finite log-probs stopped it a step later, and a checkpoint of the bad weights was kept)
     huge = ["--lora-rank", "4", "actor.lr=1e36", "actor.warmup_steps=0", DIGITS]
     done = _job(tmp_path / "run", *huge, "--checkpoint-every", "1", steps=8)
     line = one_line_error(done)
-    found = re.search(r"step (\d+): the weights after step (\d+) give non-finite log-probs", line)
-    assert found and int(found[2]) == int(found[1]) - 1, line
-    bad = int(found[2])
+    found = re.search(r"step (\d+): the update left weights of another scale: actor's norm changed ×\S+ in one "
+                      r"step", line)
+    assert found, line
+    bad = int(found[1])
     good = [f"step_{step:08d}" for step in range(1, bad)]
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
-        f"diverged_step_{bad:08d}", *good]
+    saved = tmp_path / "run" / "checkpoints"
+    assert (sorted(p.name for p in saved.iterdir()) if saved.exists() else []) == good  # nothing set aside
     assert (f"the last good checkpoint is {tmp_path / 'run' / 'checkpoints' / good[-1]} " if good
-            else "no checkpoint of good weights") in line, line
+            else "no checkpoint was written") in line, line
     assert not (tmp_path / "run" / "export").exists() and not (tmp_path / "run" / "adapter").exists()
-    # the last step's weights: the final evaluation checks them before they are saved
     line = one_line_error(_job(tmp_path / "one", *huge, steps=1))
-    assert "step 1: the weights after step 1 give non-finite log-probs (" in line and "held-out evaluation" in line
+    assert "step 1: the update left weights of another scale" in line, line
     assert not (tmp_path / "one" / "checkpoints").exists() and not (tmp_path / "one" / "export").exists()
 
 

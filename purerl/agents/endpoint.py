@@ -14,8 +14,17 @@ concurrent requests share engine calls) and recorded in its episode
 the episode's token budget), ``stop`` (cut from the returned text, as OpenAI does; the sampled
 ids keep it) and ``logprobs`` (each sampled token's behaviour log-prob; ``top_logprobs`` is
 empty). Tool calls are parsed from the text (Hermes/Qwen ``<tool_call>{"name", "arguments"}
-</tool_call>``) when the request offers ``tools``. Each choice also carries ``token_ids``, the
-sampled ids, and the response ``prompt_token_ids``: what the trainer will see.
+</tool_call>``) when the request offers ``tools`` (and ``tool_choice`` is not ``none``). Each
+choice also carries ``token_ids``, the sampled ids, and the response ``prompt_token_ids``: what the
+trainer will see. ``stream``: the same answer as server-sent events (a chunk per choice with its
+whole text, ids and log-probs, then one with its finish reason, then ``[DONE]``; ``usage`` last
+with ``stream_options.include_usage``).
+
+A request the endpoint cannot honour as OpenAI defines it is answered 400 naming the field, never
+served differently: a body that is not JSON, ``n`` < 1, ``max_tokens`` < 1, a prompt that leaves no
+room in the episode's token budget, token ids outside the vocabulary, a message without a role,
+and the parameters it does not implement (:data:`UNSUPPORTED`: ``seed``, ``response_format`` other
+than text, ``tool_choice`` other than ``auto``/``none``, penalties, ``logit_bias``, …).
 """
 
 import asyncio
@@ -36,7 +45,33 @@ from purerl.agents.traces import Choice as TraceChoice
 from purerl.batch import FINISH_LENGTH
 from purerl.rollout.sampling import SamplingParams
 
-__all__ = ["Endpoint", "StreamOf", "tool_calls_of"]
+__all__ = ["UNSUPPORTED", "Endpoint", "RequestError", "StreamOf", "tool_calls_of"]
+
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "seed": lambda v: v is not None,  # an episode's draws come from its own stream (reproducible by name)
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+    "tool_choice": lambda v: v not in (None, "auto", "none"),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "logit_bias": lambda v: bool(v),
+    "best_of": lambda v: v not in (None, 1),
+    "echo": lambda v: bool(v),
+    "suffix": lambda v: v is not None,
+    "top_logprobs": lambda v: v not in (None, 0),
+    "functions": lambda v: v is not None,
+    "function_call": lambda v: v is not None,
+}
+"""Request fields the endpoint does not implement, and which of their values would need it (the rest are
+the defaults, served as they are)."""
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class RequestError(ValueError):
+    """A request the endpoint cannot serve as asked: answered 400 with ``code``."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
 
 StreamOf = Callable[[str, int, int], tuple[int, int]]
 """``(episode, call index, n) -> (stream, first sample)``: where a call's draws come from."""
@@ -145,16 +180,51 @@ class Endpoint:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Any:
-            body = await request.json()
+            body = await _json_body(request)
+            if not isinstance(body, dict):
+                return body
             episode = request.headers.get(EPISODE_HEADER) or body.get("user")
-            return await self._answer(body, episode, chat=True)
+            return await self._served(body, episode, chat=True)
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:
-            body = await request.json()
-            return await self._answer(body, None, chat=False)
+            body = await _json_body(request)
+            if not isinstance(body, dict):
+                return body
+            return await self._served(body, None, chat=False)
 
         return app
+
+    async def _served(self, body: dict[str, Any], episode: str | None, *, chat: bool) -> Any:
+        """The answer, or its stream of server-sent events (``stream``)."""
+        answer = await self._answer(body, episode, chat=chat)
+        if not body.get("stream") or not isinstance(answer, dict):
+            return answer
+        from fastapi.responses import StreamingResponse
+
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        events = [f"data: {json.dumps(chunk)}\n\n" for chunk in _chunks(answer, chat=chat, usage=usage)]
+        return StreamingResponse(iter([*events, "data: [DONE]\n\n"]), media_type="text/event-stream")
+
+    def _check(self, body: Mapping[str, Any], *, chat: bool) -> None:
+        """Raise :class:`RequestError` naming the first field that cannot be served as asked."""
+        for name, needs in UNSUPPORTED.items():
+            if name in body and needs(body[name]):
+                raise RequestError(f"{name}={body[name]!r} is not supported by this endpoint (omit it)",
+                                   "unsupported_parameter")
+        n = body.get("n", 1)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise RequestError(f"n must be an integer ≥ 1, got {n!r}", "invalid_n")
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise RequestError(f"{key} must be an integer ≥ 1, got {value!r}", f"invalid_{key}")
+        if chat:
+            for i, message in enumerate(body.get("messages") or []):
+                if not isinstance(message, dict) or message.get("role") not in _ROLES:
+                    role = message.get("role") if isinstance(message, dict) else None
+                    raise RequestError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
+                                       "invalid_messages")
 
     def _sampling(self, body: Mapping[str, Any], room: int) -> SamplingParams:
         stop = body.get("stop") or ()
@@ -168,6 +238,7 @@ class Endpoint:
 
     async def _answer(self, body: Mapping[str, Any], episode: str | None, *, chat: bool) -> Any:
         try:
+            self._check(body, chat=chat)
             if chat:
                 messages, tools = body.get("messages"), body.get("tools") or None
                 if not isinstance(messages, list) or not messages:
@@ -185,8 +256,18 @@ class Endpoint:
                     if not isinstance(prompt, str):
                         return _error(400, "prompt: a string or a list of token ids is required", "invalid_prompt")
                     ids = self.traces.codec.tokenizer.encode(prompt, add_special_tokens=False)
+                vocab = len(self.traces.codec.tokenizer)
+                outside = [t for t in ids if not 0 <= t < vocab]
+                if outside:
+                    return _error(400, f"prompt: token id {outside[0]} is outside the vocabulary [0, {vocab})",
+                                  "invalid_prompt")
                 name, turn, room = f"completion-{uuid.uuid4().hex}", 0, self.traces.max_tokens - len(ids)
+            if room < 1:
+                return _error(400, f"the prompt ({len(ids)} tokens) leaves no room in the episode's token budget "
+                                   f"({self.traces.max_tokens}, env.max_tokens)", "context_length_exceeded")
             sampling = self._sampling(body, room)
+        except RequestError as err:
+            return _error(400, str(err), err.code)
         except ContextError as err:
             return _error(400, str(err), err.finish)
         except (TypeError, ValueError) as err:
@@ -208,7 +289,8 @@ class Endpoint:
                 choice["logprobs"] = {"content": content} if chat else {
                     "tokens": [c["token"] for c in content], "token_logprobs": s.logprobs}
             if chat:
-                content_text, calls = tool_calls_of(text) if tools else (text, [])
+                parse = tools and body.get("tool_choice") != "none"
+                content_text, calls = tool_calls_of(text) if parse else (text, [])
                 message: dict[str, Any] = {"role": "assistant", "content": content_text}
                 if calls:
                     message["tool_calls"], choice["finish_reason"] = calls, "tool_calls"
@@ -229,3 +311,39 @@ class Endpoint:
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
                           "total_tokens": len(ids) + completion}}
 
+
+
+async def _json_body(request: Any) -> Any:
+    """The request's JSON object, or a 400 response saying it is not one."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return _error(400, f"the request body is not JSON ({err})", "invalid_json")
+    if not isinstance(body, dict):
+        return _error(400, f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
+    return body
+
+
+def _chunks(answer: dict[str, Any], *, chat: bool, usage: bool) -> list[dict[str, Any]]:
+    """A whole answer as OpenAI's stream chunks: per choice one with its content (text, tool calls, ids,
+    log-probs), then one with its finish reason; then, with ``usage``, the usage with no choices."""
+    head = {"id": answer["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": answer["created"], "model": answer["model"]}
+    chunks = []
+    for choice in answer["choices"]:
+        index, extra = choice["index"], {"token_ids": choice["token_ids"]}
+        if chat:
+            message = choice["message"]
+            delta: dict[str, Any] = {"role": "assistant", "content": message["content"]}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            first = {"index": index, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
+            last = {"index": index, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+        else:
+            first = {"index": index, "text": choice["text"], "logprobs": choice.get("logprobs"), "finish_reason": None}
+            last = {"index": index, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+        chunks += [{**head, "choices": [{**first, **extra}], "prompt_token_ids": answer["prompt_token_ids"]},
+                   {**head, "choices": [last]}]
+    if usage:
+        chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    return chunks
