@@ -10,13 +10,16 @@ A replay starts from the run's state at step K (its checkpoint; step 0 is rebuil
 (:mod:`purerl.io.records`) for steps K+1 … M: no generation, no reward calls. An asynchronous
 run's records are its batches in the order the trainer took them, so it replays with no generators. Without settings it
 compares every metric the step returns with the run's ``metrics.jsonl`` and, where the run has a
-checkpoint at step M, the whole state with it, bit for bit (on a CPU; a GPU's kernels need not
-repeat themselves; the run's ``trainer.threads`` is used, and a run that left it 0 replays alike only on
-a machine with as many cores). With ``section.key=value`` settings it re-steps the same trajectories under
-them (the behaviour log-probs make that an off-policy update, corrected as the run's
-``algorithm.rollout_correction`` says) and writes its metrics to
-``RUN_DIR/replays/<settings>/metrics.jsonl``. Settings that would have changed what was sampled or
-scored, or the shape of the state, are refused, naming the key.
+checkpoint at step M, the whole state with it, bit for bit (on a CPU, with the thread count the run
+recorded). Where bits cannot repeat, it compares within a tolerance and says why: another thread
+count (``trainer.threads=N``), another device (``model.device=cpu``, or a GPU run on a machine
+without one), or updates that were sharded over several FSDP2 ranks. With ``section.key=value``
+settings of ``algorithm.``, ``actor.``, ``critic.`` or ``distill.`` it re-steps the same trajectories
+under them (a counterfactual: the behaviour log-probs make that an off-policy update, corrected as
+the run's ``algorithm.rollout_correction`` says), writes its metrics to
+``RUN_DIR/replays/<settings>/metrics.jsonl`` and prints the headline metrics' means against the run's.
+Settings that would have changed what was sampled or scored, or the shape of the state, and settings
+equal to the run's, are refused, naming the key.
 """
 
 import argparse
@@ -38,15 +41,20 @@ from purerl.config.rules import resolve
 from purerl.io.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import RecordError, load_record
-from purerl.io.run_folder import CONFIG
+from purerl.io.run_folder import CONFIG, held_by
 from purerl.models import value_and_grad
 from purerl.tree import tree_equal, tree_map
 
 __all__ = ["HEADLINE", "REPLAYABLE", "compare", "replay"]
 
-REPLAYABLE = ("algorithm.", "actor.", "critic.")
+REPLAYABLE = ("algorithm.", "actor.", "critic.", "distill.")
 """Settings a counterfactual may change: how the batch is turned into an update."""
-_SHAPES_STATE = ("actor.lora_rank", "actor.lora_alpha", "actor.lora_targets")
+_SHAPES_STATE = ("actor.lora_rank", "actor.lora_alpha", "actor.lora_targets", "distill.teacher")
+_SAMPLES = ("algorithm.dynamic_sampling", "algorithm.max_sampling_rounds")
+"""Algorithm settings that decide what is sampled, not how it is learned from."""
+WHERE = ("trainer.threads", "model.device")
+"""Settings of where a check replays, not of what: bits may then differ, so it compares within a tolerance."""
+RTOL, ATOL = 1e-3, 1e-6
 _NOT_COMPARED = re.compile(r"^(timing|perf)/")
 
 
@@ -60,18 +68,24 @@ def replay(run_dir: str | Path, *, from_step: int = 0, to_step: int | None = Non
     on its records, under ``settings`` (flat ``section.key`` values; none: check against the run).
     Returns ``{"steps": [...], "metrics": [...], "mismatches": [...], "state_equal": bool | None}``."""
     run_dir, settings = Path(run_dir), dict(settings or {})
-    config = _config(run_dir, settings)
+    holder = held_by(run_dir)
+    if holder is not None:
+        raise ReplayError(f"replay: {run_dir} is held by a live run (pid {holder}); replay it once it has ended")
+    config, why = _config(run_dir, settings)
+    counterfactual = {k: v for k, v in settings.items() if k not in WHERE}
+    if why and not counterfactual:
+        out("comparing within a tolerance (rtol {:g}): {}".format(RTOL, "; ".join(why)))
     threads = torch.get_num_threads()
     if config.trainer.threads:  # as the run computed: a CPU's sums split by thread count
         torch.set_num_threads(config.trainer.threads)
     try:
-        return _replay(run_dir, config, from_step, to_step, settings, out)
+        return {**_replay(run_dir, config, from_step, to_step, counterfactual, out, exact=not why), "why": why}
     finally:
         torch.set_num_threads(threads)
 
 
 def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | None, settings: dict[str, Any],
-            out: Any) -> dict[str, Any]:
+            out: Any, *, exact: bool = True) -> dict[str, Any]:
     last = _last_recorded(run_dir)
     to_step = last if to_step is None else to_step
     if not 0 <= from_step < to_step:
@@ -84,55 +98,144 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
     device = next(iter(params.values())).device
     effects = {"policy": model, "value_and_grad": value_and_grad, **({"critic": critic} if critic else {}),
                **({"teacher": teacher} if teacher else {})}
-    recorded = {int(row["step"]): row for row in MetricsLog.read(run_dir / "metrics.jsonl")} if not settings else {}
+    recorded = _recorded_metrics(run_dir)
     log = None if not settings else MetricsLog(_replay_dir(run_dir, settings))
     if log is not None:
         log.clear()
-    results: dict[str, Any] = {"steps": [], "metrics": [], "mismatches": [], "state_equal": None}
+    results: dict[str, Any] = {"steps": [], "metrics": [], "mismatches": [], "state_equal": None, "unchecked": []}
     for step in range(from_step + 1, to_step + 1):
         rollout, rewards, cursor = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,
                                              load_record(run_dir, step))
-        state, metrics = step_fn(attrs.evolve(state, data=cursor), rollout, rewards, **effects)
+        try:
+            state, metrics = step_fn(attrs.evolve(state, data=cursor), rollout, rewards, **effects)
+        except ValueError as err:
+            raise ReplayError(f"replay: step {step} cannot be re-stepped under these settings: {err}") from None
         results["steps"].append(step)
         results["metrics"].append(metrics)
         if log is not None:
             log.write(step, metrics)
             continue
-        compared, differing = _compare(metrics, recorded.get(step, {}))
+        compared, differing = _compare(metrics, recorded.get(step, {}), exact=exact)
         results["mismatches"] += [(step, *d) for d in differing]
-        out(f"step {step}: {compared} metrics " + ("equal" if not differing else
-            "; ".join(f"{k} {a!r} replayed, {b!r} recorded" for k, a, b in differing[:3])))
+        if not compared:
+            results["unchecked"].append(step)
+            out(f"step {step}: NOT CHECKED: {run_dir / 'metrics.jsonl'} has no metrics of this step (the run "
+                "ended, or its file was cut, before it)")
+            continue
+        out(f"step {step}: {compared} metrics " + ("equal" if exact else "within tolerance" if not differing else "")
+            + ("" if not differing else "; ".join(f"{k} {a!r} replayed, {b!r} recorded" for k, a, b in differing[:3])))
     if log is not None:
         log.close()
         out(f"replayed steps {from_step + 1}-{to_step} under {_label(settings)}: {log.path}")
+        _print_effect(results, recorded, out)
         return results
     checkpoint = run_dir / "checkpoints" / f"step_{to_step:08d}"
     if checkpoint.is_dir():
         # no sha256 pass: every bit is compared anyway, and a damaged file shows as a difference
-        results["state_equal"] = tree_equal(state, load_checkpoint(checkpoint, state, verify_hash=False))
+        try:
+            saved = load_checkpoint(checkpoint, state, verify_hash=False)
+        except CheckpointError as err:
+            raise ReplayError(f"replay: {err}") from None
+        results["state_equal"] = tree_equal(state, saved) if exact else _tree_close(state, saved)
         out(f"the state after step {to_step} {'equals' if results['state_equal'] else 'DIFFERS FROM'} "
-            f"{checkpoint} bit for bit")
+            f"{checkpoint} " + ("bit for bit" if exact else f"within rtol {RTOL:g}"))
+    else:
+        out(f"the state after step {to_step} was not compared: the run kept no checkpoint of that step")
     return results
 
 
-def _config(run_dir: Path, settings: dict[str, Any]) -> JobConfig:
-    """The run's resolved config (``config.json``) with ``settings``, refusing those a replay cannot honour."""
+def _recorded_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """The run's metrics by step (``metrics.jsonl``), or a :class:`ReplayError` naming the file."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise ReplayError(f"replay: {path} is missing: the run's metrics are what a replay is checked against")
+    try:
+        return {int(row["step"]): row for row in MetricsLog.read(path)}
+    except (ValueError, KeyError, TypeError) as err:
+        raise ReplayError(f"replay: {path} is not a run's metrics ({type(err).__name__}: {err})") from None
+
+
+def _tree_close(a: Any, b: Any) -> bool:
+    """Whether two states' tensors are equal within :data:`RTOL` / :data:`ATOL` (other leaves exactly)."""
+    from purerl.tree import tree_leaves
+
+    left, right = tree_leaves(a), tree_leaves(b)
+    if len(left) != len(right):
+        return False
+    for x, y in zip(left, right):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.shape != y.shape or not torch.allclose(x.double().cpu(), y.double().cpu(), rtol=RTOL, atol=ATOL):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _print_effect(results: dict[str, Any], recorded: dict[int, dict[str, Any]], out: Any) -> None:
+    """What a counterfactual changed: each headline metric's mean over the replayed steps, run → replay."""
+    steps = results["steps"]
+    for key in HEADLINE:
+        pairs = [(recorded[s][key], m[key]) for s, m in zip(steps, results["metrics"])
+                 if key in m and isinstance(recorded.get(s, {}).get(key), (int, float))]
+        if pairs:
+            run, new = (sum(p[i] for p in pairs) / len(pairs) for i in (0, 1))
+            out(f"  {key}: {run:.4g} in the run, {new:.4g} replayed ({new - run:+.3g}, mean of {len(pairs)} steps)")
+
+
+def _config(run_dir: Path, settings: dict[str, Any]) -> tuple[JobConfig, list[str]]:
+    """The run's resolved config (``config.json``) with ``settings``, refusing those a replay cannot honour;
+    and why its bits may differ from the run's (empty: they must not)."""
     path = run_dir / CONFIG
     if not path.exists():
         raise ReplayError(f"replay: {path} is missing: {run_dir} is not a run folder")
-    recorded = json.loads(path.read_text())
-    for key in settings:
-        if not key.startswith(REPLAYABLE) or key in _SHAPES_STATE:
+    try:
+        recorded = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ReplayError(f"replay: {path} is not the JSON a run writes ({err})") from None
+    flat = flatten(recorded)
+    for key, value in settings.items():
+        if key in WHERE:
+            continue
+        if not key.startswith(REPLAYABLE) or key in _SHAPES_STATE or key in _SAMPLES:
             raise ReplayError(f"replay: {key} would change what the run sampled, scored or holds; a replay re-steps "
                               f"the recorded batches and may change only {', '.join(k + '*' for k in REPLAYABLE)} "
-                              f"(except {', '.join(_SHAPES_STATE)})")
+                              f"(except {', '.join((*_SHAPES_STATE, *_SAMPLES))})")
+        if key in flat and _same(flat[key], value):
+            raise ReplayError(f"replay: {key}={value} is the run's own setting: nothing would change")
     try:
         config = resolve(build(JobConfig, merge(recorded, *(nest(k, v) for k, v in settings.items()))))
+        run = resolve(build(JobConfig, recorded))
     except ConfigError as err:
         raise ReplayError(f"replay: {err}") from None
     if not config.trainer.records:
         raise ReplayError(f"replay: {run_dir} ran with trainer.records=false: it recorded no batches")
-    return config
+    ours, theirs = config.algorithm.estimator, run.algorithm.estimator
+    for need, what in (("needs_baselines", "greedy baselines"), ("needs_values", "a critic")):
+        if getattr(ours, need) and not getattr(theirs, need):
+            raise ReplayError(f"replay: algorithm.adv_estimator={config.algorithm.adv_estimator} needs {what}, which "
+                              f"the run ({run.algorithm.adv_estimator}) neither sampled nor trained")
+    why = []
+    if config.trainer.threads != run.trainer.threads:
+        why.append(f"{config.trainer.threads} threads where the run used {run.trainer.threads} (a CPU's sums split "
+                   "by thread count)")
+    if str(run.model.device).startswith("cuda") and not torch.cuda.is_available():
+        config = attrs.evolve(config, model=attrs.evolve(config.model, device="cpu"))
+    if config.model.device != run.model.device:
+        why.append(f"on {config.model.device} where the run computed on {run.model.device} (other kernels)")
+    if run.executor.kind == "ray" and run.executor.train_ranks > 1:
+        why.append(f"the run's updates were sharded over {run.executor.train_ranks} FSDP2 ranks (their sums add in "
+                   "another order)")
+    return config, why
+
+
+def _same(recorded: Any, given: Any) -> bool:
+    """Whether a setting given on the command line is the recorded value (``1e-5`` and ``0.00001`` alike)."""
+    if isinstance(recorded, (list, tuple)) and isinstance(given, (list, tuple)):
+        return list(recorded) == list(given)
+    try:
+        return recorded == given or float(recorded) == float(given)
+    except (TypeError, ValueError):
+        return False
 
 
 def _last_recorded(run_dir: Path) -> int:
@@ -161,8 +264,10 @@ def _state_at(run_dir: Path, config: JobConfig, step: int, initial: Any) -> Any:
         raise ReplayError(f"replay: {err}") from None
 
 
-def _compare(replayed: dict[str, Any], recorded: dict[str, Any]) -> tuple[int, list[tuple[str, Any, Any]]]:
-    """How many of the step's metrics the run recorded, and those that differ (NaN equals NaN)."""
+def _compare(replayed: dict[str, Any], recorded: dict[str, Any], *,
+             exact: bool = True) -> tuple[int, list[tuple[str, Any, Any]]]:
+    """How many of the step's metrics the run recorded, and those that differ (NaN equals NaN; not ``exact``:
+    beyond :data:`RTOL`)."""
     compared, differing = 0, []
     for key, value in replayed.items():
         if _NOT_COMPARED.match(key) or key not in recorded:
@@ -171,6 +276,8 @@ def _compare(replayed: dict[str, Any], recorded: dict[str, Any]) -> tuple[int, l
         old = recorded[key]
         same = value == old or (isinstance(value, float) and isinstance(old, float)
                                 and math.isnan(value) and math.isnan(old))
+        if not same and not exact and isinstance(value, (int, float)) and isinstance(old, (int, float)):
+            same = math.isclose(value, old, rel_tol=RTOL, abs_tol=ATOL)
         if not same:
             differing.append((key, value, old))
     return compared, differing
@@ -260,16 +367,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give RUN_DIR (or --compare A B)")
     try:
         result = replay(args.run_dir, from_step=args.from_step, to_step=args.to_step, settings=settings)
-    except (ReplayError, RecordError) as err:
+    except (ReplayError, RecordError, CheckpointError) as err:
         print(err, file=sys.stderr)
         return 2
-    if settings:
+    if any(k not in WHERE for k in settings):
         return 0
-    bad = len(result["mismatches"]) + (result["state_equal"] is False)
-    print(f"replayed steps {result['steps'][0]}-{result['steps'][-1]}: "
-          + ("bit for bit" if not bad else f"{len(result['mismatches'])} metrics differ"
-             + (", the state differs" if result["state_equal"] is False else "")))
-    return 1 if bad else 0
+    bad = len(result["mismatches"]) + (result["state_equal"] is False) + len(result["unchecked"])
+    span = f"replayed steps {result['steps'][0]}-{result['steps'][-1]}: "
+    if bad:
+        print(span + ", ".join(filter(None, [
+            f"{len(result['mismatches'])} metrics differ" if result["mismatches"] else "",
+            "the state differs" if result["state_equal"] is False else "",
+            f"{len(result['unchecked'])} steps had no recorded metrics" if result["unchecked"] else ""])))
+        return 1
+    exact = not result["why"]
+    what = "bit for bit" if exact else "within tolerance"
+    print(span + (f"every metric and the state {what}" if result["state_equal"] else
+                  f"every metric {what}; the state was not compared (no checkpoint of step {result['steps'][-1]})"))
+    return 0
 
 
 if __name__ == "__main__":

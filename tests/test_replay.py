@@ -98,14 +98,19 @@ def test_a_setting_that_changes_sampling_or_the_state_is_refused_naming_the_key(
     assert "replay: rollout.n would change" in capsys.readouterr().err
 
 
-def test_a_resumed_run_records_its_steps_anew_and_replays_bit_for_bit(grpo_run, tmp_path):
+def test_a_resumed_run_records_its_steps_anew_and_replays_bit_for_bit(tmp_path):
+    """Resumed with fewer steps, the first run's later records go. The learning rate is constant here: a
+    warm-up cosine spans ``trainer.steps``, so a resume that changes them changes the schedule, which the
+    run's ``config.json`` (the first start's) does not record."""
     import shutil
 
-    out, _ = grpo_run
+    constant = ["actor.warmup_steps=0", "actor.min_lr_ratio=1"]
+    out = tmp_path / "first"
+    run_job([*TINY, *constant, "--out-dir", str(out)])
     copy = tmp_path / "run"
     shutil.copytree(out, copy)
     shutil.rmtree(copy / "checkpoints" / "step_00000006")  # back to step 3; steps 4-6 recorded by the first run
-    run_job([*TINY[:-4], "--steps", "4", "--checkpoint-every", "3", "--out-dir", str(copy), "--resume"])
+    run_job([*TINY[:-4], *constant, "--steps", "4", "--checkpoint-every", "3", "--out-dir", str(copy), "--resume"])
     assert sorted(p.name for p in (copy / "records").iterdir())[-1] == "step_00000004"
     result = replay(copy, out=lambda line: None)
     assert result["steps"] == [1, 2, 3, 4] and result["mismatches"] == [] and result["state_equal"] is True
@@ -137,3 +142,83 @@ def test_an_asynchronous_run_replays_bit_for_bit_in_the_order_it_took_its_batche
     for start in (0, 3):
         result = replay(out, from_step=start, out=lambda line: None)
         assert result["mismatches"] == [] and result["state_equal"] is True
+
+
+def _copy(out, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    return copy
+
+
+def test_the_thread_count_is_recorded_and_another_replays_within_a_tolerance_saying_why(grpo_run, capsys):
+    import json
+
+    out, _ = grpo_run
+    assert json.loads((out / "config.json").read_text())["trainer"]["threads"] == 1  # SMALL's, never 0
+    assert main([str(out), "trainer.threads=2"]) == 0
+    printed = capsys.readouterr().out
+    assert "comparing within a tolerance" in printed and "2 threads where the run used 1" in printed
+    assert printed.strip().endswith("every metric and the state within tolerance")
+    job = parse(["--tiny", "--out-dir", "x"]).config  # a job that leaves it 0 records what it used
+    assert job.trainer.threads >= 1
+
+
+def test_a_gpu_runs_replay_on_a_cpu_compares_within_a_tolerance(grpo_run, tmp_path, capsys):
+    import json
+
+    copy = _copy(grpo_run[0], tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    config["model"]["device"] = "cuda"  # as a GPU run records it
+    (copy / "config.json").write_text(json.dumps(config))
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU: the run's device is here")
+    main([str(copy), "--to-step", "3"])
+    assert "on cpu where the run computed on cuda" in capsys.readouterr().out
+
+
+def test_replay_claims_nothing_it_did_not_check(grpo_run, tmp_path, capsys):
+    out = grpo_run[0]
+    assert main([str(out), "--to-step", "2"]) == 0  # no checkpoint of step 2
+    assert "the state was not compared (no checkpoint of step 2)" in capsys.readouterr().out
+    copy = _copy(out, tmp_path)
+    rows = (copy / "metrics.jsonl").read_text().splitlines()
+    (copy / "metrics.jsonl").write_text("\n".join(rows[:3]) + "\n")  # cut after step 3
+    assert main([str(copy)]) == 1
+    printed = capsys.readouterr().out
+    assert "step 4: NOT CHECKED" in printed and "3 steps had no recorded metrics" in printed
+    assert "bit for bit" not in printed.splitlines()[-1]
+
+
+def test_a_live_run_and_broken_run_files_are_refused_in_one_line(grpo_run, tmp_path, capsys):
+    from purerl.io.run_folder import RunFolder
+
+    copy = _copy(grpo_run[0], tmp_path)
+    with RunFolder(copy):
+        assert main([str(copy)]) == 2
+        assert "is held by a live run" in capsys.readouterr().err
+    (copy / "config.json").write_text("{cut")
+    assert main([str(copy)]) == 2
+    assert "config.json is not the JSON a run writes" in capsys.readouterr().err
+    copy = _copy(grpo_run[0], tmp_path / "b")
+    (copy / "metrics.jsonl").unlink()
+    assert main([str(copy)]) == 2
+    assert "metrics.jsonl is missing" in capsys.readouterr().err
+    copy = _copy(grpo_run[0], tmp_path / "c")
+    tensors = copy / "checkpoints" / "step_00000006" / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:100])
+    assert main([str(copy)]) == 2
+    assert "step_00000006" in capsys.readouterr().err
+
+
+def test_counterfactuals_refuse_what_they_cannot_honour_and_say_what_changed(grpo_run, capsys):
+    out = grpo_run[0]
+    for setting, message in (("algorithm.dynamic_sampling=true", "would change what the run sampled"),
+                             ("algorithm.adv_estimator=remax", "needs greedy baselines"),
+                             ("algorithm.adv_estimator=grpo", "is the run's own setting")):
+        assert main([str(out), setting]) == 2
+        assert message in capsys.readouterr().err
+    assert main([str(out), "--to-step", "2", "actor.clip_high=0.2"]) == 0
+    printed = capsys.readouterr().out
+    assert "actor/pg_loss:" in printed and "in the run" in printed and "replayed" in printed

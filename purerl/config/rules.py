@@ -27,7 +27,8 @@ def resolve(config: JobConfig) -> JobConfig:
     the trainer's: the embedded engine in float32, synchronous, no top-p, no correction; a
     bfloat16 decoder and a bfloat16 forward round differently) and
     ``executor.rollout_workers`` (asynchronous on Ray: at least one per generator),
-    ``reward.overlong_buffer`` (None: a third of ``rollout.max_new_tokens``) and, with a
+    ``reward.overlong_buffer`` (None: a third of ``rollout.max_new_tokens``), ``trainer.threads``
+    (0: the count torch uses here, recorded so a replay computes as the run did) and, with a
     critic, ``critic.max_tokens_per_micro_batch`` (None: the actor's token budget). Resolving a
     resolved config changes nothing."""
     device = config.model.device
@@ -51,7 +52,10 @@ def resolve(config: JobConfig) -> JobConfig:
     reward = config.reward
     if reward.overlong_buffer is None:
         reward = attrs.evolve(reward, overlong_buffer=rollout.max_new_tokens // 3)
-    return attrs.evolve(config, model=attrs.evolve(config.model, device=device), reward=reward,
+    trainer = config.trainer
+    if not trainer.threads:
+        trainer = attrs.evolve(trainer, threads=torch.get_num_threads())
+    return attrs.evolve(config, model=attrs.evolve(config.model, device=device), reward=reward, trainer=trainer,
                         algorithm=attrs.evolve(algorithm, rollout_correction=correction),
                         actor=attrs.evolve(actor, recompute_old_logprobs=recompute), executor=executor, critic=critic)
 

@@ -24,7 +24,7 @@ from purerl.config.loading import flatten
 from purerl.io.checkpoint import latest_checkpoint, remove_partial_checkpoints
 from purerl.io.metrics import MetricsLog
 
-__all__ = ["RunFolder", "RunFolderError", "check_resume_config", "save_run_config"]
+__all__ = ["RunFolder", "RunFolderError", "check_resume_config", "held_by", "save_run_config"]
 
 CONFIG = "config.json"
 LOCK = ".lock"
@@ -177,3 +177,17 @@ def check_resume_config(path: str | Path, config: Mapping[str, Any], may_change:
                              f"{', '.join(sorted(may_change))}); start a new run in another "
                              "--out-dir or with --overwrite")
     return True
+
+
+def held_by(path: str | Path) -> str | None:
+    """The PID of the run holding the folder ``path`` now (its ``.lock`` is locked), or None."""
+    lock = Path(path) / LOCK
+    if not lock.exists():
+        return None
+    with lock.open("r") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "?"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
