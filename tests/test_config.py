@@ -148,8 +148,9 @@ def test_a_reward_model_and_a_user_function_score_together_locally(tmp_path):
     _tiny_job(tmp_path, "--reward-model", str(model), f"reward.fn={tmp_path / 'my_reward.py'}:compute_score",
               "reward.model_weight=0.5", "algorithm.adv_estimator=gdpo", steps=2)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:  # the user's function gave 0.25 to every response: the rest is the model's half
-        assert r["critic/score/mean"] == pytest.approx(0.25 + 0.5 * r["reward/model_mean"], abs=1e-5)
+    for r in rows:  # the user's function gave 0.25 to every response: the rest is the model's half (and the shaping)
+        assert r["critic/score/mean"] == pytest.approx(0.25 + 0.5 * r["reward/model_mean"]
+                                                       + r["reward/overlong_penalty_mean"], abs=1e-5)
         assert r["reward/errors"] == 0
 
 

@@ -69,7 +69,10 @@ def _shaping(recipe: str) -> list[str]:
     """A recipe that names no overlong buffer runs without one, as recorded before the buffer became a
     default (a third of the budget): these runs pin their reward as they pin ``reward.fn``; the shaping's
     maths stays pinned by ``dapo.toml``, which names its buffer."""
-    return [] if "overlong_buffer" in (ROOT / "examples" / recipe).read_text() else ["reward.overlong_buffer=0"]
+    from purerl.config.loading import load_file
+
+    named = "overlong_buffer" in load_file(ROOT / "examples" / recipe).get("reward", {})
+    return [] if named else ["reward.overlong_buffer=0"]
 
 
 def _digest(path: Path) -> str:
