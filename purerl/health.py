@@ -13,7 +13,8 @@ and its line, which names the step, what was seen and the setting or file to loo
 lacks a symptom's signal (a critic warm-up step has no policy gradient) leaves that symptom as it
 was. The signals are metrics the step already reports, and two the sampling adds for this
 (:func:`purerl.loop.sampling.joined_batch`): ``health/no_signal_frac`` (groups whose rewards are
-all equal) and ``health/rule_positive_frac`` (samples the task's reward scored above 0).
+all equal), ``health/reward_spread`` (the step's highest reward less its lowest) and
+``health/rule_positive_frac`` (samples the task's reward scored above 0).
 """
 
 from collections.abc import Callable, Iterable, Mapping
@@ -30,8 +31,10 @@ __all__ = ["SYMPTOMS", "Context", "Event", "HealthLimits", "HealthState", "Monit
 class HealthLimits:
     """When a symptom is reported (defaults chosen from the main job's seeds, BENCHMARKS.md "Learns on
     every seed"): ``patience`` steps in a row; ``cut_share`` of responses cut at
-    ``rollout.max_new_tokens``; ``no_signal_share`` of groups whose rewards are all equal; the
-    task's reward above 0 for no sample; ``actor/entropy`` below ``entropy_floor`` nats per token;
+    ``rollout.max_new_tokens``; ``no_signal_share`` of groups whose rewards are all equal while most
+    samples fail (groups alike because the task is solved are no symptom: a learned main job has
+    most of its groups all right); every reward of a step equal; the task's reward above 0 for no
+    sample; ``actor/entropy`` below ``entropy_floor`` nats per token;
     the engine's log-probs ``logprob_gap`` nats per token (mean) from the trainer's; a gradient
     norm over ``grad_norm_factor`` × ``actor.grad_clip`` (clipping alone is no symptom: the main
     job's norm is 2–5× its clip of 1.0 on nearly every healthy step), or of 0 while some rows had
@@ -79,7 +82,13 @@ def _cut(row, limits, context, best):
 def _no_signal(row, limits, context, best):
     if not _has(row, "health/no_signal_frac", "health/rule_positive_frac"):
         return None
-    return row["health/rule_positive_frac"] > 0 and row["health/no_signal_frac"] > limits.no_signal_share
+    return 0 < row["health/rule_positive_frac"] < 0.5 and row["health/no_signal_frac"] > limits.no_signal_share
+
+
+def _constant(row, limits, context, best):
+    if not _has(row, "health/reward_spread", "health/rule_positive_frac"):
+        return None
+    return row["health/rule_positive_frac"] > 0 and row["health/reward_spread"] == 0
 
 
 def _dead_reward(row, limits, context, best):
@@ -119,8 +128,12 @@ SYMPTOMS: dict[str, Symptom] = {
         f"reward.overlong_buffer, and read the responses in {context.samples}")),
     "no_signal": Symptom(_no_signal, lambda row, limits, context, steps: (
         f"{row['health/no_signal_frac']:.0%} of groups scored alike (over {limits.no_signal_share:.0%} for {steps} "
-        "steps): their advantages are 0 and nothing is learned from them; the task is too hard or too easy for the "
-        "model: a larger rollout.n, algorithm.dynamic_sampling=true, or other data.difficulty")),
+        f"steps) while {row['health/rule_positive_frac']:.0%} of samples were rewarded: those groups have "
+        "advantages of 0 and teach nothing; the task is too hard for the model: a larger rollout.n, "
+        "algorithm.dynamic_sampling=true, or easier data")),
+    "constant_reward": Symptom(_constant, lambda row, limits, context, steps: (
+        f"every sample of the step got the same reward for {steps} steps: nothing tells answers apart; read "
+        f"{context.samples} and check reward.fn (a reward that accepts anything, or a task already solved)")),
     "dead_reward": Symptom(_dead_reward, lambda row, limits, context, steps: (
         f"the task's reward gave no sample more than 0 for {steps} steps: read {context.samples} (each response, "
         "its reward and the reference) and check reward.fn against what the model writes")),

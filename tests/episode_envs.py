@@ -143,3 +143,13 @@ class LockedState:
 
     def step(self, state, action):
         return StepResult(state, [], 1.0, True, "answer")
+
+
+class StringReset(_Returns):
+    """``reset`` returns the first message's text instead of ``(state, messages)``."""
+
+    def reset(self, task, seed):
+        return task.messages[0]["content"]
+
+    def result(self, state):
+        return StepResult(state, [], 1.0, True, "answer")

@@ -78,7 +78,8 @@ def test_an_environment_returning_a_none_reward_costs_its_episodes_recorded_like
     summary = run_job([*BAD, "--env", "tests.episode_envs:NoneReward", "--out-dir", str(out)])
     assert summary["steps"] == 2
     for row in summary["records"]:  # every episode failed: penalised, counted, not trained on silently
-        assert row["episode/env_errors"] == 4 and row["reward/errors"] == 4 and row["critic/score/mean"] == -1.0
+        assert row["episode/env_errors"] == 4 and row["reward/errors"] == 4
+        assert row["critic/score/mean"] == -1.0 + row["reward/overlong_penalty_mean"]  # the penalty, and the shaping
         assert row["episode/finish/env_error"] == 1.0
     errors = [json.loads(line) for line in (out / "reward_errors.jsonl").read_text().splitlines()]
     assert len(errors) == 8 and {e["step"] for e in errors} == {1, 2}
@@ -112,3 +113,12 @@ def test_an_sft_warm_up_with_an_environment_that_writes_no_demonstrations_is_ref
     with pytest.raises(DataError, match="env.sft_steps: environment tests.episode_envs:GuessEnv writes no demonstrations"):
         run_job([*GUESS, "env.sft_steps=2", "--out-dir", str(out)])
     assert not (out / "baseline.json").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_an_environment_whose_reset_breaks_the_protocol_is_one_line_naming_it(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "grpo_math.py"), *BAD,
+                           "--env", "tests.episode_envs:StringReset", "--out-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert "environment StringReset: reset on task 0" in line and "returned str" in line and "not (state, messages)" in line

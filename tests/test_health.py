@@ -12,10 +12,12 @@ from tests.jobs import run_job
 
 MONITOR = Monitor(HealthLimits(patience=2), Context(max_new_tokens=48, grad_clip=1.0, samples="run/samples.jsonl"))
 HEALTHY = {"response_length/clip_ratio": 0.1, "health/no_signal_frac": 0.3, "health/rule_positive_frac": 0.4,
+           "health/reward_spread": 1.0,
            "actor/entropy": 0.8, "rollout/logprob_gap_mean": 0.0, "actor/grad_norm": 3.0,
            "actor/skipped_rows_frac": 0.3}
 SICK = {"cut_responses": {"response_length/clip_ratio": 0.9},
         "no_signal": {"health/no_signal_frac": 1.0},
+        "constant_reward": {"health/reward_spread": 0.0},
         "dead_reward": {"health/rule_positive_frac": 0.0},
         "entropy_collapse": {"actor/entropy": 0.001},
         "logprob_drift": {"rollout/logprob_gap_mean": 0.5},
@@ -57,6 +59,11 @@ def test_held_out_accuracy_falling_below_its_best_is_reported_at_that_evaluation
     assert [(e.step, e.symptom, e.started) for e in events] == [(3, "heldout_drop", True),
                                                                  (4, "heldout_drop", False)]
     assert "30.0%" in events[0].line and "actor.lr" in events[0].line
+
+
+def test_groups_alike_because_the_task_is_solved_are_no_symptom():
+    solved = {"health/no_signal_frac": 1.0, "health/rule_positive_frac": 0.9}  # a learned main job's last steps
+    assert MONITOR.fold(_rows(solved, solved, solved))[1] == []
 
 
 def test_no_signal_defers_to_a_dead_reward_and_lines_name_what_to_look_at():
@@ -102,11 +109,13 @@ def test_a_healthy_tiny_run_prints_no_health_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case, symptom", [("never_fires", "dead_reward"), ("all_cut", "cut_responses"),
-                                           ("huge_lr", "zero_gradient"), ("equal_rewards", "no_signal")])
+                                           ("huge_lr", "cut_responses"), ("equal_rewards", "constant_reward")])
 def test_each_provoked_symptom_prints_its_line_and_lands_in_metrics_and_summary(tmp_path, capsys, case, symptom):
     argv = {"never_fires": lambda: [STOPS, _rewards(tmp_path, 0.0, "never_fires")],
             "all_cut": lambda: [DIGITS, "--max-new-tokens", "2"],
-            "huge_lr": lambda: [STOPS, DIGITS, "--lr", "1e6", "--warmup-steps", "0"],
+            # 0.1: a policy wrecked in two steps, repeating one token to the limit (1e6 or more: the update's
+            # norm guard stops the run at its first step, tests/test_update_guard.py)
+            "huge_lr": lambda: [STOPS, DIGITS, "--lr", "0.1", "--warmup-steps", "0", "--steps", "8"],
             "equal_rewards": lambda: [STOPS, _rewards(tmp_path, 1.0, "equal_rewards"),
                                       "reward.overlong_buffer=0"]}[case]()
     summary = run_job([*BASE, *argv, "--out-dir", str(tmp_path / "run")])

@@ -103,3 +103,15 @@ def test_a_judge_without_a_tokenizer_or_with_a_larger_one_is_refused_in_one_line
     char_tokenizer(chatml=True).save_pretrained(folder)  # two tokens more than the model's vocabulary
     with pytest.raises(DataError, match="its tokenizer has 101 tokens, its model 99"):
         run_job(["--tiny", "--steps", "1", f"reward.judge={folder}", "--out-dir", str(tmp_path / "run")])
+
+
+def test_a_judge_prompt_may_show_json_braces():
+    from purerl.rewards.judge import fill
+
+    template = 'Q {question} ref {answer}\nAnswer to grade: {response}\nReply {"score": N}, or {{"score": N}}.'
+    assert fill(template, question="q", answer="a", response="r") == \
+        'Q q ref a\nAnswer to grade: r\nReply {"score": N}, or {"score": N}.'
+    tokenizer = char_tokenizer(chatml=True)
+    judge = _judge(tokenizer, {"#### 12": "Score: 10"})
+    judge = Judge(judge.engine, tokenizer, JudgeSettings(template=template))
+    assert judge(["What is 3*4?"], ["#### 12"], ["12"]).values == [1.0]

@@ -106,10 +106,15 @@ def run_episodes(engine: RolloutEngine, env: Env, codec: ChatCodec, tasks: Seque
     starts = []
     for i, (task, seed) in enumerate(zip(tasks, seeds)):
         try:
-            starts.append(env.reset(task, seed))
+            start = env.reset(task, seed)
         except Exception as err:  # a bug or a bad row: name both
             raise ValueError(f"environment {type(env).__qualname__}: reset failed on task {i} ({task.data_source}, "
                              f"seed {seed}): {type(err).__name__}: {err}") from err
+        if not (isinstance(start, tuple) and len(start) == 2 and isinstance(start[1], (list, tuple))):
+            raise ValueError(f"environment {type(env).__qualname__}: reset on task {i} ({task.data_source}, seed "
+                             f"{seed}) returned {type(start).__name__} {str(start)[:60]!r}, not (state, messages): the "
+                             "state the episode starts from and its first messages, a list of {'role', 'content'}")
+        starts.append(start)
     prompts = [codec.initial_ids(messages, **(template_kwargs or {})) for _, messages in starts]
     for i, p in enumerate(prompts):
         if len(p) >= limits.max_tokens:

@@ -211,12 +211,14 @@ def signal_metrics(scores: Float[Tensor, " b"], group: Int[Tensor, " b"], rule_p
                    rows: float) -> dict[str, float]:
     """What the health monitor (:mod:`purerl.health`) reads beyond the step's own metrics: the
     fraction of the batch's groups whose rewards are all equal (``health/no_signal_frac``: their
-    advantages are 0) and of every sampled response whose task reward was above 0
-    (``health/rule_positive_frac``, ``rule_positive`` of ``rows``)."""
+    advantages are 0), the spread of its rewards (``health/reward_spread``, max − min) and the fraction
+    of every sampled response whose task reward was above 0 (``health/rule_positive_frac``,
+    ``rule_positive`` of ``rows``)."""
     varied = varied_groups(scores, group)
     groups = torch.unique(group)
     varied_count = torch.unique(group[varied]).numel()
-    return {"health/no_signal_frac": 1.0 - varied_count / max(groups.numel(), 1),
+    spread = float(scores.max() - scores.min()) if scores.numel() else 0.0
+    return {"health/no_signal_frac": 1.0 - varied_count / max(groups.numel(), 1), "health/reward_spread": spread,
             "health/rule_positive_frac": rule_positive / max(rows, 1.0)}
 
 

@@ -10,6 +10,7 @@ and mapped to ``[0, 1]``. A verdict without a match, or stopped by the deadline,
 error: counted with the reward errors, its message kept, the response scored ``penalty``.
 """
 
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ class Judge:
         self._lock = threading.Lock()  # asynchronous generators share the judge: one call at a time
 
     def prompt_ids(self, question: str, response: str, answer: str) -> list[int]:
-        text = self.settings.template.format(question=question, response=response, answer=answer)
+        text = fill(self.settings.template, question=question, response=response, answer=answer)
         ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                                  add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -72,3 +73,11 @@ class Judge:
                 value = settings.penalty
             values.append(value)
         return Scores(values, errors, timeouts, messages)
+
+
+def fill(template: str, **fields: str) -> str:
+    """``template`` with each ``{name}`` of ``fields`` replaced, every other brace kept as written (a prompt
+    may show JSON such as ``{"score": N}``; ``{{`` and ``}}`` still read as one brace)."""
+    parts = re.split(r"(\{(?:" + "|".join(map(re.escape, fields)) + r")\})", template)
+    return "".join(str(fields[p[1:-1]]) if i % 2 else p.replace("{{", "{").replace("}}", "}")
+                   for i, p in enumerate(parts))
