@@ -3,10 +3,12 @@ equal the trainer's under that version's params.
 
 Weights that were not applied, or arrived corrupted (a LoRA adapter binding no module, a tensor
 scrambled or cut on the way, a stale prepacked copy), sample from another policy than the one
-trained, silently. The check is one greedy continuation of a fixed prompt on the engine (the
-log-probs every backend returns with its tokens, untempered for greedy decoding) and one forward of
-the same ids through the trainer's model with the published params: a few dozen tokens, cheap
-enough to run on every sync (BENCHMARKS.md, "The weight-sync canary").
+trained, silently. The check is one greedy token after a fixed prompt on the engine (the log-prob
+every backend returns with its tokens, untempered for greedy decoding: one prefill) and one forward of
+the same ids through the trainer's model with the published params: two passes over the weights at
+a handful of tokens, cheap enough to run on every sync (BENCHMARKS.md, "The weight-sync canary").
+A scrambled, scaled or missing tensor moves the next-token distribution of any prompt, so one token
+tells.
 """
 
 import attrs
@@ -19,8 +21,8 @@ from purerl.state import RngState
 
 __all__ = ["CANARY_PROMPT", "Canary", "CanaryError"]
 
-CANARY_PROMPT = tuple(range(1, 17))
-"""Token ids 1…16 (every vocabulary has them): any fixed ids do; what matters is that both sides read the same."""
+CANARY_PROMPT = tuple(range(1, 9))
+"""Token ids 1…8 (every vocabulary has them): any fixed ids do; what matters is that both sides read the same."""
 
 
 class CanaryError(RuntimeError):
@@ -31,10 +33,10 @@ class CanaryError(RuntimeError):
 class Canary:
     """The check bound to the trainer's model: ``tokens`` greedy tokens after ``prompt``, and the
     largest log-prob difference per token that passes, ``tolerance`` (nats; float32 engines agree
-    to ~1e-5, bfloat16 to ~1e-1)."""
+    to ~1e-3: the engine's decode kernels are not the trainer's; bfloat16 to ~1e-1)."""
 
     policy: CausalLM
-    tokens: int = 8
+    tokens: int = 1
     tolerance: float = 1e-2
     prompt: tuple[int, ...] = CANARY_PROMPT
 
