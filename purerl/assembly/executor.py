@@ -50,9 +50,10 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
 
 def canary_of(config: JobConfig, model: CausalLM) -> Canary | None:
     """The weight-sync check (``executor.sync_canary``), its tolerance the compute dtype's: float32 engines
-    agree with the trainer to ~1e-3 nats per token (SmolLM2: 3e-4), bfloat16 ones (or vLLM's kernels) to a
-    tenth of a nat or so."""
+    agree with the trainer to ~1e-3 nats per token (SmolLM2: up to 1.1e-3 over a run, which stopped a run
+    under a tolerance of 1e-3), bfloat16 ones (or vLLM's kernels) to a tenth of a nat or so; a corrupted
+    tensor moves it by far more."""
     if not config.executor.sync_canary:
         return None
     exact = config.model.dtype == "float32" and config.rollout.engine == "torch"
-    return Canary(model, tolerance=1e-2 if exact else 0.5)
+    return Canary(model, tolerance=5e-2 if exact else 0.5)
