@@ -71,51 +71,55 @@ class Symptom:
     patience: Callable[[HealthLimits], int] = lambda limits: limits.patience
 
 
-def _has(row: Mapping[str, Any], *keys: str) -> bool:
+Row = Mapping[str, Any]
+"""One row of ``metrics.jsonl``: a step's metrics (and its evaluation's, at evaluation steps)."""
+
+
+def _has(row: Row, *keys: str) -> bool:
     return all(isinstance(row.get(k), (int, float)) for k in keys)
 
 
-def _cut(row, limits, context, best):
+def _cut(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
     return row["response_length/clip_ratio"] > limits.cut_share if _has(row, "response_length/clip_ratio") else None
 
 
-def _no_signal(row, limits, context, best):
+def _no_signal(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
     if not _has(row, "health/no_signal_frac", "health/rule_positive_frac"):
         return None
     return 0 < row["health/rule_positive_frac"] < 0.5 and row["health/no_signal_frac"] > limits.no_signal_share
 
 
-def _constant(row, limits, context, best):
+def _constant(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
     if not _has(row, "health/reward_spread", "health/rule_positive_frac"):
         return None
     return row["health/rule_positive_frac"] > 0 and row["health/reward_spread"] == 0
 
 
-def _dead_reward(row, limits, context, best):
+def _dead_reward(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
     return row["health/rule_positive_frac"] == 0 if _has(row, "health/rule_positive_frac") else None
 
 
-def _entropy(row, limits, context, best):
+def _entropy(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
     return row["actor/entropy"] < limits.entropy_floor if _has(row, "actor/entropy") else None
 
 
-def _drift(row, limits, context, best):
+def _drift(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
     return row["rollout/logprob_gap_mean"] > limits.logprob_gap if _has(row, "rollout/logprob_gap_mean") else None
 
 
-def _grad_norm(row, limits, context, best):
+def _grad_norm(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
     if not _has(row, "actor/grad_norm"):
         return None
     return row["actor/grad_norm"] > limits.grad_norm_factor * context.grad_clip
 
 
-def _zero_gradient(row, limits, context, best):
+def _zero_gradient(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
     if not _has(row, "actor/grad_norm"):
         return None
     return row["actor/grad_norm"] == 0 and row.get("actor/skipped_rows_frac", 0.0) < 1
 
 
-def _dropped(row, limits, context, best):
+def _dropped(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
     if not _has(row, "val/accuracy") or best is None:
         return None
     return best - row["val/accuracy"] > limits.eval_drop
