@@ -41,7 +41,7 @@ from purerl.config.rules import resolve
 from purerl.io.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import RecordError, load_record
-from purerl.io.run_folder import CONFIG, held_by
+from purerl.io.run_folder import CONFIG, RunFolderError, check_teacher, held_by, weights_fingerprint
 from purerl.models import value_and_grad
 from purerl.tree import tree_equal, tree_map
 
@@ -93,6 +93,11 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
     model, params, tokenizer = load_policy(config)
     critic, critic_params = load_critic(config, model, params)
     teacher = load_teacher(config, model, tokenizer)
+    if teacher is not None:
+        try:
+            check_teacher(run_dir, config.distill.teacher, weights_fingerprint(teacher.params), record=False)
+        except RunFolderError as err:
+            raise ReplayError(f"replay: {err}") from None
     state = _state_at(run_dir, config, from_step, initial_state(config, params, critic_params))
     step_fn = step_function(config)
     device = next(iter(params.values())).device

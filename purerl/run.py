@@ -41,7 +41,7 @@ from purerl.health import report as health_report
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import drop_records_after, records_bytes
-from purerl.io.run_folder import RunFolder, check_resume_config, save_run_config
+from purerl.io.run_folder import RunFolder, check_resume_config, check_teacher, save_run_config, weights_fingerprint
 from purerl.loop.async_train import train_async
 from purerl.loop.evaluation import evaluate
 from purerl.loop.recording import record_reward_errors
@@ -121,6 +121,8 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
         print(f"removed {leftover}, an unfinished checkpoint write", flush=True)
     if not resume or not (run_dir / "config.json").exists():
         save_run_config(run_dir, recorded)
+    if teacher is not None:  # a swapped teacher would silently change what the run learns from
+        check_teacher(run_dir, config.distill.teacher, weights_fingerprint(teacher.params), record=not resume)
     sft: dict[str, Any] = {}
     if config.env.sft_steps and not (resume and latest_checkpoint(run_dir / "checkpoints") is not None):
         with _timed(phases, "sft"):

@@ -250,3 +250,21 @@ def test_the_teachers_scores_agree_on_the_training_ranks_and_on_a_pool_of_its_ow
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     for name, value in want_state.policy.items():
         torch.testing.assert_close(got_state.policy[name], value, rtol=0, atol=1e-5)
+
+
+def test_a_swapped_teacher_is_named_on_replay_and_on_resume(tmp_path):
+    import shutil
+
+    from purerl.io.run_folder import RunFolderError
+    from purerl.replay import ReplayError, replay
+
+    teacher = tiny_teacher(tmp_path / "teacher")
+    out = tmp_path / "run"
+    argv = ["--tiny", *SMALL, "--teacher", str(teacher), "--checkpoint-every", "1", "--out-dir", str(out)]
+    run_job([*argv, "--steps", "2"])
+    shutil.rmtree(teacher)
+    tiny_teacher(teacher, seed=7)  # other weights at the same path
+    with pytest.raises(ReplayError, match=r"distill.teacher .*: its weights are not the ones this run trained"):
+        replay(out, out=lambda line: None)
+    with pytest.raises(RunFolderError, match=r"distill.teacher .*: its weights are not the ones this run trained"):
+        run_job([*argv, "--steps", "3", "--resume"])

@@ -24,7 +24,8 @@ from purerl.config.loading import flatten
 from purerl.io.checkpoint import latest_checkpoint, remove_partial_checkpoints
 from purerl.io.metrics import MetricsLog
 
-__all__ = ["RunFolder", "RunFolderError", "check_resume_config", "held_by", "save_run_config"]
+__all__ = ["RunFolder", "RunFolderError", "check_resume_config", "check_teacher", "held_by", "save_run_config",
+           "weights_fingerprint"]
 
 CONFIG = "config.json"
 LOCK = ".lock"
@@ -191,3 +192,37 @@ def held_by(path: str | Path) -> str | None:
             return f.read().strip() or "?"
         fcntl.flock(f, fcntl.LOCK_UN)
     return None
+
+
+TEACHER = "teacher.json"
+
+
+def weights_fingerprint(params: Mapping[str, Any]) -> str:
+    """A short digest of a params tree: every name, shape and dtype, and each tensor's sum and first and
+    last values (cheap on any size; two checkpoints of one model differ in it)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(params):
+        t = params[name].detach()
+        flat = t.reshape(-1)
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(torch.cat([flat[:16], flat[-16:], flat.double().sum().reshape(1).to(flat.dtype)])
+                 .float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_teacher(path: str | Path, teacher: str, fingerprint: str, *, record: bool) -> None:
+    """Record (``record``: a new run) or check the distillation teacher a run trains against, in
+    ``teacher.json``: a teacher whose weights are not the recorded ones is refused in one line."""
+    file = Path(path) / TEACHER
+    if record or not file.exists():
+        file.write_text(json.dumps({"teacher": teacher, "fingerprint": fingerprint}) + "\n")
+        return
+    recorded = json.loads(file.read_text())
+    if recorded.get("fingerprint") != fingerprint:
+        raise RunFolderError(f"distill.teacher {teacher}: its weights are not the ones this run trained against "
+                             f"(fingerprint {fingerprint}, recorded {recorded.get('fingerprint')} for "
+                             f"{recorded.get('teacher')} in {file}): restore that teacher, or start a new run")
