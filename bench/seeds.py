@@ -62,7 +62,7 @@ def seed_row(seed: int, folder: Path) -> dict:
     """One finished run as a row of the table."""
     summary = json.loads((folder / "summary.json").read_text())
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    health = summary.get("health") or _health_of(folder, rows)
+    health = _health_of(folder, rows)  # today's monitor over the rows (a run's summary may hold an older one's)
     return {"seed": seed, "accuracy_before": summary["accuracy_before"], "accuracy_after": summary["accuracy_after"],
             "gain_points": summary["accuracy_gain_points"],
             "cut_last10": tail_mean(rows, "response_length/clip_ratio"),
@@ -73,8 +73,8 @@ def seed_row(seed: int, folder: Path) -> dict:
 
 
 def _health_of(folder: Path, rows: list[dict]) -> dict:
-    """The health report of a run that ran before the monitor existed: its rows folded by today's monitor (the
-    signals it did not log yet, ``health/*``, leave their symptoms unread)."""
+    """The health report of a run: its rows folded by today's monitor (signals a run from before it did not
+    log, ``health/*``, leave their symptoms unread)."""
     sys.path.insert(0, str(ROOT))
     from purerl.health import Context, HealthLimits, Monitor, report
 

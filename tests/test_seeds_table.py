@@ -1,0 +1,33 @@
+"""``bench/seeds.py``: a job's seeds in one table, from their run folders."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+_SPEC = importlib.util.spec_from_file_location("seeds", Path(__file__).parents[1] / "bench" / "seeds.py")
+seeds = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(seeds)
+
+
+def _run(folder: Path, gain: float, cut: float) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"accuracy_before": 0.2, "accuracy_after": 0.2 + gain / 100,
+                                                     "accuracy_gain_points": gain, "wall_seconds": 100.0}))
+    rows = [{"step": s, "response_length/clip_ratio": 0.0 if s <= 20 else cut, "critic/score/mean": 0.5,
+             "health/rule_positive_frac": 0.5, "health/no_signal_frac": 0.2, "health/reward_spread": 1.0}
+            for s in range(1, 31)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "config.json").write_text(json.dumps({"rollout": {"max_new_tokens": 48}, "actor": {"grad_clip": 1.0}}))
+    return folder
+
+
+def test_the_table_has_each_seed_its_spread_and_the_runs_that_ended_cut(tmp_path):
+    assert seeds.seed_list("0-2,5") == [0, 1, 2, 5]
+    rows = [seeds.seed_row(0, _run(tmp_path / "seed_0", 60.0, 0.0)),
+            seeds.seed_row(1, _run(tmp_path / "seed_1", 40.0, 0.9))]
+    assert rows[0]["cut_last10"] == 0.0 and rows[1]["cut_last10"] == 0.9
+    assert rows[1]["unhealthy_at_end"] == ["cut_responses"] and rows[0]["unhealthy_at_end"] == []
+    over = seeds.spread(rows)
+    assert over["mean_gain"] == 50.0 and over["min_gain"] == 40.0 and over["runs_over_20pct_cut"] == 1
+    assert round(over["sd_gain"], 3) == round(200 ** 0.5, 3)
+    assert "| 1 | 20.0% → 60.0% | +40.0 | 90% |" in seeds.table(rows, over)
