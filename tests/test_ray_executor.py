@@ -510,7 +510,8 @@ def test_the_job_scores_with_a_reward_model_and_a_user_function_on_reward_worker
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["critic/score/mean"] == pytest.approx(0.25 + 0.5 * r["reward/model_mean"], abs=1e-5)
+        assert r["critic/score/mean"] == pytest.approx(0.25 + 0.5 * r["reward/model_mean"]
+                                                       + r["reward/overlong_penalty_mean"], abs=1e-5)
 
 
 def test_offloading_params_and_optimizer_state_leaves_every_weight_unchanged(ray_cluster):
