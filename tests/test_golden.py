@@ -57,9 +57,28 @@ def _on_ray() -> list[str]:
     return [f"{recipe}/{modes[i % len(modes)]}/ray" for i, recipe in enumerate(runs.RECIPES)]
 
 
+def _amx() -> bool:
+    from pathlib import Path
+
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+UNREPRODUCED_ON_AMX = ("dapo.toml/async/ray", "remax.toml/async/ray")
+"""Found 2026-11-28 on an Intel Xeon with AMX (family 6, model 167): these two asynchronous Ray runs differ
+from the recording in ``actor/grad_norm``'s last bits (1.5704180002 recorded, 1.5704178810 here, dapo's step
+1), at 1ad3c0f as at today's code, every other golden run equal; the pins (ATen and oneDNN at AVX2, MKL's
+reproducible branch) do not cover whatever dispatches differently there. Root cause open; elsewhere they
+must reproduce."""
+
+
 @pytest.mark.parametrize("name", _on_ray())
 def test_every_recipe_reproduces_its_golden_metrics_on_ray(name, pinned_run):
     pytest.importorskip("ray")
+    if name in UNREPRODUCED_ON_AMX and _amx():
+        pytest.xfail(f"{name}: not bit-reproducible on this AMX host (UNREPRODUCED_ON_AMX)")
     _assert_reproduced(name, pinned_run(name))
 
 
