@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # purerl from this checkout (the health monitor), installed or not
 LAST, CUT_SHARE = 10, 0.2
 
 
@@ -75,7 +76,6 @@ def seed_row(seed: int, folder: Path) -> dict:
 def _health_of(folder: Path, rows: list[dict]) -> dict:
     """The health report of a run: its rows folded by today's monitor (signals a run from before it did not
     log, ``health/*``, leave their symptoms unread)."""
-    sys.path.insert(0, str(ROOT))
     from purerl.health import Context, HealthLimits, Monitor, report
 
     config = json.loads((folder / "config.json").read_text())

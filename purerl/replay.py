@@ -43,7 +43,7 @@ from purerl.io.metrics import MetricsLog
 from purerl.io.records import RecordError, load_record
 from purerl.io.run_folder import CONFIG, RunFolderError, check_teacher, held_by, weights_fingerprint
 from purerl.models import value_and_grad
-from purerl.tree import tree_equal, tree_map
+from purerl.tree import tree_equal, tree_leaves, tree_map
 
 __all__ = ["HEADLINE", "REPLAYABLE", "compare", "replay"]
 
@@ -162,8 +162,6 @@ def _recorded_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 def _tree_close(a: Any, b: Any) -> bool:
     """Whether two states' tensors are equal within :data:`RTOL` / :data:`ATOL` (other leaves exactly)."""
-    from purerl.tree import tree_leaves
-
     left, right = tree_leaves(a), tree_leaves(b)
     if len(left) != len(right):
         return False

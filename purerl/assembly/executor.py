@@ -36,6 +36,10 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
                              reward_model=config.reward.model, teacher=teacher, canary=canary_of(config, model))
     from purerl.executors.ray import RayExecutor
 
+    if config.executor.sync_canary:  # said, not silently skipped
+        print("executor.sync_canary: the Ray executor's weight syncs are not canary-checked yet (the local "
+              "executor's are); executor.sync_checksum=true checks their bytes", flush=True)
+
     ray_init = {"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir else None
     from purerl.executors.fsdp import Offload
 

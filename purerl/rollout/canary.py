@@ -44,12 +44,10 @@ class Canary:
         """The largest ``|log π_engine − log π_trainer|`` over the canary's tokens, the engine holding ``version``."""
         rollout = engine.generate([list(self.prompt)], SamplingParams(max_new_tokens=self.tokens, temperature=0.0, n=1),
                                   RngState(0), version=version)
-        seqs = rollout.sequences
         with torch.no_grad():
-            trainer = response_logprobs(self.policy, params, seqs)
-        mask = seqs.response_mask
+            trainer = response_logprobs(self.policy, params, rollout.sequences)
         engine_side = rollout.behaviour_logprobs.to(trainer.device)
-        mask = mask.to(trainer.device)
+        mask = rollout.sequences.response_mask.to(trainer.device)
         return float(((engine_side - trainer).abs() * mask).max()) if mask.any() else 0.0
 
     def check(self, engine: RolloutEngine, params: Params, version: int, name: str) -> None:
