@@ -5,7 +5,7 @@ a ``--config``, flags, ``key=value``), ``--lanes`` runs at a time, each on one t
 ``OUT/seed_S`` (a seed whose ``summary.json`` is there already is read, not run again: rerun the
 command to finish an interrupted sweep). Then it writes, per seed, the held-out gain, the share of
 responses cut at the length limit and the train reward over the last 10 steps, the wall time and
-the health symptoms the run ended with (:mod:`purerl.loop.health`), and over the seeds the mean
+the health symptoms the run ended with (:mod:`purerl.health`), and over the seeds the mean
 gain ± its standard deviation, the lowest gain and how many runs ended with over 20 % cut:
 
     python3 bench/seeds.py --seeds 0-19 --out runs/seeds                     # the main job
