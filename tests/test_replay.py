@@ -222,3 +222,14 @@ def test_counterfactuals_refuse_what_they_cannot_honour_and_say_what_changed(grp
     assert main([str(out), "--to-step", "2", "actor.clip_high=0.2"]) == 0
     printed = capsys.readouterr().out
     assert "actor/pg_loss:" in printed and "in the run" in printed and "replayed" in printed
+
+
+def test_a_ray_run_on_two_ranks_replays_here_within_a_tolerance_saying_why(ray_cluster, tmp_path, capsys):
+    out = tmp_path / "ray"
+    run_job([*TINY, "--steps", "2", "--executor", "ray", "--train-ranks", "2", "--rollout-workers", "1",
+             "--out-dir", str(out)])
+    capsys.readouterr()
+    assert main([str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "comparing within a tolerance" in printed and "sharded over 2 FSDP2 ranks" in printed, printed
+    assert printed.strip().endswith("every metric and the state within tolerance"), printed

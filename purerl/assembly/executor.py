@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from purerl.assembly.stages import step_function
+from purerl.assembly.stages import step_function, sync_tolerance_of
 from purerl.config.job import JobConfig
 from purerl.executors.base import Executor
 from purerl.executors.local import LocalExecutor
@@ -36,9 +36,10 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
                              reward_model=config.reward.model, teacher=teacher, canary=canary_of(config, model))
     from purerl.executors.ray import RayExecutor
 
-    if config.executor.sync_canary:  # said, not silently skipped
-        print("executor.sync_canary: the Ray executor's weight syncs are not canary-checked yet (the local "
-              "executor's are); executor.sync_checksum=true checks their bytes", flush=True)
+    if config.executor.sync_canary and config.asynchronous.enable:  # said, not silently skipped
+        print("executor.sync_canary: on Ray, a batch is checked when the newest weights version sampled it "
+              "(staleness 0); a generator's pulls of older versions are not checked (the local executor's "
+              "are); executor.sync_checksum=true checks their bytes", flush=True)
 
     ray_init = {"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir else None
     from purerl.executors.fsdp import Offload
@@ -53,11 +54,9 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
 
 
 def canary_of(config: JobConfig, model: CausalLM) -> Canary | None:
-    """The weight-sync check (``executor.sync_canary``), its tolerance the compute dtype's: float32 engines
-    agree with the trainer to ~1e-3 nats per token (SmolLM2: up to 1.1e-3 over a run, which stopped a run
-    under a tolerance of 1e-3), bfloat16 ones (or vLLM's kernels) to a tenth of a nat or so; a corrupted
-    tensor moves it by far more."""
-    if not config.executor.sync_canary:
-        return None
-    exact = config.model.dtype == "float32" and config.rollout.engine == "torch"
-    return Canary(model, tolerance=5e-2 if exact else 0.5)
+    """The explicit check after each load of a version into an asynchronous generator's engine
+    (``executor.sync_canary``): every other sync is checked by the step itself, free
+    (:func:`~purerl.assembly.stages.sync_tolerance_of`), but a generator's batch may come from a version
+    the trainer has already moved past, and a checked sync should stop the run before it samples."""
+    tolerance = sync_tolerance_of(config)
+    return None if tolerance is None else Canary(model, tolerance=tolerance)

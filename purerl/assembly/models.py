@@ -72,23 +72,26 @@ def _loadable(path: Path) -> Path:
 def load_teacher(config: JobConfig, model: CausalLM, tokenizer: Any) -> LocalTeacher | None:
     """``distill.teacher`` as a role computed here, frozen in the policy's compute dtype, its
     forwards packed as the policy's are (``actor.packed_forwards``); None without one. A teacher
-    whose vocabulary differs from the policy's (its model's size, or its tokenizer's tokens when
-    the folder has one) raises a one-line ``DataError``."""
+    with fewer vocabulary rows than the policy's tokenizer has tokens, or whose tokenizer (saved in
+    its folder, or in its GGUF file) maps tokens to other ids, raises a one-line ``DataError``; rows
+    beyond the policy's are padding (one family's sizes differ in it), and its scores leave them out."""
     if not config.distill.teacher:
         return None
     path = _loadable(Path(config.distill.teacher))
     teacher, params = load_causal_lm(path, device=driver_device(config))
     where = f"distill.teacher {config.distill.teacher}"
-    if teacher.config.vocab_size != model.config.vocab_size:
-        raise DataError(f"{where}: vocabulary of {teacher.config.vocab_size} tokens, the policy's "
-                        f"{model.config.vocab_size}: a teacher must share the policy's tokenizer")
+    tokens = len(tokenizer) if hasattr(tokenizer, "__len__") else model.config.vocab_size
+    if teacher.config.vocab_size < tokens:  # more rows than tokens is padding, which nothing samples
+        raise DataError(f"{where}: vocabulary of {teacher.config.vocab_size} tokens, fewer than the policy's "
+                        f"tokenizer's {tokens}: a teacher must share the policy's tokenizer")
     theirs = _tokenizer_vocab(path)
     if theirs is not None and hasattr(tokenizer, "get_vocab") and theirs != tokenizer.get_vocab():
         differ = sorted(set(theirs.items()) ^ set(tokenizer.get_vocab().items()))[:1]
         raise DataError(f"{where}: its tokenizer maps tokens to other ids than the policy's (e.g. {differ[0]!r}): "
                         "a teacher must share the policy's tokenizer")
     teacher = attrs.evolve(teacher, compute_dtype=compute_dtype(config), packed=config.actor.packed_forwards)
-    return LocalTeacher(teacher, cast_floating(params, compute_dtype(config)))
+    vocab = model.config.vocab_size if teacher.config.vocab_size > model.config.vocab_size else None
+    return LocalTeacher(teacher, cast_floating(params, compute_dtype(config)), vocab)
 
 
 def load_judge(config: JobConfig) -> Judge | None:
@@ -124,12 +127,15 @@ def load_judge(config: JobConfig) -> Judge | None:
 
 
 def _tokenizer_vocab(path: Path) -> dict[str, int] | None:
-    """The token → id map of the tokenizer saved with the model at ``path``; None when it has none."""
-    names = ("tokenizer.json", "tokenizer_config.json")
-    if path.suffix == ".gguf" or not any((path / name).is_file() for name in names):
-        return None
+    """The token → id map of the tokenizer saved with the model at ``path`` (a GGUF file carries its
+    own); None when it has none."""
     from transformers import AutoTokenizer
 
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).get_vocab()
+    names = ("tokenizer.json", "tokenizer_config.json")
+    if not any((path / name).is_file() for name in names):
+        return None
     return AutoTokenizer.from_pretrained(path).get_vocab()
 
 

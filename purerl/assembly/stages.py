@@ -98,7 +98,18 @@ def actor_loss_of(config: JobConfig) -> ActorLoss:
     return ActorLoss(actor.loss.bound(actor, actor.loss_options), temperature=config.rollout.temperature,
                      entropy_coeff=actor.entropy_coeff, compute_entropy=actor.compute_entropy,
                      kl_coef=actor.kl_loss_coef, kl_type=actor.kl_loss_type,
-                     skip_zero_advantage_rows=actor.skip_zero_advantage_rows, distill=_distill_loss(config))
+                     skip_zero_advantage_rows=actor.skip_zero_advantage_rows, distill=_distill_loss(config),
+                     sync_tolerance=sync_tolerance_of(config))
+
+
+def sync_tolerance_of(config: JobConfig) -> float | None:
+    """``executor.sync_canary``'s tolerance (nats per token; None: off), the compute dtype's: a float32
+    embedded engine agrees with the trainer to ~1e-6 on average and ~1e-3 on its worst token (SmolLM2;
+    a run under a tolerance of 1e-3 on the worst token was stopped by kernel noise), bfloat16 engines or
+    vLLM's kernels to a tenth of a nat or so; a corrupted tensor moves it by far more."""
+    if not config.executor.sync_canary:
+        return None
+    return 5e-2 if config.model.dtype == "float32" and config.rollout.engine == "torch" else 0.5
 
 
 def value_loss_of(config: JobConfig) -> ValueLoss:

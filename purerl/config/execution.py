@@ -47,10 +47,11 @@ class ExecutorConfig:
     running cluster. Each worker gets a bundle of ``cpus_per_worker`` CPUs (and as many torch
     threads) and ``gpus_per_worker`` GPUs (CUDA when > 0); reward workers ``reward_gpus_per_worker``
     (they hold the reward model, scoring ``reward_batch_size`` texts at a time). Weights travel
-    in buckets of ``bucket_bytes``, sha256-checked with ``sync_checksum``. ``sync_canary``: after
-    every load of a version into an engine, the engine's log-probs of a fixed sequence must equal the
-    trainer's (:mod:`purerl.rollout.canary`; local executor) or the run stops naming the version and the
-    engine. ``step_timeout``,
+    in buckets of ``bucket_bytes``, sha256-checked with ``sync_checksum``. ``sync_canary``: the
+    engine's log-probs of what it sampled must equal the trainer's under the same version (checked by
+    the step's first mini-batch, :attr:`~purerl.step.settings.ActorLoss.sync_tolerance`; an asynchronous
+    generator's or an evaluation's load by :mod:`purerl.rollout.canary`), or the run stops naming the
+    version. ``step_timeout``,
     ``sync_timeout`` and ``start_timeout`` (seconds) bound a step, a weight sync and starting the
     workers: a worker silent longer ends the run, naming it. ``pool_resources``: custom Ray
     resources that each worker of a pool (``train``, ``rollout``, ``reward``, ``critic``,

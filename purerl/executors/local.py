@@ -2,7 +2,7 @@
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,10 @@ class LocalExecutor:
     folder (or a loaded :class:`~purerl.rewards.model.RewardModel`) for :meth:`score_model`,
     loaded on first use in this process on ``reward_model_device`` (default: the engine's device,
     else the CPU). ``teacher``: a distillation teacher's role (:mod:`purerl.step.roles`), passed to
-    the step. ``canary``: the weight-sync check run after every load of a version into an engine
-    (:mod:`purerl.rollout.canary`; None: unchecked)."""
+    the step. ``canary``: the weight-sync check run after every load of a version into a generator
+    engine (:mod:`purerl.rollout.canary`; None: unchecked); ``engine``'s syncs are checked by the step
+    itself, free (:attr:`~purerl.step.settings.ActorLoss.sync_tolerance`), and by the canary once per
+    version it evaluates."""
 
     def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine, *,
                  generator_engines: Sequence[RolloutEngine] = (), critic: Critic | None = None,
@@ -63,9 +65,9 @@ class LocalExecutor:
             self.effects["critic"] = critic
         if teacher is not None:
             self.effects["teacher"] = teacher
-        load = _loader(canary)
-        self.evaluator = EngineSlot(engine, load)
-        self.generators = [EngineSlot(e, load) for e in generator_engines] or [self.evaluator]
+        self.evaluator = EngineSlot(engine, _loader(None))  # its syncs are checked by the step (ActorLoss.sync_tolerance)
+        self.generators = [EngineSlot(e, _loader(canary)) for e in generator_engines] or [self.evaluator]
+        self._canary, self._evaluated_version = canary, None
         self._published = Published()
 
     def start(self, state: TrainState) -> TrainState:
@@ -90,11 +92,21 @@ class LocalExecutor:
     def engine(self, weights: Weights, purpose: str = "generate",
                generator: int = 0) -> contextlib.AbstractContextManager[RolloutEngine]:
         if purpose != "generate":
-            return self.evaluator.use(weights)
+            return self._evaluator(weights)
         if not 0 <= generator < len(self.generators):
             raise ValueError(f"LocalExecutor: generator {generator}, but it has {len(self.generators)} generator "
                              "engine(s) (generator_engines)")
         return self.generators[generator].use(weights)
+
+    @contextlib.contextmanager
+    def _evaluator(self, weights: Weights) -> Iterator[RolloutEngine]:
+        """The evaluation engine holding ``weights``, canary-checked once per version (an evaluation
+        reads a version no step may sample: the last one, or one an asynchronous generator skipped)."""
+        with self.evaluator.use(weights) as engine:
+            if self._canary is not None and self._evaluated_version != weights.version:
+                self._canary.check(engine, weights.payload, weights.version, type(engine).__name__)
+                self._evaluated_version = weights.version
+            yield engine
 
     def reload(self, weights: Weights, generator: int = 0) -> None:
         self.generators[generator].load_held(weights)

@@ -1,6 +1,7 @@
 """What happens around each trained step: evaluation, metrics, checkpoints, progress, and stop
 requests (Ctrl-C, SIGTERM) that end a run after the step in flight, checkpointed."""
 
+import contextlib
 import json
 import re
 import signal
@@ -15,6 +16,7 @@ from purerl.health import HealthState, Monitor
 from purerl.io.checkpoint import CheckpointError, CheckpointWriter, list_checkpoints
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import save_record
+from purerl.rollout.canary import CanaryError
 from purerl.state import TrainState
 
 __all__ = ["Interrupted", "StepRecorder", "StopRequest", "TrainingStopped", "record_reward_errors"]
@@ -173,6 +175,13 @@ class StepRecorder:
         return (f"the last good checkpoint is {good[-1]} (resume from it with --resume, e.g. with a smaller "
                 f"learning rate){bad}")
 
+    def _newest_checkpoint(self) -> str:
+        """``"; the newest checkpoint is …"`` (the trainer's weights in it are intact), or nothing."""
+        with contextlib.suppress(CheckpointError):
+            self.writer.wait()
+        saved = list_checkpoints(Path(self.run_dir) / "checkpoints")
+        return f"; the newest checkpoint is {saved[-1]} (--resume continues from it)" if saved else ""
+
     def check_outputs(self, step: int, metrics: dict[str, Any]) -> None:
         """Raise :class:`TrainingStopped` when weights gave non-finite log-probs: the weights a
         step started from (``rollout/nonfinite_logprobs``: those of step ``step - 1``) or the
@@ -191,6 +200,11 @@ class StepRecorder:
         ``trainer.max_*`` steps in a row; print each rejected update."""
         trainer, step = self.trainer, state.step
         self.check_outputs(step, metrics)
+        if metrics.get("actor/sync_failed"):
+            raise CanaryError(f"weight sync check failed: step {step}'s rollout, sampled by weights version {step - 1}: "
+                              f"the engine's log-probs differ from the trainer's by {metrics['actor/sync_gap']:.3g} "
+                              "nats per token on average (over executor.sync_canary's tolerance): the weights did not "
+                              f"arrive intact at the engine; nothing of this step was saved{self._newest_checkpoint()}")
         diverged = [key for key in metrics if key.endswith("/diverged")]
         if diverged:
             changes = {k: metrics[k] for k in metrics if k.endswith("/param_norm_change")}

@@ -114,12 +114,15 @@ def reference_logprobs(policy: CausalLM, params: Params, seqs: Sequences, *, tem
                     batching.max_tokens)
 
 
-def _teacher_fn(model: CausalLM, params: Params, temperature: float, top_k: int | None
+def _teacher_fn(model: CausalLM, params: Params, temperature: float, top_k: int | None, vocab: int | None = None
                 ) -> Callable[[Sequences], Tensor]:
     """The sampled tokens' log-probs and, with ``top_k``, the ``k`` likeliest tokens' log-probs and
-    ids, stacked on the last axis as float32 ``[b, t, 1 + 2k]`` (ids below 2²⁴ are exact there)."""
+    ids, stacked on the last axis as float32 ``[b, t, 1 + 2k]`` (ids below 2²⁴ are exact there);
+    over the first ``vocab`` ids only, when given."""
     def scores(part: Sequences) -> Tensor:
         logits = response_logits(model, params, part)
+        if vocab is not None:
+            logits = logits[..., :vocab]
         logp = logprobs_from_logits(logits, part.responses(), temperature=temperature).to(torch.float32)
         if top_k is None:
             return logp[..., None]
@@ -132,13 +135,14 @@ def _teacher_fn(model: CausalLM, params: Params, temperature: float, top_k: int 
 
 
 def teacher_scores(teacher: CausalLM, params: Params, seqs: Sequences, *, temperature: float, batching: Batching,
-                   top_k: int | None = None) -> TeacherScores:
+                   top_k: int | None = None, vocab: int | None = None) -> TeacherScores:
     """The teacher's :class:`TeacherScores` of ``seqs``' responses at ``temperature``, without
     gradients, in ``batching``'s micro-batches; ``top_k`` as in :class:`ExperienceSettings`. The
     teacher must read the policy's token ids (its vocabulary is checked once, when it is loaded:
-    :func:`~purerl.assembly.models.load_teacher`)."""
-    packed = _batched(teacher, _teacher_fn(teacher, params, temperature, top_k), seqs, batching.micro_batch_rows,
-                      batching.max_tokens)
+    :func:`~purerl.assembly.models.load_teacher`); ``vocab``: its distributions over the first
+    ``vocab`` ids (the policy's, when the teacher's embedding has more padding rows)."""
+    packed = _batched(teacher, _teacher_fn(teacher, params, temperature, top_k, vocab), seqs,
+                      batching.micro_batch_rows, batching.max_tokens)
     if top_k is None:
         return TeacherScores(packed[..., 0])
     k = (packed.shape[-1] - 1) // 2

@@ -55,7 +55,8 @@ def trimmed(batch):
     the kept response columns."""
     seqs, keep_t = trimmed_sequences(batch.sequences)
     fields = {name: getattr(batch, name)[:, :keep_t] for name in ("old_logprobs", "ref_logprobs", "advantages",
-                                                                  "returns", "values", "is_weights")
+                                                                  "returns", "values", "is_weights",
+                                                                  "behaviour_logprobs")
               if getattr(batch, name, None) is not None}
     if getattr(batch, "teacher", None) is not None:  # a teacher's scores: [b, t] and [b, t, k]
         fields["teacher"] = tree_map(lambda x: x[:, :keep_t] if isinstance(x, Tensor) else x, batch.teacher)

@@ -9,6 +9,7 @@ A step function is ``step(state, rollout, rewards, *, policy, value_and_grad[, c
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -21,7 +22,7 @@ from purerl.state import TrainState
 from purerl.step.experience import Experience, make_experience
 from purerl.step.roles import CriticRole, ReferenceRole, TeacherRole, critic_role
 from purerl.step.settings import ActorLoss, Batching, ExperienceSettings, Shaping, ValueLoss
-from purerl.step.shaping import Metrics, shape_rewards
+from purerl.step.shaping import Metrics, TrainBatch, shape_rewards
 from purerl.step.update import ValueAndGrad, actor_update
 
 __all__ = ["StepFn", "grpo_step", "ppo_step"]
@@ -45,6 +46,12 @@ def _rollout_metrics(rollout: Rollout, experience: Experience) -> Metrics:
     }
 
 
+def _on_policy(batch: TrainBatch, made: Experience, rollout: Rollout, state: TrainState) -> TrainBatch:
+    """``batch`` with the engine's log-probs for the weight-sync check when the weights the update starts
+    from sampled the rollout (its oldest version is the state's: a stale batch has no such weights here)."""
+    return attrs.evolve(batch, behaviour_logprobs=made.behaviour_logprobs) if rollout.version == state.step else batch
+
+
 def grpo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] | Rewards, *, policy: CausalLM,
               experience: ExperienceSettings, shaping: Shaping, loss: ActorLoss, batching: Batching, optimizer: Any,
               kl_controller: Any, value_and_grad: ValueAndGrad = pure_value_and_grad,
@@ -58,6 +65,7 @@ def grpo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] 
     made = make_experience(state, rollout, rewards, policy=policy, settings=experience, reference=reference,
                            teacher=teacher)
     batch, kl_state, metrics = shape_rewards(made, state.kl, kl_controller, shaping=shaping)
+    batch = _on_policy(batch, made, rollout, state)
     params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt, batch, policy=policy, loss=loss,
                                                     batching=batching, optimizer=optimizer, rng=state.rng,
                                                     value_and_grad=value_and_grad)
@@ -84,6 +92,7 @@ def ppo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] |
     made = make_experience(state, rollout, rewards, policy=policy, settings=experience, critic=critic,
                            reference=reference, teacher=teacher)
     batch, kl_state, metrics = shape_rewards(made, state.kl, kl_controller, shaping=shaping)
+    batch = _on_policy(batch, made, rollout, state)
     critic_params, critic_opt, critic_metrics = critic.update(state.critic, state.critic_opt, batch,
                                                               optimizer=critic_optimizer, loss=critic_loss,
                                                               batching=critic_batching, rng=state.rng)

@@ -89,13 +89,17 @@ class LocalReference:
 @attrs.frozen
 class LocalTeacher:
     """A teacher computed here: its own model and frozen params (any causal LM that reads the
-    policy's token ids)."""
+    policy's token ids). ``vocab``: score over the first ``vocab`` ids (the policy's vocabulary,
+    when the teacher's embedding has more padding rows, as Qwen2.5-7B's 152,064 against
+    Qwen2.5-0.5B's 151,936; None: all)."""
 
     model: CausalLM
     params: Params
+    vocab: int | None = None
 
     def scores(self, seqs: Any, *, temperature: float, batching: Batching, top_k: int | None) -> TeacherScores:
-        return teacher_scores(self.model, self.params, seqs, temperature=temperature, batching=batching, top_k=top_k)
+        return teacher_scores(self.model, self.params, seqs, temperature=temperature, batching=batching, top_k=top_k,
+                              vocab=self.vocab)
 
 
 def critic_role(critic: Critic | CriticRole, value_and_grad: ValueAndGrad = pure_value_and_grad) -> CriticRole:

@@ -94,7 +94,11 @@ class ActorLoss:
     all aggregated as the policy loss is; log-probs at ``temperature`` (the sampling one).
     ``compute_entropy``: report ``actor/entropy`` without a bonus. ``skip_zero_advantage_rows``:
     rows whose advantages are all 0 skip the forward and backward where that changes nothing.
-    ``distill``: a loss term to the teacher's distributions (None: none)."""
+    ``distill``: a loss term to the teacher's distributions (None: none). ``sync_tolerance``: the
+    weight-sync check, free of extra passes: the first mini-batch's forward (before any optimizer
+    step) gives the trainer's log-probs of the sampled tokens under the weights that sampled them, and
+    their mean distance to the engine's, ``actor/sync_gap`` (nats per token), must stay within it, else
+    the update flags ``actor/sync_failed`` and the driver stops (None: unchecked)."""
 
     policy_loss: BoundPolicyLoss
     temperature: float = 1.0
@@ -104,6 +108,7 @@ class ActorLoss:
     kl_type: str = "low_var_kl"
     skip_zero_advantage_rows: bool = True
     distill: DistillLoss | None = None
+    sync_tolerance: float | None = None
 
 
 @attrs.frozen

@@ -27,7 +27,9 @@ Metrics = dict[str, float]
 class TrainBatch:
     """What the actor and critic updates consume. ``is_weights``: the off-policy correction's
     per-token weights of the policy loss (None: uncorrected; :attr:`Shaping.correction`);
-    ``teacher``: a distillation teacher's scores, for its loss term."""
+    ``teacher``: a distillation teacher's scores, for its loss term; ``behaviour_logprobs``: the
+    engine's log-probs of the sampled tokens when the weights this update starts from sampled them,
+    for the weight-sync check (:attr:`~purerl.step.settings.ActorLoss.sync_tolerance`; None: unchecked)."""
 
     sequences: Sequences
     old_logprobs: Float[Tensor, "b t"]
@@ -37,6 +39,7 @@ class TrainBatch:
     values: Float[Tensor, "b t"] | None
     is_weights: Float[Tensor, "b t"] | None = None
     teacher: TeacherScores | None = None
+    behaviour_logprobs: Float[Tensor, "b t"] | None = None
 
     def rows(self, index: Tensor | slice) -> "TrainBatch":
         return tree_map(lambda x: x[index] if isinstance(x, Tensor) else x, self)

@@ -24,7 +24,7 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor
 
-from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, loss_denominator
+from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, loss_denominator, token_mean
 from purerl.algo.distill import generalized_jsd
 from purerl.algo.kl import kl_loss
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
@@ -42,6 +42,7 @@ __all__ = ["ValueAndGrad", "actor_update", "critic_update"]
 ValueAndGrad = Callable[[Callable[..., tuple[SumCount, Any]]], Callable[..., tuple[SumCount, Any, Any]]]
 
 _LOSS_STREAM = 2  # the RNG stream of random choices inside losses
+_SYNC_GAP = "sync_gap"  # an aux term read only before the first optimizer step: the weights that sampled
 
 
 def _minibatches(n: int, rows: int | None, epochs: int, rng: RngState, device: torch.device) -> list[Tensor]:
@@ -105,6 +106,9 @@ def _actor_loss(policy: CausalLM, loss: ActorLoss, rng: RngState) -> Callable:
         total = out.loss
         aux = {"pg_loss": out.loss, "pg_clipfrac": out.clipfrac, "pg_clipfrac_lower": out.clipfrac_lower,
                "ppo_kl": out.ppo_kl}
+        if batch.behaviour_logprobs is not None:  # the weight-sync check: no pass of its own
+            gap = torch.where(mask, (logp.detach() - batch.behaviour_logprobs).abs(), 0.0)
+            aux[_SYNC_GAP] = token_mean(gap, mask)
         if entropy_coeff != 0 or loss.compute_entropy:
             with torch.set_grad_enabled(entropy_coeff != 0 and torch.is_grad_enabled()):
                 entropy = entropy_from_logits(logits if entropy_coeff != 0 else logits.detach(),
@@ -168,6 +172,8 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
             grads = _accumulate(grads, g)
             mini_loss = loss if mini_loss is None else mini_loss + loss
             for name, value in aux.items():
+                if name == _SYNC_GAP and norms:
+                    continue  # the params have moved since the weights that sampled
                 sums[name] = sums[name] + value if name in sums else value
         if grads is None:
             grads = tree_map(torch.zeros_like, params)
@@ -205,16 +211,27 @@ def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: C
     (donates ``params``/``opt_state``). With ``loss.skip_zero_advantage_rows``, rows whose
     advantages are all 0 skip the forward and backward while the loss lets them (it vanishes
     there, and no entropy bonus, KL loss or distillation loss reads them); the actor metrics then average over the
-    rows that were updated."""
+    rows that were updated. With ``loss.sync_tolerance`` and the batch's ``behaviour_logprobs`` (set
+    when the weights in ``params`` sampled it), ``actor/sync_gap`` is their mean distance to the first
+    mini-batch's log-probs, and ``actor/sync_failed`` flags one over the tolerance (the driver stops)."""
     indices = _minibatches(len(batch.sequences), batching.mini_batch_rows, batching.epochs, rng,
                            batch.advantages.device)
+    if loss.sync_tolerance is None:
+        batch = attrs.evolve(batch, behaviour_logprobs=None)
     skip = (loss.skip_zero_advantage_rows and loss.entropy_coeff == 0 and loss.kl_coef == 0 and loss.distill is None
             and loss.policy_loss.vanishes_at_zero_advantage)
     needed = (batch.advantages != 0).any(-1) if skip else None
+    if needed is not None and batch.behaviour_logprobs is not None and not bool(needed[indices[0]].any()):
+        needed = needed.clone()  # one row's forward still checks the sync (a corrupted engine may earn no reward)
+        needed[indices[0][0]] = True
     fixed = attrs.evolve(loss, policy_loss=loss.policy_loss.with_norm(_fixed_norm(loss.policy_loss.loss_norm,
                                                                                     batching, batch)))
-    return _update(params, opt_state, optimizer, batch, indices, _actor_loss(policy, fixed, rng), batching,
-                   value_and_grad, "actor", loss.policy_loss.aggregation, needed)
+    params, opt_state, metrics = _update(params, opt_state, optimizer, batch, indices, _actor_loss(policy, fixed, rng),
+                                         batching, value_and_grad, "actor", loss.policy_loss.aggregation, needed)
+    gap = metrics.get(f"actor/{_SYNC_GAP}")
+    if gap is not None and not gap <= loss.sync_tolerance:
+        metrics["actor/sync_failed"] = 1.0
+    return params, opt_state, metrics
 
 
 def _fixed_norm(norm: float | None, batching: Batching, batch: TrainBatch) -> float | None:

@@ -40,10 +40,11 @@ COMMON = ["--tiny", "--steps", "3", "--prompts-per-step", "2", "--max-new-tokens
           "--train-size", "40", "--eval-every", "3", "--warmup-steps", "0", "--checkpoint-every", "0", "--no-progress", "--threads", "1",
           f"reward.fn={Path(__file__).with_name('reward.py')}:digit_fraction"]
 SKIPPED = ("timing/", "perf/", "time", "async/queue_depth", "async/trainer_wait_s", "async/trainer_idle_frac",
-           "async/generator_idle_frac", "health/")
-"""Keys that measure time or depend on thread timing, not on what was computed; and the health monitor's
-(``health/*``: diagnostics read from the step's batch and metrics, recorded after these runs were;
-``tests/test_health.py`` checks them)."""
+           "async/generator_idle_frac", "health/", "actor/sync_gap")
+"""Keys that measure time or depend on thread timing, not on what was computed; and diagnostics recorded
+after these runs were: the health monitor's (``health/*``, read from the step's batch and metrics;
+``tests/test_health.py`` checks them) and the weight-sync check's gap (``actor/sync_gap``;
+``tests/test_canary.py``)."""
 PINS = {
     "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE",
     "ATEN_CPU_CAPABILITY": "avx2",

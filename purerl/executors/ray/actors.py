@@ -94,7 +94,7 @@ class Rank(RewardModelHost):
 
         return shard_causal_lm(self.skeleton, params, mesh=self.mesh, trainable=False, offload=self.offload.params)
 
-    def host_teacher(self, skeleton: CausalLM, wire_params: Any) -> None:
+    def host_teacher(self, skeleton: CausalLM, wire_params: Any, vocab: int | None = None) -> None:
         """Hold a distillation teacher: its frozen params sharded with FSDP2 over this group, its
         forwards split by rows like the reference's (:class:`~purerl.step.roles.LocalTeacher`)."""
         from purerl.executors.fsdp import ShardedCausalLM, shard_causal_lm
@@ -102,7 +102,7 @@ class Rank(RewardModelHost):
 
         module, params = shard_causal_lm(skeleton, from_wire(wire_params), mesh=self.mesh, trainable=False,
                                          offload=self.offload.params)
-        self.teacher = LocalTeacher(ShardedCausalLM.of(skeleton, [(module, params)]), params)
+        self.teacher = LocalTeacher(ShardedCausalLM.of(skeleton, [(module, params)]), params, vocab)
 
     def teacher_scores(self, seqs: Any, temperature: float, batching: Any, top_k: int | None) -> Any:
         """The hosted teacher's scores of ``seqs`` (:func:`~purerl.step.experience.teacher_scores`)."""

@@ -226,7 +226,8 @@ class RayExecutor:
         import ray
 
         skeleton, params = ray.put(self.teacher.model), ray.put(to_wire(self.teacher.params))
-        self.wait([(w.host_teacher.remote(skeleton, params), f"{label} {r}") for r, w in enumerate(ranks)],
+        vocab = self.teacher.vocab
+        self.wait([(w.host_teacher.remote(skeleton, params, vocab), f"{label} {r}") for r, w in enumerate(ranks)],
                   self.config.start_timeout, "host teacher")
 
     def step(self, state: TrainState, rollout: Rollout, rewards: torch.Tensor | Rewards
