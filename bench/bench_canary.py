@@ -76,7 +76,8 @@ def main() -> None:
     in_step = _in_step_check_s()
     print(f"the step's own check (|dlogp| token mean, 32 x 48, one micro-batch of 8 rows at a time): "
           f"{1e6 * in_step:.1f} us; / {what}: {in_step / step:.5%}")
-    canaries = args.steps // args.eval_every + 1 if args.eval_every else 1  # evaluations; the last reads the last version
+    # one canary per evaluation (the start's included); the last reads the last version
+    canaries = args.steps // args.eval_every + 1 if args.eval_every else 1
     per_step = in_step + medians["canary"] * canaries / args.steps
     print(f"synchronous main job ({args.steps} steps, an evaluation every {args.eval_every}: {canaries} canaries): "
           f"{1000 * per_step:.1f} ms per step = {per_step / step:.2%} of {what}")

@@ -65,7 +65,8 @@ class LocalExecutor:
             self.effects["critic"] = critic
         if teacher is not None:
             self.effects["teacher"] = teacher
-        self.evaluator = EngineSlot(engine, _loader(None))  # its syncs are checked by the step (ActorLoss.sync_tolerance)
+        # the evaluator's syncs are checked by the step (ActorLoss.sync_tolerance), its evaluations by _evaluator
+        self.evaluator = EngineSlot(engine, _loader(None))
         self.generators = [EngineSlot(e, _loader(canary)) for e in generator_engines] or [self.evaluator]
         self._canary, self._evaluated_version = canary, None
         self._published = Published()
