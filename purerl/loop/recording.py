@@ -203,8 +203,9 @@ class StepRecorder:
         if metrics.get("actor/sync_failed"):
             raise CanaryError(f"weight sync check failed: step {step}'s rollout, sampled by weights version "
                               f"{step - 1}: the engine's log-probs differ from the trainer's by "
-                              f"{metrics['actor/sync_gap']:.3g} nats per token on average (over executor.sync_canary's tolerance): the weights did not "
-                              f"arrive intact at the engine; nothing of this step was saved{self._newest_checkpoint()}")
+                              f"{metrics['actor/sync_gap']:.3g} nats per token on average (over executor.sync_canary's "
+                              "tolerance): the weights did not arrive intact at the engine; nothing of this step was "
+                              f"saved{self._newest_checkpoint()}")
         diverged = [key for key in metrics if key.endswith("/diverged")]
         if diverged:
             changes = {k: metrics[k] for k in metrics if k.endswith("/param_norm_change")}
