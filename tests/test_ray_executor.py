@@ -436,6 +436,24 @@ def test_a_hung_generator_worker_is_given_up_after_the_generate_timeout_and_rest
     assert torch.equal(after.sequences.input_ids, before.sequences.input_ids)
 
 
+def test_a_generators_rollout_worker_checks_each_load_and_a_corrupted_one_stops_the_run(ray_cluster):
+    """Asynchronous generators' rollout workers run the weight-sync canary after each load (a batch
+    they sample may be older than any version a step checks): a tensor scaled on its way into the
+    engine is named with the worker and the version, and no restart is tried."""
+    from purerl.rollout.canary import CanaryError
+
+    model, _, _, fresh = _setup(4)
+    config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split")
+    with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config, generators=1,
+                                  canary=5e-2) as executor:
+        executor.start(fresh())
+        with executor.engine(executor.newest(0)) as engine:  # version 0 loads and passes
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=1), RngState(1), version=0)
+        executor.wait([(executor.rollout[0].scramble.remote(3.0), "rollout worker 0")], 30.0, "scramble")
+        with pytest.raises(CanaryError, match=r"rollout worker 0 at weights version 0: .* nats per token"):
+            executor.reload(executor.newest(0))
+
+
 def _sleeping_step(state, rollout, scores, **effects):
     time.sleep(60)
 

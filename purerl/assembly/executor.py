@@ -36,10 +36,6 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
                              reward_model=config.reward.model, teacher=teacher, canary=canary_of(config, model))
     from purerl.executors.ray import RayExecutor
 
-    if config.executor.sync_canary and config.asynchronous.enable:  # said, not silently skipped
-        print("executor.sync_canary: on Ray, a batch is checked when the newest weights version sampled it "
-              "(staleness 0); a generator's pulls of older versions are not checked (the local executor's "
-              "are); executor.sync_checksum=true checks their bytes", flush=True)
 
     ray_init = {"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir else None
     from purerl.executors.fsdp import Offload
@@ -49,7 +45,8 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
                                make_step_fn=functools.partial(step_function, config),
                                offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
                                generators=config.asynchronous.generators if config.asynchronous.enable else 0,
-                               generate_timeout=config.asynchronous.generate_timeout, teacher=teacher)
+                               generate_timeout=config.asynchronous.generate_timeout, teacher=teacher,
+                               canary=sync_tolerance_of(config))
     return ray_executor
 
 

@@ -29,6 +29,7 @@ from purerl.data.cursor import DataCursor, next_indices
 from purerl.executors.base import Executor, ExecutorError
 from purerl.loop.sampling import BatchPlan, SampledPart, joined_batch, rollout_rng, sample_part
 from purerl.loop.task import Task
+from purerl.rollout.canary import CanaryError
 from purerl.rollout.partial import Interruptible
 from purerl.rollout.queue import ScoredBatch, Weights
 from purerl.state import RngState
@@ -241,6 +242,10 @@ class Generators:
         """After generator ``i`` failed with ``err``: back off and restart it (True), or, when the
         run's restarts are spent or the executor cannot go on, fail the run naming it (False)."""
         record = self.records[i]
+        if isinstance(err, CanaryError):  # weights that do not arrive intact are no passing fault
+            record.now("failed")
+            self.batches.fail(err)
+            return False
         with self._lock:
             spent = self.restarts >= allowed
             if not spent:

@@ -302,9 +302,9 @@ class RolloutWorker:
                  engine: str = "torch") -> None:
         torch.set_num_threads(threads)
         self.engine = make_engine(engine, policy, device=device, **engine_kwargs)
-        self.device = device
+        self.policy, self.device = policy, device
         self.names: set[str] | None = None
-        self.slowdown = 1.0
+        self.slowdown, self.scrambled = 1.0, 1.0
         self.calls: set[int] = set()  # generate calls to interrupt (the actor runs two methods at once)
 
     def pid(self) -> int:
@@ -315,13 +315,26 @@ class RolloutWorker:
         times its compute time (it sleeps the rest), as on a slower device."""
         self.slowdown = float(factor)
 
-    def load_weights(self, version: int, buckets: list[Any]) -> str | None:
+    def scramble(self, factor: float) -> None:
+        """Fault injection for tests: each later load scales the first matrix by ``factor`` on its way
+        into the engine, as a sync that corrupts a tensor would (the weight-sync canary must see it)."""
+        self.scrambled = float(factor)
+
+    def load_weights(self, version: int, buckets: list[Any], canary: bool = False) -> tuple[str | None, float | None]:
         """Load synced weights (each bucket's checksum verified when it has one); returns the
-        sha256 of all of them in checksum mode."""
+        sha256 of all of them in checksum mode, and with ``canary`` the engine's canary gap to a
+        forward of the params as they arrived (:meth:`~purerl.rollout.canary.Canary.gap`)."""
+        from purerl.rollout.canary import Canary
+
         params = load_weight_buckets(buckets, version, self.names, device=self.device)
         self.names = set(params)
-        self.engine.sync(params, version)
-        return params_digest(params) if buckets[0].sha256 is not None else None
+        if self.scrambled != 1.0:
+            name = next(n for n, p in params.items() if p.ndim == 2)
+            self.engine.sync({**params, name: params[name] * self.scrambled}, version)
+        else:
+            self.engine.sync(params, version)
+        gap = Canary(self.policy).gap(self.engine, params, version) if canary else None
+        return (params_digest(params) if buckets[0].sha256 is not None else None), gap
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, rng: RngState, version: int,
                  streams: list[int] | None = None, samples: list[int] | None = None, start: int = 0,

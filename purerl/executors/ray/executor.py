@@ -125,6 +125,9 @@ class RayExecutor:
     turns with the first generator whose workers are not waiting for a restart. ``teacher``: a
     distillation teacher (:class:`~purerl.step.roles.LocalTeacher`), sharded where the placement
     puts it (the training ranks, or the reference's pool) and passed to the step as ``teacher=``.
+    ``canary``: the tolerance of the weight-sync canary each asynchronous generator's rollout workers
+    run after every load (:func:`~purerl.executors.ray.weights.load_published`; synchronous syncs are
+    checked by the step).
 
     The driver keeps the small part of the state (:func:`~purerl.state.without_params`); params
     and optimizer states stay on the ranks. Its engine generates on the rollout workers; in
@@ -137,10 +140,11 @@ class RayExecutor:
                  reward_model: str | None = None, ray_init: dict[str, Any] | None = None,
                  make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None,
                  offload: Any = None, generators: int = 0, generate_timeout: float | None = None,
-                 teacher: Any = None) -> None:
+                 teacher: Any = None, canary: float | None = None) -> None:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
         self.config, self.reward_model, self.engine_name, self.teacher = config, reward_model, engine, teacher
+        self.canary = canary if generators >= 1 else None  # synchronous syncs: the step checks them
         self.generate_timeout, self.policy, self.critic = generate_timeout, policy, critic
         self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,
                                    ray_init, engine=engine, reward_model=reward_model, offload=offload)
@@ -294,7 +298,7 @@ class RayExecutor:
         else:
             with self.marking_broken(engine):
                 self.last_sync_digests = load_published(self.groups, weights.payload, engine.workers,
-                                                        fatal=engine.fatal)
+                                                        fatal=engine.fatal, canary=self.canary)
         engine.version = weights.version
 
     def score(self, fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], *,
