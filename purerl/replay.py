@@ -38,10 +38,11 @@ from purerl.assembly.stages import step_function
 from purerl.config.job import JobConfig
 from purerl.config.loading import ConfigError, build, flatten, merge, nest, overrides
 from purerl.config.rules import resolve
-from purerl.io.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from purerl.io.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, step_of
 from purerl.io.metrics import MetricsLog
-from purerl.io.records import RecordError, load_record
-from purerl.io.run_folder import CONFIG, RunFolderError, check_teacher, held_by, weights_fingerprint
+from purerl.io.records import RECORDS, RecordError, load_record
+from purerl.io.run_folder import (CONFIG, RunFolderError, check_teacher, checkpoint_of, checkpoints_of, held_by,
+                                  weights_fingerprint)
 from purerl.models import value_and_grad
 from purerl.tree import tree_equal, tree_leaves, tree_map
 
@@ -134,7 +135,7 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
         out(f"replayed steps {from_step + 1}-{to_step} under {_label(settings)}: {log.path}")
         _print_effect(results, recorded, out)
         return results
-    checkpoint = run_dir / "checkpoints" / f"step_{to_step:08d}"
+    checkpoint = checkpoint_of(run_dir, to_step)
     if checkpoint.is_dir():
         # no sha256 pass: every bit is compared anyway, and a damaged file shows as a difference
         try:
@@ -242,11 +243,11 @@ def _same(recorded: Any, given: Any) -> bool:
 
 
 def _last_recorded(run_dir: Path) -> int:
-    saved = list_checkpoints(run_dir / "records")
+    saved = list_checkpoints(run_dir / RECORDS)
     if not saved:
         raise ReplayError(f"replay: {run_dir / 'records'} holds no step records (a run before records, or "
                           "trainer.records=false)")
-    return int(saved[-1].name.split("_")[-1])
+    return step_of(saved[-1])
 
 
 def _state_at(run_dir: Path, config: JobConfig, step: int, initial: Any) -> Any:
@@ -256,9 +257,9 @@ def _state_at(run_dir: Path, config: JobConfig, step: int, initial: Any) -> Any:
             raise ReplayError(f"replay: {run_dir} began with an SFT warm-up (env.sft_steps {config.env.sft_steps}): "
                               "its step-0 state is not rebuilt; replay from a checkpointed step (--from-step)")
         return initial
-    checkpoint = run_dir / "checkpoints" / f"step_{step:08d}"
+    checkpoint = checkpoint_of(run_dir, step)
     if not checkpoint.is_dir():
-        kept = [int(p.name.split("_")[-1]) for p in list_checkpoints(run_dir / "checkpoints")]
+        kept = [step_of(p) for p in list_checkpoints(checkpoints_of(run_dir))]
         raise ReplayError(f"replay: --from-step {step}: no checkpoint {checkpoint} (checkpointed steps: "
                           f"{', '.join(map(str, kept)) or 'none'}; or 0, the start)")
     try:

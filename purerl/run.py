@@ -41,7 +41,8 @@ from purerl.health import report as health_report
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import drop_records_after, records_bytes
-from purerl.io.run_folder import RunFolder, check_resume_config, check_teacher, save_run_config, weights_fingerprint
+from purerl.io.run_folder import (RunFolder, check_resume_config, check_teacher, checkpoints_of, save_run_config,
+                                  weights_fingerprint)
 from purerl.loop.async_train import train_async
 from purerl.loop.evaluation import evaluate
 from purerl.loop.recording import record_reward_errors
@@ -124,7 +125,7 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     if teacher is not None:  # a swapped teacher would silently change what the run learns from
         check_teacher(run_dir, config.distill.teacher, weights_fingerprint(teacher.params), record=not resume)
     sft: dict[str, Any] = {}
-    if config.env.sft_steps and not (resume and latest_checkpoint(run_dir / "checkpoints") is not None):
+    if config.env.sft_steps and not (resume and latest_checkpoint(checkpoints_of(run_dir)) is not None):
         with _timed(phases, "sft"):
             state, sft = _warm_up(config, state, model, options, train_task, eval_task)
     with make_executor(config, model, critic, options, teacher) as executor:
@@ -227,7 +228,7 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
         return dict(result)
 
     baseline = run_dir / "baseline.json"
-    if resume and (checkpoint := latest_checkpoint(run_dir / "checkpoints")) is not None:
+    if resume and (checkpoint := latest_checkpoint(checkpoints_of(run_dir))) is not None:
         with _timed(phases, "start"):
             state = executor.start(load_checkpoint(checkpoint, state))
         _write_workers(executor, run_dir)

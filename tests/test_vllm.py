@@ -182,6 +182,10 @@ def test_a_grpo_loop_runs_three_steps_on_the_vllm_engine(tmp_path, executor):
         assert summary["async"]["trained"] == 3 and set(summary["async"]["staleness_histogram"]) <= {"0", "1"}
     if executor[1] == "local":  # engine and trainer agree in fp32
         assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in rows)
+    checked = [r["actor/sync_gap"] for r in rows if "actor/sync_gap" in r]  # the step's weight-sync check
+    assert max(checked, default=0.0) < 1e-3, checked
+    if "--async" not in executor:  # every synchronous batch was sampled by the weights its step starts from
+        assert len(checked) == 3
 
 
 def test_stop_strings_cut_a_response_after_the_token_completing_one(smollm2):

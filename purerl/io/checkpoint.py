@@ -39,6 +39,8 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "remove_partial_checkpoints",
+    "step_folder",
+    "step_of",
 ]
 
 FORMAT = "purerl-checkpoint/1"
@@ -46,6 +48,16 @@ _MANIFEST = "manifest.json"
 _TENSORS = "tensors.safetensors"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SCALARS = (bool, int, float, str, type(None))
+
+
+def step_folder(root: str | Path, step: int) -> Path:
+    """The folder of step ``step`` under ``root`` (a checkpoint, or a record): ``step_00000012``."""
+    return Path(root) / f"step_{step:08d}"
+
+
+def step_of(folder: Path) -> int:
+    """The step a :func:`step_folder` holds."""
+    return int(folder.name.split("_")[-1])
 
 
 class CheckpointError(RuntimeError):
@@ -130,7 +142,7 @@ class CheckpointWriter:
 
         self._thread = threading.Thread(target=write, name=f"purerl-checkpoint-{step}")
         self._thread.start()
-        return Path(root) / f"step_{step:08d}"
+        return step_folder(root, step)
 
     def wait(self) -> Path | None:
         """Block until the write in flight (if any) is done; the newest written checkpoint."""
@@ -158,8 +170,8 @@ def _write_checkpoint(root: Path, step: int, entries: list[dict[str, Any]], tens
                       keep: int | None, metadata: dict[str, Any] | None) -> Path:
     """The checkpoint folder written whole (a temporary sibling renamed), then the oldest beyond ``keep`` removed."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
+    final = step_folder(root, step)
+    tmp = root / f".tmp_{final.name}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

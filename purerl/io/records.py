@@ -18,7 +18,8 @@ import torch
 
 from purerl.batch import Rewards, Rollout, Sequences
 from purerl.data.cursor import DataCursor
-from purerl.io.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, read_manifest, save_checkpoint
+from purerl.io.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, read_manifest, save_checkpoint,
+                                  step_folder, step_of)
 
 __all__ = ["RECORDS", "RecordError", "drop_records_after", "load_record", "record_path", "records_bytes", "save_record"]
 
@@ -32,7 +33,7 @@ class RecordError(RuntimeError):
 
 def record_path(run_dir: str | Path, step: int) -> Path:
     """Where step ``step``'s record lives in ``run_dir``."""
-    return Path(run_dir) / RECORDS / f"step_{step:08d}"
+    return step_folder(Path(run_dir) / RECORDS, step)
 
 
 def save_record(run_dir: str | Path, step: int, rollout: Rollout, rewards: Rewards | torch.Tensor, data: Any, *,
@@ -68,7 +69,7 @@ def load_record(run_dir: str | Path, step: int) -> tuple[Rollout, Rewards, DataC
 def drop_records_after(run_dir: str | Path, step: int) -> None:
     """Remove the records of steps after ``step`` (a run resumed there records them anew)."""
     for path in list_checkpoints(Path(run_dir) / RECORDS):
-        if int(path.name.split("_")[-1]) > step:
+        if step_of(path) > step:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -79,7 +80,7 @@ def records_bytes(run_dir: str | Path) -> int:
 
 
 def _recorded_range(run_dir: Path) -> str:
-    steps = [int(p.name.split("_")[-1]) for p in list_checkpoints(run_dir / RECORDS)]
+    steps = [step_of(p) for p in list_checkpoints(run_dir / RECORDS)]
     return f"steps {steps[0]}-{steps[-1]}" if steps else "no steps"
 
 

@@ -21,15 +21,26 @@ from pathlib import Path
 from typing import Any
 
 from purerl.config.loading import flatten
-from purerl.io.checkpoint import latest_checkpoint, remove_partial_checkpoints
+from purerl.io.checkpoint import latest_checkpoint, remove_partial_checkpoints, step_folder
 from purerl.io.metrics import MetricsLog
 
-__all__ = ["RunFolder", "RunFolderError", "check_resume_config", "check_teacher", "held_by", "save_run_config",
-           "weights_fingerprint"]
+__all__ = ["RunFolder", "RunFolderError", "check_resume_config", "check_teacher", "checkpoint_of", "checkpoints_of",
+           "held_by", "save_run_config", "weights_fingerprint"]
 
 CONFIG = "config.json"
 LOCK = ".lock"
-_RUN_MARKERS = (CONFIG, "metrics.jsonl", "checkpoints", "summary.json", "baseline.json")
+CHECKPOINTS = "checkpoints"
+_RUN_MARKERS = (CONFIG, "metrics.jsonl", CHECKPOINTS, "summary.json", "baseline.json")
+
+
+def checkpoints_of(run_dir: str | Path) -> Path:
+    """The folder of a run's checkpoints (one :func:`~purerl.io.checkpoint.step_folder` each)."""
+    return Path(run_dir) / CHECKPOINTS
+
+
+def checkpoint_of(run_dir: str | Path, step: int) -> Path:
+    """Where a run's checkpoint of step ``step`` is (or would be)."""
+    return step_folder(checkpoints_of(run_dir), step)
 
 
 class RunFolderError(ValueError):
@@ -98,7 +109,7 @@ class RunFolder:
             recorded = log.exists() and bool(MetricsLog.read(log))
         except (OSError, ValueError):
             recorded = True
-        return recorded or latest_checkpoint(self.path / "checkpoints") is not None \
+        return recorded or latest_checkpoint(checkpoints_of(self.path)) is not None \
             or (self.path / "summary.json").exists()
 
     def check(self, *, resume: bool, overwrite: bool) -> None:
@@ -113,7 +124,7 @@ class RunFolder:
         if kept and not (resume or overwrite):
             raise RunFolderError(f"--out-dir {path} already holds a run: add --resume to continue it or "
                                  "--overwrite to replace it (or choose another --out-dir)")
-        if resume and latest_checkpoint(path / "checkpoints") is None:
+        if resume and latest_checkpoint(checkpoints_of(path)) is None:
             raise RunFolderError(f"--resume: {path} holds no checkpoint to resume from (no step of a run there was "
                                  "saved); start the run afresh: without --resume"
                                  + (", with --overwrite" if kept else ""))
@@ -131,7 +142,7 @@ class RunFolder:
                 target = self.path / name
                 shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
             self.before = set()
-        return remove_partial_checkpoints(self.path / "checkpoints")
+        return remove_partial_checkpoints(checkpoints_of(self.path))
 
     def undo(self) -> None:
         """Remove what this run added to the folder, its lock file included (and the folder, with

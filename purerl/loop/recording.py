@@ -13,9 +13,10 @@ from typing import Any
 from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
 from purerl.health import HealthState, Monitor
-from purerl.io.checkpoint import CheckpointError, CheckpointWriter, list_checkpoints
+from purerl.io.checkpoint import CheckpointError, CheckpointWriter, list_checkpoints, step_of
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import save_record
+from purerl.io.run_folder import checkpoints_of
 from purerl.rollout.canary import CanaryError
 from purerl.state import TrainState
 
@@ -113,7 +114,7 @@ class StepRecorder:
         """Checkpoint ``state`` (once per step); ``wait``: until it is on disk, else written behind
         the next steps (a failed write raises at the next checkpoint or at the end)."""
         if self.saved is None or self.saved[0] != state.step:
-            path = self.writer.save(Path(self.run_dir) / "checkpoints", self.executor.full_state(state),
+            path = self.writer.save(checkpoints_of(self.run_dir), self.executor.full_state(state),
                                     step=state.step, keep=self.trainer.keep_checkpoints)
             self.saved = state.step, path
         if wait:
@@ -162,8 +163,8 @@ class StepRecorder:
             self.writer.wait()
         except CheckpointError:
             pass  # that write left nothing; the ones before it stand
-        saved = list_checkpoints(Path(self.run_dir) / "checkpoints")
-        good = [c for c in saved if int(c.name.split("_")[-1]) < before]
+        saved = list_checkpoints(checkpoints_of(self.run_dir))
+        good = [c for c in saved if step_of(c) < before]
         aside = []
         for checkpoint in saved[len(good):]:
             checkpoint.rename(checkpoint.with_name(f"diverged_{checkpoint.name}"))
@@ -179,7 +180,7 @@ class StepRecorder:
         """``"; the newest checkpoint is …"`` (the trainer's weights in it are intact), or nothing."""
         with contextlib.suppress(CheckpointError):
             self.writer.wait()
-        saved = list_checkpoints(Path(self.run_dir) / "checkpoints")
+        saved = list_checkpoints(checkpoints_of(self.run_dir))
         return f"; the newest checkpoint is {saved[-1]} (--resume continues from it)" if saved else ""
 
     def check_outputs(self, step: int, metrics: dict[str, Any]) -> None:
