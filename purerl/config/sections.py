@@ -20,6 +20,7 @@ from purerl.config.loading import ConfigError, boolean, one_of, section
 from purerl.episodes.limits import EpisodeLimits
 from purerl.health import HealthLimits
 from purerl.models.lora import DEFAULT_TARGETS
+from purerl.rewards.mix import RewardMix
 from purerl.rewards.verdicts import DEFAULT_JUDGE_PROMPT, DEFAULT_VERDICT_PATTERN
 from purerl.rollout.sampling import SamplingParams
 
@@ -266,7 +267,7 @@ class DistillConfig:
 
 
 @section
-class RewardConfig:
+class RewardConfig(RewardMix):
     """``fn``: ``lenient`` (the last number counts), ``strict`` (only ``####`` or boxed answers),
     or ``module:function`` / ``path/file.py:function`` — verl's ``compute_score(data_source,
     solution_str, ground_truth, extra_info)`` or ``fn(response, ground_truth)``; each call has
@@ -278,7 +279,9 @@ class RewardConfig:
     0-10 correctness grade), its verdict the first match of ``judge_pattern`` bounded to
     ``[judge_low, judge_high]`` and mapped to [0, 1], adding ``judge_weight·judge``
     (:mod:`purerl.rewards.judge`; a verdict it cannot read is a sample error scored ``penalty``;
-    ``judge_timeout`` seconds per step). ``overlong_buffer`` > 0 (DAPO's soft overlong punishment):
+    ``judge_timeout`` seconds per step). The weights, ``model`` and the overlong punishment are the
+    fields of :class:`~purerl.rewards.mix.RewardMix`, which the mix is bound to as they are.
+    ``overlong_buffer`` > 0 (DAPO's soft overlong punishment):
     responses longer than ``rollout.max_new_tokens − overlong_buffer`` lose up to ``overlong_penalty``,
     linearly; None (the default) is a third of ``rollout.max_new_tokens`` (16 of the main job's 48:
     without it a run can settle into responses cut at the limit, which the lenient reward still
@@ -289,19 +292,13 @@ class RewardConfig:
     timeout: float = attrs.field(default=10.0, validator=positive)
     batch_timeout: float = attrs.field(default=30.0, validator=positive)
     penalty: float = 0.0
-    fn_weight: float = 1.0
-    model: str | None = None
-    model_weight: float = 1.0
     judge: str | None = None
     judge_prompt: str = DEFAULT_JUDGE_PROMPT
     judge_pattern: str = DEFAULT_VERDICT_PATTERN
     judge_low: float = 0.0
     judge_high: float = 10.0
-    judge_weight: float = 1.0
     judge_max_new_tokens: int = attrs.field(default=32, validator=at_least(1))
     judge_timeout: float = attrs.field(default=60.0, validator=positive)
-    overlong_buffer: int | None = attrs.field(default=None, validator=at_least(0))
-    overlong_penalty: float = attrs.field(default=1.0, validator=at_least(0))
 
 
 @section

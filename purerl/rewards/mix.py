@@ -5,28 +5,41 @@ an LLM judge's verdict in [0, 1] (when ``reward.judge`` is set: :mod:`purerl.rew
 ``overlong`` DAPO's length penalty (when ``reward.overlong_buffer`` > 0;
 :func:`~purerl.algo.dapo.overlong_penalty`)."""
 
-from typing import TYPE_CHECKING
-
+import attrs
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from purerl.algo.dapo import overlong_penalty
 from purerl.batch import Rewards
+from purerl.checks import at_least
 
-if TYPE_CHECKING:  # the section is read, not built: rewards stay below the config
-    from purerl.config.sections import RewardConfig
-
-__all__ = ["mixed_rewards", "uses_reward_model"]
+__all__ = ["RewardMix", "mixed_rewards", "uses_reward_model"]
 
 
-def uses_reward_model(reward: "RewardConfig") -> bool:
+@attrs.frozen
+class RewardMix:
+    """How the parts mix: ``fn_weight`` × the task's reward, ``model_weight`` × the score of the
+    reward ``model`` (a local HF folder; None: none), ``judge_weight`` × a judge's verdict, and DAPO's
+    soft overlong punishment: responses longer than ``max_new_tokens − overlong_buffer`` lose up to
+    ``overlong_penalty``, linearly (``overlong_buffer`` 0: off; None: not resolved yet, off here).
+    The job's ``reward`` section *is* one (:class:`~purerl.config.sections.RewardConfig`)."""
+
+    fn_weight: float = 1.0
+    model: str | None = None
+    model_weight: float = 1.0
+    judge_weight: float = 1.0
+    overlong_buffer: int | None = attrs.field(default=None, validator=at_least(0))
+    overlong_penalty: float = attrs.field(default=1.0, validator=at_least(0))
+
+
+def uses_reward_model(reward: RewardMix) -> bool:
     """Whether the reward model's score enters the reward."""
     return reward.model is not None and reward.model_weight != 0
 
 
 def mixed_rewards(rule: Float[Tensor, " b"], lengths: Int[Tensor, " b"], learned: Float[Tensor, " b"] | None, *,
-                  reward: "RewardConfig", max_new_tokens: int,
+                  reward: RewardMix, max_new_tokens: int,
                   judged: Float[Tensor, " b"] | None = None) -> tuple[Rewards, dict[str, float]]:
     """The rewards of ``b`` responses from their ``rule`` scores, response ``lengths``, reward-model
     scores (``learned``, when the model is used) and judge verdicts (``judged``), and the sums of
