@@ -440,12 +440,12 @@ def test_a_generators_rollout_worker_checks_each_load_and_a_corrupted_one_stops_
     """Asynchronous generators' rollout workers run the weight-sync canary after each load (a batch
     they sample may be older than any version a step checks): a tensor scaled on its way into the
     engine is named with the worker and the version, and no restart is tried."""
-    from purerl.rollout.canary import CanaryError
+    from purerl.rollout.canary import Canary, CanaryError
 
     model, _, _, fresh = _setup(4)
     config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split")
     with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config, generators=1,
-                                  canary=5e-2) as executor:
+                                  canary=Canary(model, tolerance=5e-2)) as executor:
         executor.start(fresh())
         with executor.engine(executor.newest(0)) as engine:  # version 0 loads and passes
             engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=1), RngState(1), version=0)

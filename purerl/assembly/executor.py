@@ -36,7 +36,6 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
                              reward_model=config.reward.model, teacher=teacher, canary=canary_of(config, model))
     from purerl.executors.ray import RayExecutor
 
-
     ray_init = {"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir else None
     from purerl.executors.fsdp import Offload
 
@@ -46,7 +45,7 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
                                offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
                                generators=config.asynchronous.generators if config.asynchronous.enable else 0,
                                generate_timeout=config.asynchronous.generate_timeout, teacher=teacher,
-                               canary=sync_tolerance_of(config))
+                               canary=canary_of(config, model))
     return ray_executor
 
 

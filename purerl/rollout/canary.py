@@ -52,7 +52,10 @@ class Canary:
 
     def check(self, engine: RolloutEngine, params: Params, version: int, name: str) -> None:
         """Raise :class:`CanaryError` (one line, naming the version and the engine) over the tolerance."""
-        gap = self.gap(engine, params, version)
+        self.judge(self.gap(engine, params, version), version, name)
+
+    def judge(self, gap: float, version: int, name: str) -> None:
+        """Raise :class:`CanaryError` if ``gap`` (:meth:`gap`'s, here or in another process) is over the tolerance."""
         if not gap <= self.tolerance:
             raise CanaryError(f"weight sync check failed: engine {name} at weights version {version}: its log-probs "
                               f"of the canary differ from the trainer's by up to {gap:.3g} nats per token (tolerance "

@@ -65,8 +65,8 @@ def grpo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] 
     made = make_experience(state, rollout, rewards, policy=policy, settings=experience, reference=reference,
                            teacher=teacher)
     batch, kl_state, metrics = shape_rewards(made, state.kl, kl_controller, shaping=shaping)
-    batch = _on_policy(batch, made, rollout, state)
-    params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt, batch, policy=policy, loss=loss,
+    params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt,
+                                                    _on_policy(batch, made, rollout, state), policy=policy, loss=loss,
                                                     batching=batching, optimizer=optimizer, rng=state.rng,
                                                     value_and_grad=value_and_grad)
     metrics.update(actor_metrics)
@@ -92,14 +92,14 @@ def ppo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] |
     made = make_experience(state, rollout, rewards, policy=policy, settings=experience, critic=critic,
                            reference=reference, teacher=teacher)
     batch, kl_state, metrics = shape_rewards(made, state.kl, kl_controller, shaping=shaping)
-    batch = _on_policy(batch, made, rollout, state)
     critic_params, critic_opt, critic_metrics = critic.update(state.critic, state.critic_opt, batch,
                                                               optimizer=critic_optimizer, loss=critic_loss,
                                                               batching=critic_batching, rng=state.rng)
     if state.step < critic_warmup:
         params, opt_state, actor_metrics = state.policy, state.policy_opt, {"actor/critic_warmup": 1.0}
     else:
-        params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt, batch, policy=policy,
+        params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt,
+                                                        _on_policy(batch, made, rollout, state), policy=policy,
                                                         loss=loss, batching=batching, optimizer=optimizer,
                                                         rng=state.rng.next(), value_and_grad=value_and_grad)
     metrics.update(critic_metrics)

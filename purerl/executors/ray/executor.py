@@ -21,6 +21,7 @@ from purerl.models import CausalLM, Critic
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
 from purerl.rewards.scoring import check_score_inputs
+from purerl.rollout.canary import Canary
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.queue import Published, Weights
 from purerl.rollout.sampling import SamplingParams
@@ -125,9 +126,9 @@ class RayExecutor:
     turns with the first generator whose workers are not waiting for a restart. ``teacher``: a
     distillation teacher (:class:`~purerl.step.roles.LocalTeacher`), sharded where the placement
     puts it (the training ranks, or the reference's pool) and passed to the step as ``teacher=``.
-    ``canary``: the tolerance of the weight-sync canary each asynchronous generator's rollout workers
-    run after every load (:func:`~purerl.executors.ray.weights.load_published`; synchronous syncs are
-    checked by the step).
+    ``canary``: the weight-sync canary (:class:`~purerl.rollout.canary.Canary`) each asynchronous
+    generator's rollout workers run after every load
+    (:func:`~purerl.executors.ray.weights.load_published`; synchronous syncs are checked by the step).
 
     The driver keeps the small part of the state (:func:`~purerl.state.without_params`); params
     and optimizer states stay on the ranks. Its engine generates on the rollout workers; in
@@ -140,7 +141,7 @@ class RayExecutor:
                  reward_model: str | None = None, ray_init: dict[str, Any] | None = None,
                  make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None,
                  offload: Any = None, generators: int = 0, generate_timeout: float | None = None,
-                 teacher: Any = None, canary: float | None = None) -> None:
+                 teacher: Any = None, canary: Canary | None = None) -> None:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
         self.config, self.reward_model, self.engine_name, self.teacher = config, reward_model, engine, teacher

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from purerl.executors.ray.pools import WorkerGroups
-from purerl.rollout.canary import CanaryError
+from purerl.rollout.canary import Canary
 
 __all__ = ["PublishedWeights", "load_published", "publish", "sync_colocated"]
 
@@ -36,22 +36,19 @@ def publish(groups: WorkerGroups, version: int) -> PublishedWeights:
 
 
 def load_published(groups: WorkerGroups, published: PublishedWeights, workers: Sequence[int] | None = None, *,
-                   fatal: bool = True, canary: float | None = None) -> list[str | None]:
+                   fatal: bool = True, canary: Canary | None = None) -> list[str | None]:
     """Load ``published`` into rollout workers ``workers`` (default: all); their sha256 digests in
     checksum mode. ``fatal`` as in :meth:`WorkerGroups.wait`. ``canary``: each worker's engine is
-    checked against a forward of the params it received, within this tolerance, or
-    :class:`~purerl.rollout.canary.CanaryError` names the worker and the version."""
+    checked against a forward of the params it received (:meth:`~purerl.rollout.canary.Canary.judge`:
+    a :class:`~purerl.rollout.canary.CanaryError` names the worker and the version)."""
     workers = list(range(len(groups.rollout)) if workers is None else workers)
     answers = groups.wait([(groups.rollout[i].load_weights.remote(published.version, published.buckets,
                                                                   canary is not None),
                             f"rollout worker {i}") for i in workers], groups.config.sync_timeout, "weight sync",
                           fatal=fatal)
-    for i, (_, gap) in zip(workers, answers):
-        if canary is not None and not gap <= canary:
-            raise CanaryError(f"weight sync check failed: rollout worker {i} at weights version {published.version}: "
-                              f"its engine's log-probs of the canary differ from a forward of the weights it received "
-                              f"by up to {gap:.3g} nats per token (tolerance {canary:g}): the weights did not arrive "
-                              "intact in the engine")
+    if canary is not None:
+        for i, (_, gap) in zip(workers, answers):
+            canary.judge(gap, published.version, f"of rollout worker {i}")
     return [digest for digest, _ in answers]
 
 
