@@ -22,7 +22,7 @@ __all__ = ["check_context", "decoder_of", "episodes_of", "load_records_of", "loa
 def load_records_of(config: JobConfig) -> tuple[list[PromptRecord], list[PromptRecord], dict[str, int]]:
     """Training and held-out records (before any model loads: data errors come first). With train
     files and no eval files, the held-out rows are drawn from the train files and not trained on."""
-    data, seed = config.data, config.trainer.seed
+    data, seed = config.data, config.data.seed
     if not data.train_files:
         train_records, eval_records = train_eval_split(data.train_size, data.eval_size, seed=seed,
                                                        difficulties=tuple(data.difficulty))

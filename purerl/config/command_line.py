@@ -32,6 +32,8 @@ FLAGS: list[tuple[str, str, dict]] = [
                                                             "--data, --eval-size rows held out of it")),
     ("--train-size", "data.train_size", dict(type=int, help="procedural training problems (2000)")),
     ("--eval-size", "data.eval_size", dict(type=int, help="held-out problems evaluated (64)")),
+    ("--data-seed", "data.seed", dict(type=int, help="the procedural problems and the held-out rows (0); "
+                                                     "--seed draws the rest")),
     ("--difficulty", "data.difficulty", dict(type=int, nargs="+", help="procedural difficulty levels (1)")),
     ("--max-prompt-tokens", "data.max_prompt_tokens", dict(type=int)),
     ("--prompts-per-step", "data.prompts_per_step", dict(type=int)),

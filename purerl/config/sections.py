@@ -44,7 +44,10 @@ class ModelConfig:
 class DataConfig:
     """verl-format ``train_files``/``eval_files`` (parquet/jsonl); none: procedural problems of
     the given ``difficulty`` levels. With train files and no eval files, ``eval_size`` rows are
-    held out of the training files. Prompts longer than ``max_prompt_tokens`` are skipped."""
+    held out of the training files. Prompts longer than ``max_prompt_tokens`` are skipped.
+    ``seed`` fixes the data as a dataset's splits are fixed: the procedural problems and the rows
+    held out of train files; ``trainer.seed`` draws everything else (the order, the samples), so
+    runs at different seeds are measured on the same held-out rows."""
 
     train_files: tuple[str, ...] = ()
     eval_files: tuple[str, ...] = ()
@@ -53,6 +56,7 @@ class DataConfig:
     difficulty: tuple[int, ...] = (1,)
     max_prompt_tokens: int = attrs.field(default=160, validator=at_least(1))
     prompts_per_step: int = attrs.field(default=8, validator=at_least(1))
+    seed: int = 0
 
 
 @section
