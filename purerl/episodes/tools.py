@@ -10,6 +10,10 @@ model call them and answers with their results.
   the Hermes/Qwen convention that chat templates with a tool format render (the tools' schemas go
   to ``apply_chat_template(tools=…)``, :attr:`ToolEnv.chat_tools`); the result comes back as is.
 
+:func:`hermes_calls` is purerl's one parser of the Hermes/Qwen format: :func:`parse_call` reads the
+call ending a turn with it, the agents' endpoint (:func:`purerl.agents.endpoint.tool_calls_of`)
+every call of an answer.
+
 A turn without a call is the final answer, scored by ``answer_fn`` against the task's ground
 truth. A tool that raises or gets arguments it cannot take answers ``error: …`` (a counted
 ``tool_errors``) and the episode goes on; one that hangs or kills its process is stopped by the
@@ -31,7 +35,8 @@ from purerl.episodes.env import StepResult
 from purerl.rewards.math import RewardFn
 from purerl.sandbox.forms import call_form, reward_value
 
-__all__ = ["Tool", "ToolEnv", "calculate", "parse_call", "tool_output"]
+__all__ = ["HERMES_CALL", "HermesCall", "Tool", "ToolEnv", "calculate", "hermes_calls", "parse_call",
+           "tool_output"]
 
 
 @attrs.frozen
@@ -59,21 +64,58 @@ class Tool:
         return list(self.schema.get("parameters", {}).get("properties", {}))
 
 
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+"""One Hermes/Qwen tool call: the text between ``<tool_call>`` and the first ``</tool_call>`` after it."""
+
+
+@attrs.frozen
+class HermesCall:
+    """One ``<tool_call>…</tool_call>`` of a text: its span (``text[start:end]``), the text inside
+    (``raw``, stripped) and, when that is a JSON object with a ``name``, the name (as a string) and
+    its ``arguments`` as decoded (``{}`` when absent). A malformed call (``raw`` not JSON, not an
+    object, or without a name) has ``name`` None; it is still a call, its text kept in ``raw``."""
+
+    start: int
+    end: int
+    raw: str
+    name: str | None
+    arguments: Any
+
+    @property
+    def arguments_json(self) -> str:
+        """The arguments as OpenAI's messages carry them: JSON text (a string argument is taken to
+        be JSON text already and kept as it is)."""
+        return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments)
+
+
+def hermes_calls(text: str) -> list[HermesCall]:
+    """Every Hermes/Qwen tool call in ``text``, in order (:data:`HERMES_CALL`; calls never overlap)."""
+    calls = []
+    for found in HERMES_CALL.finditer(text):
+        raw = found.group(1).strip()
+        try:
+            call = json.loads(raw)
+            name, arguments = str(call["name"]), call.get("arguments", {})
+        except (json.JSONDecodeError, KeyError, TypeError):
+            name, arguments = None, None
+        calls.append(HermesCall(found.start(), found.end(), raw, name, arguments))
+    return calls
+
+
 def parse_call(text: str, names: Sequence[str], format: str) -> tuple[str, str] | None:
     """The tool call ending ``text``: ``(name, argument text)``, None when the turn calls no tool
-    (only a call the turn ends with counts: a turn stops at a call's closing tag)."""
+    (only a call the turn ends with counts: a turn stops at a call's closing tag). A ``json``
+    call's argument text is :attr:`HermesCall.arguments_json`; a malformed one is ``("?", its
+    text)``: a call of no tool, answered with an error."""
     if format == "tags":
         pattern = "|".join(re.escape(n) for n in names)
-        found = re.search(rf"<({pattern})>(.*?)</\1>\s*$", text, re.S)
+        found = re.search(rf"<({pattern})>(.*?)</\1>\s*$", text, re.DOTALL)
         return None if found is None else (found.group(1), found.group(2).strip())
-    found = re.search(r"<tool_call>(.*?)</tool_call>\s*$", text, re.S)
-    if found is None:
+    calls = hermes_calls(text)
+    if not calls or text[calls[-1].end:].strip():
         return None
-    try:
-        call = json.loads(found.group(1))
-        return str(call["name"]), json.dumps(call.get("arguments", {}))
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return "?", found.group(1).strip()
+    last = calls[-1]
+    return ("?", last.raw) if last.name is None else (last.name, last.arguments_json)
 
 
 def _arguments(tool: Tool, text: str, format: str) -> dict[str, Any]:
