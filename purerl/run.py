@@ -35,14 +35,20 @@ from purerl.assembly.stages import actor_batching_of, actor_optimizer, batch_pla
 from purerl.config.job import JobConfig
 from purerl.config.loading import to_dict
 from purerl.data.records import DataError
-from purerl.episodes.calculator import demonstration
+from purerl.environments import demonstrating_kinds
 from purerl.executors.base import Executor, ExecutorError
 from purerl.health import report as health_report
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import drop_records_after, records_bytes
-from purerl.io.run_folder import (RunFolder, check_resume_config, check_teacher, checkpoints_of, save_run_config,
-                                  weights_fingerprint)
+from purerl.io.run_folder import (
+    RunFolder,
+    check_resume_config,
+    check_teacher,
+    checkpoints_of,
+    save_run_config,
+    weights_fingerprint,
+)
 from purerl.loop.async_train import train_async
 from purerl.loop.evaluation import evaluate
 from purerl.loop.recording import record_reward_errors
@@ -108,9 +114,9 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     options = engine_options(config, model, tokenizer)
     episodes = episodes_of(config, tokenizer, reward_fn, options)
     train_task, eval_task, counts = load_tasks(config, train_records, eval_records, tokenizer, reward_fn, episodes)
-    if config.env.sft_steps and episodes is not None and not hasattr(episodes.env, "tools"):  # before any work
-        raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (only calculator "
-                        "does): set env.sft_steps=0")
+    if config.env.sft_steps and (episodes is None or episodes.demonstration is None):  # before any work
+        raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (kinds "
+                        f"that do: {', '.join(demonstrating_kinds())}): set env.sft_steps=0")
     critic, critic_params = load_critic(config, model, params)
     teacher = load_teacher(config, model, tokenizer)
     judge = load_judge(config)
@@ -169,8 +175,7 @@ def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dic
                       reward_timeout=config.reward.timeout, batch_timeout=config.reward.batch_timeout)
     engine.close()
     print(f"before the SFT warm-up: held-out greedy accuracy {before['val/accuracy']:.3f}", flush=True)
-    env = train_task.episodes.env
-    state, report = warm_up(state, train_task, config.env, model, lambda r: demonstration(r, env),
+    state, report = warm_up(state, train_task, config.env, model, train_task.episodes.demonstration,
                             optimizer=actor_optimizer(config), batching=actor_batching_of(config), device=device,
                             progress=config.trainer.progress)
     print(f"SFT warm-up: {report['sft_steps']} steps, loss {report['sft_loss_first']:.3f} -> "

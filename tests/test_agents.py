@@ -273,10 +273,10 @@ def test_verifiers_environments_train_as_they_are(tmp_path, spec, mode):
 
 def test_a_verifiers_rubric_scores_the_recorded_episode(tiny):
     verifiers_envs = pytest.importorskip("tests.verifiers_envs")
-    from purerl.agents import agent_of
+    from purerl.environments import environment_of
 
     tokenizer, _, _, engine, decode = tiny
-    env = agent_of("tests.verifiers_envs:load_environment", answer_fn=lenient_math_reward)
+    _, env = environment_of("tests.verifiers_envs:load_environment", answer_fn=lenient_math_reward)
     played = run_agents(engine, env, ChatCodec(tokenizer), _records("What is 2+2?"),
                         SamplingParams(max_new_tokens=6, n=4, temperature=1.0), RngState(0), 0,
                         EpisodeLimits(max_turns=1, max_tokens=400), decode=decode)
@@ -331,13 +331,13 @@ def test_the_example_agents_train(tmp_path, name):
 
 def test_a_verifiers_tool_env_calls_its_tool_through_the_endpoint():
     pytest.importorskip("verifiers")
-    from purerl.agents import agent_of
+    from purerl.environments import environment_of
 
     tokenizer = char_tokenizer(chatml=True)
     call = '<tool_call>{"name": "square", "arguments": {"x": 12}}</tool_call>'
     engine = ScriptedEngine(tokenizer, lambda prompt, k: _text(tokenizer, call) if "tool\n144" not in prompt
                             else _text(tokenizer, "#### 144", end=True))
-    env = agent_of("tests.verifiers_envs:tool_env", answer_fn=lenient_math_reward)
+    _, env = environment_of("tests.verifiers_envs:tool_env", answer_fn=lenient_math_reward)
     played = run_agents(engine, env, ChatCodec(tokenizer), [PromptRecord(({"role": "user", "content": "12²?"},), "144")],
                         SamplingParams(max_new_tokens=80, n=2), RngState(0), 0, EpisodeLimits(max_turns=3, max_tokens=600),
                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))

@@ -320,10 +320,11 @@ def test_multi_turn_kv_reuse_gives_the_log_probs_of_a_full_re_prefill():
 
 
 def test_a_trl_environment_factory_class_plays_with_its_tools_and_reward_and_a_state_per_episode():
-    from purerl.episodes.adapters import TrlEnvironment, environment
+    from purerl.environments import environment_of
+    from purerl.episodes.adapters import TrlEnvironment
 
     tokenizer = char_tokenizer(chatml=True)
-    env = environment("tests.episode_envs:Counter", answer_fn=math_reward, format="json")
+    _, env = environment_of("tests.episode_envs:Counter", answer_fn=math_reward, format="json")
     assert isinstance(env, TrlEnvironment) and env.tool_names == ["increment"] and env.stop == ("</tool_call>",)
     assert env.chat_tools[0]["function"]["parameters"]["properties"]["step"]["type"] == "integer"
 
@@ -345,9 +346,9 @@ def test_a_trl_environment_factory_class_plays_with_its_tools_and_reward_and_a_s
     assert first.state[0].count == 3 and second.state[0].count == 2
     assert (first.reward, second.reward) == (1.0, 0.0)  # 2+1 = 3 and 1+1 = 2: each episode its own counter
     with pytest.raises(ValueError, match="environment 'tests.episode_envs:hang'"):
-        environment("tests.episode_envs:hang", answer_fn=math_reward)
+        environment_of("tests.episode_envs:hang", answer_fn=math_reward)
     with pytest.raises(ValueError, match="no attribute 'Nope'"):
-        environment("tests.episode_envs:Nope", answer_fn=math_reward)
+        environment_of("tests.episode_envs:Nope", answer_fn=math_reward)
 
 
 def test_a_broken_environment_stops_naming_itself_the_task_and_what_went_wrong():
@@ -376,10 +377,10 @@ def test_an_environment_returning_a_bad_reward_or_messages_ends_its_episode_nami
 
 
 def test_a_trl_environment_whose_reward_is_none_ends_its_episode():
-    from purerl.episodes.adapters import environment
+    from purerl.environments import environment_of
 
     tokenizer = char_tokenizer(chatml=True)
-    env = environment("tests.episode_envs:NoReward", answer_fn=math_reward)
+    _, env = environment_of("tests.episode_envs:NoReward", answer_fn=math_reward)
     answer = lambda prompt, call: _text(tokenizer, "done", end=True)  # noqa: E731
     (episode,), _ = _play(tokenizer, env, answer, [_record()])
     assert episode.finish == "env_error" and "the reward is a NoneType" in episode.error

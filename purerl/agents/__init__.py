@@ -5,9 +5,8 @@ environments (:mod:`purerl.agents.play`)."""
 
 from purerl.agents.batching import EngineBatcher, Request, Sampled
 from purerl.agents.endpoint import Endpoint, tool_calls_of
-from purerl.agents.play import AgentEnv, agent_of, is_agent_function, player, run_agents
+from purerl.agents.play import AgentEnv, is_agent_function, run_agents
 from purerl.agents.traces import EPISODE_HEADER, Call, Choice, ContextError, EpisodeTraces, same_messages
 
 __all__ = ["EPISODE_HEADER", "AgentEnv", "Call", "Choice", "ContextError", "Endpoint", "EngineBatcher", "EpisodeTraces",
-           "Request", "Sampled", "agent_of", "is_agent_function", "player", "run_agents", "same_messages",
-           "tool_calls_of"]
+           "Request", "Sampled", "is_agent_function", "run_agents", "same_messages", "tool_calls_of"]

@@ -5,7 +5,9 @@ names a function of two parameters, ``client`` (an ``openai.OpenAI``, or ``opena
 for an ``async def``) and ``task`` (the row: ``prompt`` (its messages), ``ground_truth``,
 ``data_source``, ``seed`` and the row's other fields). It may call the client as often as it likes
 (at most ``env.max_turns`` calls, within ``env.max_tokens``), with any tools, and returns the
-episode's score — or None, and the job's reward function scores its last answer.
+episode's score — or None, and the job's reward function scores its last answer. Which objects
+are agent functions (:func:`is_agent_function`) is the ``agent_function`` kind's record in
+:mod:`purerl.environments`.
 
 :func:`run_agents` plays ``n`` episodes per task, every agent at once, each with a client whose
 calls name its episode; the endpoint batches their calls into engine calls and stitches each
@@ -34,19 +36,17 @@ import attrs
 from purerl.agents.batching import EngineBatcher
 from purerl.agents.endpoint import Endpoint
 from purerl.agents.traces import EPISODE_HEADER, AgentEpisode, EpisodeTraces
-from purerl.agents.verifiers_envs import verifiers_agent, verifiers_env_of
 from purerl.data.records import PromptRecord
 from purerl.episodes.codec import ChatCodec
 from purerl.episodes.limits import EpisodeLimits
-from purerl.episodes.rollout import Episode, run_episodes
+from purerl.episodes.rollout import Episode
 from purerl.rewards.math import RewardFn
 from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.sandbox.forms import call_form, checked_reward, reward_value
-from purerl.sandbox.loading import load_object
 from purerl.state import RngState
 
-__all__ = ["AgentEnv", "agent_of", "is_agent_function", "player", "run_agents"]
+__all__ = ["AgentEnv", "is_agent_function", "run_agents"]
 
 
 @attrs.frozen
@@ -70,25 +70,6 @@ def is_agent_function(value: Any) -> bool:
     required = [p for p in inspect.signature(value).parameters.values()
                 if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(required) == 2
-
-
-def agent_of(spec: str, *, answer_fn: RewardFn) -> AgentEnv | None:
-    """The :class:`AgentEnv` of ``spec`` (``module:name`` / ``file.py:name``) when it names an
-    agent function or a verifiers environment (:mod:`purerl.agents.verifiers_envs`); None when it
-    names something else (or is a built-in name)."""
-    if ":" not in spec:
-        return None
-    found = load_object(spec, "environment")
-    if is_agent_function(found):
-        return AgentEnv(found, answer_fn)
-    env = verifiers_env_of(found)
-    return None if env is None else AgentEnv(verifiers_agent(env), answer_fn)
-
-
-def player(env: Any) -> Callable[..., list[Episode]]:
-    """What plays ``env``'s episodes: :func:`run_agents` for an :class:`AgentEnv`, else
-    :func:`~purerl.episodes.rollout.run_episodes` (the same arguments)."""
-    return run_agents if isinstance(env, AgentEnv) else run_episodes
 
 
 def _row(task: PromptRecord, seed: int) -> dict[str, Any]:
@@ -126,7 +107,10 @@ def run_agents(engine: RolloutEngine, env: AgentEnv, codec: ChatCodec, tasks: Se
     is_async = inspect.iscoroutinefunction(env.fn)
     running = _Running(len(names), len(names) if is_async else env.max_agents)
     batcher = EngineBatcher(engine, rng, version, window_s=env.window_s, live=running.count, reuse_cache=reuse_cache)
-    token_text = (lambda t: codec.tokenizer.decode([t]))
+
+    def token_text(t: int) -> str:
+        return codec.tokenizer.decode([t])
+
     rows = [_row(tasks[k // n], seeds[k // n]) for k in range(len(names))]
     endpoint = Endpoint(batcher, traces, decode=decode, token_text=token_text, sampling=attrs.evolve(sampling, n=1),
                         stream_of=stream_of)

@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["is_verifiers_env", "verifiers_agent"]
+__all__ = ["is_verifiers", "is_verifiers_env", "verifiers_agent", "verifiers_env_of"]
 
 
 def is_verifiers_env(value: Any) -> bool:
@@ -26,17 +26,21 @@ def is_verifiers_env(value: Any) -> bool:
         c.__module__.startswith("verifiers") for c in type(value).__mro__[1:]) and hasattr(value, "run_rollout")
 
 
-def verifiers_env_of(found: Any) -> Any | None:
-    """The verifiers environment ``found`` is, or makes (a ``load_environment``-style function
-    called without arguments); None when it is neither."""
+def is_verifiers(found: Any) -> bool:
+    """Whether ``found`` is a verifiers environment or its maker: a function named ``load_environment``
+    (verifiers' convention for an environment module's entry point)."""
+    return is_verifiers_env(found) or (inspect.isfunction(found) and found.__name__ == "load_environment")
+
+
+def verifiers_env_of(found: Any) -> Any:
+    """The verifiers environment ``found`` is, or makes (its ``load_environment``, called without
+    arguments); a one-line ``ValueError`` when what it makes is not one."""
     if is_verifiers_env(found):
         return found
-    if inspect.isfunction(found) and found.__name__ == "load_environment":
-        made = found()
-        if not is_verifiers_env(made):
-            raise ValueError(f"load_environment() returned a {type(made).__name__}, not a verifiers Environment")
-        return made
-    return None
+    made = found()
+    if not is_verifiers_env(made):
+        raise ValueError(f"load_environment() returned a {type(made).__name__}, not a verifiers Environment")
+    return made
 
 
 def verifiers_agent(env: Any, model: str = "policy") -> Callable[..., Any]:

@@ -1,17 +1,17 @@
 """A job's data as a run needs it: the training and held-out records, the reward function, how a
 multi-turn task's episodes are played, the tasks as token ids, and the context check."""
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from purerl.agents.play import agent_of
 from purerl.config.job import JobConfig
 from purerl.data.math_problems import train_eval_split
 from purerl.data.records import DataError, PromptRecord, encode_prompts, load_records
+from purerl.environments import environment_of
 from purerl.episodes import ChatCodec, TemplateError
-from purerl.episodes.adapters import environment
 from purerl.loop.task import Episodes, Task
 from purerl.models import CausalLM
 from purerl.rewards import RewardFn, math_reward, reward_function
@@ -49,14 +49,15 @@ def reward_of(config: JobConfig) -> RewardFn:
 
 
 def episodes_of(config: JobConfig, tokenizer: Any, reward_fn: RewardFn, options: dict[str, Any]) -> Episodes | None:
-    """How the tasks' episodes are played (``env``), None for single-turn answers. ``options``:
+    """How the tasks' episodes are played (``env``: its kind's environment, player and
+    demonstrations, :mod:`purerl.environments`), None for single-turn answers. ``options``:
     :func:`engine_options` (EOS and padding ids)."""
     env_config = config.env
     if not env_config.multi_turn:
         return None
     try:
-        env = agent_of(env_config.name, answer_fn=reward_fn) or environment(
-            env_config.name, answer_fn=reward_fn, tools=env_config.tools, format=env_config.format)
+        kind, env = environment_of(env_config.name, answer_fn=reward_fn, tools=env_config.tools,
+                                   format=env_config.format)
     except ValueError as err:
         raise DataError(f"env.name: {err}") from None
     try:
@@ -66,7 +67,9 @@ def episodes_of(config: JobConfig, tokenizer: Any, reward_fn: RewardFn, options:
                         f"{err}") from None
     tools = getattr(env, "chat_tools", None)
     template_kwargs = {"tools": tools} if env_config.format == "json" and tools else {}
-    return Episodes(env, codec, env_config, template_kwargs, options["pad_token_id"])  # the section is the limits
+    demonstration = None if kind.demonstration is None else functools.partial(kind.demonstration, env=env)
+    return Episodes(env, codec, env_config, template_kwargs, options["pad_token_id"],  # the section is the limits
+                    play=kind.play, demonstration=demonstration)
 
 
 def load_tasks(config: JobConfig, train_records: list[PromptRecord], eval_records: list[PromptRecord],

@@ -1,11 +1,9 @@
-"""Environments by name (``env.name``), and TRL's environment convention as a purerl :class:`Env`.
+"""User environments as purerl's :class:`~purerl.episodes.env.Env`: TRL's environment convention,
+and purerl's own ``Env`` made of what a ``module:name`` names. The kinds of environment ``env.name``
+may name, and the order they are tried in, are registered in :mod:`purerl.environments`.
 
-``env.name`` is ``single_turn`` (no environment: one answer per prompt), ``calculator``
-(:mod:`purerl.episodes.calculator`), or a user's ``module:name`` / ``file.py:name``
-(:func:`purerl.sandbox.loading.load_object`) naming one of:
-
-- an environment (an object with ``stop``, ``reset`` and ``step``: :class:`~purerl.episodes.env.Env`),
-  or a class or factory that makes one without arguments;
+- purerl's ``Env`` (an object with ``stop``, ``reset`` and ``step``), or a class or factory that
+  makes one without arguments: :func:`env_of`;
 - a class in TRL's ``environment_factory`` convention, which many users already have: ``reset(**row)``
   returns the first observation (appended to the last user message) or None, every public method
   is a tool the model may call, and an optional ``get_reward()`` scores the episode (else the job's
@@ -24,15 +22,13 @@ from typing import Any
 import attrs
 
 from purerl.data.records import PromptRecord
-from purerl.episodes.calculator import calculator_env
 from purerl.episodes.codec import Message
 from purerl.episodes.env import Env, StepResult
 from purerl.episodes.tools import parse_call, tool_output
 from purerl.rewards.math import RewardFn
 from purerl.sandbox.forms import call_form, reward_value
-from purerl.sandbox.loading import load_object
 
-__all__ = ["TrlEnvironment", "environment", "is_environment"]
+__all__ = ["TrlEnvironment", "env_of", "is_env_or_factory", "is_environment", "is_trl_factory"]
 
 _RESERVED = ("reset", "get_reward")
 
@@ -42,26 +38,34 @@ def is_environment(value: Any) -> bool:
     return all(hasattr(value, name) for name in ("stop", "reset", "step"))
 
 
-def environment(spec: str, *, answer_fn: RewardFn, tools: bool = True, format: str = "tags") -> Env:
-    """The environment ``spec`` names (this module's docstring); a one-line ``ValueError`` naming
-    the spec when it names something else."""
-    if spec == "calculator":
-        return calculator_env(tools=tools, format=format, answer_fn=answer_fn)
-    found = load_object(spec, "environment")
-    if isinstance(found, type) and not hasattr(found, "step") and hasattr(found, "reset"):
-        return TrlEnvironment(found, answer_fn, "json" if format == "json" else "tags")
-    if (isinstance(found, type) or not is_environment(found)) and callable(found) and _takes_no_arguments(found):
+def is_trl_factory(value: Any) -> bool:
+    """Whether ``value`` is a class in TRL's ``environment_factory`` convention: ``reset``, no ``step``."""
+    return isinstance(value, type) and not hasattr(value, "step") and hasattr(value, "reset")
+
+
+def is_env_or_factory(value: Any) -> bool:
+    """Whether ``value`` is purerl's ``Env``, or a class or function that may make one: anything
+    callable without arguments (so this is the last kind tried)."""
+    return is_environment(value) or _makes_without_arguments(value)
+
+
+def env_of(found: Any) -> Env:
+    """The ``Env`` ``found`` is, or makes when called without arguments (a class or a factory); a
+    one-line ``ValueError`` saying what is wrong otherwise."""
+    if (isinstance(found, type) or not is_environment(found)) and _makes_without_arguments(found):
         try:
             found = found()
         except Exception as err:  # noqa: BLE001 - the user's factory failed: say which
-            raise ValueError(f"environment {spec!r}: making it failed: {type(err).__name__}: {err}") from None
+            raise ValueError(f"making it failed: {type(err).__name__}: {err}") from None
     if not is_environment(found):
-        raise ValueError(f"environment {spec!r}: a {type(found).__name__} has no stop, reset and step (purerl's Env), "
+        raise ValueError(f"a {type(found).__name__} has no stop, reset and step (purerl's Env), "
                          "and is not a class with reset(**row) and tool methods (TRL's environment_factory)")
     return found
 
 
-def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
+def _makes_without_arguments(fn: Any) -> bool:
+    if not callable(fn):
+        return False
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):

@@ -7,8 +7,9 @@ from typing import Any
 import attrs
 
 from purerl.data.records import PromptRecord
-from purerl.episodes import ChatCodec, Env
+from purerl.episodes import ChatCodec, Env, Message
 from purerl.episodes.limits import EpisodeLimits
+from purerl.episodes.rollout import Episode
 from purerl.rewards import RewardFn, Scores
 
 __all__ = ["Episodes", "Task"]
@@ -17,14 +18,18 @@ __all__ = ["Episodes", "Task"]
 @attrs.frozen
 class Episodes:
     """How a multi-turn task is played: its environment, the chat codec that grows its ids, the
-    limits of an episode, the ``apply_chat_template`` arguments of its first messages (``tools``)
-    and the id that pads rows."""
+    limits of an episode, the ``apply_chat_template`` arguments of its first messages (``tools``),
+    the id that pads rows, and from the environment's kind (:mod:`purerl.environments`) what plays
+    its episodes (``play``, :func:`~purerl.episodes.rollout.run_episodes`'s arguments) and what
+    writes a task's demonstration for the SFT warm-up (``demonstration(record)``; None: none)."""
 
     env: Env
     codec: ChatCodec
     limits: EpisodeLimits
     template_kwargs: Mapping[str, Any] = attrs.Factory(dict)
     pad_token_id: int = 0
+    play: Callable[..., list[Episode]] = attrs.field(kw_only=True)
+    demonstration: Callable[[PromptRecord], list[Message]] | None = attrs.field(default=None, kw_only=True)
 
 
 @attrs.frozen
