@@ -1,18 +1,17 @@
 """Your own step, from purerl's stages: RLOO, the CISPO loss, an entropy bonus, a metric (tiny model, seconds)."""
 import functools
 
-from purerl.algo.kl_control import make_kl_controller
-from purerl.assembly.stages import advantage_estimator, policy_loss
-from purerl.assembly.tiny import tiny_math
-from purerl.config.sections import RolloutConfig, TrainerConfig
+from purerl.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, PolicyLossSettings, make_kl_controller
 from purerl.executors.local import LocalExecutor
-from purerl.loop.sampling import BatchPlan
+from purerl.loop.tiny import tiny_math
 from purerl.loop.train import train
+from purerl.loop_settings import TrainerSettings
 from purerl.optim import adamw
 from purerl.state import TrainState
 from purerl.step import ActorLoss, Batching, ExperienceSettings, Shaping, actor_update, make_experience, shape_rewards
 
-loss, shaping = ActorLoss(policy_loss("cispo", clip_low=1.0), entropy_coeff=1e-3), Shaping(advantage_estimator("rloo"))
+loss = ActorLoss(POLICY_LOSSES["cispo"].bound(PolicyLossSettings(clip_low=1.0)), entropy_coeff=1e-3)
+shaping = Shaping(ADVANTAGE_ESTIMATORS["rloo"].bound())
 
 def my_step(state, rollout, rewards, *, policy, value_and_grad, optimizer, kl_controller):
     experience = make_experience(state, rollout, rewards, policy=policy, settings=ExperienceSettings())
@@ -24,7 +23,6 @@ def my_step(state, rollout, rewards, *, policy, value_and_grad, optimizer, kl_co
 
 tiny, optimizer, kl = tiny_math(32), adamw(1e-3), make_kl_controller("fixed")
 executor = LocalExecutor(functools.partial(my_step, optimizer=optimizer, kl_controller=kl), tiny.model, tiny.engine)
-plan = BatchPlan(RolloutConfig(max_new_tokens=8, temperature=1.0), prompts_per_step=4)
 state = train(executor.start(TrainState.initial(tiny.params, optimizer, kl)), executor=executor, task=tiny.task,
-              plan=plan, trainer=TrainerConfig(steps=3, progress=False), run_dir=(out := "runs/custom_step"))
+              plan=tiny.plan, trainer=TrainerSettings(steps=3, progress=False), run_dir=(out := "runs/custom_step"))
 print(f"trained {state.step} steps; metrics in {out}/metrics.jsonl")

@@ -86,8 +86,8 @@ def test_the_corrected_loss_reduces_to_todays_when_behaviour_is_proximal(loss, m
     logp = (old + 0.1 * _like(data.draw, batch.values, 1.0)).requires_grad_()
     weights, _ = importance_weights(mode, old, old.clone(), batch.mask, cap=2.0)
     actor = ActorConfig(clip_high=0.28, loss_options=LossOptions(dro_beta=0.1))
-    plain = POLICY_LOSSES[loss](logp, old, batch.values, batch.mask, actor, actor.loss_options)
-    corrected = POLICY_LOSSES[loss](logp, old, batch.values, batch.mask, actor, actor.loss_options, is_weights=weights)
+    plain = POLICY_LOSSES[loss](logp, old, batch.values, batch.mask, actor)
+    corrected = POLICY_LOSSES[loss](logp, old, batch.values, batch.mask, actor, is_weights=weights)
     (g_plain,) = torch.autograd.grad(plain.loss.total, logp)
     (g_corrected,) = torch.autograd.grad(corrected.loss.total, logp)
     if loss == "geo_mean":

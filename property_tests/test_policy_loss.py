@@ -14,7 +14,8 @@ from hypothesis.extra.numpy import arrays
 from property_tests.strategies import finite_floats, token_batches
 from purerl.algo.aggregation import LOSS_AGGREGATIONS, loss_denominator
 from purerl.algo.policy_loss import POLICY_LOSSES, PolicyLossOutput, gspo_loss, ppo_clip_loss
-from purerl.config.job import ActorConfig, LossOptions
+from purerl.algo.loss_settings import LossOptions, PolicyLossSettings
+from purerl.config.job import ActorConfig
 from purerl.tree import assert_trees_close, tree_equal, tree_leaves
 
 MODES = LOSS_AGGREGATIONS.names()
@@ -30,6 +31,12 @@ class PolicyLossConfig(LossOptions):
     clip_c: float | None = 3.0
     loss_agg: str = "token-mean"
     loss_norm: float | None = None
+
+    def settings(self) -> PolicyLossSettings:
+        """The same settings as a loss takes them."""
+        options = LossOptions(**{f.name: getattr(self, f.name) for f in attrs.fields(LossOptions)})
+        return PolicyLossSettings(clip_low=self.clip_low, clip_high=self.clip_high, clip_c=self.clip_c,
+                                  loss_agg=self.loss_agg, loss_norm=self.loss_norm, loss_options=options)
 clip_ranges = st.floats(0.01, 0.5)
 clip_cs = st.floats(1.01, 10.0)
 
@@ -179,9 +186,9 @@ def test_policy_loss_of_micro_batches_adds_up_to_the_whole_batch(loss_name, mode
     config = PolicyLossConfig(clip_low=0.2, clip_high=0.28, clip_c=3.0, loss_agg=mode, loss_norm=4.0)
     loss_fn = POLICY_LOSSES[loss_name]
     cut = data.draw(st.integers(1, adv.shape[0] - 1))
-    first = loss_fn(logp[:cut], old[:cut], adv[:cut], mask[:cut], config)
-    second = loss_fn(logp[cut:], old[cut:], adv[cut:], mask[cut:], config)
-    whole = loss_fn(logp, old, adv, mask, config)
+    first = loss_fn(logp[:cut], old[:cut], adv[:cut], mask[:cut], config.settings())
+    second = loss_fn(logp[cut:], old[cut:], adv[cut:], mask[cut:], config.settings())
+    whole = loss_fn(logp, old, adv, mask, config.settings())
     for part_a, part_b, full in zip(tree_leaves(first), tree_leaves(second), tree_leaves(whole)):
         torch.testing.assert_close(part_a + part_b, full, rtol=1e-12, atol=1e-12)
 
@@ -279,12 +286,12 @@ def test_registry_names_and_config_dispatch():
     logp, old, adv = (torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.rand(3, 4, generator=g) > 0.3
     config = PolicyLossConfig(clip_low=0.1, clip_high=0.3, clip_c=2.0, loss_agg="seq-mean-token-mean", loss_norm=None)
-    via_registry = POLICY_LOSSES["vanilla"](logp, old, adv, mask, config)
+    via_registry = POLICY_LOSSES["vanilla"](logp, old, adv, mask, config.settings())
     kwargs = dict(clip_low=0.1, clip_high=0.3, agg="seq-mean-token-mean")
     direct = ppo_clip_loss(logp, old, adv, mask, clip_c=2.0, **kwargs)
     assert isinstance(via_registry, PolicyLossOutput)
     assert tree_equal(via_registry, direct)
-    gspo = POLICY_LOSSES["gspo"](logp, old, adv, mask, config)
+    gspo = POLICY_LOSSES["gspo"](logp, old, adv, mask, config.settings())
     assert tree_equal(gspo, gspo_loss(logp, old, adv, mask, **kwargs))
     with pytest.raises(ValueError, match="unknown policy loss 'ppo2'"):
         POLICY_LOSSES["ppo2"]
@@ -358,7 +365,7 @@ def _run(name, logp, old, adv, mask, config, weights=None, seed=0, of="total"):
     """The loss output and the gradient of its total (or value) w.r.t. ``logp``."""
     leaf = logp.clone().requires_grad_()
     generator = torch.Generator().manual_seed(seed)
-    out = POLICY_LOSSES[name](leaf, old, adv, mask, config, is_weights=weights, generator=generator)
+    out = POLICY_LOSSES[name](leaf, old, adv, mask, config.settings(), is_weights=weights, generator=generator)
     target = out.loss.total if of == "total" else out.loss.value()
     (grad,) = torch.autograd.grad(target, leaf, allow_unused=True)
     return out, torch.zeros_like(logp) if grad is None else grad
@@ -429,7 +436,7 @@ def test_loss_aggregation_overrides_only_where_verl_ignores_loss_agg_mode():
 @given(inputs=loss_inputs(min_rows=2), config=loss_configs(), data=st.data())
 def test_vanishes_at_zero_advantage_is_honest(name, inputs, config, data):
     """Where it says True, leaving the zero-advantage rows out changes neither total nor gradient."""
-    if not POLICY_LOSSES[name].vanishes_at_zero_advantage(config):
+    if not POLICY_LOSSES[name].vanishes_at_zero_advantage(config.settings()):
         return
     logp, old, adv, mask, weights = inputs
     b = adv.shape[0]
@@ -468,15 +475,15 @@ def test_the_losses_said_not_to_vanish_really_depend_on_zero_advantage_rows():
     config = PolicyLossConfig(clip_cov_lb=0.5, clip_cov_ub=5.0, clip_cov_ratio=1.0)
     assert _zero_row_changes_the_loss("clip_cov", logp, logp, adv, mask, config)
     for name in ("dro", "kl_cov", "clip_cov"):
-        assert not POLICY_LOSSES[name].vanishes_at_zero_advantage(config)
+        assert not POLICY_LOSSES[name].vanishes_at_zero_advantage(config.settings())
     # bypass_mode: batch-normalised REINFORCE weights are a mean over the zero row too
     normalise = PolicyLossConfig(bypass_loss_type="reinforce", bypass_batch_normalize=True)
     old = torch.tensor([[-2.0, -2.5], [-1.0, -1.0]], **d)
     adv = torch.tensor([[0.0, 0.0], [1.0, -2.0]], **d)
     assert _zero_row_changes_the_loss("bypass_mode", torch.tensor([[-1.0, -1.0], [-1.0, -1.5]], **d), old, adv,
                                       mask, normalise)
-    assert not POLICY_LOSSES["bypass_mode"].vanishes_at_zero_advantage(normalise)
-    assert POLICY_LOSSES["bypass_mode"].vanishes_at_zero_advantage(PolicyLossConfig())
+    assert not POLICY_LOSSES["bypass_mode"].vanishes_at_zero_advantage(normalise.settings())
+    assert POLICY_LOSSES["bypass_mode"].vanishes_at_zero_advantage(PolicyLossConfig().settings())
     with pytest.raises(ValueError, match="unknown policy loss"):
         POLICY_LOSSES["ppo2"]
 
@@ -499,8 +506,8 @@ def test_reinforce_is_gpg_with_detached_weights(inputs, config):
     assert_trees_close(out_rf, out_gpg, rtol=1e-15, atol=0.0)
     torch.testing.assert_close(grad_rf, grad_gpg, rtol=1e-15, atol=0.0)
     w = (torch.ones_like(adv) if weights is None else weights).clone().requires_grad_()
-    rf = POLICY_LOSSES["reinforce"](logp, old, adv, mask, config, is_weights=w)
-    gpg = POLICY_LOSSES["gpg"](logp, old, adv, mask, config, is_weights=w)
+    rf = POLICY_LOSSES["reinforce"](logp, old, adv, mask, config.settings(), is_weights=w)
+    gpg = POLICY_LOSSES["gpg"](logp, old, adv, mask, config.settings(), is_weights=w)
     torch.testing.assert_close(rf.loss.total, gpg.loss.total, rtol=1e-12, atol=1e-12)
     assert not rf.loss.total.requires_grad  # nothing but the weights could carry a gradient here
     assert gpg.loss.total.requires_grad
@@ -613,7 +620,7 @@ def test_clip_cov_detaches_k_random_candidates_reproducibly(inputs, config, seed
     out, grad = _run("clip_cov", logp, old, adv, mask, config, weights, seed=seed)
     again, grad_again = _run("clip_cov", logp, old, adv, mask, config, weights, seed=seed)
     assert tree_equal(out, again) and torch.equal(grad, grad_again)
-    default = POLICY_LOSSES["clip_cov"](logp, old, adv, mask, config, is_weights=weights)
+    default = POLICY_LOSSES["clip_cov"](logp, old, adv, mask, config.settings(), is_weights=weights)
     assert tree_equal(default, _run("clip_cov", logp, old, adv, mask, config, weights, seed=0)[0])
     # the number detached: min(max(int(ratio·N), 1), #candidates)
     lr = torch.where(mask, logp - old, torch.zeros_like(adv))
@@ -744,10 +751,10 @@ def test_every_loss_takes_a_generator_and_vanilla_and_gspo_ignore_it(name):
     adv = torch.randn(3, 4, generator=g, dtype=torch.float64)
     mask = torch.rand(3, 4, generator=g) > 0.3
     config = PolicyLossConfig(dro_beta=0.1)
-    out = POLICY_LOSSES[name](logp, old, adv, mask, config, generator=torch.Generator().manual_seed(5))
+    out = POLICY_LOSSES[name](logp, old, adv, mask, config.settings(), generator=torch.Generator().manual_seed(5))
     assert isinstance(out, PolicyLossOutput)
     if name != "clip_cov":
-        assert tree_equal(out, POLICY_LOSSES[name](logp, old, adv, mask, config))
+        assert tree_equal(out, POLICY_LOSSES[name](logp, old, adv, mask, config.settings()))
 
 
 def test_the_loss_options_have_verl_defaults_and_named_validation_errors():
@@ -766,4 +773,4 @@ def test_the_loss_options_have_verl_defaults_and_named_validation_errors():
         LossOptions(clip_cov_lb=6.0)
     x = torch.zeros(1, 1, dtype=torch.float64)
     with pytest.raises(ValueError, match="dro_beta"):
-        POLICY_LOSSES["dro"](x, x, x, torch.ones(1, 1, dtype=torch.bool), PolicyLossConfig())
+        POLICY_LOSSES["dro"](x, x, x, torch.ones(1, 1, dtype=torch.bool), PolicyLossConfig().settings())

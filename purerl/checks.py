@@ -2,17 +2,19 @@
 
 jaxtyping checks every annotated call under pytest only; these checks run always, are cheap
 (shape and dtype comparisons, no data reads unless asked) and name the offending argument.
-The attrs validators (:func:`at_least`, :func:`positive`, :func:`in_range`) check settings as
-frozen config classes are built, naming the field.
+The attrs validators (:func:`at_least`, :func:`positive`, :func:`in_range`, :func:`one_of`,
+:func:`boolean`) check settings as frozen records are built, naming the field.
 """
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
 import torch
 
-__all__ = ["SettingError", "at_least", "check_bool", "check_floating", "check_rank", "check_same_shape", "in_range",
-           "positive"]
+__all__ = ["SettingError", "at_least", "boolean", "check_bool", "check_floating", "check_rank", "check_same_shape",
+           "in_range", "one_of", "positive"]
 
 
 def _shape(x: torch.Tensor) -> tuple[int, ...]:
@@ -79,5 +81,26 @@ def in_range(low: float | int, high: float | int, *, open_low: bool = False) -> 
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if not ((low < value) if open_low else (low <= value)) or not value <= high:
             raise SettingError(f"{attribute.name} must be in {'(' if open_low else '['}{low}, {high}], got {value}")
+
+    return check
+
+
+def boolean(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """An attrs validator: the value is ``True`` or ``False`` (not 0, 1 or a string)."""
+    if not isinstance(value, bool):
+        raise SettingError(f"{attribute.name} must be true or false, got {value!r}")
+
+
+def one_of(names: Iterable[str] | Any, what: str) -> Any:
+    """An attrs validator accepting the names of a registry (anything with ``names()``) or an
+    iterable; the error names the closest valid value."""
+
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        known = list(names.names() if hasattr(names, "names") else names)
+        if value not in known:
+            close = difflib.get_close_matches(str(value), [str(k) for k in known], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise SettingError(f"{attribute.name}: unknown {what} {value!r}{hint} "
+                               f"(known: {', '.join(map(str, known))})")
 
     return check

@@ -14,8 +14,8 @@ from purerl.data.records import DataError
 from purerl.executors.base import ExecutorError
 from purerl.io.checkpoint import CheckpointError
 from purerl.io.run_folder import RunFolderError
-from purerl.rollout.canary import CanaryError
 from purerl.loop.recording import Interrupted, StopRequest, TrainingStopped
+from purerl.rollout.canary import CanaryError
 from purerl.run import run
 
 __all__ = ["main", "plot_curve"]

@@ -1,17 +1,17 @@
 """Named registries: config strings select pure functions (advantage estimators, losses, ...),
-rollout engines and model families.
+rollout engines, model families and environments.
 
 An entry may be a record of what callers need to know about it (an estimator's needs, a loss's
-aggregation); registered functions declare their settings as keyword-only parameters named like
-the config keys that set them (:func:`keyword_settings`), and receive only those
-(:func:`bind_settings`)."""
+aggregation). A registry only finds entries: settings are bound by the entries' own records
+(:class:`~purerl.algo.estimators.AdvantageSettings`, :class:`~purerl.algo.loss_settings.PolicyLossSettings`),
+read by attribute."""
 
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 F = TypeVar("F")
 
-__all__ = ["Registry", "bind_settings", "keyword_settings"]
+__all__ = ["Registry"]
 
 
 class Registry(Generic[F]):
@@ -47,29 +47,3 @@ class Registry(Generic[F]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
-
-
-def keyword_settings(fn: Callable, *, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The names of ``fn``'s keyword-only parameters (but ``exclude``): the settings a registered
-    function takes, each looked up by name in the sections of a config (:func:`bind_settings`)."""
-    import inspect
-
-    return tuple(name for name, p in inspect.signature(fn).parameters.items()
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in exclude)
-
-
-def bind_settings(names: tuple[str, ...], sections: tuple[object, ...], owner: str) -> dict[str, object]:
-    """``{name: value}`` for each of ``names``, from the first of ``sections`` with an attribute of
-    that name (config sections, or any object). A ``ValueError`` names the settings none has."""
-    values, missing = {}, []
-    for name in names:
-        for section in sections:
-            if hasattr(section, name):
-                values[name] = getattr(section, name)
-                break
-        else:
-            missing.append(name)
-    if missing:
-        raise ValueError(f"{owner} needs the settings {', '.join(missing)}, which none of "
-                         f"{', '.join(type(s).__name__ for s in sections) or 'no sections'} has")
-    return values

@@ -41,8 +41,16 @@ from purerl.config.rules import resolve
 from purerl.io.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, step_of
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import RECORDS, RecordError, load_record
-from purerl.io.run_folder import (CONFIG, RunFolderError, check_teacher, checkpoint_of, checkpoints_of, held_by,
-                                  weights_fingerprint)
+from purerl.io.run_folder import (
+    CONFIG,
+    RunFolderError,
+    check_teacher,
+    checkpoint_of,
+    checkpoints_of,
+    held_by,
+    replay_folder_of,
+    weights_fingerprint,
+)
 from purerl.models import value_and_grad
 from purerl.tree import tree_equal, tree_leaves, tree_map
 
@@ -105,7 +113,7 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
     effects = {"policy": model, "value_and_grad": value_and_grad, **({"critic": critic} if critic else {}),
                **({"teacher": teacher} if teacher else {})}
     recorded = _recorded_metrics(run_dir)
-    log = None if not settings else MetricsLog(_replay_dir(run_dir, settings))
+    log = None if not settings else MetricsLog(replay_folder_of(run_dir, _label(settings)))
     if log is not None:
         log.clear()
     results: dict[str, Any] = {"steps": [], "metrics": [], "mismatches": [], "state_equal": None, "unchecked": []}
@@ -291,12 +299,6 @@ def _label(settings: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(settings.items()))
 
 
-def _replay_dir(run_dir: Path, settings: dict[str, Any]) -> Path:
-    path = run_dir / "replays" / re.sub(r"[^\w.=,+-]", "_", _label(settings))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 HEADLINE = ("critic/score/mean", "critic/advantages/max", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl",
             "actor/entropy")
 """The metrics :func:`compare` prints and plots by default."""
@@ -323,7 +325,8 @@ def _metrics_file(path: str | Path) -> Path:
     path = Path(path)
     found = path / "metrics.jsonl" if path.is_dir() else path
     if not found.exists():
-        raise ReplayError(f"replay --compare: {found} does not exist (give a run or replay folder, or its metrics.jsonl)")
+        raise ReplayError(f"replay --compare: {found} does not exist "
+                          "(give a run or replay folder, or its metrics.jsonl)")
     return found
 
 
@@ -354,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", nargs="?")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="print two runs' or replays' metrics per step")
     ap.add_argument("--plot", default=None, help="with --compare: write one figure of them here")
-    ap.add_argument("--from-step", type=int, default=0, help="start from the run's checkpoint at this step (0: the start)")
+    ap.add_argument("--from-step", type=int, default=0,
+                    help="start from the run's checkpoint at this step (0: the start)")
     ap.add_argument("--to-step", type=int, default=None, help="the last step replayed (default: the last recorded)")
     argv = sys.argv[1:] if argv is None else argv
     items = [a for a in argv if re.match(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=", a)]

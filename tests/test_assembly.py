@@ -5,17 +5,17 @@ import pickle
 import pytest
 import torch
 
-from purerl.algo.policy_loss import POLICY_LOSSES
-from purerl.assembly.stages import (
-    actor_loss_of,
-    advantage_estimator,
-    critic_batching_of,
-    policy_loss,
-    shaping_of,
-    stage_settings_of,
+from purerl.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageSettings, LossOptions, PolicyLossSettings
+from purerl.algo.policy_loss import (
+    cispo_policy_loss,
+    geo_mean_policy_loss,
+    gpg_policy_loss,
+    sapo_policy_loss,
+    vanilla_policy_loss,
 )
+from purerl.assembly.stages import actor_loss_of, critic_batching_of, shaping_of, stage_settings_of
 from purerl.checks import SettingError
-from purerl.config.job import ActorConfig, AlgorithmConfig, CriticConfig, JobConfig, LossOptions
+from purerl.config.job import ActorConfig, AlgorithmConfig, CriticConfig, JobConfig
 from purerl.config.rules import resolve
 
 
@@ -27,31 +27,46 @@ def test_every_stage_setting_pickles_and_comes_back_equal(estimator):
     assert pickle.loads(pickle.dumps(settings)) == settings
 
 
-def test_a_bound_loss_computes_what_the_loss_computes_with_the_sections():
+def test_a_loss_bound_to_the_actor_section_computes_what_its_function_computes_with_those_settings():
     g = torch.Generator().manual_seed(0)
     logp, old, adv = (torch.randn(3, 5, generator=g) for _ in range(3))
     mask = torch.rand(3, 5, generator=g) > 0.3
-    for name in ("vanilla", "cispo", "sapo", "geo_mean", "gpg"):
-        actor = ActorConfig(policy_loss=name, clip_high=0.3, loss_agg="seq-mean-token-mean")
-        bound = actor.loss.bound(actor, actor.loss_options)
-        want = POLICY_LOSSES[name](logp, old, adv, mask, actor, actor.loss_options)
-        got = bound(logp, old, adv, mask)
+    plain = {"vanilla": lambda: vanilla_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.3, clip_c=3.0,
+                                                    loss_agg="seq-mean-token-mean", loss_norm=None),
+             "cispo": lambda: cispo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.3,
+                                                loss_agg="seq-mean-token-mean", loss_norm=None),
+             "sapo": lambda: sapo_policy_loss(logp, old, adv, mask, tau_pos=2.0, tau_neg=1.05),
+             "geo_mean": lambda: geo_mean_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.3),
+             "gpg": lambda: gpg_policy_loss(logp, old, adv, mask, loss_agg="seq-mean-token-mean", loss_norm=None)}
+    for name, want in plain.items():
+        actor = ActorConfig(policy_loss=name, clip_high=0.3, loss_agg="seq-mean-token-mean",
+                            loss_options=LossOptions(tau_pos=2.0))
+        got, want = actor.loss.bound(actor)(logp, old, adv, mask), want()
         assert torch.equal(got.loss.total, want.loss.total) and torch.equal(got.loss.count, want.loss.count), name
 
 
-def test_a_script_binds_a_loss_or_an_estimator_with_the_sections_defaults_for_the_rest():
-    loss = policy_loss("cispo", clip_low=1.0)
-    defaults = ActorConfig()
-    assert dict(loss.settings) == {"clip_low": 1.0, "clip_high": defaults.clip_high}
-    assert (loss.loss_agg, loss.loss_norm) == (defaults.loss_agg, defaults.loss_norm)
-    assert dict(policy_loss("sapo", tau_pos=2.0).settings) == {"tau_pos": 2.0, "tau_neg": LossOptions().tau_neg}
-    assert dict(advantage_estimator("gae", lam=0.9).settings) == {"gamma": 1.0, "lam": 0.9}
-    with pytest.raises(ValueError, match="policy loss 'cispo' has no settings tau_pos"):
-        policy_loss("cispo", tau_pos=2.0)
-    with pytest.raises(ValueError, match="advantage estimator 'rloo' has no settings flavour"):
-        advantage_estimator("rloo", flavour=1)
+def test_a_script_binds_a_loss_or_an_estimator_to_records_of_its_own():
+    loss = POLICY_LOSSES["cispo"].bound(PolicyLossSettings(clip_low=1.0))
+    assert loss.kwargs == {"clip_low": 1.0, "clip_high": 0.28, "loss_agg": "token-mean", "loss_norm": None}
+    sapo = POLICY_LOSSES["sapo"].bound(PolicyLossSettings(loss_options=LossOptions(tau_pos=2.0)))
+    assert sapo.kwargs == {"tau_pos": 2.0, "tau_neg": 1.05} and sapo.aggregation == "seq-mean-token-mean"
+    assert ADVANTAGE_ESTIMATORS["gae"].bound(AdvantageSettings(lam=0.9)).settings.lam == 0.9
     with pytest.raises(SettingError, match="clip_low"):
-        policy_loss("vanilla", clip_low=-1.0)  # checked as the config checks it
+        PolicyLossSettings(clip_low=-1.0)  # checked as the config checks it
+    with pytest.raises(SettingError, match="lam"):
+        AdvantageSettings(lam=2.0)
+
+
+def test_every_loss_reads_only_settings_its_function_takes():
+    """A reader naming a keyword its function lacks fails here, not at a user's assembly."""
+    import inspect
+
+    for name in POLICY_LOSSES.names():
+        loss = POLICY_LOSSES[name]
+        params = inspect.signature(loss.fn).parameters
+        keywords = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} - {"is_weights",
+                                                                                                  "generator"}
+        assert set(loss.reads(PolicyLossSettings())) == keywords, name
 
 
 def test_the_critics_token_budget_is_resolved_once_from_the_actors():
@@ -70,6 +85,6 @@ def test_the_settings_follow_the_config():
                        actor=ActorConfig(policy_loss="gspo", clip_high=0.4, entropy_coeff=0.01))
     shaping, loss = shaping_of(config), actor_loss_of(config)
     assert shaping.estimator.name == "rloo" and shaping.kl_penalty == "mse" and shaping.correction == "none"
-    assert loss.policy_loss.name == "gspo" and dict(loss.policy_loss.settings)["clip_high"] == 0.4
+    assert loss.policy_loss.name == "gspo" and loss.policy_loss.settings.clip_high == 0.4
     assert loss.entropy_coeff == 0.01 and loss.temperature == config.rollout.temperature
     assert shaping_of(JobConfig()).kl_penalty is None

@@ -63,8 +63,7 @@ def test_observation_tokens_add_no_loss_no_kl_and_no_gradient():
     # and the gradient w.r.t. the log-prob of an observation token is exactly zero
     logp = logprobs_from_logits(response_logits(model, params, sequences), sequences.responses()).detach()
     logp.requires_grad_(True)
-    out = config.actor.loss(logp, batch(0.0).old_logprobs, batch(0.0).advantages, mask, config.actor,
-                            config.actor.loss_options)
+    out = config.actor.loss(logp, batch(0.0).old_logprobs, batch(0.0).advantages, mask, config.actor)
     out.loss.total.backward()
     assert logp.grad[observation].eq(0).all() and logp.grad[mask].ne(0).any()
 

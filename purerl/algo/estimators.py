@@ -4,13 +4,14 @@ record of what it needs and implies.
 An :class:`Estimator` holds the function and what a caller must know about it: whether it
 compares the samples of a prompt (``grouped``: it needs group ids and ≥ 2 samples per prompt, and
 DAPO's dynamic sampling applies), whether it needs a critic's values, ReMax's greedy baselines or
-``Σπ²`` of the old policy. Its settings are the keyword-only parameters of its function, named
-like the ``algorithm`` keys that set them (``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``,
-``gdpo_weights``); it receives only those. The maths lives in :mod:`purerl.algo.advantages` and
+``Σπ²`` of the old policy. Its function reads its settings from an :class:`AdvantageSettings`
+(``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``, ``gdpo_weights``: the job's ``algorithm``
+section is one). The maths lives in :mod:`purerl.algo.advantages` and
 :mod:`purerl.algo.token_baseline`; no code outside this registry compares estimator names.
 """
 
 import importlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,52 +33,62 @@ from purerl.algo.advantages import (
 )
 from purerl.algo.groups import check_row_inputs, check_token_inputs, needed
 from purerl.algo.token_baseline import optimal_token_baseline_advantages, tir_optimal_token_baseline_advantages
-from purerl.registry import Registry, bind_settings, keyword_settings
+from purerl.checks import SettingError, in_range
+from purerl.registry import Registry
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "BoundEstimator", "Estimator", "compute_advantages", "estimator"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageSettings", "BoundEstimator", "Estimator", "compute_advantages",
+           "estimator"]
+
+
+def _weights(instance: Any, attribute: attrs.Attribute, value: tuple[float, ...] | None) -> None:
+    if value is not None and (not value or not all(math.isfinite(w) for w in value)):
+        raise SettingError(f"{attribute.name} must be finite and non-empty (or none), got {value}")
+
+
+@attrs.frozen
+class AdvantageSettings:
+    """What the estimators read (the job's ``algorithm`` section is one): ``gamma``, ``lam`` (GAE and
+    REINFORCE++), ``norm_adv_by_std_in_grpo`` (GRPO's std division), ``gdpo_weights`` (one weight per
+    reward component of ``gdpo``, the rule reward then the reward model; None: all 1)."""
+
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = attrs.field(default=1.0, validator=in_range(0, 1))
+    lam: float = attrs.field(default=1.0, validator=in_range(0, 1))
+    gdpo_weights: tuple[float, ...] | None = attrs.field(default=None, validator=_weights)
 
 
 @attrs.frozen
 class Estimator:
-    """An advantage estimator: ``fn(inputs, **settings) -> (advantages, returns)`` and its needs.
+    """An advantage estimator: ``fn(inputs, settings) -> (advantages, returns)`` and its needs.
 
     - ``grouped``: compares the samples of one prompt (needs ``inputs.group``; a group of one
       sample gets nothing to learn from);
     - ``needs_values``: the critic's values (PPO with GAE);
     - ``needs_baselines``: each row's baseline reward (ReMax: its prompt's greedy response);
     - ``needs_sum_pi_squared``: ``old_logprobs`` and ``Σ_v π_old(v)²`` per position;
-    - ``settings``: the names of its keyword-only parameters (read from the config by name).
+    - ``weighs_components``: normalises each reward component alone and weighs them with
+      ``gdpo_weights`` (a KL penalty in the reward would be lost).
+    ``fn`` reads the fields of :class:`AdvantageSettings` it needs, by attribute.
     """
 
-    fn: Callable[..., AdvantagesAndReturns]
+    fn: Callable[[AdvantageInputs, AdvantageSettings], AdvantagesAndReturns]
     grouped: bool = True
     needs_values: bool = False
     needs_baselines: bool = False
     needs_sum_pi_squared: bool = False
-    settings: tuple[str, ...] = attrs.field(init=False)
+    weighs_components: bool = False
     name: str = ""
-
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "settings", keyword_settings(self.fn))
 
     def __reduce__(self) -> tuple[Any, tuple[str, str]]:
         # by name: the decorator puts this record where its function was, so the function itself
         # cannot be pickled by reference; the module that registers it is imported on the way back
         return _registered, (self.name, self.fn.__module__)
 
-    def bind(self, *sections: object) -> dict[str, Any]:
-        """This estimator's settings, each from the first of ``sections`` that has it."""
-        return bind_settings(self.settings, sections, f"advantage estimator {self.name!r}")
-
-    def __call__(self, inputs: AdvantageInputs, *sections: object) -> AdvantagesAndReturns:
-        """``(advantages, returns)`` of ``inputs``, with settings from ``sections`` (e.g. the job's
-        ``algorithm`` section). Raises ``ValueError`` for mismatched shapes or an input it needs
-        left None; ``TypeError`` for a non-bool mask, non-floating tensors or non-integer groups."""
-        return self.with_settings(inputs, self.bind(*sections))
-
-    def with_settings(self, inputs: AdvantageInputs, settings: dict[str, Any]) -> AdvantagesAndReturns:
-        """``(advantages, returns)`` of ``inputs`` with ``settings`` given by name (checked as in
-        :meth:`__call__`)."""
+    def __call__(self, inputs: AdvantageInputs,
+                 settings: AdvantageSettings = AdvantageSettings()) -> AdvantagesAndReturns:
+        """``(advantages, returns)`` of ``inputs`` under ``settings``. Raises ``ValueError`` for
+        mismatched shapes or an input it needs left None; ``TypeError`` for a non-bool mask,
+        non-floating tensors or non-integer groups."""
         where = f"compute_advantages({self.name!r})"
         check_token_inputs(where, inputs.rewards, inputs.mask, values=inputs.values,
                            old_logprobs=inputs.old_logprobs, sum_pi_squared=inputs.sum_pi_squared,
@@ -90,31 +101,23 @@ class Estimator:
             if wanted:
                 what = "group ids" if field == "group" else field
                 needed(getattr(inputs, field), f"{self.name} needs {what} (AdvantageInputs.{field} is None)")
-        return self.fn(inputs, **settings)
+        return self.fn(inputs, settings)
 
-    def bound(self, *sections: object, **overrides: Any) -> "BoundEstimator":
-        """This estimator closed over its settings: each from ``overrides``, else from the first of
-        ``sections`` that has it. A setting it does not read raises ``ValueError``."""
-        unknown = sorted(set(overrides) - set(self.settings))
-        if unknown:
-            raise ValueError(f"advantage estimator {self.name!r} has no settings {', '.join(unknown)} "
-                             f"(its settings: {', '.join(self.settings) or 'none'})")
-        values = bind_settings(tuple(n for n in self.settings if n not in overrides), sections,
-                               f"advantage estimator {self.name!r}")
-        return BoundEstimator(self, tuple(sorted({**values, **overrides}.items())))
+    def bound(self, settings: AdvantageSettings = AdvantageSettings()) -> "BoundEstimator":
+        """This estimator closed over ``settings``."""
+        return BoundEstimator(self, settings)
 
 
 @attrs.frozen
 class BoundEstimator:
     """An advantage estimator closed over its settings, like an optax transform:
-    ``bound(inputs) -> (advantages, returns)``. ``settings``: ``(name, value)`` pairs (a tuple, so
-    the record pickles and compares); the estimator's needs read through (``bound.grouped``, …)."""
+    ``bound(inputs) -> (advantages, returns)``; the estimator's needs read through (``bound.grouped``, …)."""
 
     estimator: Estimator
-    settings: tuple[tuple[str, Any], ...] = ()
+    settings: AdvantageSettings = AdvantageSettings()
 
     def __call__(self, inputs: AdvantageInputs) -> AdvantagesAndReturns:
-        return self.estimator.with_settings(inputs, dict(self.settings))
+        return self.estimator(inputs, self.settings)
 
     @property
     def name(self) -> str:
@@ -147,7 +150,7 @@ def _registered(name: str, module: str) -> Estimator:
 
 
 def estimator(name: str, **needs: bool) -> Callable[[Callable[..., AdvantagesAndReturns]], Estimator]:
-    """Register ``fn(inputs, *, settings…)`` as the estimator ``name`` with ``needs``
+    """Register ``fn(inputs, settings)`` as the estimator ``name`` with ``needs``
     (:class:`Estimator`'s flags); returns the record."""
 
     def register(fn: Callable[..., AdvantagesAndReturns]) -> Estimator:
@@ -156,74 +159,75 @@ def estimator(name: str, **needs: bool) -> Callable[[Callable[..., AdvantagesAnd
     return register
 
 
-def compute_advantages(name: str, inputs: AdvantageInputs, *sections: object) -> AdvantagesAndReturns:
-    """``(advantages, returns)`` of the estimator registered as ``name``, its settings read from
-    ``sections`` (see :meth:`Estimator.__call__`). Unknown names raise ``ValueError``."""
-    return ADVANTAGE_ESTIMATORS[name](inputs, *sections)
+def compute_advantages(name: str, inputs: AdvantageInputs,
+                       settings: AdvantageSettings = AdvantageSettings()) -> AdvantagesAndReturns:
+    """``(advantages, returns)`` of the estimator registered as ``name`` under ``settings`` (see
+    :meth:`Estimator.__call__`). Unknown names raise ``ValueError``."""
+    return ADVANTAGE_ESTIMATORS[name](inputs, settings)
 
 
 @estimator("gae", grouped=False, needs_values=True)
-def _gae(inputs: AdvantageInputs, *, gamma: float, lam: float) -> AdvantagesAndReturns:
-    return gae_advantages(inputs.rewards, inputs.values, inputs.mask, gamma, lam)
+def _gae(inputs: AdvantageInputs, s: AdvantageSettings) -> AdvantagesAndReturns:
+    return gae_advantages(inputs.rewards, inputs.values, inputs.mask, s.gamma, s.lam)
 
 
 @estimator("grpo")
-def _grpo(inputs: AdvantageInputs, *, norm_adv_by_std_in_grpo: bool) -> AdvantagesAndReturns:
-    return grpo_advantages(inputs.rewards, inputs.mask, inputs.group, norm_adv_by_std_in_grpo)
+def _grpo(inputs: AdvantageInputs, s: AdvantageSettings) -> AdvantagesAndReturns:
+    return grpo_advantages(inputs.rewards, inputs.mask, inputs.group, s.norm_adv_by_std_in_grpo)
 
 
 @estimator("drgrpo")
-def _drgrpo(inputs: AdvantageInputs) -> AdvantagesAndReturns:
+def _drgrpo(inputs: AdvantageInputs, _: AdvantageSettings) -> AdvantagesAndReturns:
     return grpo_advantages(inputs.rewards, inputs.mask, inputs.group, norm_by_std=False)
 
 
 @estimator("reinforce_plus_plus", grouped=False)
-def _reinforce_plus_plus(inputs: AdvantageInputs, *, gamma: float) -> AdvantagesAndReturns:
-    return reinforce_plus_plus_advantages(inputs.rewards, inputs.mask, gamma)
+def _reinforce_plus_plus(inputs: AdvantageInputs, s: AdvantageSettings) -> AdvantagesAndReturns:
+    return reinforce_plus_plus_advantages(inputs.rewards, inputs.mask, s.gamma)
 
 
 @estimator("reinforce_plus_plus_baseline")
-def _reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> AdvantagesAndReturns:
+def _reinforce_plus_plus_baseline(inputs: AdvantageInputs, _: AdvantageSettings) -> AdvantagesAndReturns:
     return reinforce_plus_plus_baseline_advantages(inputs.rewards, inputs.mask, inputs.group)
 
 
 @estimator("rloo")
-def _rloo(inputs: AdvantageInputs) -> AdvantagesAndReturns:
+def _rloo(inputs: AdvantageInputs, _: AdvantageSettings) -> AdvantagesAndReturns:
     return rloo_advantages(inputs.rewards, inputs.mask, inputs.group)
 
 
 @estimator("remax", grouped=False, needs_baselines=True)
-def _remax(inputs: AdvantageInputs) -> AdvantagesAndReturns:
+def _remax(inputs: AdvantageInputs, _: AdvantageSettings) -> AdvantagesAndReturns:
     return remax_advantages(inputs.rewards, inputs.mask, inputs.reward_baselines)
 
 
 @estimator("grpo_passk")
-def _grpo_passk(inputs: AdvantageInputs, *, norm_adv_by_std_in_grpo: bool) -> AdvantagesAndReturns:
-    return grpo_passk_advantages(inputs.rewards, inputs.mask, inputs.group, norm_adv_by_std_in_grpo)
+def _grpo_passk(inputs: AdvantageInputs, s: AdvantageSettings) -> AdvantagesAndReturns:
+    return grpo_passk_advantages(inputs.rewards, inputs.mask, inputs.group, s.norm_adv_by_std_in_grpo)
 
 
-@estimator("gdpo")
-def _gdpo(inputs: AdvantageInputs, *, gdpo_weights: tuple[float, ...] | None) -> AdvantagesAndReturns:
-    return gdpo_advantages(inputs.rewards, inputs.mask, inputs.group, inputs.reward_components, gdpo_weights)
+@estimator("gdpo", weighs_components=True)
+def _gdpo(inputs: AdvantageInputs, s: AdvantageSettings) -> AdvantagesAndReturns:
+    return gdpo_advantages(inputs.rewards, inputs.mask, inputs.group, inputs.reward_components, s.gdpo_weights)
 
 
 @estimator("opo")
-def _opo(inputs: AdvantageInputs) -> AdvantagesAndReturns:
+def _opo(inputs: AdvantageInputs, _: AdvantageSettings) -> AdvantagesAndReturns:
     return opo_advantages(inputs.rewards, inputs.mask, inputs.group)
 
 
 @estimator("gpg")
-def _gpg(inputs: AdvantageInputs) -> AdvantagesAndReturns:
+def _gpg(inputs: AdvantageInputs, _: AdvantageSettings) -> AdvantagesAndReturns:
     return gpg_advantages(inputs.rewards, inputs.mask, inputs.group)
 
 
 @estimator("optimal_token_baseline", needs_sum_pi_squared=True)
-def _optimal_token_baseline(inputs: AdvantageInputs) -> AdvantagesAndReturns:
+def _optimal_token_baseline(inputs: AdvantageInputs, _: AdvantageSettings) -> AdvantagesAndReturns:
     return optimal_token_baseline_advantages(inputs.rewards, inputs.mask, inputs.group, inputs.old_logprobs,
                                              inputs.sum_pi_squared, inputs.is_weights)
 
 
 @estimator("tir_optimal_token_baseline", needs_sum_pi_squared=True)
-def _tir_optimal_token_baseline(inputs: AdvantageInputs) -> AdvantagesAndReturns:
+def _tir_optimal_token_baseline(inputs: AdvantageInputs, _: AdvantageSettings) -> AdvantagesAndReturns:
     return tir_optimal_token_baseline_advantages(inputs.rewards, inputs.mask, inputs.group, inputs.old_logprobs,
                                                  inputs.sum_pi_squared, inputs.is_weights)

@@ -4,6 +4,7 @@ the registry (:data:`POLICY_LOSSES`) and the helpers every loss shares. The loss
 their conventions: :mod:`purerl.algo.policy_loss` and :mod:`purerl.algo.selective_loss`.
 """
 
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -14,12 +15,14 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from purerl.algo.aggregation import SumCount, aggregate_loss, token_mean
+from purerl.algo.loss_settings import PolicyLossSettings
 from purerl.checks import check_bool, check_floating, check_rank, check_same_shape
-from purerl.registry import Registry, bind_settings, keyword_settings
+from purerl.registry import Registry
 from purerl.tree import pytree
 
-__all__ = ["POLICY_LOSSES", "BoundPolicyLoss", "PolicyLoss", "PolicyLossOutput", "check_clips", "check_loss_inputs",
-           "loss_output", "policy_loss", "reinforce_loss", "token_metric", "valid_only", "weighted", "zero_metric"]
+__all__ = ["POLICY_LOSSES", "BoundPolicyLoss", "PolicyLoss", "PolicyLossOutput", "aggregation_settings", "check_clips",
+           "check_loss_inputs", "clip_settings", "loss_output", "policy_loss", "reinforce_loss", "token_metric",
+           "valid_only", "weighted", "zero_metric"]
 
 
 @pytree
@@ -35,77 +38,53 @@ class PolicyLossOutput:
     ppo_kl: SumCount
 
 
-_INPUTS = ("is_weights", "generator")
-
-
 @attrs.frozen
 class PolicyLoss:
     """A registered policy loss and what callers must know about it.
 
     - ``fn(logp, old_logp, advantages, mask, *, is_weights=None, [generator=None,] <settings>)``;
-    - ``settings``: its keyword-only parameters but ``is_weights`` and ``generator``, read by name
-      from config sections (:meth:`bind`);
+    - ``reads(settings)``: its keyword settings, read by attribute from a
+      :class:`~purerl.algo.loss_settings.PolicyLossSettings` (the job's ``actor`` section is one);
     - ``aggregation``: the aggregation mode its count always follows (``sapo``, ``geo_mean``), or
       None when it aggregates with the ``loss_agg`` setting;
     - ``vanishes``: whether a row whose advantages are all 0 adds exactly 0 to the loss total and
       its gradient (whatever its finite log-probs) and changes nothing for the other rows, so it
-      may skip the forward and backward; a function of the bound settings where that depends on
-      them (``bypass_mode``).
+      may skip the forward and backward; a function of the settings where that depends on them
+      (``bypass_mode``).
     """
 
     fn: Callable[..., PolicyLossOutput]
     name: str
+    reads: Callable[[PolicyLossSettings], dict[str, Any]]
     aggregation: str | None = None
-    vanishes: bool | Callable[[dict[str, Any]], bool] = True
-    settings: tuple[str, ...] = attrs.field(init=False)
+    vanishes: bool | Callable[[PolicyLossSettings], bool] = True
     draws: bool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "settings", keyword_settings(self.fn, exclude=_INPUTS))
         object.__setattr__(self, "draws", "generator" in inspect.signature(self.fn).parameters)
 
-    def bind(self, *sections: object) -> dict[str, Any]:
-        """This loss's settings, each from the first of ``sections`` that has it (e.g. the job's
-        ``actor`` section, then ``actor.loss_options``)."""
-        return bind_settings(self.settings, sections, f"policy loss {self.name!r}")
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        # by name, as an Estimator: its readers are lambdas; the registering module is imported on the way back
+        return _registered, (self.name, self.fn.__module__)
 
     def __call__(self, logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
-                 mask: Bool[Tensor, "b t"], *sections: object, is_weights: Float[Tensor, "b t"] | None = None,
+                 mask: Bool[Tensor, "b t"], settings: PolicyLossSettings = PolicyLossSettings(), *,
+                 is_weights: Float[Tensor, "b t"] | None = None,
                  generator: torch.Generator | None = None) -> PolicyLossOutput:
-        inputs = {"is_weights": is_weights, **({"generator": generator} if self.draws else {})}
-        return self.fn(logp, old_logp, advantages, mask, **inputs, **self.bind(*sections))
+        return self.bound(settings)(logp, old_logp, advantages, mask, is_weights=is_weights, generator=generator)
 
     def aggregation_of(self, loss_agg: str) -> str:
         """The mode whose :func:`~purerl.algo.aggregation.loss_denominator` divides this loss's
         total when the ``loss_agg`` setting is ``loss_agg``."""
         return self.aggregation or loss_agg
 
-    def vanishes_at_zero_advantage(self, *sections: object) -> bool:
-        """Whether rows with all-zero advantages may skip the forward and backward (see the class)."""
-        if isinstance(self.vanishes, bool):
-            return self.vanishes
-        return self.vanishes(self.bind(*sections))
+    def vanishes_at_zero_advantage(self, settings: PolicyLossSettings = PolicyLossSettings()) -> bool:
+        """See the class (``vanishes``)."""
+        return self.bound(settings).vanishes_at_zero_advantage
 
-
-    def bound(self, *sections: object, **overrides: Any) -> "BoundPolicyLoss":
-        """This loss closed over its settings and the aggregation (``loss_agg``, ``loss_norm``):
-        each from ``overrides``, else from the first of ``sections`` that has it; the aggregation
-        defaults to ``token-mean`` and no constant. A setting it does not read raises ``ValueError``."""
-        names = (*self.settings, *(n for n in _AGGREGATION if n not in self.settings))
-        unknown = sorted(set(overrides) - set(names))
-        if unknown:
-            raise ValueError(f"policy loss {self.name!r} has no settings {', '.join(unknown)} "
-                             f"(its settings: {', '.join(names)})")
-        found = {n: getattr(next(s for s in sections if hasattr(s, n)), n) for n in _AGGREGATION
-                 if any(hasattr(s, n) for s in sections)}
-        values = {**_AGGREGATION, **found, **bind_settings(
-            tuple(n for n in self.settings if n not in overrides and n not in _AGGREGATION), sections,
-            f"policy loss {self.name!r}"), **overrides}
-        agg, norm = values.pop("loss_agg"), values.pop("loss_norm")
-        return BoundPolicyLoss(self, tuple(sorted(values.items())), agg, norm)
-
-
-_AGGREGATION: dict[str, Any] = {"loss_agg": "token-mean", "loss_norm": None}
+    def bound(self, settings: PolicyLossSettings = PolicyLossSettings()) -> "BoundPolicyLoss":
+        """This loss closed over ``settings`` (the aggregation, ``loss_agg`` and ``loss_norm``, included)."""
+        return BoundPolicyLoss(self, settings)
 
 
 @attrs.frozen
@@ -113,24 +92,29 @@ class BoundPolicyLoss:
     """A policy loss closed over its settings, like an optax transform:
     ``bound(logp, old_logp, advantages, mask, *, is_weights=None, generator=None)``.
 
-    ``settings``: its own settings as ``(name, value)`` pairs (a tuple: the record pickles and
-    compares); ``loss_agg``/``loss_norm``: the aggregation, kept whether or not the loss reads it,
-    since the entropy bonus and the KL loss of an actor aggregate as its loss does
+    ``settings``: the whole record, the aggregation (``loss_agg``/``loss_norm``) included whether or not
+    the loss reads it, since the entropy bonus and the KL loss of an actor aggregate as its loss does
     (:attr:`aggregation`)."""
 
     loss: PolicyLoss
-    settings: tuple[tuple[str, Any], ...] = ()
-    loss_agg: str = "token-mean"
-    loss_norm: float | None = None
+    settings: PolicyLossSettings = PolicyLossSettings()
 
     @property
     def name(self) -> str:
         return self.loss.name
 
     @property
+    def loss_agg(self) -> str:
+        return self.settings.loss_agg
+
+    @property
+    def loss_norm(self) -> float | None:
+        return self.settings.loss_norm
+
+    @property
     def kwargs(self) -> dict[str, Any]:
-        """Every setting its function takes, by name."""
-        return {**dict(self.settings), **{n: getattr(self, n) for n in _AGGREGATION if n in self.loss.settings}}
+        """Every setting its function takes, by keyword."""
+        return self.loss.reads(self.settings)
 
     @property
     def aggregation(self) -> str:
@@ -141,10 +125,10 @@ class BoundPolicyLoss:
     def vanishes_at_zero_advantage(self) -> bool:
         """See :class:`PolicyLoss` (``vanishes``)."""
         vanishes = self.loss.vanishes
-        return vanishes if isinstance(vanishes, bool) else vanishes(self.kwargs)
+        return vanishes if isinstance(vanishes, bool) else vanishes(self.settings)
 
     def with_norm(self, loss_norm: float | None) -> "BoundPolicyLoss":
-        return attrs.evolve(self, loss_norm=loss_norm)
+        return attrs.evolve(self, settings=attrs.evolve(self.settings, loss_norm=loss_norm))
 
     def __call__(self, logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                  mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
@@ -156,13 +140,29 @@ class BoundPolicyLoss:
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
-def policy_loss(name: str, *aliases: str, aggregation: str | None = None,
-                vanishes: bool | Callable[[dict[str, Any]], bool] = True) -> Callable[[Callable], Callable]:
-    """Register ``fn`` as the policy loss ``name`` (and ``aliases``); returns ``fn`` itself, so the
-    function stays callable with plain keyword arguments."""
+def _registered(name: str, module: str) -> PolicyLoss:
+    importlib.import_module(module)
+    return POLICY_LOSSES[name]
+
+
+def clip_settings(s: PolicyLossSettings) -> dict[str, Any]:
+    """``clip_low`` and ``clip_high``: what a clipping loss reads."""
+    return {"clip_low": s.clip_low, "clip_high": s.clip_high}
+
+
+def aggregation_settings(s: PolicyLossSettings) -> dict[str, Any]:
+    """``loss_agg`` and ``loss_norm``: what a loss that aggregates with the setting reads."""
+    return {"loss_agg": s.loss_agg, "loss_norm": s.loss_norm}
+
+
+def policy_loss(name: str, *aliases: str, reads: Callable[[PolicyLossSettings], dict[str, Any]],
+                aggregation: str | None = None,
+                vanishes: bool | Callable[[PolicyLossSettings], bool] = True) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as the policy loss ``name`` (and ``aliases``), given its settings by ``reads``;
+    returns ``fn`` itself, so the function stays callable with plain keyword arguments."""
 
     def register(fn: Callable[..., PolicyLossOutput]) -> Callable[..., PolicyLossOutput]:
-        POLICY_LOSSES.register(name, *aliases)(PolicyLoss(fn, name, aggregation, vanishes))
+        POLICY_LOSSES.register(name, *aliases)(PolicyLoss(fn, name, reads, aggregation, vanishes))
         return fn
 
     return register

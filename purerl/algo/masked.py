@@ -13,13 +13,15 @@ from torch import Tensor
 __all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
 
 
-def masked_sum(x: Float[Tensor, "*shape"], mask: Bool[Tensor, "*shape"], dim: int | None = None) -> Float[Tensor, "..."]:
+def masked_sum(x: Float[Tensor, "*shape"], mask: Bool[Tensor, "*shape"],
+               dim: int | None = None) -> Float[Tensor, "..."]:
     """``Σ x·m`` over ``dim`` (all dims if None); masked entries contribute exactly 0."""
     zeroed = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     return zeroed.sum() if dim is None else zeroed.sum(dim)
 
 
-def masked_mean(x: Float[Tensor, "*shape"], mask: Bool[Tensor, "*shape"], dim: int | None = None) -> Float[Tensor, "..."]:
+def masked_mean(x: Float[Tensor, "*shape"], mask: Bool[Tensor, "*shape"],
+                dim: int | None = None) -> Float[Tensor, "..."]:
     """``Σ x·m / (Σ m + 1e-8)``; an empty mask gives 0 (verl's epsilon, kept for exactness)."""
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(x, mask, dim) / (count.to(x.dtype) + 1e-8)

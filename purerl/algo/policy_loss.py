@@ -48,8 +48,10 @@ from purerl.algo.loss_records import (
     BoundPolicyLoss,
     PolicyLoss,
     PolicyLossOutput,
+    aggregation_settings,
     check_clips,
     check_loss_inputs,
+    clip_settings,
     loss_output,
     policy_loss,
     reinforce_loss,
@@ -116,8 +118,8 @@ def ppo_clip_loss(
         lower = ((pessimistic > floor) & (adv < 0)).to(loss.dtype)
     if is_weights is not None:
         loss = loss * valid_only(is_weights, mask)
-    return loss_output(aggregate_loss(loss, mask, agg, norm), loss, mask, log_ratio, clipfrac=(clipped > unclipped).to(loss.dtype),
-                       clipfrac_lower=lower)
+    return loss_output(aggregate_loss(loss, mask, agg, norm), loss, mask, log_ratio,
+                       clipfrac=(clipped > unclipped).to(loss.dtype), clipfrac_lower=lower)
 
 
 def gspo_loss(
@@ -156,11 +158,11 @@ def gspo_loss(
     loss = torch.maximum(unclipped, clipped)
     if is_weights is not None:
         loss = loss * valid_only(is_weights, mask)
-    return loss_output(aggregate_loss(loss, mask, agg, norm), loss, mask, log_ratio, clipfrac=(clipped > unclipped).to(loss.dtype),
-                       clipfrac_lower=torch.zeros_like(loss))
+    return loss_output(aggregate_loss(loss, mask, agg, norm), loss, mask, log_ratio,
+                       clipfrac=(clipped > unclipped).to(loss.dtype), clipfrac_lower=torch.zeros_like(loss))
 
 
-@policy_loss("vanilla", "ppo")
+@policy_loss("vanilla", "ppo", reads=lambda s: {**clip_settings(s), "clip_c": s.clip_c, **aggregation_settings(s)})
 def vanilla_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                         mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
                         clip_low: float, clip_high: float, clip_c: float | None, loss_agg: str,
@@ -170,7 +172,7 @@ def vanilla_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t
                          agg=loss_agg, norm=loss_norm, is_weights=is_weights)
 
 
-@policy_loss("gspo")
+@policy_loss("gspo", reads=lambda s: {**clip_settings(s), **aggregation_settings(s)})
 def gspo_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                      mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
                      clip_low: float, clip_high: float, loss_agg: str, loss_norm: float | None) -> PolicyLossOutput:
@@ -179,7 +181,7 @@ def gspo_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"],
                      norm=loss_norm, is_weights=is_weights)
 
 
-@policy_loss("gpg")
+@policy_loss("gpg", reads=aggregation_settings)
 def gpg_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                     mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
                     loss_agg: str, loss_norm: float | None) -> PolicyLossOutput:
@@ -194,7 +196,7 @@ def gpg_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], 
     return loss_output(aggregate_loss(loss, mask, loss_agg, loss_norm), loss, mask, log_ratio)
 
 
-@policy_loss("reinforce")
+@policy_loss("reinforce", reads=aggregation_settings)
 def reinforce_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                           mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
                           loss_agg: str, loss_norm: float | None) -> PolicyLossOutput:
@@ -209,7 +211,7 @@ def reinforce_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b
     return reinforce_loss(logp, old_logp, advantages, mask, loss_agg, loss_norm, is_weights)
 
 
-@policy_loss("cispo")
+@policy_loss("cispo", reads=lambda s: {**clip_settings(s), **aggregation_settings(s)})
 def cispo_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                       mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
                       clip_low: float, clip_high: float, loss_agg: str, loss_norm: float | None) -> PolicyLossOutput:
@@ -226,10 +228,12 @@ def cispo_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"]
     ratio = torch.exp(log_ratio).detach()
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     loss = weighted(-clipped * adv * valid_only(logp, mask), is_weights, mask)
-    return loss_output(aggregate_loss(loss, mask, loss_agg, loss_norm), loss, mask, log_ratio, clipfrac=(ratio != clipped).to(loss.dtype))
+    return loss_output(aggregate_loss(loss, mask, loss_agg, loss_norm), loss, mask, log_ratio,
+                       clipfrac=(ratio != clipped).to(loss.dtype))
 
 
-@policy_loss("sapo", aggregation="seq-mean-token-mean")
+@policy_loss("sapo", aggregation="seq-mean-token-mean",
+             reads=lambda s: {"tau_pos": s.loss_options.tau_pos, "tau_neg": s.loss_options.tau_neg})
 def sapo_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                      mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
                      tau_pos: float, tau_neg: float) -> PolicyLossOutput:
@@ -254,7 +258,7 @@ def sapo_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"],
     return loss_output(aggregate_loss(loss, mask, "seq-mean-token-mean"), loss, mask, log_ratio)
 
 
-@policy_loss("geo_mean", aggregation="row-mean")
+@policy_loss("geo_mean", aggregation="row-mean", reads=clip_settings)
 def geo_mean_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                          mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
                          clip_low: float, clip_high: float) -> PolicyLossOutput:
@@ -288,7 +292,8 @@ def geo_mean_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b 
                        clipfrac_lower=clipped * (adv < 0))
 
 
-@policy_loss("dro", vanishes=False)
+@policy_loss("dro", vanishes=False,
+             reads=lambda s: {"dro_beta": s.loss_options.dro_beta, **aggregation_settings(s)})
 def dro_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                     mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
                     dro_beta: float | None, loss_agg: str, loss_norm: float | None) -> PolicyLossOutput:

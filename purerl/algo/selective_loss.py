@@ -1,10 +1,10 @@
 """Policy losses that select or drop tokens (verl 0.9.1): ``clip_cov`` and ``kl_cov`` (by the
 covariance of advantage and log-prob over the batch given), ``dppo_tv`` and ``dppo_kl`` (by how
 far a token's probability moved) and ``bypass_mode`` (by its rollout importance ratio, with the
-weights of :mod:`purerl.algo.correction`). Conventions: :mod:`purerl.algo.policy_loss`; records: :mod:`purerl.algo.loss_records`.
+weights of :mod:`purerl.algo.correction`). Conventions: :mod:`purerl.algo.policy_loss`; records:
+:mod:`purerl.algo.loss_records`.
 """
 
-from typing import Any
 
 import torch
 from jaxtyping import Bool, Float
@@ -14,8 +14,10 @@ from purerl.algo.aggregation import SumCount, aggregate_loss
 from purerl.algo.correction import importance_weights
 from purerl.algo.loss_records import (
     PolicyLossOutput,
+    aggregation_settings,
     check_clips,
     check_loss_inputs,
+    clip_settings,
     loss_output,
     policy_loss,
     reinforce_loss,
@@ -24,6 +26,7 @@ from purerl.algo.loss_records import (
     weighted,
     zero_metric,
 )
+from purerl.algo.loss_settings import PolicyLossSettings
 from purerl.algo.masked import masked_mean
 from purerl.algo.policy_loss import ppo_clip_loss
 
@@ -31,8 +34,9 @@ __all__ = ["bypass_mode_policy_loss", "clip_cov_policy_loss", "dppo_kl_policy_lo
            "kl_cov_policy_loss"]
 
 
-def _dppo(where: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, is_weights: Tensor | None, divergence: str, *, clip_low: float, clip_high: float, clip_c: float | None,
-          loss_agg: str, loss_norm: float | None) -> PolicyLossOutput:
+def _dppo(where: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, is_weights: Tensor | None,
+          divergence: str, *, clip_low: float, clip_high: float, clip_c: float | None, loss_agg: str,
+          loss_norm: float | None) -> PolicyLossOutput:
     check_loss_inputs(where, logp, old_logp, advantages, mask, is_weights)
     check_clips(where, clip_low, clip_high, None)
     adv = valid_only(advantages, mask)
@@ -57,11 +61,15 @@ def _dppo(where: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: 
                        clipfrac_lower=(ratio > cap).to(adv.dtype) * valid)
 
 
-@policy_loss("clip_cov", vanishes=False)
+@policy_loss("clip_cov", vanishes=False, reads=lambda s: {
+    **clip_settings(s), "clip_cov_ratio": s.loss_options.clip_cov_ratio, "clip_cov_lb": s.loss_options.clip_cov_lb,
+    "clip_cov_ub": s.loss_options.clip_cov_ub, **aggregation_settings(s)})
 def clip_cov_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
-                         mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None, generator: torch.Generator | None = None,
+                         mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
+                         generator: torch.Generator | None = None,
                          clip_low: float, clip_high: float,
-                         clip_cov_ratio: float, clip_cov_lb: float, clip_cov_ub: float, loss_agg: str, loss_norm: float | None) -> PolicyLossOutput:
+                         clip_cov_ratio: float, clip_cov_lb: float, clip_cov_ub: float, loss_agg: str,
+                         loss_norm: float | None) -> PolicyLossOutput:
     """Clip-Cov: PPO without dual clip, with a few high-covariance tokens detached at random.
 
     ``ρ = exp(lr)`` (unclamped), ``L1``/``L2`` as in PPO. ``cov = (A − mean_m A)·(logp −
@@ -101,10 +109,12 @@ def clip_cov_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b 
                        clipfrac=(corr == 0).to(loss.dtype))
 
 
-@policy_loss("kl_cov", vanishes=False)
+@policy_loss("kl_cov", vanishes=False, reads=lambda s: {
+    "kl_cov_ratio": s.loss_options.kl_cov_ratio, "ppo_kl_coef": s.loss_options.ppo_kl_coef, **aggregation_settings(s)})
 def kl_cov_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                        mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
-                       kl_cov_ratio: float, ppo_kl_coef: float, loss_agg: str, loss_norm: float | None) -> PolicyLossOutput:
+                       kl_cov_ratio: float, ppo_kl_coef: float, loss_agg: str,
+                       loss_norm: float | None) -> PolicyLossOutput:
     """KL-Cov: the unclipped ``−A·ρ`` (``ρ = exp(lr)``, unclamped) plus ``ppo_kl_coef·|lr|`` on
     the tokens of largest covariance.
 
@@ -140,10 +150,11 @@ def kl_cov_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"
     )
 
 
-@policy_loss("dppo_tv")
+@policy_loss("dppo_tv", reads=lambda s: {**clip_settings(s), "clip_c": s.clip_c, **aggregation_settings(s)})
 def dppo_tv_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                         mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
-                        clip_low: float, clip_high: float, clip_c: float | None, loss_agg: str, loss_norm: float | None) -> PolicyLossOutput:
+                        clip_low: float, clip_high: float, clip_c: float | None, loss_agg: str,
+                        loss_norm: float | None) -> PolicyLossOutput:
     """DPPO-Binary-TV (verl 0.9.1): ``−A·sg(min(ρ, c))·logp·valid``, a truncated-IS policy gradient
     that drops tokens whose probability moved too far.
 
@@ -157,10 +168,11 @@ def dppo_tv_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t
                  clip_high=clip_high, clip_c=clip_c, loss_agg=loss_agg, loss_norm=loss_norm)
 
 
-@policy_loss("dppo_kl")
+@policy_loss("dppo_kl", reads=lambda s: {**clip_settings(s), "clip_c": s.clip_c, **aggregation_settings(s)})
 def dppo_kl_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"], advantages: Float[Tensor, "b t"],
                         mask: Bool[Tensor, "b t"], *, is_weights: Float[Tensor, "b t"] | None = None,
-                        clip_low: float, clip_high: float, clip_c: float | None, loss_agg: str, loss_norm: float | None) -> PolicyLossOutput:
+                        clip_low: float, clip_high: float, clip_c: float | None, loss_agg: str,
+                        loss_norm: float | None) -> PolicyLossOutput:
     """DPPO-Binary-KL (verl 0.9.1): :func:`dppo_tv_policy_loss` with the binary-KL validity test.
 
     ``bkl = p₀(old_logp − logp) + (1−p₀)·log((1−p₀+1e-8)/(1−p+1e-8))``; ``valid`` is
@@ -193,12 +205,18 @@ def _bypass_weights(logp: Tensor, old_logp: Tensor, mask: Tensor, *, bypass_leve
     return weights, keep
 
 
-def _bypass_vanishes(settings: dict[str, Any]) -> bool:
+def _bypass_vanishes(settings: PolicyLossSettings) -> bool:
     """``bypass_mode`` leaves zero-advantage rows out unless its REINFORCE weights are normalised over the batch."""
-    return not (settings["bypass_batch_normalize"] and settings["bypass_loss_type"] == "reinforce")
+    options = settings.loss_options
+    return not (options.bypass_batch_normalize and options.bypass_loss_type == "reinforce")
 
 
-@policy_loss("bypass_mode", vanishes=_bypass_vanishes)
+@policy_loss("bypass_mode", vanishes=_bypass_vanishes, reads=lambda s: {
+    **clip_settings(s), "clip_c": s.clip_c, **aggregation_settings(s),
+    "bypass_loss_type": s.loss_options.bypass_loss_type,
+    "bypass_level": s.loss_options.bypass_level, "bypass_threshold": s.loss_options.bypass_threshold,
+    "bypass_threshold_low": s.loss_options.bypass_threshold_low,
+    "bypass_batch_normalize": s.loss_options.bypass_batch_normalize})
 def bypass_mode_policy_loss(logp: Float[Tensor, "b t"], old_logp: Float[Tensor, "b t"],
                             advantages: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], *,
                             is_weights: Float[Tensor, "b t"] | None = None, clip_low: float, clip_high: float,

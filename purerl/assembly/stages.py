@@ -2,11 +2,12 @@
 the sections that own its settings, on the resolved config (:func:`purerl.config.rules.resolve`,
 so derived values such as the critic's token budget are decided in one place).
 
-A script that builds a step by hand uses :func:`policy_loss` and :func:`advantage_estimator`,
-which take the settings they change and the sections' defaults for the rest::
+The ``actor`` section is a :class:`~purerl.algo.loss_settings.PolicyLossSettings` and ``algorithm`` an
+:class:`~purerl.algo.estimators.AdvantageSettings`: the loss and the estimator are bound to them as they
+are. A script that builds a step by hand binds them to records of its own::
 
-    loss = ActorLoss(policy_loss("cispo", clip_low=1.0), entropy_coeff=1e-3)
-    shaping = Shaping(advantage_estimator("rloo"))
+    loss = ActorLoss(POLICY_LOSSES["cispo"].bound(PolicyLossSettings(clip_low=1.0)), entropy_coeff=1e-3)
+    shaping = Shaping(ADVANTAGE_ESTIMATORS["rloo"].bound())
 """
 
 import functools
@@ -14,12 +15,9 @@ from typing import Any
 
 import attrs
 
-from purerl.algo.estimators import BoundEstimator
 from purerl.algo.kl_control import make_kl_controller
-from purerl.algo.policy_loss import BoundPolicyLoss
 from purerl.config.job import JobConfig
 from purerl.config.rules import resolve
-from purerl.config.sections import ActorConfig, AlgorithmConfig, LossOptions
 from purerl.health import Context, Monitor
 from purerl.loop.sampling import BatchPlan
 from purerl.optim import Optimizer, adamw, chain, clip_by_global_norm, warmup_cosine_schedule
@@ -34,32 +32,9 @@ from purerl.step.settings import (
     ValueLoss,
 )
 
-__all__ = ["actor_batching_of", "actor_loss_of", "actor_optimizer", "advantage_estimator", "batch_plan_of",
-           "health_monitor_of",
-           "critic_batching_of", "critic_optimizer", "experience_settings_of", "kl_controller_of", "policy_loss",
+__all__ = ["actor_batching_of", "actor_loss_of", "actor_optimizer", "batch_plan_of", "health_monitor_of",
+           "critic_batching_of", "critic_optimizer", "experience_settings_of", "kl_controller_of",
            "shaping_of", "stage_settings_of", "step_function", "value_loss_of"]
-
-
-def policy_loss(name: str, **settings: Any) -> BoundPolicyLoss:
-    """The policy loss ``name`` closed over ``settings`` (``clip_low``, ``loss_agg``, ``tau_pos``, …:
-    the ``actor`` and ``actor.loss_options`` keys it reads), the sections' defaults for the rest,
-    each checked as the config checks it. A setting it does not read raises ``ValueError``
-    (``PolicyLoss.bound`` is given it, and names it)."""
-    actor_keys, option_keys = attrs.fields_dict(ActorConfig), attrs.fields_dict(LossOptions)
-    actor = ActorConfig(policy_loss=name, **{k: v for k, v in settings.items() if k in actor_keys})
-    options = LossOptions(**{k: v for k, v in settings.items() if k in option_keys})
-    reads = {*actor.loss.settings, "loss_agg", "loss_norm"}
-    return actor.loss.bound(actor, options, **{k: v for k, v in settings.items() if k not in reads})
-
-
-def advantage_estimator(name: str, **settings: Any) -> BoundEstimator:
-    """The advantage estimator ``name`` closed over ``settings`` (``gamma``, ``lam``, …: the
-    ``algorithm`` keys it reads), the section's defaults for the rest; one it does not read
-    raises ``ValueError``."""
-    keys = attrs.fields_dict(AlgorithmConfig)
-    algorithm = AlgorithmConfig(adv_estimator=name, **{k: v for k, v in settings.items() if k in keys})
-    reads = set(algorithm.estimator.settings)
-    return algorithm.estimator.bound(algorithm, **{k: v for k, v in settings.items() if k not in reads})
 
 
 def actor_batching_of(config: JobConfig) -> Batching:
@@ -95,7 +70,7 @@ def shaping_of(config: JobConfig) -> Shaping:
 
 def actor_loss_of(config: JobConfig) -> ActorLoss:
     actor = config.actor
-    return ActorLoss(actor.loss.bound(actor, actor.loss_options), temperature=config.rollout.temperature,
+    return ActorLoss(actor.loss.bound(actor), temperature=config.rollout.temperature,
                      entropy_coeff=actor.entropy_coeff, compute_entropy=actor.compute_entropy,
                      kl_coef=actor.kl_loss_coef, kl_type=actor.kl_loss_type,
                      skip_zero_advantage_rows=actor.skip_zero_advantage_rows, distill=_distill_loss(config),

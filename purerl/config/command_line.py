@@ -24,24 +24,24 @@ __all__ = ["FLAGS", "Invocation", "parse_command_line"]
 FLAGS: list[tuple[str, str, dict]] = [
     ("--model", "model.path", dict(help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)")),
     ("--tiny", "model.tiny", dict(action="store_const", const=True, help="a tiny random model, character tokenizer")),
-    ("--device", "model.device", dict(help="cpu, cuda, cuda:1, … (default auto: the GPU when there is one)")),
+    ("--device", "model.device", dict(help="cpu, cuda, cuda:1, … (auto: the GPU when there is one)")),
     ("--dtype", "model.dtype", dict(choices=["float32", "bfloat16"])),
     ("--data", "data.train_files", dict(nargs="*", help="verl-format training files (.parquet/.jsonl); default "
                                                         "procedural problems")),
     ("--eval-data", "data.eval_files", dict(nargs="*", help="verl-format held-out files; default: procedural, or with "
                                                             "--data, --eval-size rows held out of it")),
-    ("--train-size", "data.train_size", dict(type=int, help="procedural training problems (2000)")),
-    ("--eval-size", "data.eval_size", dict(type=int, help="held-out problems evaluated (64)")),
-    ("--data-seed", "data.seed", dict(type=int, help="the procedural problems and the held-out rows (0); "
+    ("--train-size", "data.train_size", dict(type=int, help="procedural training problems")),
+    ("--eval-size", "data.eval_size", dict(type=int, help="held-out problems evaluated")),
+    ("--data-seed", "data.seed", dict(type=int, help="the procedural problems and the held-out rows; "
                                                      "--seed draws the rest")),
-    ("--difficulty", "data.difficulty", dict(type=int, nargs="+", help="procedural difficulty levels (1)")),
+    ("--difficulty", "data.difficulty", dict(type=int, nargs="+", help="procedural difficulty levels")),
     ("--max-prompt-tokens", "data.max_prompt_tokens", dict(type=int)),
     ("--prompts-per-step", "data.prompts_per_step", dict(type=int)),
     ("--samples-per-prompt", "rollout.n", dict(type=int)),
     ("--max-new-tokens", "rollout.max_new_tokens", dict(type=int)),
     ("--temperature", "rollout.temperature", dict(type=float)),
     ("--top-p", "rollout.top_p", dict(type=float)),
-    ("--engine", "rollout.engine", dict(choices=["torch", "vllm"], help="rollout engine: torch (embedded, default) "
+    ("--engine", "rollout.engine", dict(choices=["torch", "vllm"], help="rollout engine: torch (embedded) "
                                                                         "or vllm (needs vLLM; README: vLLM)")),
     ("--adv-estimator", "algorithm.adv_estimator", dict(help="advantage estimator (grpo; gae trains a critic: PPO)")),
     ("--rollout-correction", "algorithm.rollout_correction",
@@ -71,11 +71,11 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--log", "trainer.log", dict(nargs="*", choices=["tensorboard", "wandb"])),
     ("--threads", "trainer.threads", dict(type=int, help="torch CPU threads (0: torch's default)")),
     ("--no-progress", "trainer.progress", dict(action="store_const", const=False)),
-    ("--executor", "executor.kind", dict(choices=["local", "ray"], help="local: one process (default); ray: FSDP2 "
+    ("--executor", "executor.kind", dict(choices=["local", "ray"], help="local: one process; ray: FSDP2 "
                                                                        "training ranks + rollout workers")),
     ("--ray-address", "executor.ray_address", dict(help="join this Ray cluster ('auto' or host:port)")),
-    ("--placement", "executor.placement", dict(choices=list(PLACEMENTS), help="where each role lives (Ray): split "
-                                                                             "(default), colocated = hybrid_engine, "
+    ("--placement", "executor.placement", dict(choices=list(PLACEMENTS), help="where each role lives (Ray): split, "
+                                                                             "colocated = hybrid_engine, "
                                                                              "fully_collocated, split_collocate, "
                                                                              "standalone")),
     ("--train-ranks", "executor.train_ranks", dict(type=int)),
@@ -95,7 +95,7 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--generators", "asynchronous.generators", dict(type=int, help="independent generator loops (--async)")),
     ("--interruptible", "asynchronous.interruptible", dict(action="store_const", const=True,
                                                            help="generators continue open rows on newer weights")),
-    ("--env", "env.name", dict(help="the task's environment: single_turn (default), calculator, or module:name of "
+    ("--env", "env.name", dict(help="the task's environment: single_turn, calculator, or module:name of "
                                     "an environment (purerl's Env or a TRL environment_factory class)")),
     ("--no-tool", "env.tools", dict(action="store_const", const=False, help="the environment without its tools "
                                                                            "(the baseline)")),
@@ -152,7 +152,7 @@ def parse_command_line(argv: Sequence[str] | None = None, *, prog: str, descript
     for flag, key, kwargs in FLAGS:
         kwargs = dict(kwargs)  # FLAGS is shared by every parse
         shown = {} if "action" in kwargs or "choices" in kwargs else {"metavar": key.rsplit(".", 1)[-1].upper()}
-        text = f"{kwargs.pop('help', '')} [{key}]".strip()
+        text = f"{kwargs.pop('help', '')} [{key}{_default_shown(key, kwargs)}]".strip()
         ap.add_argument(flag, dest=key, default=None, help=text, **shown, **kwargs)
     items = [a for a in argv if _OVERRIDE.match(a)]
     args = ap.parse_args([a for a in argv if not _OVERRIDE.match(a)])
@@ -176,6 +176,18 @@ def parse_command_line(argv: Sequence[str] | None = None, *, prog: str, descript
         print(json.dumps(to_dict(config), indent=1))
         ap.exit(0)
     return Invocation(config, args.out_dir, args.resume, args.overwrite, args.debug)
+
+
+def _default_shown(key: str, kwargs: dict) -> str:
+    """``", default X"`` for a flag's help, from the config's own default (none for switches, empty values)."""
+    if "action" in kwargs:
+        return ""
+    value: Any = JobConfig()
+    for part in key.split("."):
+        value = getattr(value, part)
+    if value is None or value == () or value == "":
+        return ""
+    return f", default {' '.join(map(str, value)) if isinstance(value, tuple) else value}"
 
 
 def _checked_file(path: str) -> dict[str, Any]:

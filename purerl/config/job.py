@@ -18,9 +18,9 @@ Sections and what they own::
 
 Each section lives in :mod:`purerl.config.sections`; :mod:`purerl.assembly` turns the tree into the bound
 settings of the stages, the executor and the loops, and nothing below it names this class. Each field has one
-default and one check (:mod:`~purerl.config.sections`) (single-field bounds as attrs validators); rules across sections are
-in :mod:`purerl.config.rules`. Names of registered functions are values: ``algorithm.adv_estimator`` is any name in
-:data:`~purerl.algo.estimators.ADVANTAGE_ESTIMATORS`, ``actor.policy_loss`` any name in
+default and one check (:mod:`~purerl.config.sections`) (single-field bounds as attrs validators); rules across
+sections are in :mod:`purerl.config.rules`. Names of registered functions are values: ``algorithm.adv_estimator`` is
+any name in :data:`~purerl.algo.estimators.ADVANTAGE_ESTIMATORS`, ``actor.policy_loss`` any name in
 :data:`~purerl.algo.policy_loss.POLICY_LOSSES`, so a newly registered estimator or loss is selectable at once; the
 settings an estimator or loss reads are fields named like its keyword parameters (``algorithm.gamma``,
 ``actor.clip_low``, ``actor.loss_options.tau_pos``). Build one with :func:`purerl.config.loading.build` from files
@@ -46,8 +46,8 @@ from purerl.config.sections import (
 )
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "DataConfig", "DistillConfig",
-           "EnvConfig", "ExecutorConfig", "HealthConfig", "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig", "PLACEMENTS",
-           "RewardConfig", "RolloutConfig", "TrainerConfig"]
+           "EnvConfig", "ExecutorConfig", "HealthConfig", "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig",
+           "PLACEMENTS", "RewardConfig", "RolloutConfig", "TrainerConfig"]
 
 
 @section

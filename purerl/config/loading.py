@@ -22,7 +22,7 @@ import difflib
 import json
 import math
 import re
-import sys
+import tomllib
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -31,12 +31,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from purerl.checks import SettingError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the same parser, as a package
-    import tomli as tomllib
+from purerl.checks import SettingError, boolean, one_of
 
 __all__ = ["ConfigError", "boolean", "build", "flatten", "keys_of", "load_file", "merge", "one_of", "overrides",
            "parse_value", "section", "to_dict"]
@@ -157,26 +152,6 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
-
-
-def boolean(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    """An attrs validator: the value is ``True`` or ``False`` (not 0, 1 or a string)."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"{attribute.name} must be true or false, got {value!r}")
-
-
-def one_of(names: Iterable[str] | Any, what: str) -> Any:
-    """An attrs validator accepting the names of a registry (anything with ``names()``) or an
-    iterable; the error names the closest valid value."""
-
-    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        known = list(names.names() if hasattr(names, "names") else names)
-        if value not in known:
-            close = difflib.get_close_matches(str(value), [str(k) for k in known], n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"{attribute.name}: unknown {what} {value!r}{hint} (known: {', '.join(map(str, known))})")
-
-    return check
 
 
 def _widen_ints(cls: type, fields: list[attrs.Attribute]) -> list[attrs.Attribute]:

@@ -78,7 +78,7 @@ def problems(config: JobConfig) -> list[str]:
     if reward.overlong_buffer is not None and reward.overlong_buffer > rollout.max_new_tokens:
         found.append(f"reward.overlong_buffer {reward.overlong_buffer} exceeds rollout.max_new_tokens "
                      f"{rollout.max_new_tokens}")
-    if "dro_beta" in actor.loss.settings and actor.loss_options.dro_beta is None:
+    if "dro_beta" in actor.loss.reads(actor) and actor.loss_options.dro_beta is None:
         found.append(f"actor.policy_loss={actor.policy_loss} needs actor.loss_options.dro_beta (> 0)")
     if not estimator.needs_values and (trainer.critic_warmup or config.critic != CriticConfig()):
         found.append("trainer.critic_warmup and the critic section need a critic: an estimator that reads values "
@@ -87,17 +87,17 @@ def problems(config: JobConfig) -> list[str]:
         found.append(f"trainer.critic_warmup {trainer.critic_warmup} ≥ trainer.steps {trainer.steps}: the policy "
                      "would never train")
     if reward.batch_timeout < reward.timeout:
-        found.append(f"reward.batch_timeout {reward.batch_timeout:g} is shorter than reward.timeout {reward.timeout:g}: "
-                     "no call could use its own deadline")
+        found.append(f"reward.batch_timeout {reward.batch_timeout:g} is shorter than "
+                     f"reward.timeout {reward.timeout:g}: no call could use its own deadline")
     if reward.format_bonus and reward.fn != "strict":
         found.append("reward.format_bonus applies to the strict reward: set reward.fn=strict")
     if algorithm.gdpo_weights is not None:
-        if "gdpo_weights" not in estimator.settings:
+        if not estimator.weighs_components:
             found.append(f"algorithm.gdpo_weights: {algorithm.adv_estimator} does not read them")
         elif len(algorithm.gdpo_weights) != 1 + _uses_reward_model(config):
             found.append(f"algorithm.gdpo_weights has {len(algorithm.gdpo_weights)} weights for "
                          f"{1 + _uses_reward_model(config)} reward components (the rule reward, then the reward model)")
-    if "gdpo_weights" in estimator.settings and algorithm.use_kl_in_reward:
+    if estimator.weighs_components and algorithm.use_kl_in_reward:
         found.append(f"{algorithm.adv_estimator} normalises each reward component (rule, model) alone: a KL penalty "
                      "in the reward would be ignored; use actor.kl_loss_coef (a KL loss) instead")
     if algorithm.dynamic_sampling and not estimator.grouped:

@@ -4,21 +4,22 @@ validators). Loops and executors take the sections they use; stages take records
 (:mod:`purerl.assembly`).
 """
 
-import math
 from typing import Any
 
 import attrs
 
-from purerl.algo.aggregation import LOSS_AGGREGATIONS
 from purerl.algo.correction import IS_CORRECTIONS
-from purerl.algo.estimators import ADVANTAGE_ESTIMATORS
+from purerl.algo.estimators import ADVANTAGE_ESTIMATORS, AdvantageSettings
 from purerl.algo.kl import KL_ESTIMATORS
 from purerl.algo.kl_control import KL_CONTROLLERS
+from purerl.algo.loss_settings import LossOptions, PolicyLossSettings
 from purerl.algo.policy_loss import POLICY_LOSSES
 from purerl.checks import at_least, in_range, positive
 from purerl.config.loading import ConfigError, boolean, one_of, section
+from purerl.environments import builtin_kind, is_episodic
 from purerl.episodes.limits import EpisodeLimits
 from purerl.health import HealthLimits
+from purerl.loop_settings import TrainerSettings
 from purerl.models.lora import DEFAULT_TARGETS
 from purerl.rewards.mix import RewardMix
 from purerl.rewards.verdicts import DEFAULT_JUDGE_PROMPT, DEFAULT_VERDICT_PATTERN
@@ -62,9 +63,9 @@ class DataConfig:
 @section
 class RolloutConfig(SamplingParams):
     """How training responses are sampled (the fields of :class:`~purerl.rollout.sampling.SamplingParams`:
-    an engine generates from this section as it is) and by which ``engine``; ``engine_options``: the backend's keyword arguments (e.g.
-    ``gpu_memory_utilization`` for vllm, ``cuda_graphs`` for torch). The step computes log-probs
-    at this ``temperature`` too."""
+    an engine generates from this section as it is) and by which ``engine``; ``engine_options``: the
+    backend's keyword arguments (e.g. ``gpu_memory_utilization`` for vllm, ``cuda_graphs`` for torch).
+    The step computes log-probs at this ``temperature`` too."""
 
     engine: str = attrs.field(default="torch", validator=one_of(("torch", "vllm"), "rollout engine"))
     engine_options: dict[str, Any] = attrs.field(factory=dict)
@@ -81,26 +82,17 @@ class KLControlConfig:
     horizon: int = attrs.field(default=10000, validator=at_least(1))
 
 
-def _weights(instance: Any, attribute: attrs.Attribute, value: tuple[float, ...] | None) -> None:
-    if value is not None and (not value or not all(math.isfinite(w) for w in value)):
-        raise ConfigError(f"{attribute.name} must be finite and non-empty (or none), got {value}")
-
-
 @section
-class AlgorithmConfig:
-    """The advantage estimator and its settings (``gamma``, ``lam``: GAE and REINFORCE++;
-    ``norm_adv_by_std_in_grpo``: GRPO's std division; ``gdpo_weights``: one weight per reward
-    component of ``gdpo``, the rule reward then the reward model, None: all 1), the KL penalty in
-    the reward, and ``rollout_correction``: importance weights from the engine's log-probs to the
-    trainer's (None: ``token-tis`` under asynchronous training, else ``none``), capped at
-    ``correction_cap``. ``dynamic_sampling`` (DAPO): drop groups whose rewards are all equal and
-    sample more prompts until the step has ``data.prompts_per_step`` groups, in at most
-    ``max_sampling_rounds`` rounds."""
+class AlgorithmConfig(AdvantageSettings):
+    """The advantage estimator and its settings (the fields of
+    :class:`~purerl.algo.estimators.AdvantageSettings`: ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``,
+    ``gdpo_weights``; an estimator is bound to this section as it is), the KL penalty in the reward, and
+    ``rollout_correction``: importance weights from the engine's log-probs to the trainer's (None: ``token-tis``
+    under asynchronous training, else ``none``), capped at ``correction_cap``. ``dynamic_sampling`` (DAPO):
+    drop groups whose rewards are all equal and sample more prompts until the step has
+    ``data.prompts_per_step`` groups, in at most ``max_sampling_rounds`` rounds."""
 
     adv_estimator: str = attrs.field(default="grpo", validator=one_of(ADVANTAGE_ESTIMATORS, "advantage estimator"))
-    norm_adv_by_std_in_grpo: bool = True
-    gamma: float = attrs.field(default=1.0, validator=in_range(0, 1))
-    lam: float = attrs.field(default=1.0, validator=in_range(0, 1))
     use_kl_in_reward: bool = False
     kl_penalty: str = attrs.field(default="kl", validator=one_of(KL_ESTIMATORS, "KL estimator"))
     kl_ctrl: KLControlConfig = KLControlConfig()
@@ -109,60 +101,11 @@ class AlgorithmConfig:
     correction_cap: float = attrs.field(default=2.0, validator=positive)
     dynamic_sampling: bool = False
     max_sampling_rounds: int = attrs.field(default=4, validator=at_least(1))
-    gdpo_weights: tuple[float, ...] | None = attrs.field(default=None, validator=_weights)
 
     @property
     def estimator(self) -> Any:
         """The :class:`~purerl.algo.estimators.Estimator` record of ``adv_estimator``."""
         return ADVANTAGE_ESTIMATORS[self.adv_estimator]
-
-
-@section
-class LossOptions:
-    """The settings of particular policy losses (verl 0.9.1 defaults); a loss reads the ones its
-    function names.
-
-    - ``tau_pos``, ``tau_neg`` (> 0): SAPO's gate temperatures for ``A > 0`` and ``A ≤ 0``;
-    - ``clip_cov_ratio`` (in (0, 1]), ``clip_cov_lb`` ≤ ``clip_cov_ub``: the fraction of tokens
-      ``clip_cov`` may detach and the open covariance band they are drawn from;
-    - ``kl_cov_ratio`` (in (0, 1]), ``ppo_kl_coef`` (≥ 0): the fraction of tokens ``kl_cov``
-      penalises with ``ppo_kl_coef·|lr|``;
-    - ``dro_beta`` (> 0; needed by ``dro``): DRO's quadratic penalty;
-    - ``bypass_loss_type`` (``ppo_clip`` | ``reinforce``), ``bypass_level`` (``token`` |
-      ``sequence``), ``bypass_threshold`` (> 0), ``bypass_threshold_low`` (None: truncate at
-      the threshold (TIS); a value in [0, threshold]: reject outside [low, threshold], IcePop),
-      ``bypass_batch_normalize``: the rollout correction of ``bypass_mode`` (verl's
-      ``rollout_correction.loss_type``, ``rollout_is``, ``rollout_is_threshold`` and
-      ``rollout_is_batch_normalize``).
-    """
-
-    tau_pos: float = attrs.field(default=1.0, validator=positive)
-    tau_neg: float = attrs.field(default=1.05, validator=positive)
-    clip_cov_ratio: float = attrs.field(default=2e-4, validator=in_range(0, 1, open_low=True))
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = attrs.field(default=2e-4, validator=in_range(0, 1, open_low=True))
-    ppo_kl_coef: float = attrs.field(default=0.1, validator=at_least(0))
-    dro_beta: float | None = attrs.field(default=None, validator=positive)
-    bypass_loss_type: str = attrs.field(default="ppo_clip", validator=one_of(("ppo_clip", "reinforce"), "loss type"))
-    bypass_level: str = attrs.field(default="token", validator=one_of(("token", "sequence"), "level"))
-    bypass_threshold: float = attrs.field(default=2.0, validator=positive)
-    bypass_threshold_low: float | None = attrs.field(default=None, validator=at_least(0))
-    bypass_batch_normalize: bool = attrs.field(default=False, validator=boolean)
-
-    def __attrs_post_init__(self) -> None:
-        if not self.clip_cov_lb <= self.clip_cov_ub:
-            raise ConfigError(f"clip_cov_lb must be <= clip_cov_ub, got clip_cov_lb={self.clip_cov_lb}, "
-                              f"clip_cov_ub={self.clip_cov_ub}")
-        low = self.bypass_threshold_low
-        if low is not None and not low <= self.bypass_threshold:
-            raise ConfigError(f"bypass_threshold_low must be none or in [0, bypass_threshold="
-                              f"{self.bypass_threshold}], got {low}")
-
-
-def _clip_c(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
-    if value is not None and not value > 1:
-        raise ConfigError(f"clip_c must be > 1 (or none to disable the dual clip), got {value}")
 
 
 def _targets(_: Any, attribute: Any, value: tuple[str, ...]) -> None:
@@ -172,13 +115,13 @@ def _targets(_: Any, attribute: Any, value: tuple[str, ...]) -> None:
 
 
 @section
-class ActorConfig:
-    """The policy update. ``kl_loss_coef > 0`` adds the KL-to-reference loss (and keeps a frozen
-    reference copy of the weights). ``recompute_old_logprobs`` None: recompute whenever the
-    engine's log-probs may differ from the trainer's (top-p, a correction, async, vLLM).
-    ``clip_low``/``clip_high``/``clip_c`` are verl's ``clip_ratio_low``/``_high``/``_c`` (the
-    divergence thresholds of ``dppo_*``, the log-ratio clip of ``geo_mean``); ``loss_agg`` is
-    ``loss_agg_mode``, ``loss_norm`` the constant of ``seq-mean-token-sum-norm``.
+class ActorConfig(PolicyLossSettings):
+    """The policy update: the policy loss's settings (the fields of
+    :class:`~purerl.algo.loss_settings.PolicyLossSettings`: ``clip_low``, ``clip_high``, ``clip_c``,
+    ``loss_agg``, ``loss_norm``, ``loss_options``; the loss is bound to this section as it is), and:
+    ``kl_loss_coef > 0`` adds the KL-to-reference loss (and keeps a frozen reference copy of the weights).
+    ``recompute_old_logprobs`` None: recompute whenever the engine's log-probs may differ from the trainer's
+    (top-p, a correction, async, vLLM).
     ``skip_zero_advantage_rows``: rows whose advantages are all 0 skip the forward and backward
     where the loss lets them (the update is the same; ``actor/skipped_rows_frac`` counts them).
     ``compute_entropy``: report ``actor/entropy`` even without an entropy bonus.
@@ -205,11 +148,6 @@ class ActorConfig:
     weight_decay: float = attrs.field(default=0.0, validator=at_least(0))
     grad_clip: float = attrs.field(default=1.0, validator=positive)
     policy_loss: str = attrs.field(default="vanilla", validator=one_of(POLICY_LOSSES, "policy loss"))
-    clip_low: float = attrs.field(default=0.2, validator=at_least(0))
-    clip_high: float = attrs.field(default=0.28, validator=at_least(0))
-    clip_c: float | None = attrs.field(default=3.0, validator=_clip_c)
-    loss_agg: str = attrs.field(default="token-mean", validator=one_of(LOSS_AGGREGATIONS, "loss aggregation"))
-    loss_norm: float | None = attrs.field(default=None, validator=positive)
     entropy_coeff: float = attrs.field(default=0.0, validator=at_least(0))
     kl_loss_coef: float = attrs.field(default=0.0, validator=at_least(0))
     kl_loss_type: str = attrs.field(default="low_var_kl", validator=one_of(KL_ESTIMATORS, "KL estimator"))
@@ -219,7 +157,6 @@ class ActorConfig:
     recompute_old_logprobs: bool | None = None
     skip_zero_advantage_rows: bool = True
     compute_entropy: bool = True
-    loss_options: LossOptions = LossOptions()
     max_tokens_per_micro_batch: int | None = attrs.field(default=None, validator=at_least(1))
     packed_forwards: bool = attrs.field(default=False, validator=boolean)
     compile: bool = attrs.field(default=False, validator=boolean)
@@ -306,34 +243,9 @@ class RewardConfig(RewardMix):
 
 
 @section
-class TrainerConfig:
-    """``critic_warmup``: the first steps train only the critic (PPO). ``keep_checkpoints``: how many of the newest
-    checkpoints stay on disk. The run stops (exit status 1, naming the step and the last good checkpoint) after
-    ``max_rejected_steps`` steps in a row whose update was rejected (a non-finite loss or gradient), or
-    ``max_failed_reward_steps`` steps in a row whose rewards all failed or timed out; at once when an update
-    leaves non-finite weights. ``samples.jsonl``: ``samples_per_step`` training samples a step, every held-out
-    answer, texts cut to their last ``sample_chars`` characters. ``records``: each step's batch (what its update
-    consumed) in ``records/step_*`` (:mod:`purerl.io.records`; what ``python3 -m purerl.replay`` re-runs), the
-    newest ``keep_records`` of them (0: all). ``health``: what the run-health monitor does with a symptom
-    (``warn``, ``stop``, ``off``; its thresholds are the ``health`` section, :class:`HealthConfig`)."""
-
-    steps: int = attrs.field(default=30, validator=at_least(1))
-    eval_every: int = attrs.field(default=10, validator=at_least(0))
-    checkpoint_every: int = attrs.field(default=10, validator=at_least(0))
-    keep_checkpoints: int = attrs.field(default=2, validator=at_least(1))
-    max_rejected_steps: int = attrs.field(default=3, validator=at_least(1))
-    max_failed_reward_steps: int = attrs.field(default=3, validator=at_least(1))
-    seed: int = 0
-    critic_warmup: int = attrs.field(default=0, validator=at_least(0))
-    log: tuple[str, ...] = attrs.field(default=(), validator=attrs.validators.deep_iterable(
-        one_of(("tensorboard", "wandb"), "logger")))
-    threads: int = attrs.field(default=0, validator=at_least(0))
-    progress: bool = True
-    samples_per_step: int = attrs.field(default=4, validator=at_least(0))
-    sample_chars: int = attrs.field(default=1000, validator=at_least(1))
-    records: bool = True
-    keep_records: int = attrs.field(default=0, validator=at_least(0))
-    health: str = attrs.field(default="warn", validator=one_of(("warn", "stop", "off"), "trainer.health"))
+class TrainerConfig(TrainerSettings):
+    """How the loop runs: the fields of :class:`~purerl.loop_settings.TrainerSettings`, which the loops take as
+    they are."""
 
 
 @section
@@ -347,9 +259,10 @@ class HealthConfig(HealthLimits):
 
 
 def _environment(instance: Any, attribute: Any, value: str) -> None:
-    if value not in ("single_turn", "calculator") and ":" not in value:
-        raise ConfigError(f"env.name must be single_turn, calculator or a 'module:name' / 'file.py:name' of an "
-                          f"environment or an agent function, got {value!r}")
+    try:
+        builtin_kind(value)
+    except ValueError as err:
+        raise ConfigError(f"{attribute.name}: {err}") from None  # the loader adds the section: env.name
 
 
 @section
@@ -360,9 +273,9 @@ class EnvConfig(EpisodeLimits):
     baseline), or a user's environment as ``module:name`` / ``file.py:name`` (purerl's ``Env``, or
     a class in TRL's ``environment_factory`` convention: :mod:`purerl.episodes.adapters`), or an
     agent function ``run(client, task) -> score`` written for an OpenAI client, played against
-    the job's endpoint (:mod:`purerl.agents.play`). ``format``: how tools are called (``tags``:
-    ``<calc>1+2</calc>``; ``json``:
-    ``<tool_call>{…}</tool_call>``). The section is the episodes' limits
+    the job's endpoint (:mod:`purerl.agents.play`), or a verifiers environment: each a kind of
+    environment registered in :mod:`purerl.environments`. ``format``: how tools are called
+    (``tags``: ``<calc>1+2</calc>``; ``json``: ``<tool_call>{…}</tool_call>``). The section is the episodes' limits
     (:class:`~purerl.episodes.limits.EpisodeLimits`): ``max_turns`` model turns, ``max_tokens``
     ids in all (the context budget), ``step_timeout`` seconds per environment step (a tool call),
     ``tool_bonus`` added to the score per tool call that did not fail, ``per_turn_rewards`` each
@@ -379,4 +292,4 @@ class EnvConfig(EpisodeLimits):
 
     @property
     def multi_turn(self) -> bool:
-        return self.name != "single_turn"
+        return is_episodic(self.name)

@@ -120,7 +120,8 @@ def run_episodes(engine: RolloutEngine, env: Env, codec: ChatCodec, tasks: Seque
         if len(p) >= limits.max_tokens:
             raise ValueError(f"run_episodes: the first messages of task {i} take {len(p)} tokens, no fewer than the "
                              f"episode's budget of {limits.max_tokens} (env.max_tokens)")
-    episodes = [Episode(list(p), len(p), state=state) for (state, _), p in zip(starts, prompts) for _ in range(sampling.n)]
+    episodes = [Episode(list(p), len(p), state=state)
+                for (state, _), p in zip(starts, prompts) for _ in range(sampling.n)]
     stop = tuple(dict.fromkeys((*sampling.stop, *env.stop)))
     active, rows_before = list(range(len(episodes))), {}
     session = engine.session() if reuse_cache and hasattr(engine, "session") else None
@@ -282,7 +283,8 @@ def episode_metrics(episodes: Sequence[Episode], prefix: str = "episode") -> dic
         f"{prefix}/tool_errors": sum(e.counts.get("tool_errors", 0.0) for e in episodes),
         f"{prefix}/tool_timeouts": sum(e.counts.get("tool_timeouts", 0.0) for e in episodes),
         f"{prefix}/env_errors": sum(e.counts.get("env_errors", 0.0) for e in episodes),
-        f"{prefix}/observation_token_frac": sum(len(e.sampled) - sum(e.sampled) for e in episodes) / max(after_prompt, 1),
+        f"{prefix}/observation_token_frac":
+            sum(len(e.sampled) - sum(e.sampled) for e in episodes) / max(after_prompt, 1),
     }
     if any("new_segments" in e.counts for e in episodes):  # agents' episodes (purerl.agents)
         metrics[f"{prefix}/new_segments"] = sum(e.counts.get("new_segments", 0.0) for e in episodes)

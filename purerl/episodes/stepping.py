@@ -73,7 +73,8 @@ def step_envs(env: Env, states: Sequence[Any], actions: Sequence[str], *, timeou
             out.append(failed_step(env, state, f"the step timed out after {timeout:g} s", "tool_timeouts"))
         elif result[1] is not None:
             out.append(failed_step(env, state, result[1], "tool_errors"))
-        else:  # no result at all is a bug every turn repeats: it stops the run; a bad reward or message ends the episode
+        else:  # no result at all is a bug every turn repeats: it stops the run; a bad reward or message ends
+            # the episode
             try:
                 out.append(checked_step(result[0], state))
             except EnvError as err:

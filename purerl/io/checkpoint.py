@@ -263,7 +263,8 @@ def load_checkpoint(path: str | Path, template: Any, *, verify_hash: bool = True
             entry = saved[key]
             if isinstance(like, torch.Tensor):
                 if entry["kind"] != "tensor":
-                    raise CheckpointError(f"{path}: key {key} is a {entry['kind']} in the checkpoint, a tensor in the state")
+                    raise CheckpointError(
+                        f"{path}: key {key} is a {entry['kind']} in the checkpoint, a tensor in the state")
                 if entry["shape"] != list(like.shape) or entry["dtype"] != str(like.dtype):
                     raise CheckpointError(
                         f"{path}: key {key} has shape {entry['shape']} {entry['dtype']} in the checkpoint "
@@ -277,7 +278,8 @@ def load_checkpoint(path: str | Path, template: Any, *, verify_hash: bool = True
                 leaves.append(tensor.to(like.device))
             else:
                 if entry["kind"] == "tensor":
-                    raise CheckpointError(f"{path}: key {key} is a tensor in the checkpoint, a {type(like).__name__} in the state")
+                    raise CheckpointError(
+                        f"{path}: key {key} is a tensor in the checkpoint, a {type(like).__name__} in the state")
                 leaves.append(entry["value"])
     _, treedef = tree_flatten(template)
     return tree_unflatten(leaves, treedef)

@@ -45,7 +45,8 @@ class MetricsLog:
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self.write_samples(step, metrics)
         record = {"step": step, "time": time.time(),
-                  **{k: (v if isinstance(v, (int, float)) and math.isfinite(v) else str(v)) for k, v in metrics.items()}}
+                  **{k: (v if isinstance(v, (int, float)) and math.isfinite(v) else str(v))
+                     for k, v in metrics.items()}}
         try:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -18,8 +18,15 @@ import torch
 
 from purerl.batch import Rewards, Rollout, Sequences
 from purerl.data.cursor import DataCursor
-from purerl.io.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, read_manifest, save_checkpoint,
-                                  step_folder, step_of)
+from purerl.io.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    step_folder,
+    step_of,
+)
 
 __all__ = ["RECORDS", "RecordError", "drop_records_after", "load_record", "record_path", "records_bytes", "save_record"]
 

@@ -15,6 +15,7 @@ settings that differ from it outside an allow-list.
 import fcntl
 import json
 import os
+import re
 import shutil
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -25,7 +26,7 @@ from purerl.io.checkpoint import latest_checkpoint, remove_partial_checkpoints, 
 from purerl.io.metrics import MetricsLog
 
 __all__ = ["RunFolder", "RunFolderError", "check_resume_config", "check_teacher", "checkpoint_of", "checkpoints_of",
-           "held_by", "save_run_config", "weights_fingerprint"]
+           "held_by", "replay_folder_of", "save_run_config", "weights_fingerprint"]
 
 CONFIG = "config.json"
 LOCK = ".lock"
@@ -41,6 +42,13 @@ def checkpoints_of(run_dir: str | Path) -> Path:
 def checkpoint_of(run_dir: str | Path, step: int) -> Path:
     """Where a run's checkpoint of step ``step`` is (or would be)."""
     return step_folder(checkpoints_of(run_dir), step)
+
+
+def replay_folder_of(run_dir: str | Path, label: str) -> Path:
+    """The folder (made if missing) where a counterfactual replay of a run, labelled by its settings, writes."""
+    path = Path(run_dir) / "replays" / re.sub(r"[^\w.=,+-]", "_", label)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 class RunFolderError(ValueError):

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from purerl.config.execution import AsyncConfig
-from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
 from purerl.health import Monitor
 from purerl.io.metrics import MetricsLog
@@ -31,13 +30,14 @@ from purerl.loop.generators import Batches, Generators
 from purerl.loop.recording import StepRecorder
 from purerl.loop.sampling import BatchPlan
 from purerl.loop.task import Task
+from purerl.loop_settings import TrainerSettings
 from purerl.state import TrainState
 from purerl.tree import replace
 
 __all__ = ["train_async"]
 
 
-def train_async(state: TrainState, *, executor: Executor, task: Task, plan: BatchPlan, trainer: TrainerConfig,
+def train_async(state: TrainState, *, executor: Executor, task: Task, plan: BatchPlan, trainer: TrainerSettings,
                 asynchronous: AsyncConfig, run_dir: str | Path,
                 log: MetricsLog | None = None, evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
                 stop: threading.Event | None = None,

@@ -5,7 +5,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from purerl.agents.play import player
 from purerl.episodes.rollout import episode_metrics
 from purerl.loop.samples import rollout_finishes, sample_rows
 from purerl.loop.sampling import decode_responses
@@ -36,10 +35,10 @@ def evaluate(engine: RolloutEngine, task: Task, *, version: int, max_new_tokens:
     for start in range(0, len(task.records), batch_prompts):
         if task.episodes is not None:
             setup = task.episodes
-            played += player(setup.env)(engine, setup.env, setup.codec, task.records[start:start + batch_prompts], sampling,
-                                   RngState(0), version, setup.limits, decode=task.decode,
-                                   seeds=range(start, min(start + batch_prompts, len(task.records))),
-                                   template_kwargs=dict(setup.template_kwargs), batch_timeout=batch_timeout)
+            played += setup.play(engine, setup.env, setup.codec, task.records[start:start + batch_prompts], sampling,
+                                 RngState(0), version, setup.limits, decode=task.decode,
+                                 seeds=range(start, min(start + batch_prompts, len(task.records))),
+                                 template_kwargs=dict(setup.template_kwargs), batch_timeout=batch_timeout)
             continue
         ids = task.prompt_ids[start:start + batch_prompts]
         rollout = engine.generate(ids, sampling, RngState(0), version=version)
@@ -75,7 +74,9 @@ def evaluate(engine: RolloutEngine, task: Task, *, version: int, max_new_tokens:
             prompts, answers = [task.decode(list(ids)) for ids in task.prompt_ids], texts
         metrics["val/samples"] = sample_rows(
             range(len(records)), prompts=prompts, responses=answers, rewards=first, lengths=lengths, finishes=finishes,
-            chars=sample_chars, indices=range(len(records)), turns=[len(e.turn_ends) for e in played] if played else None,
+            chars=sample_chars, indices=range(len(records)),
+            turns=[len(e.turn_ends) for e in played] if played else None,
             references=[r.ground_truth for r in records], errors=[e.error for e in played] if played else None,
-            correct=[v >= 1.0 for v in first], scores=[{n: v[i] for n, v in values.items()} for i in range(len(records))])
+            correct=[v >= 1.0 for v in first],
+            scores=[{n: v[i] for n, v in values.items()} for i in range(len(records))])
     return metrics

@@ -10,13 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
 from purerl.health import HealthState, Monitor
 from purerl.io.checkpoint import CheckpointError, CheckpointWriter, list_checkpoints, step_of
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import save_record
 from purerl.io.run_folder import checkpoints_of
+from purerl.loop_settings import TrainerSettings
 from purerl.rollout.canary import CanaryError
 from purerl.state import TrainState
 
@@ -93,12 +93,13 @@ class StepRecorder:
     (``health/<symptom>``); under ``trainer.health=stop`` a start checkpoints the step and raises
     :class:`TrainingStopped`. A resumed run's monitor starts from the rows already logged."""
 
-    def __init__(self, state: TrainState, executor: Executor, trainer: TrainerConfig, run_dir: str | Path,
+    def __init__(self, state: TrainState, executor: Executor, trainer: TrainerSettings, run_dir: str | Path,
                  log: MetricsLog, evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
                  stop: threading.Event | None = None, health: Monitor | None = None) -> None:
         from tqdm.auto import tqdm
 
-        self.executor, self.trainer, self.run_dir, self.log, self.evaluate_fn = executor, trainer, run_dir, log, evaluate_fn
+        self.executor, self.trainer, self.run_dir = executor, trainer, run_dir
+        self.log, self.evaluate_fn = log, evaluate_fn
         self.stop, self.saved, self.first_step = stop, None, state.step
         self.health = None if trainer.health == "off" else health
         self.health_state = HealthState()
@@ -235,7 +236,8 @@ class StepRecorder:
             if self.failed_rewards_in_a_row >= trainer.max_failed_reward_steps:
                 raise TrainingStopped(f"step {step}: every reward call failed or timed out in "
                                       f"{self.failed_rewards_in_a_row} steps in a row (trainer.max_failed_reward_steps "
-                                      f"{trainer.max_failed_reward_steps}): see {Path(self.run_dir) / 'reward_errors.jsonl'}"
+                                      f"{trainer.max_failed_reward_steps}): "
+                                      f"see {Path(self.run_dir) / 'reward_errors.jsonl'}"
                                       f"; {self._last_good(step)}")
         else:
             self.failed_rewards_in_a_row = 0

@@ -16,7 +16,6 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from purerl.agents.play import player
 from purerl.algo.dapo import varied_groups
 from purerl.batch import Rewards, Rollout
 from purerl.config.sections import RewardConfig
@@ -185,7 +184,8 @@ def joined_batch(parts: Sequence[SampledPart], plan: BatchPlan) -> tuple[Rollout
             sampled[key] = sampled[key] + value if key in sampled else value
     metrics: dict[str, Any] = {
         "reward/errors": sampled["errors"], "reward/timeouts": sampled["timeouts"], "timing/gen_s": sampled["gen_s"],
-        "timing/reward_s": sampled["reward_s"], "perf/gen_tokens_per_s": sampled["tokens"] / max(sampled["gen_s"], 1e-9)}
+        "timing/reward_s": sampled["reward_s"],
+        "perf/gen_tokens_per_s": sampled["tokens"] / max(sampled["gen_s"], 1e-9)}
     if plan.greedy_baselines:
         metrics["timing/baseline_s"] = sampled["baseline_s"]
     if "episodes" in sampled:
@@ -307,16 +307,15 @@ def _training_samples(task: Task, indices: list[int], n: int, rollout: Rollout, 
 def _episode_rollout(engine: RolloutEngine, task: Task, episodes: Episodes, indices: list[int], rng: RngState,
                      version: int, sampling: SamplingParams, batch_timeout: float | None,
                      penalty: float) -> tuple[Rollout, Scores, dict[str, Any]]:
-    """``sampling.n`` episodes per prompt (:func:`~purerl.episodes.rollout.run_episodes`, or
-    :func:`~purerl.agents.play.run_agents` for an agent function; task
+    """``sampling.n`` episodes per prompt (played by ``episodes.play``, the environment kind's; task
     ``i`` resets with seed ``i``, so a prompt's episodes replay), their rollout and scores (the
     environment's rewards with the tool bonus; ``penalty`` for an episode whose environment
     returned a bad reward or messages, counted and its message kept as a reward error's), and
     sums: ``gen_s`` (sampling and stepping), ``env_s`` and the ``episodes``."""
     timings: dict[str, float] = {}
-    played = player(episodes.env)(engine, episodes.env, episodes.codec, [task.records[i] for i in indices], sampling, rng,
-                          version, episodes.limits, decode=task.decode, seeds=indices,
-                          template_kwargs=dict(episodes.template_kwargs), batch_timeout=batch_timeout, timings=timings)
+    played = episodes.play(engine, episodes.env, episodes.codec, [task.records[i] for i in indices], sampling, rng,
+                           version, episodes.limits, decode=task.decode, seeds=indices,
+                           template_kwargs=dict(episodes.template_kwargs), batch_timeout=batch_timeout, timings=timings)
     group = [j for j in range(len(indices)) for _ in range(sampling.n)]
     rollout = episodes_rollout(played, group, pad_token_id=episodes.pad_token_id, version=version,
                                device=getattr(engine, "device", "cpu"))

@@ -14,25 +14,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from purerl.config.sections import TrainerConfig
 from purerl.executors.base import Executor
 from purerl.health import Monitor
 from purerl.io.metrics import MetricsLog
 from purerl.loop.recording import StepRecorder
 from purerl.loop.sampling import BatchPlan, rollout_batch
 from purerl.loop.task import Task
+from purerl.loop_settings import TrainerSettings
 from purerl.state import TrainState
 
 __all__ = ["train"]
 
 
-def train(state: TrainState, *, executor: Executor, task: Task, plan: BatchPlan, trainer: TrainerConfig,
+def train(state: TrainState, *, executor: Executor, task: Task, plan: BatchPlan, trainer: TrainerSettings,
           run_dir: str | Path,
           log: MetricsLog | None = None, evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
           stop: threading.Event | None = None, health: Monitor | None = None) -> TrainState:
     """Run steps ``state.step + 1 … trainer.steps`` on ``executor`` (already started with
-    ``state``), each on a batch sampled as ``plan`` says; returns the final (driver's) state. Metrics go to ``log`` (default:
-    ``metrics.jsonl`` in ``run_dir``), checkpoints (the executor's full state) to ``run_dir``.
+    ``state``), each on a batch sampled as ``plan`` says; returns the final (driver's) state. Metrics go to ``log``
+    (default: ``metrics.jsonl`` in ``run_dir``), checkpoints (the executor's full state) to ``run_dir``.
     ``stop`` (e.g. :attr:`~purerl.loop.recording.StopRequest.event`): once set, the loop
     checkpoints the step it finished and raises :class:`~purerl.loop.recording.Interrupted`. ``health``:
     the run-health monitor each step's row goes through (:class:`~purerl.loop.recording.StepRecorder`)."""

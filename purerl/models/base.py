@@ -2,8 +2,9 @@
 
 A :class:`CausalLM` is a *resource*, not state: an HF module skeleton on the ``meta`` device (so
 it holds no weights of its own), its buffers, and the map from tied alias names to the one
-canonical name kept in the params tree (:mod:`purerl.models.hf` makes one from an HF model). The params (``dict[str, Tensor]``, canonical names only)
-live in the train state and are swapped in for each call through ``torch.func.functional_call``.
+canonical name kept in the params tree (:mod:`purerl.models.hf` makes one from an HF model). The
+params (``dict[str, Tensor]``, canonical names only) live in the train state and are swapped in for
+each call through ``torch.func.functional_call``.
 
 Pure entry points:
 - :func:`response_logprobs` / :func:`response_entropy` over :class:`~purerl.batch.Sequences`;

@@ -21,8 +21,8 @@ from purerl.files import make_readable, whole_folder
 from purerl.models.base import CausalLM, Critic, Params, ValueModel, cast_floating, full_state_dict
 from purerl.models.checkpointing import checkpoint_layers
 
-__all__ = ["causal_lm_from_config", "check_attends_causally", "check_causal", "critic_from_causal_lm", "export_hf", "load_causal_lm",
-           "smollm2_gguf"]
+__all__ = ["causal_lm_from_config", "check_attends_causally", "check_causal", "critic_from_causal_lm", "export_hf",
+           "load_causal_lm", "smollm2_gguf"]
 
 
 def _tie_aliases(module: nn.Module) -> dict[str, str]:
@@ -127,7 +127,8 @@ def check_attends_causally(model: CausalLM, params: Params, where: str | Path) -
         logits = [model(params, input_ids=x, use_cache=False).logits[0, :-1].float() for x in (ids, changed)]
     if not torch.allclose(*logits, rtol=1e-5, atol=1e-6):  # a causal model computes those rows from the same inputs
         raise ValueError(f"{where}: the model's logits at a position change with a later token: it attends both ways "
-                         "(an encoder, or a decoder configured with is_decoder false), not as a causal LM a policy must")
+                         "(an encoder, or a decoder configured with is_decoder false), "
+                         "not as a causal LM a policy must")
 
 
 def check_causal(path: str | Path) -> None:

@@ -103,7 +103,9 @@ def _kaiming_uniform(rows: int, cols: int, generator: torch.Generator) -> Tensor
     return torch.rand(rows, cols, generator=generator, dtype=torch.float64).mul_(2 * bound).sub_(bound)
 
 
-def apply_lora(model: Any, params: dict[str, Tensor], spec: LoraSpec, *, seed: int = 0) -> tuple[Any, dict[str, Tensor]]:
+def apply_lora(
+    model: Any, params: dict[str, Tensor], spec: LoraSpec, *, seed: int = 0
+) -> tuple[Any, dict[str, Tensor]]:
     """``(model', adapters)``: a copy of the causal LM ``model`` whose target layers are
     :class:`LoraLinear` and whose ``frozen`` weights are ``params``, and the adapter tree
     (``lora_A`` uniform in ±1/√in from ``seed``, ``lora_B`` zero; dtype and device of each base
@@ -149,7 +151,8 @@ def merged(frozen: dict[str, Tensor], params: dict[str, Tensor], scale: float) -
         for name in layer_names(params):
             a, b = params[f"{name}.lora_A.weight"], params[f"{name}.lora_B.weight"]
             weight = out[f"{name}.weight"]  # in float32 adapters' dtype over a bfloat16 base (mixed precision)
-            out[f"{name}.weight"] = torch.addmm(weight.to(a.dtype), b.detach(), a.detach(), alpha=scale).to(weight.dtype)
+            product = torch.addmm(weight.to(a.dtype), b.detach(), a.detach(), alpha=scale)
+            out[f"{name}.weight"] = product.to(weight.dtype)
     return out
 
 

@@ -1,10 +1,11 @@
 """User reward functions named by a spec (``reward.fn=module:function``).
 
 The spec is loaded as :func:`purerl.sandbox.loading.load_object` loads any user object (the
-function is an attribute of an importable module), so it pickles by reference and the reward processes of :mod:`purerl.rewards.scoring` import it by name
-(they are sent this process's ``sys.path`` with the function; on a Ray cluster the file must be at
-the same path on every node). The function may take either form (``fn(response, ground_truth)``
-or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``,
+function is an attribute of an importable module), so it pickles by reference and the reward
+processes of :mod:`purerl.rewards.scoring` import it by name (they are sent this process's
+``sys.path`` with the function; on a Ray cluster the file must be at the same path on every node).
+The function may take either form (``fn(response, ground_truth)`` or verl's
+``compute_score(data_source, solution_str, ground_truth, extra_info=None)``,
 :func:`~purerl.rewards.scoring.reward_form`).
 """
 

@@ -43,8 +43,9 @@ def mixed_rewards(rule: Float[Tensor, " b"], lengths: Int[Tensor, " b"], learned
                   judged: Float[Tensor, " b"] | None = None) -> tuple[Rewards, dict[str, float]]:
     """The rewards of ``b`` responses from their ``rule`` scores, response ``lengths``, reward-model
     scores (``learned``, when the model is used) and judge verdicts (``judged``), and the sums of
-    the parts (``overlong_penalty``, ``model``, ``judge``) for metrics. GDPO's components (:class:`~purerl.batch.Rewards`) are the rule reward
-    (with the overlong penalty) and the model's score, when there are two."""
+    the parts (``overlong_penalty``, ``model``, ``judge``) for metrics. GDPO's components
+    (:class:`~purerl.batch.Rewards`) are the rule reward (with the overlong penalty) and the
+    model's score, when there are two."""
     sums: dict[str, float] = {}
     total, columns = reward.fn_weight * rule, [rule]
     if reward.overlong_buffer:

@@ -18,8 +18,9 @@ Worker groups live on resource pools (Ray placement groups, one bundle per worke
   a reward model, each holding the learned reward model (loaded once, at start) for
   ``score_model`` (none: the driver loads it on first use and scores on its CPU).
 
-Modules: :mod:`~.actors` (the actor classes), :mod:`~.roles` (the roles on other pools, as the ranks see them), :mod:`~.pools` (starting Ray, pools, waiting that fails closed), :mod:`~.weights`
-(publishing weight versions through the object store), :mod:`~.executor` (:class:`RayExecutor`).
+Modules: :mod:`~.actors` (the actor classes), :mod:`~.roles` (the roles on other pools, as the ranks see them),
+:mod:`~.pools` (starting Ray, pools, waiting that fails closed), :mod:`~.weights` (publishing weight versions through
+the object store), :mod:`~.executor` (:class:`RayExecutor`).
 
 Weights reach the rollout workers as numbered versions gathered from the shards (optionally
 checksummed), and every generate names the version it expects. Failures fail closed: a dead actor,

@@ -230,8 +230,8 @@ class WorkerGroups:
         config = self.config
         count = config.critic_workers if pool == "critic" else config.reference_workers
         try:
-            self.pools[pool] = group = placement_group([{**self._bundle, **config.pool_resources.get(pool, {})}] * count,
-                                                       strategy="PACK")
+            bundle = {**self._bundle, **config.pool_resources.get(pool, {})}
+            self.pools[pool] = group = placement_group([bundle] * count, strategy="PACK")
             if not group.wait(config.start_timeout):
                 raise ExecutorError(f"Ray could not reserve the {pool} pool ({count} × {group.bundle_specs[0]}) within "
                                     f"{config.start_timeout:.0f} s: not enough resources in the cluster")

@@ -241,7 +241,9 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
     return h.view(b, n, -1)
 
 
-def logits_of(weights: FusedWeights, layout: LlamaLayout, hidden: Float[Tensor, "... hidden"]) -> Float[Tensor, "... v"]:
+def logits_of(
+    weights: FusedWeights, layout: LlamaLayout, hidden: Float[Tensor, "... hidden"]
+) -> Float[Tensor, "... v"]:
     """The final norm and LM head on hidden states from :func:`decoder_stack`."""
     shape = hidden.shape[:-1]
     flat = rms_norm(hidden.reshape(-1, hidden.shape[-1]), weights.norm, layout.eps)

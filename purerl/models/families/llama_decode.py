@@ -82,7 +82,8 @@ class StaticCache:
         # copies of the written slots only: the prompt rows' whole capacity need not stay alive
         shared = SharedPrefix([k[:, :, :self.length].clone() for k in self.keys],
                               [v[:, :, :self.length].clone() for v in self.values], n)
-        return StaticCache([k.repeat_interleave(n, 0) for k in self.keys], [v.repeat_interleave(n, 0) for v in self.values],
+        return StaticCache([k.repeat_interleave(n, 0) for k in self.keys],
+                           [v.repeat_interleave(n, 0) for v in self.values],
                            self.valid.repeat_interleave(n, 0), self.length, shared)
 
     def select_rows(self, rows: Int[Tensor, " r"]) -> "StaticCache":

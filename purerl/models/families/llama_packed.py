@@ -61,8 +61,8 @@ def packed_response_logits(
     shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None,
     lora_scale: float | None = None,
 ) -> Float[Tensor, "b t v"]:
-    """:func:`~purerl.models.families.llama.response_logits` with no compute on padding: the rows' valid tokens run as one
-    packed stream (``[1, T]``, each row a segment at its own positions), attention stays inside a
+    """:func:`~purerl.models.families.llama.response_logits` with no compute on padding: the rows' valid tokens run
+    as one packed stream (``[1, T]``, each row a segment at its own positions), attention stays inside a
     segment (one causal attention per segment), and the LM head runs only where a valid token
     predicts a response token. Where the input at a predicting position is padding, the logits
     are 0 (the padded forward gives numbers there that every loss masks out); elsewhere they

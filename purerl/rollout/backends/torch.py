@@ -30,14 +30,15 @@ class TorchEngine:
     Colocated with the trainer: :meth:`sync` keeps a reference to the params (no copy), so the
     donated optimizer update and the engine share buffers; the version tag records which update
     they hold (a LoRA policy's adapters are merged into a copy of the base once per version
-    instead: decoding then costs what the base's does). ``decode`` (token ids → text) is needed only for stop strings. Models of a family
-    with a lean decoder (``model.family``: Llama, Qwen2, SmolLM2) decode through it (a static KV
-    cache, no module dispatch); ``lean=False`` forces the HF module path, which every other model
-    takes. On CUDA the lean decoding step is captured once per generate call and replayed as a
-    CUDA graph (``cuda_graphs=False`` turns that off). Rows that finish early leave the decoding
-    batch (``drop_finished=False`` keeps them; not with CUDA graphs, whose shapes are fixed). The
-    decoding loop writes each step's tokens and log-probs into buffers allocated once and reads
-    the device's state on the host only every ``host_check_every`` steps (a GPU: 8).
+    instead: decoding then costs what the base's does). ``decode`` (token ids → text) is needed
+    only for stop strings. Models of a family with a lean decoder (``model.family``: Llama, Qwen2,
+    SmolLM2) decode through it (a static KV cache, no module dispatch); ``lean=False`` forces the
+    HF module path, which every other model takes. On CUDA the lean decoding step is captured once
+    per generate call and replayed as a CUDA graph (``cuda_graphs=False`` turns that off). Rows
+    that finish early leave the decoding batch (``drop_finished=False`` keeps them; not with CUDA
+    graphs, whose shapes are fixed). The decoding loop writes each step's tokens and log-probs into
+    buffers allocated once and reads the device's state on the host only every
+    ``host_check_every`` steps (a GPU: 8).
     ``dtype`` (e.g. ``"bfloat16"``; default the model's ``compute_dtype``, else the params' own):
     decode with the weights cast to it, a copy per version (on a
     CPU with bfloat16 instructions, decoding's skinny products read half the bytes and run ~3×
@@ -229,7 +230,7 @@ class TorchEngine:
             text = self.decode(window[row])
             # only a match that the newest token completed: the tail ending at this token
             tail = text[-(longest + len(last)):]
-            if any(s in tail and not s in tail[: len(tail) - len(last)] for s in stop):
+            if any(s in tail and s not in tail[: len(tail) - len(last)] for s in stop):
                 hits[row] = True
         return hits
 
@@ -266,12 +267,13 @@ class EngineSession:
     prompt that extends a row of the previous call's output (its prompt, its sampled ids, then new
     ids) reuses that row's KV cache and prefills only the new ids, instead of the whole context.
 
-    ``generate(prompts, sampling, rng, version=…, previous=rows, streams=…, samples=…)``: ``previous[k]`` is
-    the row of the previous call's output that ``prompts[k]`` extends (``samples``: as the engine's). Where the cache cannot serve (the first
-    call, a prompt that does not extend its row, ``n > 1``, a model without a lean decoder) the
-    call prefills in full; either way the result is the engine's ``generate``'s, up to float
-    rounding (``tests/test_episodes.py``). Rows do not leave the batch when they finish here, so
-    the cache keeps every row for the next turn.
+    ``generate(prompts, sampling, rng, version=…, previous=rows, streams=…, samples=…)``:
+    ``previous[k]`` is the row of the previous call's output that ``prompts[k]`` extends
+    (``samples``: as the engine's). Where the cache cannot serve (the first call, a prompt that
+    does not extend its row, ``n > 1``, a model without a lean decoder) the call prefills in full;
+    either way the result is the engine's ``generate``'s, up to float rounding
+    (``tests/test_episodes.py``). Rows do not leave the batch when they finish here, so the cache
+    keeps every row for the next turn.
     """
 
     def __init__(self, engine: TorchEngine) -> None:

@@ -180,7 +180,8 @@ class VllmEngine:
         engine = torch.tensor([step[t].logprob for step, t in zip(out.prompt_logprobs[1:], ids[1:])])
         weight = next(iter(self.model.full(params).values()))
         tokens = torch.tensor([ids], device=weight.device)
-        seqs = Sequences(tokens, torch.ones_like(tokens, dtype=torch.bool), torch.ones_like(tokens[:, 1:], dtype=torch.bool))
+        seqs = Sequences(tokens, torch.ones_like(tokens, dtype=torch.bool),
+                         torch.ones_like(tokens[:, 1:], dtype=torch.bool))
         with torch.no_grad():
             trainer = response_logprobs(self.model, params, seqs)[0].float().cpu()
         gap = float((engine - trainer).abs().max())
