@@ -1,0 +1,251 @@
+"""The report's HTML: one self-contained page of a run's files (:class:`~purerl.report.run_files.RunFiles`).
+
+Invariants: the page references nothing outside itself (its style, its curves as SVG and its few lines of
+script are inline; no URL is written); every text that comes from the run (responses, prompts, references,
+settings, health lines, file names) goes through :func:`html.escape`, so a response holding ``<script>`` shows as
+text; it renders the files as they are now, so a live run's page is a snapshot.
+"""
+
+import html
+import json
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from purerl.report.charts import draw_charts
+from purerl.report.run_files import ABSENT, RunFiles, config_changes, health_lines
+
+__all__ = ["MAX_SAMPLE_CHARS", "PHASES", "ROW_CHARS", "kept_samples", "render", "right"]
+
+MAX_SAMPLE_CHARS = 4_000_000
+"""The samples table's budget of page text (each row's escaped prompt and response, and :data:`ROW_CHARS`); a run
+with more shows whole steps spread over the run, which bounds the page's size (the main job's: 5 MB)."""
+
+ROW_CHARS = 300
+"""What a samples row's markup takes besides its prompt and response, about."""
+
+PHASES = {"train": "train", "eval": "held-out"}
+"""``samples.jsonl``'s phases by the names the page shows."""
+
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em auto;max-width:1400px;padding:0 1em;color:#222}
+h1{font-size:1.5em;margin-bottom:.2em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ccc}
+table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:3px 6px;vertical-align:top;text-align:left}
+th{background:#f3f3f3}.facts th{background:none;font-weight:600}code{font-size:.95em}
+.charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:12px}
+figure{margin:0;border:1px solid #ddd;padding:6px}svg{width:100%;height:auto;font-size:11px}
+svg .plot{fill:none;stroke:#999}svg .grid{stroke:#eee}svg .line{fill:none;stroke-width:1.6}
+.legend span{margin-right:1em;font-size:12px}.legend i{display:inline-block;width:10px;height:10px;margin-right:4px}
+.health li{font-family:monospace;white-space:pre-wrap}.quiet{color:#666}
+#samples .text{white-space:pre-wrap;font-family:monospace;font-size:12px;max-width:560px;max-height:12em;
+overflow:auto}#samples tr.right td.mark{color:#080}#samples tr.wrong td.mark{color:#b00}
+.filters{margin:.5em 0}.filters label{margin-right:1.2em}
+"""
+
+SCRIPT = """
+const rows=[...document.querySelectorAll('#samples tbody tr')], pick=id=>document.getElementById(id);
+function filter(){
+  const step=pick('f-step').value, phase=pick('f-phase').value, right=pick('f-right').value;
+  let shown=0;
+  for(const tr of rows){
+    const d=tr.dataset, ok=(!step||d.step===step)&&(!phase||d.phase===phase)&&(!right||d.right===right);
+    tr.hidden=!ok; shown+=ok;
+  }
+  pick('f-count').textContent=shown+' of '+rows.length+' rows';
+}
+for(const id of ['f-step','f-phase','f-right']) pick(id).addEventListener('change', filter);
+filter();
+"""
+
+
+def render(files: RunFiles, *, max_sample_chars: int = MAX_SAMPLE_CHARS) -> str:
+    """The whole page of the run in ``files``."""
+    name = _esc(files.path.resolve().name)
+    generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    curve_rows = ([{"step": 0, **files.baseline}] if files.baseline else []) + files.metrics
+    charts = draw_charts(curve_rows)
+    body = [f"<h1>Run report: {name}</h1>",
+            f'<p class="quiet">{_esc(files.path.resolve())} · generated {generated} by python3 -m purerl.report</p>',
+            _facts(files),
+            "<h2>Health</h2>", _health(files),
+            "<h2>Curves</h2>",
+            f'<div class="charts">{"".join(charts)}</div>' if charts else "<p>No step has a metric to draw yet.</p>",
+            "<h2>Settings that differ from the defaults</h2>", _config(files),
+            "<h2>Samples</h2>", _samples(files.samples, max_sample_chars)]
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{name}: purerl run report'
+            f"</title><style>{STYLE}</style></head><body>\n" + "\n".join(body)
+            + f"\n<script>{SCRIPT}</script></body></html>\n")
+
+
+def _facts(files: RunFiles) -> str:
+    """The run at a glance: its state, model, algorithm, executor, steps, accuracy and time."""
+    summary = files.summary or {}
+
+    def section(name: str) -> Mapping[str, Any]:
+        value = (files.config or {}).get(name)
+        return value if isinstance(value, dict) else {}
+
+    steps = [row["step"] for row in files.metrics if isinstance(row.get("step"), int)]
+    accuracy = [row["val/accuracy"] for row in files.metrics if isinstance(row.get("val/accuracy"), (int, float))]
+    before = summary.get("accuracy_before", (files.baseline or {}).get("val/accuracy"))
+    after = summary.get("accuracy_after", accuracy[-1] if accuracy else None)
+    model = section("model")
+    facts = [
+        ("state", "ended (summary.json written)" if files.summary is not None
+         else "live, or ended before its summary (no summary.json yet)"),
+        ("steps logged", f"{len(steps)} (last step {max(steps)})" if steps else "none yet"),
+        ("model", summary.get("model") or ("tiny" if model.get("tiny") else model.get("path")) or "default"),
+        ("algorithm", summary.get("algorithm") or section("algorithm").get("adv_estimator")),
+        ("policy loss", summary.get("policy_loss") or section("actor").get("policy_loss")),
+        ("executor", section("executor").get("kind")),
+        ("asynchronous", _asynchronous(section("asynchronous"), summary.get("async"))),
+        ("held-out accuracy", _accuracy(before, after)),
+        ("wall time", f"{summary['wall_seconds']:.0f} s" if isinstance(summary.get("wall_seconds"), (int, float))
+         else None),
+        ("reward errors", _count_lines(files.path / "reward_errors.jsonl")),
+    ]
+    cells = "".join(f"<tr><th>{_esc(key)}</th><td>{_esc(value)}</td></tr>" for key, value in facts
+                    if value not in (None, ""))
+    return f'<table class="facts">{cells}</table>'
+
+
+def _asynchronous(section: Mapping[str, Any], report: Any) -> str | None:
+    if not section.get("enable"):
+        return None
+    text = f"on (max staleness {section.get('max_staleness')}, {section.get('stale_policy')})"
+    if isinstance(report, dict) and report.get("staleness_histogram"):
+        text += f"; batches by staleness {json.dumps(report['staleness_histogram'])}"
+    return text
+
+
+def _accuracy(before: Any, after: Any) -> str | None:
+    number = (int, float)
+    if not isinstance(after, number):
+        return None
+    if not isinstance(before, number):
+        return f"{after:.1%} (last evaluation)"
+    return f"{before:.1%} before training → {after:.1%} ({100 * (after - before):+.1f} points)"
+
+
+def _count_lines(path: Any) -> str | None:
+    """``"N in reward_errors.jsonl"`` where the run has that file."""
+    try:
+        with path.open("rb") as f:
+            count = sum(1 for line in f if line.strip())
+    except OSError:
+        return None
+    return f"{count} in {path.name}" if count else None
+
+
+def _health(files: RunFiles) -> str:
+    """The monitor's lines (:mod:`purerl.health`): each symptom that started or cleared, and those active."""
+    health = health_lines(files)
+    if health.mode == "off":
+        return "<p>trainer.health=off: the run watched no symptom.</p>"
+    if not health.lines:
+        if health.mode is None:
+            return ("<p>The run recorded no health lines (its monitor was off, or the run predates it: "
+                    "no <code>health/*</code> in metrics.jsonl).</p>")
+        return f"<p>No symptom reported (trainer.health={_esc(health.mode)}).</p>"
+    lines = "".join(f"<li>{_esc(line)}</li>" for line in health.lines)
+    active = ", ".join(health.active) or "none"
+    return (f'<p>trainer.health={_esc(health.mode)}; active at the last row: {_esc(active)}</p>'
+            f'<ul class="health">{lines}</ul>')
+
+
+def _config(files: RunFiles) -> str:
+    """The recorded settings that differ from ``JobConfig()``'s, with both values."""
+    if files.config is None:
+        return "<p>The run recorded no config.json.</p>"
+    changed, newer = config_changes(files.config)
+    note = (f'<p class="quiet">{newer} settings newer than the run are not in its config.json (not compared).</p>'
+            if newer else "")
+    if not changed:
+        return "<p>Every setting is the default.</p>" + note
+    cells = "".join(f"<tr><td><code>{_esc(key)}</code></td><td>{_value(value)}</td><td>{_value(default)}</td></tr>"
+                    for key, value, default in changed)
+    return f"<table><tr><th>setting</th><th>this run</th><th>default</th></tr>{cells}</table>" + note
+
+
+def _value(value: Any) -> str:
+    if value is ABSENT:
+        return '<span class="quiet">(not a setting now)</span>'
+    return f"<code>{_esc(json.dumps(value, default=str))}</code>"
+
+
+def right(row: Mapping[str, Any]) -> bool:
+    """Whether a sample counts as right: its ``correct`` (held-out rows have it), else a reward above 0
+    (training rows carry no ``correct``; the health monitor's ``rule_positive_frac`` counts the same)."""
+    if isinstance(row.get("correct"), bool):
+        return row["correct"]
+    reward = row.get("reward")
+    return isinstance(reward, (int, float)) and reward > 0
+
+
+def kept_samples(samples: Sequence[Mapping[str, Any]], max_chars: int) -> list[Mapping[str, Any]]:
+    """``samples`` whole, or if their rows take more than ``max_chars`` characters of the page (escaped prompt
+    and response, and :data:`ROW_CHARS`), the rows of as many steps as fit, spread evenly over the run, the first
+    and the last step always among them."""
+    size: dict[Any, int] = {}
+    for row in samples:
+        size[row.get("step")] = size.get(row.get("step"), 0) + ROW_CHARS + len(_esc(row.get("prompt", ""))) \
+            + len(_esc(row.get("response", "")))
+    if sum(size.values()) <= max_chars:
+        return list(samples)
+    steps = list(size)
+
+    def chosen(k: int) -> set:
+        return {steps[i * len(steps) // k] for i in range(k)} | {steps[-1]}
+
+    low, high = 1, len(steps)
+    while low < high:  # the most steps that fit (a single step over the budget is still shown)
+        k = (low + high + 1) // 2
+        low, high = (k, high) if sum(size[s] for s in chosen(k)) <= max_chars else (low, k - 1)
+    keep = chosen(low)
+    return [row for row in samples if row.get("step") in keep]
+
+
+def _samples(samples: Sequence[Mapping[str, Any]], max_chars: int) -> str:
+    """The table of ``samples.jsonl`` with its filters (step, phase, right or wrong) and their script."""
+    if not samples:
+        return "<p>No samples.jsonl rows yet (trainer.samples_per_step=0, or no step logged).</p>"
+    rows = kept_samples(samples, max_chars)
+    note = "" if len(rows) == len(samples) else (
+        f'<p class="quiet">{len(rows)} of {len(samples)} rows: the steps shown are spread over the run '
+        f"(the report keeps {max_chars} characters of them; --max-sample-chars).</p>")
+    steps = sorted({row["step"] for row in rows if isinstance(row.get("step"), int)})
+    phases = sorted({str(row.get("phase")) for row in rows})
+
+    def options(values: Sequence[tuple[str, str]]) -> str:
+        return '<option value="">all</option>' + "".join(f'<option value="{_esc(v)}">{_esc(label)}</option>'
+                                                         for v, label in values)
+
+    filters = (f'<div class="filters"><label>step <select id="f-step">{options([(str(s), str(s)) for s in steps])}'
+               f'</select></label><label>phase <select id="f-phase">'
+               f'{options([(p, PHASES.get(p, p)) for p in phases])}</select></label>'
+               f'<label>answer <select id="f-right">{options([("1", "right"), ("0", "wrong")])}</select></label>'
+               '<span id="f-count"></span></div>')
+    head = ("<tr><th>step</th><th>phase</th><th>prompt (its end)</th><th>response</th><th>reward</th>"
+            "<th>reference</th><th>right</th><th>finish</th></tr>")
+    body = "\n".join(_sample_row(row) for row in rows)
+    return (note + filters + '<p class="quiet">right: a held-out answer graded correct; a training sample with a '
+            f'reward above 0.</p><table id="samples"><thead>{head}</thead><tbody>\n{body}\n</tbody></table>')
+
+
+def _sample_row(row: Mapping[str, Any]) -> str:
+    ok, phase = right(row), str(row.get("phase"))
+    reward = row.get("reward")
+    finish = f"{row.get('finish', '')} ({row.get('length', '?')} tokens" + (
+        f", {row['turns']} turns)" if "turns" in row else ")")
+    response = _esc(row.get("response", "")) + (
+        f"\n<b>error:</b> {_esc(row['error'])}" if row.get("error") else "")
+    return (f'<tr data-step="{_esc(row.get("step"))}" data-phase="{_esc(phase)}" data-right="{int(ok)}" '
+            f'class="{"right" if ok else "wrong"}"><td>{_esc(row.get("step"))}</td><td>{_esc(PHASES.get(phase, phase))}'
+            f'</td><td><div class="text">{_esc(row.get("prompt", ""))}</div></td><td><div class="text">{response}'
+            f'</div></td><td>{_esc(f"{reward:.4g}" if isinstance(reward, (int, float)) else reward)}</td>'
+            f'<td>{_esc(row.get("reference", "—"))}</td><td class="mark">{"✓" if ok else "✗"}</td>'
+            f"<td>{_esc(finish)}</td></tr>")
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
