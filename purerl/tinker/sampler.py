@@ -1,0 +1,130 @@
+"""Sampler weights as numbered immutable snapshots, sampled by purerl's embedded engine.
+
+A snapshot is a copy of a training model's trained leaves (the adapters, or every weight under full
+fine-tuning) taken when ``save_weights_for_sampler`` runs, so later optimizer steps (which update
+the params in place) never reach it; number 0 is the base model. One
+:class:`~purerl.rollout.backends.torch.TorchEngine` over the base model serves every snapshot (per
+set of stop tokens): it is synced to a snapshot's merged weights (:func:`purerl.tinker.trainer.sampler_params`)
+when a request for another snapshot than the last comes.
+
+Sampling settings: ``temperature`` (0: greedy), ``top_p``, ``top_k`` (-1: no limit), ``seed``
+(none: a fresh one per request), ``max_tokens`` (none: the room left in the model's context),
+``stop`` (strings: generation ends once the text contains one, the token completing it kept; token
+ids: they replace EOS as the tokens that end a sample, and are kept; ``[]``: only ``max_tokens``
+ends a sample). The returned log-probs are those of the distribution each token was drawn from:
+``log_softmax(logits / temperature)`` restricted by top-k/top-p and renormalised (greedy: the
+untempered model's). They equal ``forward``'s learner log-probs only at temperature 1 without
+truncation, so importance ratios of samples drawn at another temperature start away from 1.
+"""
+
+import secrets
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from purerl.batch import FINISH_LENGTH
+from purerl.models import CausalLM, Params
+from purerl.rollout.backends.torch import TorchEngine
+from purerl.rollout.sampling import SamplingParams
+from purerl.state import RngState
+from purerl.tinker.trainer import Trainable, sampler_params
+from purerl.tree import tree_clone
+
+__all__ = ["Sample", "Sampler", "Snapshot", "SamplingRequest"]
+
+_NO_STOP = -1  # an id no sampled token has: the engine then stops rows at max_tokens only
+
+
+@attrs.frozen(eq=False)
+class Snapshot:
+    """Sampler weights: ``number`` (0: the base), the ``trainable`` they belong to (None: the base)
+    and a copy of its trained ``params``; ``path``: the ``tinker://`` name they were saved under."""
+
+    number: int
+    trainable: Trainable | None
+    params: Params
+    path: str | None = None
+
+    @staticmethod
+    def of(number: int, trainable: Trainable, params: Params, path: str | None = None) -> "Snapshot":
+        return Snapshot(number, trainable, tree_clone(params), path)
+
+
+@attrs.frozen
+class SamplingRequest:
+    """One ``asample`` request's settings, checked (see the module docstring)."""
+
+    max_tokens: int | None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] | None = None
+
+
+@attrs.frozen
+class Sample:
+    """A sampled sequence: its token ids, their log-probs and whether it hit ``max_tokens`` (``length``)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    length: bool
+
+
+class Sampler:
+    """Samples snapshots of models over ``base`` (``base_params``) with its tokenizer's ``decode``
+    (stop strings) and EOS ids; keeps up to ``engines`` engines (one per set of stop ids)."""
+
+    def __init__(self, base: CausalLM, base_params: Params, *, eos_ids: Sequence[int], decode: Any,
+                 pad_id: int, context: int, device: torch.device, engines: int = 4) -> None:
+        self.base, self.base_params, self.eos_ids, self.decode = base, base_params, tuple(eos_ids), decode
+        self.pad_id, self.context, self.device, self._limit = pad_id, context, device, engines
+        self._engines: OrderedDict[tuple[int, ...], TorchEngine] = OrderedDict()
+
+    def _engine(self, stop_ids: tuple[int, ...]) -> TorchEngine:
+        engine = self._engines.pop(stop_ids, None)
+        if engine is None:
+            engine = TorchEngine(self.base, eos_token_ids=stop_ids or (_NO_STOP,), pad_token_id=self.pad_id,
+                                 decode=self.decode, device=self.device)
+            while len(self._engines) >= self._limit:
+                self._engines.popitem(last=False)[1].close()
+        self._engines[stop_ids] = engine
+        return engine
+
+    def _weights(self, snapshot: Snapshot) -> Params:
+        if snapshot.trainable is None:
+            return self.base_params
+        return sampler_params(snapshot.trainable, snapshot.params)
+
+    def sample(self, snapshot: Snapshot, prompt: Sequence[int], n: int, request: SamplingRequest) -> list[Sample]:
+        """``n`` samples continuing ``prompt`` from ``snapshot`` (``ValueError`` in one line for
+        settings that cannot be honoured)."""
+        vocab = self.base.config.vocab_size
+        if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt: needs at least one token, each in the vocabulary [0, {vocab})")
+        if n < 1:
+            raise ValueError(f"num_samples must be at least 1, got {n}")
+        room = self.context - len(prompt)
+        max_tokens = room if request.max_tokens is None else request.max_tokens
+        if not 1 <= max_tokens <= room:
+            raise ValueError(f"max_tokens {max_tokens}: the prompt ({len(prompt)} tokens) leaves room for 1 to "
+                             f"{room} in the model's context ({self.context})")
+        if request.top_k == 0 or request.top_k < -1:
+            raise ValueError(f"top_k must be -1 (no limit) or at least 1, got {request.top_k}")
+        if request.stop_ids is not None and any(not 0 <= t < vocab for t in request.stop_ids):
+            raise ValueError(f"stop: token ids must be in the vocabulary [0, {vocab})")
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
+                                top_k=max(request.top_k, 0), n=n, stop=request.stop_strings)
+        engine = self._engine(self.eos_ids if request.stop_ids is None else tuple(sorted(set(request.stop_ids))))
+        if engine.version != snapshot.number:
+            engine.sync(self._weights(snapshot), snapshot.number)
+        seed = secrets.randbits(62) if request.seed is None else request.seed % (2**62)
+        rollout = engine.generate([list(prompt)], params, RngState(seed), version=snapshot.number)
+        responses, mask = rollout.sequences.responses().cpu(), rollout.sequences.response_mask.cpu()
+        logprobs, reasons = rollout.behaviour_logprobs.cpu(), rollout.finish_reasons.cpu()
+        return [Sample(responses[r][mask[r]].tolist(), logprobs[r][mask[r]].tolist(), int(reasons[r]) == FINISH_LENGTH)
+                for r in range(len(responses))]
