@@ -37,9 +37,7 @@ imported when an endpoint starts.
 
 import asyncio
 import hashlib
-import ipaddress
 import secrets
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -50,6 +48,7 @@ from purerl.agents.traces import EPISODE_HEADER, Call, EpisodeTraces
 from purerl.agents.traces import Choice as TraceChoice
 from purerl.batch import FINISH_LENGTH
 from purerl.episodes.tools import hermes_calls
+from purerl.loopback import LoopbackServer, is_loopback
 from purerl.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -92,7 +91,6 @@ class Endpoint:
     def __init__(self, batcher: EngineBatcher, traces: EpisodeTraces, *, decode: Callable[[list[int]], str],
                  token_text: Callable[[int], str], sampling: SamplingParams, stream_of: StreamOf | None = None,
                  model: str = "policy") -> None:
-        import uvicorn
 
         self.batcher, self.traces, self.decode, self.token_text = batcher, traces, decode, token_text
         self.sampling, self.model = sampling, model
@@ -100,25 +98,13 @@ class Endpoint:
         self.token = secrets.token_urlsafe(32)
         self.refused = 0
         self.created = int(time.time())
-        config = uvicorn.Config(self._app(), host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="purerl-endpoint", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the agents' endpoint did not start on 127.0.0.1")
-            time.sleep(0.005)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}/v1"
+        self._server = LoopbackServer(self._app(), name="purerl-endpoint", what="the agents' endpoint")
+        self.url = f"http://127.0.0.1:{self._server.port}/v1"
 
     def close(self, wait: bool = True) -> None:
         """Stop serving; ``wait``: until the server's thread has ended (uvicorn notices within
         ~0.1 s), else return at once."""
-        self._server.should_exit = True
-        if wait:
-            self._thread.join()
+        self._server.close(wait)
 
     def __enter__(self) -> "Endpoint":  # noqa: PYI034 - jaxtyping's beartype hook rejects typing.Self here
         return self
@@ -141,11 +127,7 @@ class Endpoint:
         @app.middleware("http")
         async def guard(request: HttpRequest, call_next: Any) -> Any:
             host = request.client.host if request.client else ""
-            try:
-                loopback = ipaddress.ip_address(host).is_loopback
-            except ValueError:
-                loopback = False
-            if not loopback:
+            if not is_loopback(host):
                 self.refused += 1
                 return error_response(403, f"the endpoint serves loopback only, not {host}", "forbidden")
             if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {self.token}"):

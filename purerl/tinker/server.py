@@ -15,14 +15,12 @@ line), in its model's call order, so the SDK raises ``RequestFailedError`` namin
 """
 
 import asyncio
-import ipaddress
 import secrets
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from purerl.io.checkpoint import CheckpointError
+from purerl.loopback import LoopbackServer, is_loopback
 from purerl.tinker import wire
 from purerl.tinker.futures import Failure, Futures, QueueFull
 from purerl.tinker.service import Service
@@ -35,14 +33,6 @@ _PROTOBUF = "application/x-protobuf"
 def mint_key() -> str:
     """A fresh random API key in the SDK's form (``tml-`` + 43 URL-safe characters)."""
     return "tml-" + secrets.token_urlsafe(32)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a caller's address) is a loopback address (127.0.0.0/8, ::1)."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def one_line(err: BaseException) -> str:
@@ -298,22 +288,10 @@ class TinkerServer:
 
     def __init__(self, service: Service, *, port: int = 0, key: str | None = None, capacity: int = 256,
                  poll_seconds: float = 25.0) -> None:
-        import uvicorn
-
         self.service, self.key = service, key or mint_key()
         self.app = app_of(service, self.key, capacity=capacity, poll_seconds=poll_seconds)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-                                access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="purerl-tinker", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the Tinker server did not start on 127.0.0.1")
-            time.sleep(0.005)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self._server = LoopbackServer(self.app, port=port, name="purerl-tinker", what="the Tinker server")
+        self.url = f"http://127.0.0.1:{self._server.port}"
 
     def banner(self) -> str:
         """The one line to export so the SDK finds this server."""
@@ -323,9 +301,7 @@ class TinkerServer:
         """Stop serving (waking every long poll) and, with ``wait``, wait for the server's thread."""
         for futures in self.app.state.queue:
             futures.close()
-        self._server.should_exit = True
-        if wait:
-            self._thread.join()
+        self._server.close(wait)
 
     def __enter__(self) -> "TinkerServer":  # noqa: PYI034 - jaxtyping's beartype hook rejects typing.Self here
         return self
