@@ -13,10 +13,18 @@ from purerl.algo.policy_loss import (
     sapo_policy_loss,
     vanilla_policy_loss,
 )
-from purerl.assembly.stages import actor_loss_of, critic_batching_of, shaping_of, stage_settings_of
+from purerl.assembly.stages import (
+    actor_loss_of,
+    critic_batching_of,
+    learning_rate_schedule,
+    shaping_of,
+    stage_settings_of,
+    updates_per_step,
+)
 from purerl.checks import SettingError
-from purerl.config.job import ActorConfig, AlgorithmConfig, CriticConfig, JobConfig
+from purerl.config.job import ActorConfig, AlgorithmConfig, CriticConfig, DataConfig, JobConfig, TrainerConfig
 from purerl.config.rules import resolve
+from purerl.optim import warmup_cosine_schedule
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae", "rloo", "remax", "optimal_token_baseline"])
@@ -88,3 +96,19 @@ def test_the_settings_follow_the_config():
     assert loss.policy_loss.name == "gspo" and loss.policy_loss.settings.clip_high == 0.4
     assert loss.entropy_coeff == 0.01 and loss.temperature == config.rollout.temperature
     assert shaping_of(JobConfig()).kl_penalty is None
+
+
+def test_the_learning_rate_schedule_spans_the_run_in_trainer_steps_whatever_the_mini_batches():
+    """32 rows a step in mini-batches of 12 over 2 epochs: 6 updates a step, so the warm-up ends and the
+    cosine reaches its floor at the trainer steps the config names, not 6 times sooner."""
+    config = JobConfig(data=DataConfig(prompts_per_step=8), actor=ActorConfig(lr=1e-3, warmup_steps=2,
+                       mini_batch_rows=12, ppo_epochs=2), trainer=TrainerConfig(steps=10))
+    assert updates_per_step(config) == 6 and updates_per_step(JobConfig()) == 1
+    lr = learning_rate_schedule(1e-3, 2, config)
+    at = lambda update: float(lr(torch.tensor(float(update))))  # noqa: E731
+    assert at(6) == pytest.approx(0.5e-3) and at(12) == pytest.approx(1e-3)  # warm-up over 2 trainer steps
+    assert at(59) > at(60) == pytest.approx(1e-4)  # the floor at step 10's end, lr × min_lr_ratio
+    plain = JobConfig(trainer=TrainerConfig(steps=10), actor=ActorConfig(warmup_steps=2))
+    one, reference = learning_rate_schedule(2e-5, 2, plain), warmup_cosine_schedule(2e-5, 2, 10, final_lr=2e-5 * 0.1)
+    assert [float(one(torch.tensor(float(s)))) for s in range(12)] == [  # one update a step: as before
+        float(reference(torch.tensor(float(s)))) for s in range(12)]

@@ -20,7 +20,7 @@ from purerl.config.job import JobConfig
 from purerl.config.rules import resolve
 from purerl.health import Context, Monitor
 from purerl.loop.sampling import BatchPlan
-from purerl.optim import Optimizer, adamw, chain, clip_by_global_norm, warmup_cosine_schedule
+from purerl.optim import Optimizer, Schedule, adamw, chain, clip_by_global_norm, warmup_cosine_schedule
 from purerl.step.recipes import StepFn, grpo_step, ppo_step
 from purerl.step.settings import (
     ActorLoss,
@@ -34,7 +34,8 @@ from purerl.step.settings import (
 
 __all__ = ["actor_batching_of", "actor_loss_of", "actor_optimizer", "batch_plan_of", "health_monitor_of",
            "critic_batching_of", "critic_optimizer", "experience_settings_of", "kl_controller_of",
-           "shaping_of", "stage_settings_of", "step_function", "value_loss_of"]
+           "learning_rate_schedule", "shaping_of", "stage_settings_of", "step_function", "updates_per_step",
+           "value_loss_of"]
 
 
 def actor_batching_of(config: JobConfig) -> Batching:
@@ -92,9 +93,27 @@ def value_loss_of(config: JobConfig) -> ValueLoss:
     return ValueLoss(config.critic.value_clip, config.actor.loss_agg, config.actor.loss_norm)
 
 
+def updates_per_step(config: JobConfig) -> int:
+    """Optimizer updates in one trainer step: ``actor.ppo_epochs`` passes over the step's
+    ``data.prompts_per_step × rollout.n`` rows in mini-batches of ``actor.mini_batch_rows``. A batch
+    of another size (episodes that end early, say) makes as many updates as its rows take."""
+    rows = config.data.prompts_per_step * config.rollout.n
+    mini = config.actor.mini_batch_rows
+    return config.actor.ppo_epochs * (1 if mini is None else -(-rows // min(mini, rows)))
+
+
+def learning_rate_schedule(lr: float, warmup: int, config: JobConfig) -> Schedule:
+    """Warm-up and cosine over the run's ``trainer.steps``, down to ``lr × actor.min_lr_ratio``, as a
+    function of the optimizer's update count: ``warmup`` and the length are trainer steps scaled by
+    :func:`updates_per_step`, so mini-batches and epochs do not end the schedule early (verl steps its
+    scheduler once per trainer step; this matches it while each step makes the same number of updates)."""
+    steps, per_step = config.trainer.steps, updates_per_step(config)
+    return warmup_cosine_schedule(lr, min(warmup, steps - 1) * per_step, steps * per_step,
+                                  final_lr=lr * config.actor.min_lr_ratio)
+
+
 def _optimizer(lr: float, warmup: int, config: JobConfig, grad_clip: float) -> Optimizer:
-    steps = config.trainer.steps
-    schedule = warmup_cosine_schedule(lr, min(warmup, steps - 1), steps, final_lr=lr * config.actor.min_lr_ratio)
+    schedule = learning_rate_schedule(lr, warmup, config)
     return chain(clip_by_global_norm(grad_clip), adamw(schedule, weight_decay=config.actor.weight_decay))
 
 
