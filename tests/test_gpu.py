@@ -1,7 +1,8 @@
-"""The CUDA paths a user runs: fused capturable AdamW, the engine (eager and CUDA graphs), the lean
-forward, GRPO steps (KL loss; skipped rows, mini- and micro-batches) and a PPO step against the
-same steps on the CPU, a LoRA step and merged LoRA decoding, an FSDP2 rank over NCCL, the main job
-in float32 and bfloat16 (and with LoRA), and the Ray executor on the GPU when Ray is installed.
+"""The CUDA paths a user runs: fused capturable AdamW, the engine (eager and CUDA graphs, the sampler
+inside the graph, graphs per bucket of rows, the compiled decoding step), the lean forward, GRPO
+steps (KL loss; skipped rows, mini- and micro-batches) and a PPO step against the same steps on the
+CPU, a LoRA step and merged LoRA decoding, an FSDP2 rank over NCCL, the main job in float32 and
+bfloat16 (and with LoRA), and the Ray executor on the GPU when Ray is installed.
 
 Skipped without a GPU (CI has none): a device mix-up (a CPU index into a CUDA tensor) is
 invisible on a CPU, so run these first on any GPU machine: ``python3 -m pytest tests/test_gpu.py``.
@@ -132,6 +133,73 @@ def test_cuda_graph_decoding_samples_what_eager_decoding_samples():
         rollouts.append(engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, n=3, temperature=1.0), RngState(2)))
     assert torch.equal(rollouts[0].sequences.input_ids, rollouts[1].sequences.input_ids)
     torch.testing.assert_close(rollouts[0].behaviour_logprobs, rollouts[1].behaviour_logprobs, rtol=0, atol=1e-5)
+
+
+def test_the_sampler_inside_the_cuda_graph_samples_what_the_eager_sampler_samples():
+    """Issue 60: the step captured with the sampler inside (one replay = one token and its
+    log-prob per row) against the same step captured giving logits, sampled eagerly after each
+    replay: bit for bit, rows padded to the bucket (9 rows in 16), then cut (a row map, then a
+    smaller bucket captured anew). The uniforms drawn on the card are the CPU's, bit for bit."""
+    from purerl.models.families import llama_decode
+    from purerl.models.families.decode_graph import GraphPolicy, RowSampler, sampled
+    from purerl.rollout.backends.torch import left_pad
+    from purerl.rollout.sampling import TokenSampler, sample_keys, sample_uniforms, step_uniforms
+
+    keys = sample_keys(RngState(3), range(3), 3)
+    assert torch.equal(step_uniforms(keys.cuda(), torch.tensor([5], device="cuda")).cpu(),
+                       sample_uniforms(RngState(3), range(3), 3, 6)[5])
+    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    ids, mask = (x.cuda() for x in left_pad(PROMPTS, 0))
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    policy = GraphPolicy(sizes=(4, 8, 16), min_steps=1, shrink_steps=4, shrink_ratio=0.4)
+    for sampling in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
+                     SamplingParams(temperature=0.0)):
+        sampler = RowSampler(TokenSampler.of(sampling), None if sampling.greedy else keys.cuda(), start=2)
+        runs = []
+        for inside in (True, False):
+            context = llama_decode.decoding(model, params, ids, mask, positions, 3, ids.shape[1] + 12,
+                                            graphs=policy, sampler=sampler if inside else None)
+            steps = []
+            with context if inside else sampled(context, sampler) as ((token, logp), advance, keep):
+                position = positions[:, -1:].repeat_interleave(3, 0) + 1
+                for step in range(12):
+                    steps.append((token, logp))
+                    if step in (2, 6):
+                        kept = torch.arange(0, len(token), 2, device="cuda")
+                        token, position = token[kept], position[kept]
+                        keep(kept)
+                    token, logp = advance(token, position)
+                    position = position + 1
+            runs.append(steps)
+        for (token, logp), (want_token, want_logp) in zip(*runs):
+            assert torch.equal(token, want_token) and torch.equal(logp, want_logp), sampling
+
+
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["graph", "compiled step in the graph"])
+def test_graph_buckets_on_cuda_sample_what_eager_decoding_samples(compile_decode):
+    """Rows finishing at many steps leave the batch; the graph moves to smaller buckets (a policy
+    that pays for any capture); with ``compile_decode`` the captured step is Triton's. The same
+    tokens as eager decoding, the log-probs to rounding."""
+    from purerl.models.families.decode_graph import GraphPolicy
+
+    jaxtyping = pytest.importorskip("jaxtyping")
+    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    sampling = SamplingParams(max_new_tokens=24, n=4, temperature=1.0, top_k=50)
+    out = []
+    jaxtyping.config.update("jaxtyping_disable", compile_decode)  # dynamo would trace the checks
+    try:
+        for graphs in (False, True):
+            engine = TorchEngine(model, eos_token_ids=range(40, 55), pad_token_id=0, device="cuda", cuda_graphs=graphs,
+                                 compile_decode=compile_decode and graphs,
+                                 graphs=GraphPolicy(sizes=(4, 8, 16), min_steps=1, shrink_steps=8))
+            engine.sync(params, 0)
+            out.append(engine.generate(PROMPTS, sampling, RngState(2)))
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+    eager, graphed = out
+    assert len(set(eager.sequences.response_mask.sum(-1).tolist())) > 3
+    assert torch.equal(graphed.sequences.input_ids, eager.sequences.input_ids)
+    torch.testing.assert_close(graphed.behaviour_logprobs, eager.behaviour_logprobs, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])

@@ -3,7 +3,9 @@
 Pure functions over ``[b, v]`` logits. :func:`sampling_logprobs` returns the log-probabilities of
 the distribution tokens are actually drawn from (truncated and renormalised), so the behaviour
 log-probs a rollout reports are exact; with ``top_k = 0`` and ``top_p = 1`` they equal the
-trainer's ``log_softmax(logits / temperature)``.
+trainer's ``log_softmax(logits / temperature)``. :class:`TokenSampler` is one decoding step's
+draw as a function of tensors only (fixed shapes, no host reads): what a captured decoding step
+(a CUDA graph) runs after the logits.
 """
 
 from collections.abc import Callable, Sequence
@@ -16,8 +18,8 @@ from torch import Tensor
 from purerl.checks import at_least, in_range
 from purerl.state import RngState
 
-__all__ = ["SamplingParams", "sample_keys", "sample_seeds", "sample_tokens", "sample_uniforms", "sampling_logprobs",
-           "stop_length"]
+__all__ = ["SamplingParams", "TokenSampler", "sample_keys", "sample_seeds", "sample_tokens", "sample_uniforms",
+           "sampling_logprobs", "step_uniforms", "stop_length"]
 
 
 @attrs.frozen
@@ -31,11 +33,18 @@ class SamplingParams:
     """
 
     max_new_tokens: int = attrs.field(default=48, validator=at_least(1))
+    """The most tokens a response may have; generation stops there (the response is cut)."""
     temperature: float = attrs.field(default=0.7, validator=at_least(0))
+    """The sampling temperature (0: greedy decoding)."""
     top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, open_low=True))
+    """Nucleus sampling: the smallest set of likeliest tokens whose mass reaches ``top_p`` (1: the whole
+    mass)."""
     top_k: int = attrs.field(default=0, validator=at_least(0))
+    """Sample among the ``top_k`` likeliest tokens (0: every token)."""
     n: int = attrs.field(default=4, validator=at_least(1))
+    """Samples drawn per prompt (a group)."""
     stop: tuple[str, ...] = ()
+    """Strings that end a response (the token completing one is kept), besides an EOS token."""
 
     @property
     def greedy(self) -> bool:
@@ -118,7 +127,15 @@ def sample_uniforms(rng: RngState, streams: Sequence[int], n: int, steps: int, *
     the same on every device). ``samples``: with ``n = 1``, row ``i`` is sample ``samples[i]`` of
     ``streams[i]`` (a continued row draws on where it stopped)."""
     keys = sample_keys(rng, streams, n, samples=samples)
-    bits = _shifted(_fold(keys[None], torch.arange(start, start + steps, dtype=torch.int64)[:, None]), 40)
+    return step_uniforms(keys[None], torch.arange(start, start + steps, dtype=torch.int64)[:, None])
+
+
+def step_uniforms(keys: Int[Tensor, "*rows"], step: Int[Tensor, "*steps"] | int) -> Float[Tensor, "*shape"]:
+    """The uniform draws in ``[0, 1)`` of rows with :func:`sample_keys`' ``keys`` at decoding step
+    ``step`` (broadcast together): row ``i``'s at step ``s`` is ``sample_uniforms(…)[s, i]`` bit
+    for bit, computed on the keys' device by int64 arithmetic alone (no host read), so that a
+    captured decoding step computes it with ``step`` a device tensor."""
+    bits = _shifted(_fold(keys, step), 40)
     return bits.to(torch.float32) * 2.0**-24
 
 
@@ -142,6 +159,34 @@ def sample_tokens(logprobs: Float[Tensor, "b v"], uniform: Float[Tensor, " b"] |
     cdf = logprobs.exp().cumsum(-1)
     u = uniform.to(cdf.dtype)[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
+
+
+@attrs.frozen
+class TokenSampler:
+    """One decoding step's draw for a batch of rows, a function of tensors only:
+    ``(logits [b, v], keys [b] | None, step) -> (token [b], log-prob [b] float32)``.
+
+    :func:`sampling_logprobs` with these constants, then :func:`sample_tokens` by the rows'
+    :func:`step_uniforms` at ``step`` (``keys`` None: greedy, the argmax), then the drawn tokens'
+    log-probs. No shape depends on the data and nothing is read on the host, so a captured
+    decoding step (a CUDA graph, ``step`` a device tensor) runs it after the logits: one replay,
+    one token per row. Run eagerly it is the engine's sampler, bit for bit
+    (``property_tests/test_sampler_step.py``); a row's draw depends on its key and the step only,
+    not on the other rows of the batch (rows padded up to a graph's bucket change nothing)."""
+
+    temperature: float = attrs.field(default=1.0, validator=at_least(0))
+    top_k: int = attrs.field(default=0, validator=at_least(0))
+    top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, open_low=True))
+
+    @classmethod
+    def of(cls, sampling: SamplingParams) -> "TokenSampler":
+        return cls(sampling.temperature, sampling.top_k, sampling.top_p)
+
+    def __call__(self, logits: Float[Tensor, "b v"], keys: Int[Tensor, " b"] | None,
+                 step: Tensor | int) -> tuple[Int[Tensor, " b"], Float[Tensor, " b"]]:
+        lp = sampling_logprobs(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        token = sample_tokens(lp, None if keys is None else step_uniforms(keys, step))
+        return token, lp.gather(-1, token[:, None]).squeeze(-1)
 
 
 def stop_length(ids: list[int], stop: tuple[str, ...], decode: Callable[[list[int]], str]) -> int | None:

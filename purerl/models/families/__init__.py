@@ -48,9 +48,11 @@ class Family:
     - ``supports(model) -> bool``: whether it computes exactly what ``model``'s HF module does.
     - ``response_logits(model, params, seqs, shared) -> [b, t, v]``: as
       :func:`purerl.models.response_logits` (``shared``: its ``(first, inverse)`` rows sharing a prompt).
-    - ``decoding(model, params, ids, mask, positions, n, capacity, cuda_graphs=…)``: a context
-      manager yielding :data:`Decoding` for ``[g, P]`` left-padded prompts on their device,
-      ``capacity`` positions per row.
+    - ``decoding(model, params, ids, mask, positions, n, capacity, cuda_graphs=…, sampler=…)``: a
+      context manager yielding :data:`Decoding` for ``[g, P]`` left-padded prompts on their device,
+      ``capacity`` positions per row; with a ``sampler`` (a
+      :class:`~purerl.models.families.decode_graph.RowSampler`) each step also draws the next token,
+      and ``advance`` returns the sampled tokens and their log-probs in place of logits.
     - ``decoder_weights(model, params, onednn=…)``: what ``decoding`` reads in place of
       ``params`` over the calls of one weights version (prepared once by the engine's ``sync``;
       default: the params themselves).

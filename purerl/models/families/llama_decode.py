@@ -13,7 +13,7 @@ Shapes: ``b`` rows, ``s`` new positions, ``t`` cache capacity (prompt width + ma
 """
 
 import contextlib
-import threading
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +23,15 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from purerl.models.families.decode_graph import (
+    EXACT,
+    BucketedDecoder,
+    GraphPolicy,
+    RowSampler,
+    capture_for,
+    run_eagerly,
+    sampled,
+)
 from purerl.models.families.llama import (
     FusedWeights,
     LlamaLayout,
@@ -35,8 +44,8 @@ from purerl.models.families.llama import (
 )
 from purerl.models.families.onednn import OneDNNLinear, onednn_runs
 
-__all__ = ["StaticCache", "SharedPrefix", "GraphedDecoder", "decoder_weights", "decoding", "forward_last",
-           "decode_step_static", "one_query_attention", "shared_prefix_attention"]
+__all__ = ["StaticCache", "SharedPrefix", "decoder_weights", "decoding", "forward_last", "decode_step_static",
+           "decode_and_sample", "one_query_attention", "shared_prefix_attention"]
 
 
 @attrs.frozen
@@ -203,7 +212,8 @@ def decode_step_static(
     """One decoding step with every shape fixed (so that a CUDA graph can replay it): the token
     goes to cache slot ``index`` (a device tensor) and attention runs over the whole capacity,
     unwritten slots masked. Same result as :func:`forward_last` with ``s = 1``; ``cache.length``
-    is not used or changed."""
+    is not used or changed. (``cache.shared`` is not read: a CPU runs the sliced step, where it
+    pays, unless the step is compiled.)"""
     cache.valid.index_fill_(1, index, True)
     mask = cache.valid[:, None, None, :]  # [b, 1, 1, t]
     scale = layout.head_dim ** -0.5
@@ -212,6 +222,8 @@ def decode_step_static(
     def attention(i: int, q: Tensor, k: Tensor, v: Tensor, queries: slice | None) -> Tensor:
         cache.keys[i].index_copy_(2, index, k)
         cache.values[i].index_copy_(2, index, v)
+        if q.device.type == "cpu":
+            return one_query_attention(q, cache.keys[i], cache.values[i], mask, scale)
         return F.scaled_dot_product_attention(q, cache.keys[i], cache.values[i], attn_mask=mask, scale=scale,
                                               enable_gqa=gqa)
 
@@ -234,64 +246,47 @@ def decoder_weights(model: Any, params: dict[str, Tensor], *, onednn: bool = Tru
     return w._replace(layers=layers, head=OneDNNLinear.of(w.head))
 
 
-_CAPTURE_LOCK = threading.Lock()
+def decode_and_sample(weights: FusedWeights, rotary: RotaryTable, layout: LlamaLayout,
+                      sample: Callable[..., tuple[Tensor, Tensor]] | None, token: Int[Tensor, "B 1"],
+                      position: Int[Tensor, "B 1"], index: Int[Tensor, " 1"], step: Int[Tensor, " 1"],
+                      keys: Int[Tensor, " B"] | None, cache: StaticCache) -> tuple[Tensor, ...]:
+    """:func:`decode_step_static`, then ``sample(logits, keys, step)``'s ``(token [B], log-prob
+    [B])`` (:class:`purerl.rollout.sampling.TokenSampler`); without ``sample``, ``(logits,)``.
+    Every shape fixed and no host read: the step a CUDA graph captures, one token per replay
+    (:class:`~purerl.models.families.decode_graph.BucketedDecoder`)."""
+    logits = decode_step_static(weights, rotary, layout, token, position, index, cache)
+    return (logits,) if sample is None else sample(logits, keys, step)
 
 
-class GraphedDecoder:
-    """:func:`decode_step_static` captured once in a CUDA graph and replayed per token.
-
-    Decoding a small model on a GPU is bound by kernel launches (hundreds per token); a replay is
-    one launch. The graph is tied to ``cache`` (its batch and capacity), so one is captured per
-    generate call: ``step(token, position)`` writes slot ``cache.length`` and advances it.
-    """
-
-    def __init__(self, weights: FusedWeights, rotary: RotaryTable, layout: LlamaLayout, cache: StaticCache) -> None:
-        device = cache.valid.device
-        rows = cache.valid.shape[0]
-        self.cache = cache
-        self.token = torch.zeros((rows, 1), dtype=torch.long, device=device)
-        self.position = torch.zeros((rows, 1), dtype=torch.long, device=device)
-        self.index = torch.full((1,), cache.length, dtype=torch.long, device=device)
-        valid = cache.valid.clone()  # warm-up and capture write slot `index`: undo afterwards
-
-        def run() -> Tensor:
-            return decode_step_static(weights, rotary, layout, self.token, self.position, self.index, cache)
-
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # Several generators (threads) decode beside the trainer on one GPU: a capture must not
-        # forbid their CUDA calls (the default "global" mode fails them and invalidates the
-        # capture), and captures run one at a time, each on its own stream.
-        with _CAPTURE_LOCK, torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
-            self.logits = run()
-        cache.valid.copy_(valid)
-
-    def step(self, token: Int[Tensor, " b"], position: Int[Tensor, "b 1"]) -> Float[Tensor, "b v"]:
-        self.token.copy_(token[:, None])
-        self.position.copy_(position)
-        self.index.fill_(self.cache.length)
-        self.graph.replay()
-        self.cache.length += 1
-        return self.logits.clone()
+@functools.cache
+def _compiled_step() -> Callable[..., tuple[Tensor, ...]]:
+    """:func:`decode_and_sample` compiled by ``torch.compile`` (inductor fuses the norms, rotary,
+    SwiGLU, the cache writes and the sampler's elementwise work; built on first use, shapes
+    dynamic after a second batch size or capacity)."""
+    return torch.compile(decode_and_sample)
 
 
 @contextlib.contextmanager
 def decoding(model: Any, params: dict[str, Tensor] | FusedWeights, ids: Int[Tensor, "g P"], mask: Bool[Tensor, "g P"],
              positions: Int[Tensor, "g P"], n: int, capacity: int, *, cuda_graphs: bool = True,
+             sampler: RowSampler | None = None, compile: bool = False, graphs: GraphPolicy = GraphPolicy(),
              past: StaticCache | None = None, keep_cache: Callable[[StaticCache], None] | None = None) -> Iterator[Any]:
     """Decode ``n`` samples of each left-padded prompt with a static cache of ``capacity`` positions
     (see :data:`purerl.models.families.Decoding`). Each prompt is prefilled once and its cache repeated
-    ``n`` times. On CUDA with ``cuda_graphs`` the decoding step is one CUDA graph captured for this
-    call (fixed shapes: no ``keep``).
+    ``n`` times.
+
+    ``sampler``: each step's draw (:class:`~purerl.models.families.decode_graph.RowSampler`); the
+    context then yields :data:`~purerl.models.families.decode_graph.SampledDecoding` (tokens and
+    log-probs) instead of logits. On CUDA with ``cuda_graphs`` the decoding step, the sampler
+    inside it, is captured as a CUDA graph for the batch's bucket of rows (``graphs``; eager
+    where it says so) and replayed per token. ``compile``: the fixed-shape step (and sampler)
+    compiled by ``torch.compile``, inside the graph on CUDA, run eagerly elsewhere. Otherwise each
+    step runs :func:`forward_last` (on a CPU: attention over the written slots only, the prompt's
+    keys read once per group).
 
     ``past``: an earlier call's cache (one row per prompt) that ``ids`` continue: only they are
     prefilled, at ``positions``, after its written slots (``capacity`` counts those too).
-    ``keep_cache`` receives the cache when decoding ends (for the next turn to continue).
+    ``keep_cache`` receives the cache of the batch's rows when decoding ends (for the next turn).
     ``params``: the params tree, or what :func:`decoder_weights` made of it."""
     layout = layout_of(model.config)
     weights = params if isinstance(params, FusedWeights) else fused_weights(params, layout)
@@ -304,10 +299,24 @@ def decoding(model: Any, params: dict[str, Tensor] | FusedWeights, ids: Int[Tens
     first = forward_last(weights, rotary, layout, ids, mask, positions, cache)
     if n > 1:
         cache, first = cache.repeat_rows(n), first.repeat_interleave(n, 0)
-    if cuda_graphs and device.type == "cuda":
-        yield first, GraphedDecoder(weights, rotary, layout, cache).step, None
+    rows, steps = cache.valid.shape[0], capacity - cache.length
+    capture = capture_for(device) if cuda_graphs else None
+    bucket = None if capture is None else graphs.start(rows, steps)
+    if bucket is None and compile:
+        capture, graphs, bucket = run_eagerly, EXACT, rows
+    if capture is not None and bucket is not None:
+        sample = None if sampler is None else sampler.sample
+        fused = functools.partial(_compiled_step() if compile else decode_and_sample, weights, rotary, layout, sample)
+        decoder = BucketedDecoder(fused, cache, None if sampler is None else sampler.keys,
+                                  step=0 if sampler is None else sampler.start + 1, steps=steps, policy=graphs,
+                                  capture=capture, bucket=bucket)
+        keep = decoder.keep if graphs.can_shrink(steps) else None
+        if sampler is None:
+            yield first, lambda token, position: decoder.advance(token, position)[0], keep
+        else:
+            yield sampler.sample(first, sampler.keys, sampler.start), decoder.advance, keep
         if keep_cache is not None:
-            keep_cache(cache)
+            keep_cache(decoder.kept_cache())
         return
 
     def advance(token: Tensor, position: Tensor) -> Tensor:
@@ -317,6 +326,11 @@ def decoding(model: Any, params: dict[str, Tensor] | FusedWeights, ids: Int[Tens
         nonlocal cache
         cache = cache.select_rows(rows)
 
-    yield first, advance, keep
+    @contextlib.contextmanager
+    def steps_of_logits() -> Iterator[Any]:
+        yield first, advance, keep
+
+    with steps_of_logits() if sampler is None else sampled(steps_of_logits(), sampler) as decoding:
+        yield decoding
     if keep_cache is not None:
         keep_cache(cache)

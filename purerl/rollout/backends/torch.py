@@ -6,6 +6,7 @@ graphs on GPU); every other model through its HF module and a dynamic cache.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -15,9 +16,10 @@ from torch import Tensor
 from purerl.batch import FINISH_EOS, FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
 from purerl.models import CausalLM, Params, cast_floating
 from purerl.models.families import Decoding
+from purerl.models.families.decode_graph import GraphPolicy, RowSampler, SampledDecoding, sampled
 from purerl.models.families.llama_decode import StaticCache
 from purerl.rollout.engine import ENGINES, check_weights
-from purerl.rollout.sampling import SamplingParams, sample_tokens, sample_uniforms, sampling_logprobs
+from purerl.rollout.sampling import SamplingParams, TokenSampler, sample_keys
 from purerl.state import RngState
 
 __all__ = ["EngineSession", "TorchEngine", "left_pad"]
@@ -33,10 +35,15 @@ class TorchEngine:
     instead: decoding then costs what the base's does). ``decode`` (token ids → text) is needed
     only for stop strings. Models of a family with a lean decoder (``model.family``: Llama, Qwen2,
     SmolLM2) decode through it (a static KV cache, no module dispatch); ``lean=False`` forces the
-    HF module path, which every other model takes. On CUDA the lean decoding step is captured once
-    per generate call and replayed as a CUDA graph (``cuda_graphs=False`` turns that off). Rows
-    that finish early leave the decoding batch (``drop_finished=False`` keeps them; not with CUDA
-    graphs, whose shapes are fixed). The decoding loop writes each step's tokens and log-probs into
+    HF module path, which every other model takes. On CUDA the lean decoding step and the sampler
+    after it are captured as one CUDA graph per generate call and bucket of rows, and replayed
+    once per token (``cuda_graphs=False`` turns that off; ``graphs``: the buckets, and when a call
+    decodes eagerly instead,
+    :class:`~purerl.models.families.decode_graph.GraphPolicy`). ``compile_decode``: that
+    fixed-shape step, sampler included, compiled by ``torch.compile`` (inside the graph on CUDA;
+    on a CPU it replaces the sliced step and oneDNN's products). Rows that finish early leave the
+    decoding batch (``drop_finished=False`` keeps them; in a CUDA graph they go on as padding until
+    a smaller bucket pays). The decoding loop writes each step's tokens and log-probs into
     buffers allocated once and reads the device's state on the host only every
     ``host_check_every`` steps (a GPU: 8).
     ``dtype`` (e.g. ``"bfloat16"``; default the model's ``compute_dtype``, else the params' own):
@@ -54,7 +61,8 @@ class TorchEngine:
                  decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
                  lean: bool = True, cuda_graphs: bool = True, drop_finished: bool = True,
                  dtype: str | torch.dtype | None = None, onednn: bool = True,
-                 host_check_every: int | None = None) -> None:
+                 host_check_every: int | None = None, compile_decode: bool = False,
+                 graphs: GraphPolicy = GraphPolicy()) -> None:
         if not eos_token_ids:
             raise ValueError("TorchEngine: at least one EOS token id is needed")
         self.model = model
@@ -68,7 +76,9 @@ class TorchEngine:
         self.lean = lean and model.family is not None
         """True when decoding runs the model family's lean decoder (not the HF module)."""
         self.cuda_graphs = cuda_graphs
-        self.onednn = onednn
+        self.graphs = graphs
+        self.compile_decode = compile_decode and self.lean
+        self.onednn = onednn and not self.compile_decode  # the compiled step reads plain weights
         self.drop_finished = drop_finished
         self.host_check_every = host_check_every
         """Decoding steps between the host's reads of how many rows are still open (each a device
@@ -122,12 +132,14 @@ class TorchEngine:
                                        samples=samples, start=start)
             else:
                 decoded = self._decode(*continuing.new_ids, sampling, rng, streams, positions=continuing.positions,
-                                       context=continuing.context(self, sampling), drop=False, samples=samples)
+                                       context=functools.partial(continuing.context, self, sampling), drop=False,
+                                       samples=samples)
         tokens, logprobs, alive, reasons = (x.clone() for x in decoded)
         return rollout_of(prompt_ids, prompt_mask, tokens, logprobs, alive, reasons, sampling.n, self.version)
 
     def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState, streams: Sequence[int], *,
-                positions: Tensor | None = None, context: contextlib.AbstractContextManager[Decoding] | None = None,
+                positions: Tensor | None = None,
+                context: Callable[[RowSampler], contextlib.AbstractContextManager[SampledDecoding]] | None = None,
                 drop: bool | None = None, interrupt: Callable[[], bool] | None = None,
                 samples: Sequence[int] | None = None, start: int = 0):
         """Sample ``sampling.n`` responses for each of the ``[g, P]`` left-padded prompts: rows
@@ -135,16 +147,17 @@ class TorchEngine:
 
         Rows that finish stop costing compute: once a quarter of the rows still in the batch have
         finished, the batch (and its KV cache) is cut down to the open rows (unless ``drop`` is
-        False). ``context``: the decoding to run (default: prefill ``ids`` at ``positions``, which
-        default to the attended positions). ``interrupt``: polled after each step; once True, the
-        open rows end with ``FINISH_INTERRUPTED``. ``samples`` / ``start``: the draws of
-        :func:`~purerl.rollout.sampling.sample_uniforms` (continued rows).
+        False). ``context``: the sampled decoding to run, given the sampler (default: prefill
+        ``ids`` at ``positions``, which default to the attended positions). ``interrupt``: polled
+        after each step; once True, the open rows end with ``FINISH_INTERRUPTED``. ``samples`` /
+        ``start``: the draws of :func:`~purerl.rollout.sampling.sample_uniforms` (continued rows).
         """
         rows = ids.shape[0] * sampling.n
         # one uniform draw per output row and step, whether or not the row is still in the batch: a
-        # function of (rng, the row's stream and sample index, the step) only
-        uniforms = None if sampling.greedy else sample_uniforms(rng, streams, sampling.n, sampling.max_new_tokens,
-                                                                samples=samples, start=start).to(self.device)
+        # function of (rng, the row's stream and sample index, the step) only, drawn where the step
+        # is sampled (inside a CUDA graph, on the device)
+        keys = None if sampling.greedy else sample_keys(rng, streams, sampling.n, samples=samples).to(self.device)
+        sampler = RowSampler(TokenSampler.of(sampling), keys, start)
         eos = int(self.eos[0]) if len(self.eos) == 1 else self.eos
         if positions is None:
             positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
@@ -162,22 +175,16 @@ class TorchEngine:
         alive = torch.zeros(shape, dtype=torch.bool, device=self.device)
         check_every = self.host_check_every or (1 if self.device.type == "cpu" else 8)
         capacity = ids.shape[1] + sampling.max_new_tokens
-        if context is None:
-            context = self._model_steps(ids, mask, positions, sampling.n, capacity)
-        with context as (logits, advance, keep):
+        decoding = (self._model_steps(ids, mask, positions, sampling.n, capacity, sampler) if context is None
+                    else context(sampler))
+        with decoding as ((token, logp), advance, keep):
             position = positions[:, -1:].repeat_interleave(sampling.n, 0) + 1
             for step in range(sampling.max_new_tokens):
-                lp = sampling_logprobs(logits, temperature=sampling.temperature,
-                                       top_k=sampling.top_k, top_p=sampling.top_p)
-                uniform = None if uniforms is None else uniforms[step]
-                if uniform is not None and batch < rows:
-                    uniform = uniform[active]
-                token = sample_tokens(lp, uniform)
                 live = ~finished  # a finished row's later tokens are padding, EOS or not
                 at = (slice(None) if batch == rows else active, step)
                 alive[at] = live
                 tokens[at] = torch.where(live, token, self.pad_token_id)
-                logps[at] = torch.where(live, lp.gather(-1, token[:, None]).squeeze(-1), 0.0)
+                logps[at] = torch.where(live, logp, 0.0)
                 hit = token == eos if isinstance(eos, int) else torch.isin(token, eos)
                 if sampling.stop:
                     now = self._stop_hits(tokens[:, max(0, step - 31): step + 1], finished | hit, sampling.stop)
@@ -200,7 +207,7 @@ class TorchEngine:
                         active, finished, batch = active[kept], finished[kept], still_open
                         token, position = token[kept], position[kept]
                         keep(kept)
-                logits = advance(token, position)
+                token, logp = advance(token, position)
                 position = position + 1
         ended[active] = finished
         reasons = torch.where(stopped, FINISH_STOP, torch.where(ended, FINISH_EOS, FINISH_LENGTH))
@@ -210,14 +217,19 @@ class TorchEngine:
         taken = int(alive[:, : step + 1].any(0).sum())
         return tokens[:, :taken], logps[:, :taken], alive[:, :taken], reasons
 
-    def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor, n: int,
-                     capacity: int) -> contextlib.AbstractContextManager[Decoding]:
-        """Prefill the ``[g, P]`` prompts and decode ``n`` rows from each (:data:`~purerl.models.families.Decoding`):
-        the family's lean decoder, or the HF module with its dynamic cache."""
+    def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor, n: int, capacity: int,
+                     sampler: RowSampler) -> contextlib.AbstractContextManager[SampledDecoding]:
+        """Prefill the ``[g, P]`` prompts and decode ``n`` rows from each, sampled by ``sampler``
+        (:data:`~purerl.models.families.decode_graph.SampledDecoding`): the family's lean decoder,
+        or the HF module with its dynamic cache."""
         if self.lean:
             return self.model.family.decoding(self.model, self._decoder, ids, mask, positions, n, capacity,
-                                              cuda_graphs=self.cuda_graphs)
-        return _module_decoding(self.model, self._params, ids, mask, positions, n)
+                                              **self._decoding_options(sampler))
+        return sampled(_module_decoding(self.model, self._params, ids, mask, positions, n), sampler)
+
+    def _decoding_options(self, sampler: RowSampler) -> dict[str, Any]:
+        """The lean decoder's keywords: the sampler, CUDA graphs and their buckets, compilation."""
+        return dict(sampler=sampler, cuda_graphs=self.cuda_graphs, graphs=self.graphs, compile=self.compile_decode)
 
     def _stop_hits(self, window: Tensor, finished: Tensor, stop: tuple[str, ...]) -> Tensor:
         """Rows (not yet finished) whose response text now contains a stop string; ``window``: the
@@ -336,10 +348,11 @@ class _Continuation:
         self.positions = offsets + torch.tensor(starts, device=device)[:, None]
         self.keep_cache: Callable[[StaticCache], None] | None = None
 
-    def context(self, engine: TorchEngine, sampling: SamplingParams) -> contextlib.AbstractContextManager[Decoding]:
+    def context(self, engine: TorchEngine, sampling: SamplingParams,
+                sampler: RowSampler) -> contextlib.AbstractContextManager[SampledDecoding]:
         past = None if self.past is None else self.past.select_rows(torch.tensor(self.rows, device=engine.device))
         length = 0 if past is None else past.length
         capacity = length + self.new_ids[0].shape[1] + sampling.max_new_tokens
         return engine.model.family.decoding(engine.model, engine._decoder, *self.new_ids, self.positions, sampling.n,
-                                            capacity, cuda_graphs=engine.cuda_graphs, past=past,
-                                            keep_cache=self.keep_cache)
+                                            capacity, past=past, keep_cache=self.keep_cache,
+                                            **engine._decoding_options(sampler))
