@@ -238,6 +238,98 @@ def test_sampled_logprobs_equal_the_learners_at_temperature_one_after_training(s
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_provenance_spans_are_accepted_and_change_nothing(served, oracle):
+    # the cookbook attaches them to every sampled datum; no served loss reads them
+    tokens, behaviour, advantages = _rl_batch(oracle)
+    plain = _datum(tokens, logprobs=_completion(behaviour.numpy(), tokens),
+                   advantages=_completion(advantages.numpy(), tokens))
+    n = len(tokens) - 1
+    spans = plain.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="s", length=PROMPT),
+                     types.SampledProvenanceSpan(sequence_id="s", length=n - PROMPT)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="s", length=PROMPT - 1),
+                        types.SampledProvenanceSpan(sequence_id="s", length=n - PROMPT + 1)])
+    training = _training_client(served)
+    with_spans = training.forward([spans], "importance_sampling").result().metrics["loss:sum"]
+    assert with_spans == training.forward([plain], "importance_sampling").result().metrics["loss:sum"]
+
+
+def _rest_client(server):
+    return tinker.RestClient(base_url=server.url, api_key=server.key)
+
+
+def _train_step(training, tokens, learning_rate=5e-2):
+    training.forward_backward([_datum(tokens)], "cross_entropy")
+    training.optim_step(types.AdamParams(learning_rate=learning_rate)).result()
+
+
+def _loss(training, tokens) -> float:
+    return training.forward([_datum(tokens)], "cross_entropy").result().metrics["loss:sum"]
+
+
+def test_a_run_resumes_from_its_checkpoint_with_its_optimizer_state(served, oracle):
+    # the cookbook's resume: GET training_runs/{id} for the renderer, then load_weights with the optimizer
+    server, client, folder = served
+    tokens = oracle[3]
+    metadata = {"renderer_name": "role_colon"}
+    first = client.create_lora_training_client(base_model=str(folder), rank=4, user_metadata=metadata).result()
+    for _ in range(2):
+        _train_step(first, tokens)
+    path = first.save_state("resume-me").result().path
+    assert path.endswith("/weights/resume-me")
+    rest = _rest_client(server)
+    run = rest.get_training_run_by_tinker_path(path).result()
+    assert run.training_run_id == first.model_id and run.user_metadata == metadata
+    assert run.is_lora and run.lora_rank == 4 and run.base_model == str(folder)
+    assert run.last_checkpoint.tinker_path == path and run.last_checkpoint.checkpoint_type == "training"
+    listed = rest.list_checkpoints(first.model_id).result().checkpoints
+    assert [c.tinker_path for c in listed] == [path] and listed[0].size_bytes > 0
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert info.is_lora and info.lora_rank == 4 and info.train_unembed and info.base_model == str(folder)
+    resumed = client.create_training_client_from_state_with_optimizer(path, user_metadata=metadata).result()
+    fresh_optimizer = client.create_training_client_from_state(path).result()
+    assert _loss(resumed, tokens) == _loss(first, tokens) == _loss(fresh_optimizer, tokens)
+    for training in (first, resumed, fresh_optimizer):
+        _train_step(training, tokens)
+    assert _loss(resumed, tokens) == pytest.approx(_loss(first, tokens), rel=1e-6)  # the same step: moments restored
+    assert _loss(fresh_optimizer, tokens) != pytest.approx(_loss(first, tokens), rel=1e-3)  # fresh moments differ
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_training_run(f"{first.model_id}-unknown").result()
+    rest.delete_checkpoint(first.model_id, "weights/resume-me").result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_weights_info_by_tinker_path(path).result()
+
+
+def test_a_restarted_server_knows_the_runs_in_its_store(served, oracle):
+    server, client, folder = served
+    tokens = oracle[3]
+    training = client.create_lora_training_client(base_model=str(folder), rank=4,
+                                                  user_metadata={"renderer_name": "role_colon"}).result()
+    _train_step(training, tokens)
+    path = training.save_state("before-restart").result().path
+    sampler_path = training.save_weights_for_sampler("before-restart").result().path
+    expected = _loss(training, tokens)
+    with TinkerServer(service_of(folder, store=server.service.store.root), poll_seconds=5.0) as again:
+        other = tinker.ServiceClient(base_url=again.url, api_key=again.key)
+        run = _rest_client(again).get_training_run_by_tinker_path(path).result()
+        assert run.user_metadata == {"renderer_name": "role_colon"} and run.lora_rank == 4
+        assert run.last_checkpoint.tinker_path == path and run.last_sampler_checkpoint.tinker_path == sampler_path
+        resumed = other.create_training_client_from_state_with_optimizer(path).result()
+        assert _loss(resumed, tokens) == pytest.approx(expected, rel=1e-6)
+        other.close("success").result()
+
+
+def test_the_served_folder_is_the_model_folder_or_a_ggufs_conversion(served, tmp_path):
+    from purerl.tinker.launch import model_folder
+
+    folder = served[2]
+    assert model_folder(folder) == folder
+    (tmp_path / "weights.bin").write_bytes(b"")
+    for wrong in (tmp_path / "weights.bin", tmp_path / "missing"):
+        with pytest.raises(ValueError, match="not a model folder or a .gguf file"):
+            model_folder(wrong)
+
+
 def test_training_calls_run_in_seq_id_order_once_each_within_a_bounded_queue():
     import asyncio
 

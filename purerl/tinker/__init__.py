@@ -8,7 +8,8 @@ compute thread (:mod:`.futures`), as purerl's pure pieces: the policy forward an
 ``value_and_grad`` for ``forward``/``forward_backward``, the loss maths of
 :mod:`purerl.algo.policy_loss` in ``SumCount`` form (:mod:`.losses`), ``purerl.optim.adamw`` for
 ``optim_step`` (:mod:`.trainer`), the embedded engine for ``sample`` over numbered immutable sampler
-snapshots (:mod:`.sampler`), and purerl's checkpoint format behind ``tinker://`` names (:mod:`.store`).
+snapshots (:mod:`.sampler`), and purerl's checkpoint format behind ``tinker://`` names (:mod:`.store`),
+which the rest client's training-run calls describe so that a killed cookbook run resumes (:mod:`.runs`).
 
 Choices where the SDK leaves the semantics open:
 
@@ -35,6 +36,8 @@ Choices where the SDK leaves the semantics open:
 Refused in one line, never approximated: the losses ``stable_reinforce``, ``custom`` and ``gspo``,
 ``cispo`` without thresholds and ``dro`` without ``beta``, per-token clip thresholds that differ
 within a batch; prompt log-probs (and top-k, target and alternative-token variants); image and
-audio chunks; sparse or 2-d loss inputs; provenance spans; ``inflight`` sampler weights; optimizers
-other than AdamW; unknown fields in any request (the SDK's own pydantic types parse them).
+audio chunks; sparse or 2-d loss inputs; ``inflight`` sampler weights; optimizers other than AdamW;
+unknown fields in any request (the SDK's own pydantic types parse them). Provenance spans (which the
+cookbook attaches to every sampled datum) must tile their fields and are otherwise unused: no
+served loss reads them. Checkpoints never expire (``ttl_seconds`` is accepted, not enforced).
 """

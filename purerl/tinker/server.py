@@ -7,7 +7,9 @@ Like purerl's agents' endpoint (:mod:`purerl.agents.endpoint`), the server binds
 :meth:`TinkerServer.banner` gives to export. The routes are those the SDK's training and sampling
 clients call (``client/config``, sessions, ``create_model``, ``get_info``, ``forward_backward``,
 ``optim_step``, ``save_weights[_for_sampler]``, ``load_weights``, ``create_sampling_session``,
-``samplers/{id}``, ``asample``, ``retrieve_future``, telemetry); any other path is 404.
+``samplers/{id}``, ``asample``, ``retrieve_future``, telemetry) and the rest client's calls that
+resuming needs (``GET training_runs/{id}``, its ``checkpoints`` (list and ``DELETE``),
+``weights_info``: :mod:`purerl.tinker.runs`); any other path is 404.
 
 A call whose body cannot be read (not JSON, not protobuf, missing ids) is answered 400 at once;
 a call the server cannot honour becomes a failed future (``{"error", "category": "user"}``, one
@@ -232,6 +234,33 @@ def app_of(service: Service, key: str, *, capacity: int = 256, poll_seconds: flo
             return service.sampler_info(sampler_id)
         except KeyError:
             return refused(404, f"sampler {sampler_id!r} is not known to this server")
+
+    async def known(work: Callable[[], Any], what: str) -> Any:
+        try:
+            return await on_worker(work)
+        except KeyError:
+            return refused(404, f"{what} is not known to this server")
+
+    @app.get("/api/v1/training_runs/{run_id}")
+    async def training_run(run_id: str) -> Any:
+        return await known(lambda: service.training_run(run_id), f"training run {run_id!r}")
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    async def checkpoints(run_id: str) -> Any:
+        return await known(lambda: service.checkpoints(run_id), f"training run {run_id!r}")
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(run_id: str, checkpoint_id: str) -> Any:
+        done = await known(lambda: service.delete_checkpoint(run_id, checkpoint_id),
+                           f"checkpoint tinker://{run_id}/{checkpoint_id}")
+        return Response(status_code=204) if done is None else done
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request) -> Any:
+        path = (await body_of(request)).get("tinker_path")
+        if not isinstance(path, str):
+            raise _BadRequest("weights_info needs a tinker_path")
+        return await known(lambda: service.weights_info(path), f"checkpoint {path}")
 
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict[str, Any]:

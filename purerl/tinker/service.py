@@ -11,6 +11,7 @@ create-via-load) and sampling sessions ``<session>:sample:<n>``.
 import itertools
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from tinker import types
 
 from purerl.models import CausalLM, Params
-from purerl.tinker import wire
+from purerl.tinker import runs, wire
 from purerl.tinker.losses import bound_config, loss_of
 from purerl.tinker.sampler import Sampler, SamplingRequest, Snapshot
 from purerl.tinker.store import Store, parse_path, tinker_path
@@ -39,12 +40,15 @@ __all__ = ["Service", "TrainingModel"]
 
 @attrs.define(eq=False)
 class TrainingModel:
-    """A training client's model: its resource and its values (replaced by each call)."""
+    """A training client's model: its resource and its values (replaced by each call), the
+    ``user_metadata`` it was created with and the time of its last call."""
 
     model_id: str
     session_id: str
     trainable: Trainable
     state: ModelState
+    user_metadata: dict[str, str] | None = None
+    last_request: datetime = attrs.Factory(lambda: datetime.now(UTC))
 
 
 class Service:
@@ -89,7 +93,9 @@ class Service:
     def model(self, model_id: str) -> TrainingModel:
         if model_id not in self.models:
             raise ValueError(f"model {model_id!r} is not loaded on this server")
-        return self.models[model_id]
+        model = self.models[model_id]
+        model.last_request = datetime.now(UTC)
+        return model
 
     def info(self, model_id: str) -> dict[str, Any]:
         model = self.model(model_id)
@@ -117,11 +123,13 @@ class Service:
         return LoraSettings(config.rank, self.lora_alpha, config.seed or 0, config.train_attn, config.train_mlp,
                             config.train_unembed)
 
-    def _add_model(self, model_id: str, session_id: str, lora: LoraSettings | None) -> TrainingModel:
+    def _add_model(self, model_id: str, session_id: str, lora: LoraSettings | None,
+                   user_metadata: dict[str, Any] | None) -> TrainingModel:
         if model_id in self.models:
             raise ValueError(f"model {model_id!r} exists already")
         trainable, params = make_trainable(self.base, self.base_params, lora)
-        model = TrainingModel(model_id, session_id, trainable, new_state(params))
+        metadata = None if user_metadata is None else {str(k): str(v) for k, v in user_metadata.items()}
+        model = TrainingModel(model_id, session_id, trainable, new_state(params), metadata)
         self.models[model_id] = model
         return model
 
@@ -131,7 +139,7 @@ class Service:
         if getattr(request.optimizer_config, "type", "adamw") != "adamw":
             raise ValueError(f"optimizer {request.optimizer_config.type!r} is not served (AdamW only)")
         model_id = f"{request.session_id}:train:{request.model_seq_id}"
-        self._add_model(model_id, request.session_id, self._lora(request.lora_config))
+        self._add_model(model_id, request.session_id, self._lora(request.lora_config), request.user_metadata)
         return {"type": "create_model", "model_id": model_id}
 
     def forward_backward(self, request: wire.ForwardBackward) -> bytes:
@@ -155,10 +163,10 @@ class Service:
                                           grad_clip_norm=adam.grad_clip_norm)
         return {"metrics": metrics}
 
-    def _metadata(self, model: TrainingModel, optimizer: bool) -> dict[str, Any]:
+    def _metadata(self, model: TrainingModel, optimizer: bool, user_metadata: dict[str, str] | None) -> dict[str, Any]:
         lora = model.trainable.lora
         return {"base_model": self.name, "lora": None if lora is None else lora.as_dict(), "optimizer": optimizer,
-                "steps": model.state.steps}
+                "steps": model.state.steps, "run_metadata": model.user_metadata, "user_metadata": user_metadata}
 
     def _snapshot(self, model: TrainingModel, path: str | None) -> Snapshot:
         snapshot = Snapshot.of(next(self._numbers), model.trainable, model.state.params, path)
@@ -179,7 +187,7 @@ class Service:
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
         path = tinker_path(model.model_id, "sampler_weights", request.path)
         self.store.save(path, {"params": model.state.params}, step=model.state.steps,
-                        metadata=self._metadata(model, False))
+                        metadata=self._metadata(model, False, request.user_metadata))
         self._snapshot(model, path)
         return {"type": "save_weights_for_sampler", "path": path}
 
@@ -187,7 +195,7 @@ class Service:
         model = self.model(request.model_id)
         path = tinker_path(model.model_id, "weights", request.path or f"step-{model.state.steps:06d}")
         self.store.save(path, {"params": model.state.params, "opt": model.state.opt}, step=model.state.steps,
-                        metadata=self._metadata(model, True), overwrite=request.overwrite)
+                        metadata=self._metadata(model, True, request.user_metadata), overwrite=request.overwrite)
         return {"type": "save_weights", "path": path}
 
     def _restored(self, path: str, state: ModelState, optimizer: bool) -> ModelState:
@@ -216,13 +224,44 @@ class Service:
         saved = self.store.metadata(request.path)
         lora = saved.get("lora")
         model_id = f"{request.session_id}:train:{request.model_seq_id}"
-        model = self._add_model(model_id, request.session_id, None if lora is None else LoraSettings(**lora))
+        model = self._add_model(model_id, request.session_id, None if lora is None else LoraSettings(**lora),
+                                request.user_metadata)
         try:
             model.state = self._restored(request.path, model.state, request.optimizer)
         except Exception:
             del self.models[model_id]
             raise
         return {"type": "load_weights", "path": request.path, "model_id": model_id}
+
+    # training runs and their checkpoints (on the worker: after the saves queued before them)
+
+    def training_run(self, run_id: str) -> dict[str, Any]:
+        """``GET training_runs/{id}`` (:mod:`.runs`; ``KeyError``: unknown)."""
+        model = self.models.get(run_id)
+        live = None if model is None else {
+            "base_model": self.name, "lora": None if model.trainable.lora is None else model.trainable.lora.as_dict(),
+            "user_metadata": model.user_metadata, "last_request_time": model.last_request}
+        return runs.training_run(self.store, run_id, live).model_dump(mode="json")
+
+    def checkpoints(self, run_id: str) -> dict[str, Any]:
+        """``GET training_runs/{id}/checkpoints`` (``KeyError``: unknown)."""
+        return runs.checkpoint_list(self.store, run_id, run_id in self.models).model_dump(mode="json")
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+        """``DELETE training_runs/{id}/checkpoints/{kind}/{name}`` (``KeyError``: nothing there)."""
+        path = f"tinker://{run_id}/{checkpoint_id}"
+        if not self.store.exists(path):
+            raise KeyError(path)
+        self.store.delete(path)
+        number = self.by_path.pop(path, None)
+        if number is not None and number not in self.samplers.values():
+            self.snapshots.pop(number, None)
+
+    def weights_info(self, path: str) -> dict[str, Any]:
+        """``POST weights_info``: what loading the checkpoint ``path`` builds (``KeyError``: nothing there)."""
+        if not self.store.exists(path):
+            raise KeyError(path)
+        return runs.weights_info(self.store, path).model_dump(mode="json")
 
     # sampling
 

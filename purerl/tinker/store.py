@@ -7,7 +7,8 @@ folders ``<root>/<model id, %-quoted>/<kind>/<name>/``, each holding one checkpo
 manifest's metadata records what rebuilding the model needs: the base model's name and the LoRA
 settings (None: full fine-tuning), and whether the AdamW state is in it. A name is letters, digits,
 ``.``, ``_`` and ``-`` (not starting with ``.``); saving over an existing name needs ``overwrite``
-for training weights (Tinker's rule) and replaces sampler weights.
+for training weights (Tinker's rule) and replaces sampler weights. A run's checkpoints are found on
+disk (:meth:`Store.saved`), so a restarted server still knows them.
 """
 
 import re
@@ -71,6 +72,23 @@ class Store:
         if found is None:
             raise ValueError(f"{path}: no weights are saved under this name")
         return read_manifest(found)["metadata"]
+
+    def saved(self, model_id: str) -> list[tuple[str, Path]]:
+        """``(tinker path, checkpoint folder)`` of every checkpoint ``model_id`` has saved, oldest first."""
+        found = []
+        for kind in KINDS:
+            kind_root = self.root / quote(model_id, safe="") / kind
+            for folder in kind_root.iterdir() if kind_root.is_dir() else ():
+                latest = latest_checkpoint(folder) if _NAME.match(folder.name) else None
+                if latest is not None:
+                    found.append((f"tinker://{model_id}/{kind}/{folder.name}", latest))
+        return sorted(found, key=lambda item: (item[1].stat().st_mtime_ns, item[0]))
+
+    def delete(self, path: str) -> None:
+        """Remove the checkpoint ``path`` (``ValueError`` when nothing is saved there)."""
+        if not self.exists(path):
+            raise ValueError(f"{path}: no weights are saved under this name")
+        shutil.rmtree(self.folder(path))
 
     def load(self, path: str, template: Any) -> Any:
         """The tree saved under ``path``, shaped as ``template`` (``CheckpointError`` on any mismatch)."""

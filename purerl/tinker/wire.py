@@ -5,7 +5,7 @@ schema, imported), other requests as JSON parsed by the SDK's pydantic request t
 unknown fields: an unknown parameter is refused, never ignored). ``sample`` and ``forward_backward``
 results go back as protobuf, the SDK's only accepted form for them. Everything this server cannot
 honour is refused in one line (``ValueError``): image or audio chunks, sparse or 2-d loss inputs,
-provenance spans, prompt log-probs and their relatives, stability records.
+prompt log-probs and their relatives, stability records. Provenance spans are checked and unused.
 """
 
 from collections.abc import Mapping, Sequence
@@ -71,6 +71,17 @@ def header_of(body: bytes) -> Any:
     return msg
 
 
+def _check_spans(datum: Any, inputs: int, targets: int, i: int) -> None:
+    """Provenance spans (the cookbook attaches them to every sampled datum) tile their fields or are
+    refused; they are claims about where tokens came from, which no served loss reads (only the
+    refused ``stable_reinforce`` would), so they are otherwise unused."""
+    for field, expected in (("model_input_spans", inputs), ("loss_fn_input_spans", targets)):
+        spans = getattr(datum, field)
+        covered = sum(getattr(s, s.WhichOneof("span") or "prompt_tokens").length for s in spans)
+        if len(spans) and covered != expected:
+            raise ValueError(f"datum {i}: {field} cover {covered} positions, not the field's {expected}")
+
+
 def forward_backward_request(msg: Any) -> ForwardBackward:
     """The request of a ``ForwardBackwardRequest`` message (:func:`header_of`)."""
     config: dict[str, float | str] = {k: v for k, v in msg.loss_fn_config.items()}
@@ -78,10 +89,10 @@ def forward_backward_request(msg: Any) -> ForwardBackward:
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
     data = []
     for i, datum in enumerate(msg.data):
-        if len(datum.model_input_spans) or len(datum.loss_fn_input_spans):
-            raise ValueError(f"datum {i}: provenance spans (stable_reinforce's) are not served")
         inputs = {name: _tensor(name, tensor) for name, tensor in datum.loss_fn_inputs.items()}
-        data.append(Datum(_tokens(datum.model_input, f"datum {i}"), inputs))
+        tokens = _tokens(datum.model_input, f"datum {i}")
+        _check_spans(datum, len(tokens), len(inputs.get("target_tokens", ())), i)
+        data.append(Datum(tokens, inputs))
     keys = {frozenset(d.inputs) for d in data}
     if len(keys) > 1:
         raise ValueError("forward_backward: every datum of a request must carry the same loss_fn_inputs")
