@@ -129,16 +129,22 @@ def plot(rows: list[dict], over: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags; arguments it does not know are the job's."""
+    ap = argparse.ArgumentParser(prog="python3 bench/seeds.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=seed_list, default=seed_list("0-19"), help="e.g. 0-19 or 0,3,5-7")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "seeds", help="one folder per seed goes here")
     ap.add_argument("--lanes", type=int, default=2, help="runs at a time, one thread each")
     ap.add_argument("--no-run", action="store_true", help="only read the finished runs")
     ap.add_argument("--json", type=Path, help="write the rows and the spread here")
     ap.add_argument("--plot", type=Path, help="write the gains and cut shares per seed here (PNG)")
-    ap.add_argument("--title", default="purerl grpo_math, gain per seed")
-    args, job_args = ap.parse_known_args()
+    ap.add_argument("--title", default="purerl grpo_math, gain per seed", help="the plot's title")
+    return ap
+
+
+def main() -> None:
+    args, job_args = parser().parse_known_args()
     job_args = [a for a in job_args if a != "--"]
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.no_run:

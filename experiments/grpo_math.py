@@ -25,6 +25,7 @@ naming it. The job itself is library code (:func:`purerl.run.run`); this script 
 line and its plot.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -36,7 +37,16 @@ if __name__ == "__main__":
     end_quietly_until_started("grpo_math")  # Ctrl-C while torch loads: one line, no traceback
 
 from purerl.command import main  # noqa: E402
+from purerl.config.command_line import job_parser  # noqa: E402
+
+COMMAND = dict(prog="grpo_math", description=__doc__, default_out_dir="runs/grpo_math")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The script's flags, to document them without running anything."""
+    return job_parser(**COMMAND)
+
 
 if __name__ == "__main__":
-    main(None, prog="grpo_math", description=__doc__, default_out_dir="runs/grpo_math",
+    main(None, **COMMAND,
          title=lambda c: f"purerl {c.algorithm.adv_estimator} ({c.actor.policy_loss} loss) on math problems")

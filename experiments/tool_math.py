@@ -16,6 +16,7 @@ The run folder (resume, checkpoints, export, ``summary.json``, ``curve.png``) is
 ``summary.json`` adds the episode metrics (``val/episode/*``) and the warm-up (``sft``).
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,9 +29,18 @@ if __name__ == "__main__":
     end_quietly_until_started("tool_math")  # Ctrl-C while torch loads: one line, no traceback
 
 from purerl.command import main  # noqa: E402
+from purerl.config.command_line import job_parser  # noqa: E402
+
+COMMAND = dict(prog="tool_math", description=__doc__, default_out_dir="runs/tool_math")
+DEFAULTS = [str(ROOT / "examples" / "tool_math.toml")]  # applied before the command line's --config files
+
+
+def parser() -> argparse.ArgumentParser:
+    """The script's flags, to document them without running anything."""
+    return job_parser(**COMMAND)
+
 
 if __name__ == "__main__":
-    main(None, prog="tool_math", description=__doc__, default_out_dir="runs/tool_math",
-         defaults=[str(ROOT / "examples" / "tool_math.toml")],
+    main(None, **COMMAND, defaults=DEFAULTS,
          title=lambda c: f"purerl {c.algorithm.adv_estimator} on calculator episodes"
                          + ("" if c.env.tools else " (no tool)"))

@@ -140,10 +140,13 @@ def _loader_kinds() -> list[EnvironmentKind]:
 # The kinds purerl knows. Each ``make`` takes the same keywords, so a kind uses what it needs.
 
 def _single_turn(found: None, *, answer_fn: RewardFn, **settings: Any) -> SingleTurn:
+    """One answer per prompt, scored by ``reward.fn`` (the main job)."""
     return SingleTurn(answer_fn)
 
 
 def _calculator(found: None, *, answer_fn: RewardFn, tools: bool, format: str) -> ToolEnv:
+    """Episodes of turns in which the model may call a calculator before it answers
+    (:mod:`purerl.episodes.calculator`; ``env.tools = false``: the same task without it)."""
     return calculator_env(tools=tools, format=format, answer_fn=answer_fn)
 
 

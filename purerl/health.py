@@ -30,24 +30,29 @@ __all__ = ["SYMPTOMS", "Context", "Event", "HealthLimits", "HealthState", "Monit
 @attrs.frozen
 class HealthLimits:
     """When a symptom is reported (defaults chosen from the main job's seeds, BENCHMARKS.md "Learns on
-    every seed"): ``patience`` steps in a row; ``cut_share`` of responses cut at
-    ``rollout.max_new_tokens``; ``no_signal_share`` of groups whose rewards are all equal while most
-    samples fail (groups alike because the task is solved are no symptom: a learned main job has
-    most of its groups all right); every reward of a step equal; the task's reward above 0 for no
-    sample; ``actor/entropy`` below ``entropy_floor`` nats per token;
-    the engine's log-probs ``logprob_gap`` nats per token (mean) from the trainer's; a gradient
-    norm over ``grad_norm_factor`` × ``actor.grad_clip`` (clipping alone is no symptom: the main
-    job's norm is 2–5× its clip of 1.0 on nearly every healthy step), or of 0 while some rows had
-    an advantage; held-out accuracy ``eval_drop`` (a fraction: 0.15 is 15 points) below the best
-    evaluation so far."""
+    every seed"). Groups alike because the task is solved are no symptom (a learned main job has most of
+    its groups all right), and clipping alone is none either (the main job's gradient norm is 2–5× its
+    clip of 1.0 on nearly every healthy step). Symptoms without a threshold: every reward of a step equal
+    (``constant_reward``), the task's reward above 0 for no sample (``dead_reward``), a gradient norm of 0
+    while some rows had an advantage (``zero_gradient``)."""
 
     patience: int = attrs.field(default=3, validator=at_least(1))
+    """Steps in a row a condition must hold for its symptom to start, and be absent for it to clear (a
+    held-out drop starts at once)."""
     cut_share: float = attrs.field(default=0.5, validator=in_range(0, 1))
+    """``cut_responses``: more than this share of a step's responses cut at ``rollout.max_new_tokens``."""
     no_signal_share: float = attrs.field(default=0.9, validator=in_range(0, 1))
+    """``no_signal``: more than this share of groups score alike while most samples fail."""
     entropy_floor: float = attrs.field(default=0.05, validator=at_least(0))
+    """``entropy_collapse``: ``actor/entropy`` below this many nats per token."""
     logprob_gap: float = attrs.field(default=0.1, validator=positive)
+    """``logprob_drift``: the engine's log-probs more than this many nats per token (mean) from the
+    trainer's."""
     grad_norm_factor: float = attrs.field(default=10.0, validator=positive)
+    """``grad_norm_high``: a gradient norm over this many times ``actor.grad_clip``."""
     eval_drop: float = attrs.field(default=0.15, validator=in_range(0, 1))
+    """``heldout_drop``: held-out accuracy more than this fraction (0.15 is 15 points) below the run's best
+    evaluation."""
 
 
 @attrs.frozen

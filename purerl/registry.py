@@ -47,3 +47,12 @@ class Registry(Generic[F]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def entries(self) -> list[tuple[tuple[str, ...], F]]:
+        """Each entry once, with its names (the name it was registered under, then its aliases), in
+        the order of registration."""
+        found: dict[int, tuple[tuple[str, ...], F]] = {}
+        for name, entry in self._entries.items():
+            names, _ = found.get(id(entry), ((), entry))
+            found[id(entry)] = ((*names, name), entry)
+        return list(found.values())

@@ -54,7 +54,7 @@ from purerl.io.run_folder import (
 from purerl.models import value_and_grad
 from purerl.tree import tree_equal, tree_leaves, tree_map
 
-__all__ = ["HEADLINE", "REPLAYABLE", "compare", "replay"]
+__all__ = ["HEADLINE", "REPLAYABLE", "compare", "parser", "replay"]
 
 REPLAYABLE = ("algorithm.", "actor.", "critic.", "distill.")
 """Settings a counterfactual may change: how the batch is turned into an update."""
@@ -351,29 +351,30 @@ def _plot(table: dict[int, dict[str, tuple[float, float]]], keys: tuple[str, ...
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags (``section.key=value`` items are taken apart before it parses)."""
     ap = argparse.ArgumentParser(prog="python3 -m purerl.replay", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", nargs="?")
+    ap.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="the run folder to replay")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="print two runs' or replays' metrics per step")
     ap.add_argument("--plot", default=None, help="with --compare: write one figure of them here")
-    ap.add_argument("--from-step", type=int, default=0,
-                    help="start from the run's checkpoint at this step (0: the start)")
+    ap.add_argument("--from-step", type=int, default=0, help="start from the checkpoint at this step (0: the start)")
     ap.add_argument("--to-step", type=int, default=None, help="the last step replayed (default: the last recorded)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     argv = sys.argv[1:] if argv is None else argv
     items = [a for a in argv if re.match(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=", a)]
     args = ap.parse_args([a for a in argv if a not in items])
     settings = flatten(overrides(items)) if items else {}
-    if args.compare:
-        try:
-            compare(*args.compare, plot=args.plot)
-        except ReplayError as err:
-            print(err, file=sys.stderr)
-            return 2
-        return 0
-    if args.run_dir is None:
+    if args.run_dir is None and not args.compare:
         ap.error("give RUN_DIR (or --compare A B)")
     try:
+        if args.compare:
+            compare(*args.compare, plot=args.plot)
+            return 0
         result = replay(args.run_dir, from_step=args.from_step, to_step=args.to_step, settings=settings)
     except (ReplayError, RecordError, CheckpointError) as err:
         print(err, file=sys.stderr)

@@ -30,7 +30,7 @@ def ray_cluster():
 
 
 _SLOWEST_FIRST = ("test_ray_executor.py", "test_golden.py", "test_faults.py", "test_reliability.py",
-                  "test_episode_jobs.py", "test_gguf.py", "test_experiment.py")
+                  "test_docs.py", "test_episode_jobs.py", "test_gguf.py", "test_experiment.py")
 """Files that take minutes, in falling order: pytest-xdist hands whole files to its workers in
 collection order, so these start first and the short ones fill in around them."""
 

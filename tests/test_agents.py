@@ -300,11 +300,11 @@ def test_an_agent_function_trains_on_ray(tmp_path, ray_cluster):
         assert row["episode/turns_mean"] == 3 and row["episode/env_errors"] == 0
 
 
-def test_the_readmes_agent_function_trains_unchanged(tmp_path):
+def test_the_docs_agent_function_trains_unchanged(tmp_path):
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    code = readme.split("# my_agent.py")[1].split("\n", 1)[1].split("```")[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "agents.md").read_text()
+    code = page.split("# my_agent.py")[1].split("\n", 1)[1].split("```")[0]
     (tmp_path / "my_agent.py").write_text(code)
     summary = run_job(["--tiny", "--env", f"{tmp_path / 'my_agent.py'}:run", "--max-turns", "2", "--steps", "1",
                        "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size",

@@ -105,7 +105,7 @@ def test_gkds_jsd_loss_alone_moves_the_student_towards_a_fixed_teacher():
 
 def test_off_policy_distillation_is_sft_on_the_teachers_samples():
     """The teacher samples with an engine of its own; ``sft_step`` fits the student to those
-    sequences (the README's off-policy variant): their NLL under the student falls."""
+    sequences (docs/guides/distillation.md's off-policy variant): their NLL under the student falls."""
     from purerl.step.sft import sft_step
 
     model, optimizer, _, state, _ = _student(lr=1e-2)

@@ -1,4 +1,4 @@
-"""The README's custom step example runs as written."""
+"""The README's commands take the lock, and the docs' custom step example runs as written."""
 
 import functools
 import re
@@ -17,13 +17,14 @@ from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_equal
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+CUSTOM_STEPS = README.parent / "docs" / "guides" / "custom-steps.md"
 
 
-def test_readme_custom_step_runs_on_the_local_executor_and_updates_the_policy():
-    section = README.read_text().split("## Your own step function", 1)[1]
+def test_the_docs_custom_step_runs_on_the_local_executor_and_updates_the_policy():
+    section = CUSTOM_STEPS.read_text().split("## Your own step function", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/guides/custom-steps.md", "exec"), namespace)
     my_step = namespace["my_step"]
 
     model, params = causal_lm_from_config(tiny_llama_config(), seed=0)

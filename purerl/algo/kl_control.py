@@ -136,12 +136,15 @@ KL_CONTROLLERS: Registry[KLControllerFactory] = Registry("KL controller")
 
 @KL_CONTROLLERS.register("fixed")
 def _fixed(coef: float, target_kl: float, horizon: int) -> KLController:
+    """The coefficient stays ``kl_coef`` (:func:`fixed_kl_controller`)."""
     del target_kl, horizon
     return fixed_kl_controller(coef)
 
 
 @KL_CONTROLLERS.register("adaptive")
 def _adaptive(coef: float, target_kl: float, horizon: int) -> KLController:
+    """Starts at ``kl_coef`` and moves it towards ``target_kl`` over ``horizon`` samples
+    (:func:`adaptive_kl_controller`)."""
     return adaptive_kl_controller(coef, target_kl, horizon)
 
 

@@ -19,35 +19,41 @@ __all__ = ["LossOptions", "PolicyLossSettings"]
 
 @attrs.frozen
 class LossOptions:
-    """The settings of particular policy losses; a loss reads the ones it needs.
-
-    - ``tau_pos``, ``tau_neg`` (> 0): SAPO's gate temperatures for ``A > 0`` and ``A ≤ 0``;
-    - ``clip_cov_ratio`` (in (0, 1]), ``clip_cov_lb`` ≤ ``clip_cov_ub``: the fraction of tokens
-      ``clip_cov`` may detach and the open covariance band they are drawn from;
-    - ``kl_cov_ratio`` (in (0, 1]), ``ppo_kl_coef`` (≥ 0): the fraction of tokens ``kl_cov``
-      penalises with ``ppo_kl_coef·|lr|``;
-    - ``dro_beta`` (> 0; needed by ``dro``): DRO's quadratic penalty;
-    - ``bypass_loss_type`` (``ppo_clip`` | ``reinforce``), ``bypass_level`` (``token`` |
-      ``sequence``), ``bypass_threshold`` (> 0), ``bypass_threshold_low`` (None: truncate at
-      the threshold (TIS); a value in [0, threshold]: reject outside [low, threshold], IcePop),
-      ``bypass_batch_normalize``: the rollout correction of ``bypass_mode`` (verl's
-      ``rollout_correction.loss_type``, ``rollout_is``, ``rollout_is_threshold`` and
-      ``rollout_is_batch_normalize``).
-    """
+    """The settings of particular policy losses; a loss reads the ones it needs. ``bypass_*`` are the
+    rollout correction of ``bypass_mode`` (verl's ``rollout_correction.loss_type``, ``rollout_is``,
+    ``rollout_is_threshold`` and ``rollout_is_batch_normalize``)."""
 
     tau_pos: float = attrs.field(default=1.0, validator=positive)
+    """SAPO's gate temperature for tokens with ``A > 0``."""
     tau_neg: float = attrs.field(default=1.05, validator=positive)
+    """SAPO's gate temperature for tokens with ``A ≤ 0``."""
     clip_cov_ratio: float = attrs.field(default=2e-4, validator=in_range(0, 1, open_low=True))
+    """The fraction of tokens ``clip_cov`` may detach."""
     clip_cov_lb: float = 1.0
+    """The lower end of the open covariance band ``clip_cov`` draws the tokens it detaches from (≤
+    ``clip_cov_ub``)."""
     clip_cov_ub: float = 5.0
+    """The upper end of ``clip_cov``'s covariance band."""
     kl_cov_ratio: float = attrs.field(default=2e-4, validator=in_range(0, 1, open_low=True))
+    """The fraction of tokens ``kl_cov`` penalises with ``ppo_kl_coef·|lr|``."""
     ppo_kl_coef: float = attrs.field(default=0.1, validator=at_least(0))
+    """The coefficient of ``kl_cov``'s penalty on those tokens."""
     dro_beta: float | None = attrs.field(default=None, validator=positive)
+    """DRO's quadratic penalty ``β`` (needed by ``dro``)."""
     bypass_loss_type: str = attrs.field(default="ppo_clip", validator=one_of(("ppo_clip", "reinforce"), "loss type"))
+    """``bypass_mode``'s loss on the kept tokens: ``ppo_clip`` (the ``vanilla`` loss, without the weights: its
+    ratio is already ``π/μ``) or ``reinforce`` (``−A·logp·w``)."""
     bypass_level: str = attrs.field(default="token", validator=one_of(("token", "sequence"), "level"))
+    """Whether ``bypass_mode``'s importance weights are per ``token`` or per row (``sequence``)."""
     bypass_threshold: float = attrs.field(default=2.0, validator=positive)
+    """``bypass_mode``'s upper bound on the importance weights."""
     bypass_threshold_low: float | None = attrs.field(default=None, validator=at_least(0))
+    """None: ``bypass_mode`` truncates the weights at ``bypass_threshold`` (TIS); a value in [0,
+    ``bypass_threshold``]: tokens (rows at sequence level) whose weight lies outside [low, threshold] are
+    rejected (IcePop)."""
     bypass_batch_normalize: bool = attrs.field(default=False, validator=boolean)
+    """``bypass_mode`` divides the weights by their mean over the batch (valid tokens, or non-empty rows at
+    sequence level)."""
 
     def __attrs_post_init__(self) -> None:
         if not self.clip_cov_lb <= self.clip_cov_ub:
@@ -60,21 +66,29 @@ class LossOptions:
 
 
 def _clip_c(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    """None (no dual clip), or > 1."""
     if value is not None and not value > 1:
         raise SettingError(f"clip_c must be > 1 (or none to disable the dual clip), got {value}")
 
 
 @attrs.frozen
 class PolicyLossSettings:
-    """What every policy loss may read. ``clip_low``/``clip_high``/``clip_c`` are verl's
-    ``clip_ratio_low``/``_high``/``_c`` (the divergence thresholds of ``dppo_*``, the log-ratio clip
-    of ``geo_mean``); ``loss_agg`` is ``loss_agg_mode`` (the entropy bonus, the KL loss and the
-    critic's loss aggregate as the policy loss does), ``loss_norm`` the constant of
-    ``seq-mean-token-sum-norm``; ``loss_options``: the settings of particular losses."""
+    """What every policy loss may read; each loss reads the fields it needs."""
 
     clip_low: float = attrs.field(default=0.2, validator=at_least(0))
+    """verl's ``clip_ratio_low``: the ratio is clipped below at ``1 − clip_low`` (the lower divergence
+    threshold of ``dppo_*``, the lower log-ratio clip of ``geo_mean``)."""
     clip_high: float = attrs.field(default=0.28, validator=at_least(0))
+    """verl's ``clip_ratio_high``: the ratio is clipped above at ``1 + clip_high`` (DAPO's clip-higher; the
+    upper divergence threshold of ``dppo_*``, the upper log-ratio clip of ``geo_mean``)."""
     clip_c: float | None = attrs.field(default=3.0, validator=_clip_c)
+    """verl's ``clip_ratio_c``, the dual clip: the ratio of a token with a negative advantage counts at most
+    ``clip_c`` (None: no dual clip)."""
     loss_agg: str = attrs.field(default="token-mean", validator=one_of(LOSS_AGGREGATIONS, "loss aggregation"))
+    """verl's ``loss_agg_mode`` (:data:`~purerl.algo.aggregation.LOSS_AGGREGATIONS`); the entropy bonus, the KL
+    loss and the critic's loss aggregate as the policy loss does."""
     loss_norm: float | None = attrs.field(default=None, validator=positive)
+    """The constant that ``seq-mean-token-sum-norm`` divides each row's token sum by (None: the batch's
+    padded response length, as verl)."""
     loss_options: LossOptions = LossOptions()
+    """The settings of particular losses."""

@@ -18,7 +18,7 @@ from purerl.config.job import PLACEMENTS, JobConfig
 from purerl.config.loading import ConfigError, build, load_file, merge, nest, overrides, to_dict
 from purerl.config.rules import problems, resolve
 
-__all__ = ["FLAGS", "Invocation", "parse_command_line"]
+__all__ = ["FLAGS", "Invocation", "job_parser", "parse_command_line"]
 
 # the flags of the command line: shorthands for config keys (``--lr 1e-6`` is ``actor.lr=1e-6``)
 FLAGS: list[tuple[str, str, dict]] = [
@@ -131,18 +131,16 @@ def with_flags(message: str) -> str:
                   lambda m: f"{m[1]} ({FLAG_OF[m[1]]})" if m[1] in FLAG_OF else m[1], message, count=1)
 
 
-def parse_command_line(argv: Sequence[str] | None = None, *, prog: str, description: str | None = None,
-                       default_out_dir: str) -> Invocation:
-    """The job's command line: defaults ← ``--config`` files ← flags ← ``section.key=value``
-    overrides, each checked as it is applied; then the resolved config's rules, before anything
-    loads. Errors exit with status 2 and one line (``--print-config``: print the config and exit)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+def job_parser(*, prog: str, description: str | None = None, default_out_dir: str) -> argparse.ArgumentParser:
+    """The job's argument parser: the run's own flags and :data:`FLAGS` (``section.key=value``
+    overrides are taken apart before it parses)."""
     ap = _Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                  epilog="Any config key may be set as section.key=value (e.g. actor.lr=1e-6 "
                         "algorithm.adv_estimator=rloo); keys: purerl/config/job.py, examples in examples/")
     ap.add_argument("--config", action="append", default=[], metavar="FILE",
                     help="a TOML/YAML config file (repeatable; later files win)")
-    ap.add_argument("--out-dir", default=default_out_dir)
+    ap.add_argument("--out-dir", default=default_out_dir,
+                    help="the run's folder: config, metrics, samples, checkpoints, the export")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
     ap.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir (default: refuse)")
     ap.add_argument("--debug", action="store_true", help="full tracebacks instead of one-line errors")
@@ -154,6 +152,16 @@ def parse_command_line(argv: Sequence[str] | None = None, *, prog: str, descript
         shown = {} if "action" in kwargs or "choices" in kwargs else {"metavar": key.rsplit(".", 1)[-1].upper()}
         text = f"{kwargs.pop('help', '')} [{key}{_default_shown(key, kwargs)}]".strip()
         ap.add_argument(flag, dest=key, default=None, help=text, **shown, **kwargs)
+    return ap
+
+
+def parse_command_line(argv: Sequence[str] | None = None, *, prog: str, description: str | None = None,
+                       default_out_dir: str) -> Invocation:
+    """The job's command line: defaults ← ``--config`` files ← flags ← ``section.key=value``
+    overrides, each checked as it is applied; then the resolved config's rules, before anything
+    loads. Errors exit with status 2 and one line (``--print-config``: print the config and exit)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = job_parser(prog=prog, description=description, default_out_dir=default_out_dir)
     items = [a for a in argv if _OVERRIDE.match(a)]
     args = ap.parse_args([a for a in argv if not _OVERRIDE.match(a)])
     for key in ("data.train_files", "data.eval_files"):

@@ -29,6 +29,7 @@ PLACEMENTS = {
 
 
 def _pool_resources(_: Any, attribute: Any, value: dict) -> None:
+    """Pools of :data:`POOLS`, each a table of resource names to amounts > 0."""
     for pool, resources in value.items():
         if pool not in POOLS:
             raise ConfigError(f"executor.pool_resources: no pool {pool!r} (pools: {', '.join(POOLS)})")
@@ -40,52 +41,60 @@ def _pool_resources(_: Any, attribute: Any, value: dict) -> None:
 
 @section
 class ExecutorConfig:
-    """``local``: one process; ``ray``: FSDP2 training ranks, rollout workers (``split``) or the
-    ranks generating (``colocated``), reward workers.
-
-    ``ray_address``: None starts a private local Ray instance; ``auto`` or ``host:port`` joins a
-    running cluster. Each worker gets a bundle of ``cpus_per_worker`` CPUs (and as many torch
-    threads) and ``gpus_per_worker`` GPUs (CUDA when > 0); reward workers ``reward_gpus_per_worker``
-    (they hold the reward model, scoring ``reward_batch_size`` texts at a time). Weights travel
-    in buckets of ``bucket_bytes``, sha256-checked with ``sync_checksum``. ``sync_canary``: the
-    engine's log-probs of what it sampled must equal the trainer's under the same version (checked by
-    the step's first mini-batch, :attr:`~purerl.step.settings.ActorLoss.sync_tolerance`; an asynchronous
-    generator's or an evaluation's load by :mod:`purerl.rollout.canary`), or the run stops naming the
-    version. ``step_timeout``,
-    ``sync_timeout`` and ``start_timeout`` (seconds) bound a step, a weight sync and starting the
-    workers: a worker silent longer ends the run, naming it. ``pool_resources``: custom Ray
-    resources that each worker of a pool (``train``, ``rollout``, ``reward``, ``critic``,
-    ``reference``) asks for besides
-    its CPUs and GPUs, to pin roles to nodes (start the generating nodes with
-    ``ray start --resources='{"rollout_node": 8}'`` and set ``pool_resources.rollout.rollout_node = 1``).
-
-    ``placement`` names where each role lives (:data:`PLACEMENTS`): ``split`` (default: rollout
-    workers apart), ``colocated`` = ``hybrid_engine`` (the ranks generate), ``fully_collocated``
-    (every role on the ranks, the reward model too), ``split_collocate`` (the critic and the reward
-    model on a ``critic`` pool of ``critic_workers``), ``standalone`` (the critic on a ``critic``
-    pool, the reference on a ``reference`` pool of ``reference_workers``, the reward model on the
-    reward workers). A pool of several workers shards its role with FSDP2 like the ranks."""
+    """Where each role lives and on what: ``local`` (one process) or ``ray`` (FSDP2 training ranks,
+    rollout workers or the ranks generating, reward workers, and the pools of :data:`PLACEMENTS`; a pool
+    of several workers shards its role with FSDP2 like the ranks). A worker silent longer than its
+    timeout ends the run, naming it."""
 
     kind: str = attrs.field(default="local", validator=one_of(("local", "ray"), "executor"))
+    """``local``: one process; ``ray``: FSDP2 training ranks and workers as Ray actors."""
     ray_address: str | None = None
+    """Join this Ray cluster (``auto`` or ``host:port``; None: start a private local Ray instance)."""
     placement: str = attrs.field(default="split", validator=one_of(tuple(PLACEMENTS), "placement"))
+    """Where each role lives (:data:`PLACEMENTS`): ``split`` (rollout workers apart), ``colocated`` =
+    ``hybrid_engine`` (the ranks generate), ``fully_collocated`` (every role on the ranks, the reward model
+    too), ``split_collocate`` (the critic and the reward model on a ``critic`` pool), ``standalone`` (the
+    critic on a ``critic`` pool, the reference on a ``reference`` pool, the reward model on the reward
+    workers)."""
     train_ranks: int = attrs.field(default=2, validator=at_least(1))
+    """FSDP2 training ranks (Ray actors)."""
     rollout_workers: int = attrs.field(default=1, validator=at_least(1))
+    """Rollout workers generating apart from the ranks (asynchronous training: at least one per generator)."""
     reward_workers: int = attrs.field(default=0, validator=at_least(0))
+    """Workers scoring rewards; they hold the reward model (0: the driver scores)."""
     critic_workers: int = attrs.field(default=1, validator=at_least(1))
+    """Workers of the ``critic`` pool (placements ``split_collocate`` and ``standalone``)."""
     reference_workers: int = attrs.field(default=1, validator=at_least(1))
+    """Workers of the ``reference`` pool (placement ``standalone``)."""
     gpus_per_worker: float = attrs.field(default=0.0, validator=at_least(0))
+    """GPUs in each worker's bundle (> 0: the workers compute on CUDA)."""
     cpus_per_worker: float = attrs.field(default=1.0, validator=positive)
+    """CPUs in each worker's bundle, and as many torch threads."""
     reward_gpus_per_worker: float = attrs.field(default=0.0, validator=at_least(0))
+    """GPUs in each reward worker's bundle."""
     reward_batch_size: int = attrs.field(default=16, validator=at_least(1))
+    """Texts a reward worker's reward model scores at a time."""
     sync_checksum: bool = False
+    """Check the weights sent to the rollout workers with sha256."""
     sync_canary: bool = True
+    """The engine's log-probs of what it sampled must equal the trainer's under the same weights version
+    (checked by the step's first mini-batch, :attr:`~purerl.step.settings.ActorLoss.sync_tolerance`; an
+    asynchronous generator's or an evaluation's load by :mod:`purerl.rollout.canary`), or the run stops
+    naming the version."""
     bucket_bytes: int = attrs.field(default=64 << 20, validator=at_least(1))
+    """Weights travel to the rollout workers in buckets of this many bytes."""
     step_timeout: float = attrs.field(default=3600.0, validator=positive)
+    """Seconds a step may take before a silent worker ends the run."""
     sync_timeout: float = attrs.field(default=600.0, validator=positive)
+    """Seconds a weight sync may take."""
     start_timeout: float = attrs.field(default=300.0, validator=positive)
+    """Seconds starting the workers may take."""
     ray_temp_dir: str | None = None
+    """The temp and log folder of a locally started Ray (None: Ray's default)."""
     pool_resources: dict[str, dict[str, float]] = attrs.field(factory=dict, validator=_pool_resources)
+    """Custom Ray resources that each worker of a pool (``train``, ``rollout``, ``reward``, ``critic``,
+    ``reference``) asks for besides its CPUs and GPUs, to pin roles to nodes: start the generating nodes with
+    ``ray start --resources='{"rollout_node": 8}'`` and set ``pool_resources.rollout.rollout_node = 1``."""
 
     @property
     def device(self) -> str:
@@ -120,39 +129,38 @@ class ExecutorConfig:
 
 @section
 class AsyncConfig:
-    """``enable``: a generator samples with published weights while the trainer updates.
-
-    ``max_staleness = k``: a batch sampled with weights version ``v`` may be trained on by the
-    trainer at version ``≤ v + k``. ``stale_policy``: ``wait``, a generator does not start the
-    batch of step ``i`` before version ``i − 1 − k`` is published, so no batch is ever too stale
-    (``k = 0`` is the synchronous trainer, step for step); ``drop``, generators never wait for
-    weights and the trainer drops (and counts) the batches that are too stale.
-    ``queue_batches``: the bound of the queue: at most ``queue_batches + 1`` batches are under way
-    or waiting for the trainer (generators stop taking prompts meanwhile), so at most
-    ``queue_batches`` wait when the trainer takes one.
-
-    ``generators``: independent generator loops, each with its engine (locally, a model copy of
-    its own; on Ray, its share of the rollout workers), taking the next ``groups_per_call``
-    prompt groups (0: a step's prompts shared equally among the generators) from one cursor and
-    handing them in as they finish; the trainer takes each step's groups in prompt order.
-    A generator that fails is restarted (on Ray, with new rollout workers) after a back-off of
-    ``restart_backoff_s`` doubling each time, its groups handed out again, up to ``restarts``
-    times in the run; then the run fails, naming it. The run folder's ``status.json`` is
-    rewritten every ``status_every_s`` seconds. ``interruptible``: a generator that sees newer
-    weights published mid-generation stops, keeps the tokens sampled so far (with their
-    log-probs), loads the new weights and continues the open rows (:mod:`purerl.rollout.partial`;
-    the embedded engine only). ``generate_timeout``: on Ray, seconds a generator's workers may
-    take for one generate call before the generator counts as failed and is restarted (None:
-    ``executor.step_timeout``)."""
+    """Generation overlapping training: generators sample with published weights while the trainer
+    updates, through a bounded queue, under a staleness bound."""
 
     enable: bool = False
+    """A generator samples with published weights while the trainer updates."""
     max_staleness: int = attrs.field(default=1, validator=at_least(0))
+    """``k``: a batch sampled with weights version ``v`` may be trained on by the trainer at version
+    ``≤ v + k``."""
     stale_policy: str = attrs.field(default="wait", validator=one_of(("wait", "drop"), "stale policy"))
+    """``wait``: a generator does not start the batch of step ``i`` before version ``i − 1 − k`` is published,
+    so no batch is ever too stale (``k = 0`` is the synchronous trainer, step for step); ``drop``: generators
+    never wait for weights and the trainer drops (and counts) the batches that are too stale."""
     queue_batches: int = attrs.field(default=2, validator=at_least(1))
+    """The bound of the queue: at most ``queue_batches + 1`` batches are under way or waiting for the trainer
+    (generators stop taking prompts meanwhile), so at most ``queue_batches`` wait when the trainer takes one."""
     generators: int = attrs.field(default=1, validator=at_least(1))
+    """Independent generator loops, each with its engine (locally, a model copy of its own; on Ray, its share
+    of the rollout workers), taking prompt groups from one cursor and handing them in as they finish; the
+    trainer takes each step's groups in prompt order."""
     groups_per_call: int = attrs.field(default=0, validator=at_least(0))
+    """Prompt groups a generator takes at a time (0: a step's prompts shared equally among the generators)."""
     restarts: int = attrs.field(default=3, validator=at_least(0))
+    """A generator that fails is restarted (on Ray, with new rollout workers), its groups handed out again, up
+    to this many times in the run; then the run fails, naming it."""
     restart_backoff_s: float = attrs.field(default=1.0, validator=at_least(0))
+    """Seconds before the first restart of a generator, doubling each time."""
     status_every_s: float = attrs.field(default=5.0, validator=positive)
+    """The run folder's ``status.json`` is rewritten every this many seconds."""
     interruptible: bool = attrs.field(default=False, validator=boolean)
+    """A generator that sees newer weights published mid-generation stops, keeps the tokens sampled so far
+    (with their log-probs), loads the new weights and continues the open rows (:mod:`purerl.rollout.partial`;
+    the embedded engine only)."""
     generate_timeout: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive))
+    """On Ray: seconds a generator's workers may take for one generate call before the generator counts as
+    failed and is restarted (None: ``executor.step_timeout``)."""

