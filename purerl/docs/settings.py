@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from purerl.checks import boolean, positive
+from purerl.checks import accepts
 from purerl.config.command_line import FLAGS
 from purerl.config.job import JobConfig
 
@@ -144,18 +144,7 @@ def check_text(validator: Any) -> str:
     member = getattr(validator, "member_validator", None)
     if member is not None:
         return f"each {check_text(member)}"
+    if words := accepts(validator):
+        return words
     validator = inspect.unwrap(validator)  # the function itself where a type checker wraps it (under pytest)
-    if validator is inspect.unwrap(positive):
-        return "> 0"
-    if validator is inspect.unwrap(boolean):
-        return "true or false"
-    kind = getattr(validator, "__qualname__", "")
-    found = inspect.getclosurevars(validator).nonlocals if inspect.isfunction(validator) else {}
-    if kind == "at_least.<locals>.check":
-        return f"≥ {found['low']}"
-    if kind == "in_range.<locals>.check":
-        return f"in {'(' if found['open_low'] else '['}{found['low']}, {found['high']}]"
-    if kind == "one_of.<locals>.check":
-        names = found["names"]
-        return "one of: " + ", ".join(map(str, names.names() if hasattr(names, "names") else names))
     return (inspect.getdoc(validator) or "").split("\n\n")[0].replace("\n", " ").rstrip(".")
