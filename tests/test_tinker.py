@@ -351,3 +351,49 @@ def test_training_calls_run_in_seq_id_order_once_each_within_a_bounded_queue():
         futures.close()
 
     asyncio.run(scenario())
+
+
+def test_waiting_sample_requests_of_one_key_run_together_and_a_refusal_stays_with_its_request():
+    import asyncio
+    import threading
+
+    from purerl.tinker.futures import Batched, Failure, Futures
+
+    async def scenario():
+        futures = Futures(asyncio.get_running_loop(), poll_seconds=5.0,
+                          refuse=lambda err: Failure(str(err)) if isinstance(err, ValueError) else None)
+        gate, batches = threading.Event(), []
+
+        def run(items):
+            batches.append(list(items))
+            return [ValueError(f"bad {i}") if i < 0 else i * 10 for i in items]
+
+        futures.run(gate.wait)  # the worker is busy: what follows waits together
+        a = [futures.submit_batched(Batched("a", i, run)) for i in (1, -2, 3)]
+        b = futures.submit_batched(Batched("b", 7, run))
+        a.append(futures.submit_batched(Batched("a", 4, run)))
+        gate.set()
+        results = [await futures.retrieve(r) for r in (*a, b)]
+        assert batches == [[1, -2, 3, 4], [7]]  # one call per key, in arrival order
+        assert results == [(True, 10), (True, Failure("bad -2")), (True, 30), (True, 40), (True, 70)]
+        futures.close()
+
+    asyncio.run(scenario())
+
+
+def test_prompts_sampled_in_one_call_each_get_their_samples_and_a_bad_prompt_is_refused_alone(served):
+    from purerl.tinker.sampler import SamplingRequest
+
+    sampler, service = served[0].service.sampler, served[0].service
+    base = service.snapshots[0]
+    vocab = sampler.base.config.vocab_size
+    prompts = [[5, 6, 7], [8, 9], [vocab + 3], [5, 6, 7, 8, 9, 10]]
+    request = SamplingRequest(max_tokens=5, temperature=1.0, seed=11)
+    batched = sampler.sample_many(base, prompts, 3, request)
+    assert isinstance(batched[2], ValueError) and "vocabulary" in str(batched[2])
+    for prompt, samples in zip(prompts, batched, strict=True):
+        if prompt[0] < vocab:
+            assert len(samples) == 3 and all(1 <= len(s.ids) <= 5 for s in samples)
+            assert all(len(s.logprobs) == len(s.ids) for s in samples)
+    alone = sampler.sample(base, prompts[0], 3, request)  # the first prompt draws the same alone
+    assert [s.ids for s in alone] == [s.ids for s in batched[0]]

@@ -9,19 +9,26 @@ one's request id. At most ``capacity`` calls wait or run at a time: the next is 
 (:class:`QueueFull`, answered 429, which the SDK retries after a pause). ``retrieve`` waits up to
 ``poll_seconds`` for a result (a long poll, under the SDK's 45 s request timeout), then says to ask
 again. Results stay until ``kept`` newer ones have finished.
+
+Sampling requests are :class:`Batched`: those of one key (the same weights and settings) that wait
+together run as one piece of work, so the engine samples them in one batch (the cookbook sends a
+step's groups at once; one call for 8 prompts × 4 samples is 4.7× the tokens/s of 8 calls of 4). A
+batch that the worker reaches waits while more of its requests keep arriving, each within
+``batch_window_s`` of the last, for at most ``batch_max_wait_s``.
 """
 
 import asyncio
 import itertools
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
 
-__all__ = ["Failure", "Futures", "QueueFull"]
+__all__ = ["Batched", "Failure", "Futures", "QueueFull"]
 
 
 class QueueFull(RuntimeError):
@@ -37,6 +44,17 @@ class Failure:
     category: str = "user"
 
 
+@attrs.frozen
+class Batched:
+    """Work run together with the other waiting work of its ``key``: ``run(items)`` gets the
+    ``item`` of each, in arrival order, and returns one result per item, where an exception refuses
+    that item alone."""
+
+    key: Hashable
+    item: Any
+    run: Callable[[list[Any]], list[Any]]
+
+
 @attrs.define
 class _Model:
     next_seq: int = 1
@@ -49,14 +67,17 @@ class Futures:
     function's exception to a :class:`Failure` (None: a server error)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, capacity: int = 256, poll_seconds: float = 25.0,
-                 kept: int = 4096, refuse: Callable[[BaseException], Failure | None] = lambda err: None) -> None:
+                 kept: int = 4096, refuse: Callable[[BaseException], Failure | None] = lambda err: None,
+                 batch_window_s: float = 0.02, batch_max_wait_s: float = 0.2) -> None:
         self.loop, self.capacity, self.poll_seconds, self.kept, self.refuse = loop, capacity, poll_seconds, kept, refuse
+        self.batch_window_s, self.batch_max_wait_s = batch_window_s, batch_max_wait_s
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="purerl-tinker")
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._events: dict[str, asyncio.Event] = {}
         self._results: OrderedDict[str, Any] = OrderedDict()
         self._models: dict[str, _Model] = {}
+        self._batches: dict[Hashable, list[tuple[str, Any]]] = {}
         self._open = 0
         self._closed = False
 
@@ -73,6 +94,17 @@ class Futures:
         with self._lock:
             request_id = self._new()
         self._worker.submit(self._run, request_id, work)
+        return request_id
+
+    def submit_batched(self, work: Batched) -> str:
+        """Queue ``work`` with the waiting work of its key (see :class:`Batched`) and return its request id."""
+        with self._lock:
+            request_id = self._new()
+            waiting = self._batches.setdefault(work.key, [])
+            waiting.append((request_id, work.item))
+            first = len(waiting) == 1
+        if first:  # the batch runs when the worker reaches it, with whatever joined it by then
+            self._worker.submit(self._run_batch, work.key, work.run)
         return request_id
 
     def submit_ordered(self, model_id: str, seq_id: int, work: Callable[[], Any]) -> str:
@@ -108,8 +140,29 @@ class Futures:
         try:
             result = work()
         except Exception as err:  # noqa: BLE001 - every failure is answered to the caller
-            result = self.refuse(err) or Failure(f"{type(err).__name__}: {err}".splitlines()[0], "server")
+            result = self._failure(err)
         self._finish(request_id, result)
+
+    def _run_batch(self, key: Hashable, run: Callable[[list[Any]], list[Any]]) -> None:
+        deadline, seen = time.monotonic() + self.batch_max_wait_s, 0
+        while time.monotonic() < deadline:  # collect while requests keep coming, each within the window
+            with self._lock:
+                waiting = len(self._batches[key])
+            if waiting == seen:
+                break
+            seen = waiting
+            time.sleep(self.batch_window_s)
+        with self._lock:
+            ids, items = zip(*self._batches.pop(key), strict=True)
+        try:
+            results = run(list(items))
+        except Exception as err:  # noqa: BLE001 - every failure is answered to its callers
+            results = [err] * len(ids)
+        for request_id, result in zip(ids, results, strict=True):
+            self._finish(request_id, self._failure(result) if isinstance(result, Exception) else result)
+
+    def _failure(self, err: BaseException) -> Failure:
+        return self.refuse(err) or Failure(f"{type(err).__name__}: {err}".splitlines()[0], "server")
 
     def _finish(self, request_id: str, result: Any) -> None:
         with self._lock:

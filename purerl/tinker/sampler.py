@@ -77,12 +77,13 @@ class Sample:
 
 class Sampler:
     """Samples snapshots of models over ``base`` (``base_params``) with its tokenizer's ``decode``
-    (stop strings) and EOS ids; keeps up to ``engines`` engines (one per set of stop ids)."""
+    (stop strings) and EOS ids; keeps up to ``engines`` engines (one per set of stop ids); an engine
+    call samples at most ``max_rows`` rows."""
 
     def __init__(self, base: CausalLM, base_params: Params, *, eos_ids: Sequence[int], decode: Any,
-                 pad_id: int, context: int, device: torch.device, engines: int = 4) -> None:
+                 pad_id: int, context: int, device: torch.device, engines: int = 4, max_rows: int = 256) -> None:
         self.base, self.base_params, self.eos_ids, self.decode = base, base_params, tuple(eos_ids), decode
-        self.pad_id, self.context, self.device, self._limit = pad_id, context, device, engines
+        self.pad_id, self.context, self.device, self._limit, self.max_rows = pad_id, context, device, engines, max_rows
         self._engines: OrderedDict[tuple[int, ...], TorchEngine] = OrderedDict()
 
     def _engine(self, stop_ids: tuple[int, ...]) -> TorchEngine:
@@ -103,28 +104,64 @@ class Sampler:
     def sample(self, snapshot: Snapshot, prompt: Sequence[int], n: int, request: SamplingRequest) -> list[Sample]:
         """``n`` samples continuing ``prompt`` from ``snapshot`` (``ValueError`` in one line for
         settings that cannot be honoured)."""
+        (result,) = self.sample_many(snapshot, [prompt], n, request)
+        if isinstance(result, ValueError):
+            raise result
+        return result
+
+    def sample_many(self, snapshot: Snapshot, prompts: Sequence[Sequence[int]], n: int,
+                    request: SamplingRequest) -> list[list[Sample] | ValueError]:
+        """``n`` samples continuing each of ``prompts`` from ``snapshot``, all in engine calls of at most
+        ``max_rows`` rows (each prompt is prefilled once for its ``n`` rows): per prompt, its samples,
+        or the ``ValueError`` that refuses it (the others are sampled all the same)."""
+        self._check(n, request)
+        results: list[list[Sample] | ValueError] = []
+        for prompt in prompts:
+            try:
+                self._check_prompt(prompt, request)
+                results.append([])
+            except ValueError as err:
+                results.append(err)
+        todo = [i for i, r in enumerate(results) if not isinstance(r, ValueError)]
+        if not todo:
+            return results
+        engine = self._engine(self.eos_ids if request.stop_ids is None else tuple(sorted(set(request.stop_ids))))
+        if engine.version != snapshot.number:
+            engine.sync(self._weights(snapshot), snapshot.number)
+        seed = secrets.randbits(62) if request.seed is None else request.seed % (2**62)
+        limits: dict[int, list[int]] = {}  # max_tokens (None: each prompt's room) -> the prompts sampled with it
+        for i in todo:
+            limits.setdefault(request.max_tokens or self.context - len(prompts[i]), []).append(i)
+        per_call = max(1, self.max_rows // n)
+        calls = [(limit, same[at:at + per_call]) for limit, same in limits.items()
+                 for at in range(0, len(same), per_call)]
+        for call, (max_tokens, chunk) in enumerate(calls):
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
+                                    top_k=max(request.top_k, 0), n=n, stop=request.stop_strings)
+            rng = RngState(seed) if call == 0 else RngState(seed).fold_in(call)
+            rollout = engine.generate([list(prompts[i]) for i in chunk], params, rng, version=snapshot.number)
+            responses, mask = rollout.sequences.responses().cpu(), rollout.sequences.response_mask.cpu()
+            logprobs, reasons = rollout.behaviour_logprobs.cpu(), rollout.finish_reasons.cpu()
+            for k, i in enumerate(chunk):
+                results[i] = [Sample(responses[r][mask[r]].tolist(), logprobs[r][mask[r]].tolist(),
+                                     int(reasons[r]) == FINISH_LENGTH) for r in range(k * n, (k + 1) * n)]
+        return results
+
+    def _check(self, n: int, request: SamplingRequest) -> None:
+        vocab = self.base.config.vocab_size
+        if n < 1:
+            raise ValueError(f"num_samples must be at least 1, got {n}")
+        if request.top_k == 0 or request.top_k < -1:
+            raise ValueError(f"top_k must be -1 (no limit) or at least 1, got {request.top_k}")
+        if request.stop_ids is not None and any(not 0 <= t < vocab for t in request.stop_ids):
+            raise ValueError(f"stop: token ids must be in the vocabulary [0, {vocab})")
+
+    def _check_prompt(self, prompt: Sequence[int], request: SamplingRequest) -> None:
         vocab = self.base.config.vocab_size
         if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt: needs at least one token, each in the vocabulary [0, {vocab})")
-        if n < 1:
-            raise ValueError(f"num_samples must be at least 1, got {n}")
         room = self.context - len(prompt)
         max_tokens = room if request.max_tokens is None else request.max_tokens
         if not 1 <= max_tokens <= room:
             raise ValueError(f"max_tokens {max_tokens}: the prompt ({len(prompt)} tokens) leaves room for 1 to "
                              f"{room} in the model's context ({self.context})")
-        if request.top_k == 0 or request.top_k < -1:
-            raise ValueError(f"top_k must be -1 (no limit) or at least 1, got {request.top_k}")
-        if request.stop_ids is not None and any(not 0 <= t < vocab for t in request.stop_ids):
-            raise ValueError(f"stop: token ids must be in the vocabulary [0, {vocab})")
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-                                top_k=max(request.top_k, 0), n=n, stop=request.stop_strings)
-        engine = self._engine(self.eos_ids if request.stop_ids is None else tuple(sorted(set(request.stop_ids))))
-        if engine.version != snapshot.number:
-            engine.sync(self._weights(snapshot), snapshot.number)
-        seed = secrets.randbits(62) if request.seed is None else request.seed % (2**62)
-        rollout = engine.generate([list(prompt)], params, RngState(seed), version=snapshot.number)
-        responses, mask = rollout.sequences.responses().cpu(), rollout.sequences.response_mask.cpu()
-        logprobs, reasons = rollout.behaviour_logprobs.cpu(), rollout.finish_reasons.cpu()
-        return [Sample(responses[r][mask[r]].tolist(), logprobs[r][mask[r]].tolist(), int(reasons[r]) == FINISH_LENGTH)
-                for r in range(len(responses))]

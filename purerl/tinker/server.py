@@ -270,7 +270,7 @@ def app_of(service: Service, key: str, *, capacity: int = 256, poll_seconds: flo
             work = service.sample_work(asked, settings)
         except ValueError as err:
             return {"request_id": futures().finish_now(_refusal(err))}
-        request_id = futures().submit(work)
+        request_id = futures().submit_batched(work)
         ids = [f"{request_id}:{i}" for i in range(asked.num_samples)]
         return {"request_id": request_id, "sample_sequence_ids": ids}
 

@@ -10,7 +10,7 @@ create-via-load) and sampling sessions ``<session>:sample:<n>``.
 
 import itertools
 import uuid
-from collections.abc import Callable
+from collections.abc import Hashable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from tinker import types
 
 from purerl.models import CausalLM, Params
 from purerl.tinker import runs, wire
+from purerl.tinker.futures import Batched
 from purerl.tinker.losses import bound_config, loss_of
 from purerl.tinker.sampler import Sampler, SamplingRequest, Snapshot
 from purerl.tinker.store import Store, parse_path, tinker_path
@@ -297,19 +298,22 @@ class Service:
         return {"sampler_id": sampler_id, "base_model": self.name,
                 "model_path": self.snapshots[self.samplers[sampler_id]].path}
 
-    def sample_work(self, request: types.SampleRequest, settings: SamplingRequest) -> Callable[[], bytes]:
-        """The work of an ``asample`` request (its snapshot resolved now, its settings checked there)."""
+    def sample_work(self, request: types.SampleRequest, settings: SamplingRequest) -> Batched:
+        """The work of an ``asample`` request (its snapshot resolved now, its settings checked there),
+        as a batch member: requests with the same ``key`` waiting together share engine calls. A
+        request with its own ``seed`` is sampled alone, so that its draw does not depend on others."""
         if request.sampling_session_id is not None:
             if request.sampling_session_id not in self.samplers:
                 raise ValueError(f"sampling session {request.sampling_session_id!r} is not open on this server")
-            number = self.samplers[request.sampling_session_id]
+            source: Hashable = self.samplers[request.sampling_session_id]
         else:
-            number = None
+            source = (request.model_path, request.base_model)
         prompt = wire.prompt_tokens(request.prompt, "prompt")
+        alone = object() if settings.seed is not None else None
 
-        def work() -> bytes:
-            snapshot = self.snapshots[number if number is not None else
-                                      self.sampler_snapshot(request.model_path, request.base_model)]
-            return wire.sample_response(self.sampler.sample(snapshot, prompt, request.num_samples, settings))
+        def run(prompts: list[list[int]]) -> list[bytes | ValueError]:
+            number = source if isinstance(source, int) else self.sampler_snapshot(*source)
+            sampled = self.sampler.sample_many(self.snapshots[number], prompts, request.num_samples, settings)
+            return [s if isinstance(s, ValueError) else wire.sample_response(s) for s in sampled]
 
-        return work
+        return Batched(("sample", source, settings, request.num_samples, alone), prompt, run)
