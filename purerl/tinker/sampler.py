@@ -115,13 +115,7 @@ class Sampler:
         ``max_rows`` rows (each prompt is prefilled once for its ``n`` rows): per prompt, its samples,
         or the ``ValueError`` that refuses it (the others are sampled all the same)."""
         self._check(n, request)
-        results: list[list[Sample] | ValueError] = []
-        for prompt in prompts:
-            try:
-                self._check_prompt(prompt, request)
-                results.append([])
-            except ValueError as err:
-                results.append(err)
+        results: list[list[Sample] | ValueError] = [self._refusal(prompt, request) or [] for prompt in prompts]
         todo = [i for i, r in enumerate(results) if not isinstance(r, ValueError)]
         if not todo:
             return results
@@ -131,7 +125,8 @@ class Sampler:
         seed = secrets.randbits(62) if request.seed is None else request.seed % (2**62)
         limits: dict[int, list[int]] = {}  # max_tokens (None: each prompt's room) -> the prompts sampled with it
         for i in todo:
-            limits.setdefault(request.max_tokens or self.context - len(prompts[i]), []).append(i)
+            limits.setdefault(self.context - len(prompts[i]) if request.max_tokens is None else request.max_tokens,
+                              []).append(i)
         per_call = max(1, self.max_rows // n)
         calls = [(limit, same[at:at + per_call]) for limit, same in limits.items()
                  for at in range(0, len(same), per_call)]
@@ -156,12 +151,14 @@ class Sampler:
         if request.stop_ids is not None and any(not 0 <= t < vocab for t in request.stop_ids):
             raise ValueError(f"stop: token ids must be in the vocabulary [0, {vocab})")
 
-    def _check_prompt(self, prompt: Sequence[int], request: SamplingRequest) -> None:
+    def _refusal(self, prompt: Sequence[int], request: SamplingRequest) -> ValueError | None:
+        """Why ``prompt`` cannot be sampled with ``request`` (None: it can)."""
         vocab = self.base.config.vocab_size
         if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt: needs at least one token, each in the vocabulary [0, {vocab})")
+            return ValueError(f"prompt: needs at least one token, each in the vocabulary [0, {vocab})")
         room = self.context - len(prompt)
         max_tokens = room if request.max_tokens is None else request.max_tokens
         if not 1 <= max_tokens <= room:
-            raise ValueError(f"max_tokens {max_tokens}: the prompt ({len(prompt)} tokens) leaves room for 1 to "
-                             f"{room} in the model's context ({self.context})")
+            return ValueError(f"max_tokens {max_tokens}: the prompt ({len(prompt)} tokens) leaves room for 1 to "
+                              f"{room} in the model's context ({self.context})")
+        return None
