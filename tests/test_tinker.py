@@ -397,3 +397,22 @@ def test_prompts_sampled_in_one_call_each_get_their_samples_and_a_bad_prompt_is_
             assert all(len(s.logprobs) == len(s.ids) for s in samples)
     alone = sampler.sample(base, prompts[0], 3, request)  # the first prompt draws the same alone
     assert [s.ids for s in alone] == [s.ids for s in batched[0]]
+
+
+def test_a_batch_whose_work_returns_the_wrong_number_of_results_fails_each_request_in_one_line():
+    import asyncio
+    import threading
+
+    from purerl.tinker.futures import Batched, Futures
+
+    async def scenario():
+        futures, gate = Futures(asyncio.get_running_loop(), poll_seconds=5.0), threading.Event()
+        futures.run(gate.wait)  # the worker is busy: the three wait together
+        ids = [futures.submit_batched(Batched("k", i, lambda items: items[:1])) for i in range(3)]
+        gate.set()
+        results = [await futures.retrieve(r) for r in ids]
+        futures.close()
+        return results
+
+    for done, failure in asyncio.run(scenario()):
+        assert done and failure.category == "server" and "got 1 results" in failure.error

@@ -156,6 +156,8 @@ class Futures:
             ids, items = zip(*self._batches.pop(key), strict=True)
         try:
             results = run(list(items))
+            if len(results) != len(ids):
+                raise RuntimeError(f"a batch of {len(ids)} requests got {len(results)} results")
         except Exception as err:  # noqa: BLE001 - every failure is answered to its callers
             results = [err] * len(ids)
         for request_id, result in zip(ids, results, strict=True):
