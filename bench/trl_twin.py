@@ -3,7 +3,9 @@
 Both sides get the same model (SmolLM2-135M-Instruct, the GGUF dequantized to float32), the same
 training prompts in the same order (purerl's data cursor at that seed; TRL's sampler without
 shuffling), the same chat template, the same reward (``lenient_math_reward`` on the decoded
-answer), and the main job's hyper-parameters: 8 prompts × 4 samples per step, ≤ 48 new tokens at
+answer, plus DAPO's soft overlong penalty on the completion's token count, EOS included, as
+``reward.overlong_buffer`` sets it: a second TRL reward function, which TRL adds to the first), and
+the main job's hyper-parameters: 8 prompts × 4 samples per step, ≤ 48 new tokens at
 temperature 0.7, lr 2e-5 with a 2-step warm-up and a cosine to 0.1×, clip 0.2/0.28 with token-mean
 aggregation (TRL's ``loss_type="dapo"``), no KL, one update per batch, global-norm clipping at 1.0,
 AdamW without weight decay. ``tests/test_trl_parity.py`` pins that one update is the same on both
@@ -17,6 +19,7 @@ process, one after the other.
 
     python3 bench/trl_twin.py --seed 0            # both sides, ~20 min on a 2-core CPU
     python3 bench/trl_twin.py --seed 1 --side trl # one side
+    python3 bench/trl_twin.py --seed 2 --side trl --threads 1   # one thread, to run two seeds at a time
     python3 bench/trl_twin.py --steps 2 --eval-size 8 --prompts-per-step 2   # a quick look
     python3 bench/trl_twin.py --model runs/x/export --steps 10 --seed 100    # both from one trained state
 
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from purerl.algo.dapo import overlong_penalty  # noqa: E402
 from purerl.config.command_line import parse_command_line  # noqa: E402
 from purerl.data.cursor import DataCursor, next_indices  # noqa: E402
 from purerl.loop.evaluation import evaluate  # noqa: E402
@@ -51,7 +55,8 @@ from purerl.run import engine_options, load_policy, load_records_of, load_tasks,
 def _job(args: argparse.Namespace) -> list[str]:
     return ["--seed", str(args.seed), "--steps", str(args.steps), "--eval-size", str(args.eval_size),
             "--prompts-per-step", str(args.prompts_per_step), "--no-progress", "--eval-every", "0",
-            *(["--model", args.model] if args.model else [])]
+            *(["--model", args.model] if args.model else []),
+            *(["--threads", str(args.threads)] if args.threads else [])]
 
 
 def purerl_side(args: argparse.Namespace, out: Path) -> dict:
@@ -60,7 +65,8 @@ def purerl_side(args: argparse.Namespace, out: Path) -> dict:
     summary = run(inv.config, inv.out_dir, overwrite=True)
     wall = time.perf_counter() - start
     records = summary["records"]
-    return {"side": "purerl", "seed": args.seed, "wall_s": wall, "accuracy_before": summary["accuracy_before"],
+    return {"side": "purerl", "seed": args.seed, "overlong_buffer": inv.config.reward.overlong_buffer,
+            "wall_s": wall, "accuracy_before": summary["accuracy_before"],
             "accuracy_after": summary["accuracy_after"], "gain_points": summary["accuracy_gain_points"],
             "length": [r["response_length/mean"] for r in records],
             "cut": [r["response_length/clip_ratio"] for r in records],
@@ -101,6 +107,13 @@ def trl_side(args: argparse.Namespace, out: Path) -> dict:
         return [lenient_math_reward(c[0]["content"] if isinstance(c, list) else c, t)
                 for c, t in zip(completions, ground_truth)]
 
+    def overlong(completion_ids, **_):  # purerl's shaping (purerl.rewards.mix), on TRL's completions
+        lengths = torch.tensor([len(ids) for ids in completion_ids])
+        return overlong_penalty(lengths, config.rollout.max_new_tokens, config.reward.overlong_buffer,
+                                config.reward.overlong_penalty).tolist()
+
+    reward_funcs = [reward, overlong] if config.reward.overlong_buffer else [reward]
+
     records: list[dict] = []
 
     class Log(TrainerCallback):
@@ -122,13 +135,14 @@ def trl_side(args: argparse.Namespace, out: Path) -> dict:
             max_grad_norm=actor.grad_clip, weight_decay=actor.weight_decay, beta=0.0, loss_type="dapo",
             epsilon=actor.clip_low, epsilon_high=actor.clip_high, scale_rewards="group", shuffle_dataset=False,
             report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True)
-        GRPOTrainer(model=hf, reward_funcs=reward, args=trl_args, train_dataset=dataset, processing_class=tokenizer,
-                    callbacks=[Log()]).train()
+        GRPOTrainer(model=hf, reward_funcs=reward_funcs, args=trl_args, train_dataset=dataset,
+                    processing_class=tokenizer, callbacks=[Log()]).train()
         state = hf.state_dict()
         trained = {name: state[name].detach().clone() for name in params}
     after = held_out(trained)
     wall = time.perf_counter() - start
-    return {"side": "trl", "seed": args.seed, "wall_s": wall, "accuracy_before": before, "accuracy_after": after,
+    return {"side": "trl", "seed": args.seed, "overlong_buffer": config.reward.overlong_buffer, "wall_s": wall,
+            "accuracy_before": before, "accuracy_after": after,
             "gain_points": 100 * (after - before),
             "length": [float(r["completions/mean_length"]) for r in records],
             "cut": [float(r["completions/clipped_ratio"]) for r in records],
@@ -143,6 +157,7 @@ def main() -> None:
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--model", help="start both sides from this HF directory or GGUF (default: the main job's model)")
     ap.add_argument("--side", choices=["both", "purerl", "trl"], default="both")
+    ap.add_argument("--threads", type=int, help="torch threads per side (default: the main job's, every core)")
     ap.add_argument("--out", default="runs/trl_twin")
     args = ap.parse_args()
     out = Path(args.out)
