@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--title", default="tinker-cookbook RL run")
     parser.add_argument("--window", type=int, default=10, help="steps averaged at each end")
     args = parser.parse_args()
+    if args.window < 1:
+        raise SystemExit(f"--window {args.window}: average at least 1 step at each end")
     rows = step_rows(args.metrics)
     if len(rows) < 2 * args.window:
         raise SystemExit(f"{args.metrics}: {len(rows)} steps with rollout metrics, fewer than 2 × --window "

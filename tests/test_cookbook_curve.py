@@ -35,3 +35,6 @@ def test_too_short_a_run_is_refused_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, str(_PATH), str(metrics), "--out", str(tmp_path / "c.png")],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "3 steps with rollout metrics, fewer than 2 × --window (10)" in done.stderr
+    done = subprocess.run([sys.executable, str(_PATH), str(metrics), "--out", str(tmp_path / "c.png"), "--window", "0"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "--window 0: average at least 1 step at each end" in done.stderr
