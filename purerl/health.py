@@ -121,7 +121,16 @@ def _grad_norm(row: Row, limits: HealthLimits, context: Context, best: float | N
 def _zero_gradient(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
     if not _has(row, "actor/grad_norm"):
         return None
-    return row["actor/grad_norm"] == 0 and row.get("actor/skipped_rows_frac", 0.0) < 1
+    return row["actor/grad_norm"] == 0 and _some_advantage(row)
+
+
+def _some_advantage(row: Row) -> bool:
+    """Whether a row of the step had a nonzero advantage: read from the advantages' extremes where the row
+    has them, since a step whose groups are all alike still forwards one row, with advantage 0, to check the
+    weight sync (so ``actor/skipped_rows_frac`` is under 1 there and says nothing)."""
+    if _has(row, "critic/advantages/max") and _has(row, "critic/advantages/min"):
+        return row["critic/advantages/max"] != 0 or row["critic/advantages/min"] != 0
+    return row.get("actor/skipped_rows_frac", 0.0) < 1
 
 
 def _dropped(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:

@@ -14,7 +14,7 @@ MONITOR = Monitor(HealthLimits(patience=2), Context(max_new_tokens=48, grad_clip
 HEALTHY = {"response_length/clip_ratio": 0.1, "health/no_signal_frac": 0.3, "health/rule_positive_frac": 0.4,
            "health/reward_spread": 1.0,
            "actor/entropy": 0.8, "rollout/logprob_gap_mean": 0.0, "actor/grad_norm": 3.0,
-           "actor/skipped_rows_frac": 0.3}
+           "actor/skipped_rows_frac": 0.3, "critic/advantages/max": 1.5, "critic/advantages/min": -1.5}
 SICK = {"cut_responses": {"response_length/clip_ratio": 0.9},
         "no_signal": {"health/no_signal_frac": 1.0},
         "constant_reward": {"health/reward_spread": 0.0},
@@ -64,6 +64,15 @@ def test_held_out_accuracy_falling_below_its_best_is_reported_at_that_evaluation
 def test_groups_alike_because_the_task_is_solved_are_no_symptom():
     solved = {"health/no_signal_frac": 1.0, "health/rule_positive_frac": 0.9}  # a learned main job's last steps
     assert MONITOR.fold(_rows(solved, solved, solved))[1] == []
+
+
+def test_a_step_without_any_advantage_has_no_gradient_and_that_is_no_symptom():
+    # a solved tool job's steps: every group alike, one row still forwarded for the weight-sync check
+    alike = {"actor/grad_norm": 0.0, "actor/skipped_rows_frac": 0.9688, "health/no_signal_frac": 1.0,
+             "health/rule_positive_frac": 0.95, "critic/advantages/max": 0.0, "critic/advantages/min": 0.0}
+    assert MONITOR.fold(_rows(alike, alike, alike))[1] == []
+    older = {k: v for k, v in alike.items() if not k.startswith("critic/")}  # rows without the extremes
+    assert [e.symptom for e in MONITOR.fold(_rows(older, older))[1]] == ["zero_gradient"]
 
 
 def test_no_signal_defers_to_a_dead_reward_and_lines_name_what_to_look_at():
