@@ -128,7 +128,7 @@ def _some_advantage(row: Row) -> bool:
     """Whether a row of the step had a nonzero advantage: read from the advantages' extremes where the row
     has them, since a step whose groups are all alike still forwards one row, with advantage 0, to check the
     weight sync (so ``actor/skipped_rows_frac`` is under 1 there and says nothing)."""
-    if _has(row, "critic/advantages/max") and _has(row, "critic/advantages/min"):
+    if _has(row, "critic/advantages/max", "critic/advantages/min"):
         return row["critic/advantages/max"] != 0 or row["critic/advantages/min"] != 0
     return row.get("actor/skipped_rows_frac", 0.0) < 1
 
