@@ -5,8 +5,8 @@ training prompts in the same order (purerl's data cursor at that seed; TRL's sam
 shuffling), the same chat template, the same reward (``lenient_math_reward`` on the decoded
 answer, plus DAPO's soft overlong penalty on the completion's token count, EOS included, as
 ``reward.overlong_buffer`` sets it: a second TRL reward function, which TRL adds to the first), and
-the main job's hyper-parameters: 8 prompts × 4 samples per step, ≤ 48 new tokens at
-temperature 0.7, lr 2e-5 with a 2-step warm-up and a cosine to 0.1×, clip 0.2/0.28 with token-mean
+the main job's hyper-parameters, read from its config (today: 8 prompts × 4 samples per step, ≤ 48
+new tokens, lr 2e-5 with a 2-step warm-up and a cosine to 0.1×, clip 0.2/0.28 with token-mean
 aggregation (TRL's ``loss_type="dapo"``), no KL, one update per batch, global-norm clipping at 1.0,
 AdamW without weight decay. ``tests/test_trl_parity.py`` pins that one update is the same on both
 sides. Both are scored by the same held-out evaluation (purerl's: greedy, 64 problems), TRL's
@@ -53,8 +53,10 @@ from purerl.run import engine_options, load_policy, load_records_of, load_tasks,
 
 
 def _job(args: argparse.Namespace) -> list[str]:
-    return ["--seed", str(args.seed), "--steps", str(args.steps), "--eval-size", str(args.eval_size),
-            "--prompts-per-step", str(args.prompts_per_step), "--no-progress", "--eval-every", "0",
+    """The main job's command line for this twin: the job's own defaults unless a flag overrides one."""
+    sized = [(flag, value) for flag, value in (("--steps", args.steps), ("--eval-size", args.eval_size),
+                                               ("--prompts-per-step", args.prompts_per_step)) if value is not None]
+    return ["--seed", str(args.seed), *[str(x) for pair in sized for x in pair], "--no-progress", "--eval-every", "0",
             *(["--model", args.model] if args.model else []),
             *(["--threads", str(args.threads)] if args.threads else [])]
 
@@ -152,9 +154,9 @@ def trl_side(args: argparse.Namespace, out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--eval-size", type=int, default=64)
-    ap.add_argument("--prompts-per-step", type=int, default=8)
+    ap.add_argument("--steps", type=int, help="training steps (default: the main job's)")
+    ap.add_argument("--eval-size", type=int, help="held-out problems (default: the main job's)")
+    ap.add_argument("--prompts-per-step", type=int, help="prompts per step (default: the main job's)")
     ap.add_argument("--model", help="start both sides from this HF directory or GGUF (default: the main job's model)")
     ap.add_argument("--side", choices=["both", "purerl", "trl"], default="both")
     ap.add_argument("--threads", type=int, help="torch threads per side (default: the main job's, every core)")
