@@ -14,9 +14,9 @@ class TrainerSettings:
     once (exit status 1, naming the step and the last good checkpoint) when an update leaves non-finite
     weights."""
 
-    steps: int = attrs.field(default=30, validator=at_least(1))
+    steps: int = attrs.field(default=45, validator=at_least(1))
     """Training steps of the run (each samples ``data.prompts_per_step`` prompts and updates once or more)."""
-    eval_every: int = attrs.field(default=10, validator=at_least(0))
+    eval_every: int = attrs.field(default=15, validator=at_least(0))
     """Evaluate the held-out problems (greedy) after every this many steps; also before the first step and
     after the last (0: only then)."""
     checkpoint_every: int = attrs.field(default=10, validator=at_least(0))

@@ -1,7 +1,7 @@
 """purerl's GRPO update against TRL's ``GRPOTrainer`` on one identical batch: the same prompts, the
 same sampled responses (some ended by EOS, some cut at the length limit), the same rewards, the
-main job's settings (``experiments/grpo_math.py``: clip 0.2/0.28, token-mean, no KL, temperature
-0.7, lr 2e-5 with a 2-step warm-up and a cosine to 0.1×, global-norm clipping at 1.0, AdamW).
+main job's settings (``experiments/grpo_math.py``: clip 0.2/0.28, token-mean, no KL, its sampling
+temperature, lr 2e-5 with a 2-step warm-up and a cosine to 0.1×, global-norm clipping at 1.0, AdamW).
 
 TRL's side is its own trainer: its ``rollout_func`` hands it the fixed responses, and its data
 flow, advantages, loss, clipping, schedule and AdamW step do the rest. Both sides start from the
@@ -38,6 +38,7 @@ from purerl.config.loading import build  # noqa: E402
 from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.models.hf import export_hf  # noqa: E402
 from purerl.optim.base import Optimizer  # noqa: E402
+from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.run import initial_state  # noqa: E402
 from purerl.step import grpo_step  # noqa: E402
 from purerl.step.experience import reference_logprobs  # noqa: E402
@@ -45,7 +46,7 @@ from purerl.tiny import char_tokenizer, tiny_llama_config  # noqa: E402
 
 DIFFERENCES = {"advantage epsilon": (1e-6, 1e-4), "positions under left padding": "none here: equal prompt lengths"}
 PROMPTS = ["12+34=", "56-78=", "3*3="]
-N, MAX_NEW, TEMPERATURE = 4, 10, 0.7
+N, MAX_NEW, TEMPERATURE = 4, 10, SamplingParams().temperature
 SETTINGS = {"rollout": {"temperature": TEMPERATURE, "n": N, "max_new_tokens": MAX_NEW},
             "data": {"prompts_per_step": len(PROMPTS)}, "trainer": {"steps": 30},
             "actor": {"lr": 2e-5, "warmup_steps": 2, "min_lr_ratio": 0.1, "clip_low": 0.2, "clip_high": 0.28,

@@ -34,8 +34,9 @@ class SamplingParams:
 
     max_new_tokens: int = attrs.field(default=48, validator=at_least(1))
     """The most tokens a response may have; generation stops there (the response is cut)."""
-    temperature: float = attrs.field(default=0.7, validator=at_least(0))
-    """The sampling temperature (0: greedy decoding)."""
+    temperature: float = attrs.field(default=0.85, validator=at_least(0))
+    """The sampling temperature (0: greedy decoding). 0.85 learns on every seed of the main job where 0.7
+    stalled on some and 1.0 is too noisy for a 135M model (BENCHMARKS.md, issue 57)."""
     top_p: float = attrs.field(default=1.0, validator=in_range(0, 1, open_low=True))
     """Nucleus sampling: the smallest set of likeliest tokens whose mass reaches ``top_p`` (1: the whole
     mass)."""
