@@ -208,7 +208,7 @@ def test_data_without_eval_data_holds_rows_out_of_training(tmp_path):
     (["--config", "missing.toml"], "config file missing.toml: no such file"),
     (["--reward-model", "README.md"], "reward.model (--reward-model) README.md: a file that is not an HF model folder"),
     (["trainer.critic_warmup=2"], "trainer.critic_warmup and the critic section need a critic"),
-    (["--adv-estimator", "gae", "trainer.critic_warmup=30"], "the policy would never train"),
+    (["--adv-estimator", "gae", "trainer.steps=30", "trainer.critic_warmup=30"], "the policy would never train"),
     (["--format-bonus", "0.1"], "reward.format_bonus (--format-bonus) applies to the strict reward"),
     (["actor.mini_batch_rows=0"], "actor.mini_batch_rows must be ≥ 1"),
     (["actor.policy_loss=dro"], "actor.policy_loss=dro needs actor.loss_options.dro_beta"),

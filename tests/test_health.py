@@ -124,7 +124,8 @@ def test_each_provoked_symptom_prints_its_line_and_lands_in_metrics_and_summary(
             "all_cut": lambda: [DIGITS, "--max-new-tokens", "2"],
             # 0.1: a policy wrecked in two steps, repeating one token to the limit (1e6 or more: the update's
             # norm guard stops the run at its first step, tests/test_update_guard.py)
-            "huge_lr": lambda: [STOPS, DIGITS, "--lr", "0.1", "--warmup-steps", "0", "--steps", "8"],
+            "huge_lr": lambda: [STOPS, DIGITS, "--lr", "0.1", "--warmup-steps", "0", "--steps", "8",
+                                "--temperature", "0.7"],  # the draw in which the wreck repeats to the limit
             "equal_rewards": lambda: [STOPS, _rewards(tmp_path, 1.0, "equal_rewards"),
                                       "reward.overlong_buffer=0"]}[case]()
     summary = run_job([*BASE, *argv, "--out-dir", str(tmp_path / "run")])
