@@ -54,9 +54,12 @@ from purerl.run import engine_options, load_policy, load_records_of, load_tasks,
 
 def _job(args: argparse.Namespace) -> list[str]:
     """The main job's command line for this twin: the job's own defaults unless a flag overrides one."""
-    sized = [(flag, value) for flag, value in (("--steps", args.steps), ("--eval-size", args.eval_size),
-                                               ("--prompts-per-step", args.prompts_per_step)) if value is not None]
-    return ["--seed", str(args.seed), *[str(x) for pair in sized for x in pair], "--no-progress", "--eval-every", "0",
+    overrides = []
+    for flag, value in (("--steps", args.steps), ("--eval-size", args.eval_size),
+                        ("--prompts-per-step", args.prompts_per_step)):
+        if value is not None:
+            overrides += [flag, str(value)]
+    return ["--seed", str(args.seed), *overrides, "--no-progress", "--eval-every", "0",
             *(["--model", args.model] if args.model else []),
             *(["--threads", str(args.threads)] if args.threads else [])]
 
