@@ -11,7 +11,8 @@ steps' responses cut at the limit).
 
 ``--purerl-table`` takes purerl's side of a seed the twin ran on TRL's side only from a
 ``bench/seeds.py`` table of the same job (the twin's purerl side is that job at that seed; the table
-keeps no per-step lengths, so those rows show none). The sides may have run different seeds: the
+keeps no per-step lengths, so those rows show none; a table whose runs start from another held-out
+accuracy than the twin's TRL side is refused). The sides may have run different seeds: the
 means compare all runs of each side.
 """
 
@@ -38,6 +39,11 @@ def with_purerl_table(runs: list[dict], table: Path) -> list[dict]:
     missing = sorted({r["seed"] for r in runs if r["side"] == "trl"} - ran)
     if absent := [s for s in missing if s not in rows]:
         raise SystemExit(f"twin_summary: {table} has no row for seed(s) {absent}")
+    before = {r["seed"]: r["accuracy_before"] for r in runs if r["side"] == "trl"}
+    if other := [s for s in missing if rows[s]["accuracy_before"] != before[s]]:  # another model or held-out set
+        raise SystemExit(f"twin_summary: {table} starts seed(s) {other} from another held-out accuracy than the "
+                         f"twin's TRL side ({[rows[s]['accuracy_before'] for s in other]} against "
+                         f"{[before[s] for s in other]}): not the same job")
     added = [{"side": "purerl", "seed": s, "gain_points": rows[s]["gain_points"], "wall_s": rows[s]["wall_s"],
               "length": [], "cut": [rows[s]["cut_last10"]], "reward": [rows[s]["reward_last10"]],
               "from": str(table)} for s in missing]
@@ -83,7 +89,11 @@ def figures(runs: list[dict]) -> dict:
 
 
 def summary(runs: list[dict]) -> str:
-    got = figures(runs)
+    return report(figures(runs))
+
+
+def report(got: dict) -> str:
+    """``figures``' result as the printed table."""
     lines = ["seed  side    gain   length  cut    reward  wall"]
     for r in got["runs"]:
         length = "    —" if r["length_last10"] is None else f"{r['length_last10']:5.1f}"
@@ -141,11 +151,12 @@ def main() -> None:
         raise SystemExit(f"twin_summary: no seed_*.json in {folder}")
     if args.purerl_table:
         runs = with_purerl_table(runs, args.purerl_table)
-    print(summary(runs))
+    got = figures(runs)
+    print(report(got))
     if args.json:
-        args.json.write_text(json.dumps({"folder": str(folder), **figures(runs)}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"folder": str(folder), **got}, indent=1) + "\n")
     if args.plot:
-        plot(figures(runs), args.plot, args.title)
+        plot(got, args.plot, args.title)
 
 
 if __name__ == "__main__":

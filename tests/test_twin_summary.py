@@ -12,7 +12,7 @@ _SPEC.loader.exec_module(twin_summary)
 
 
 def _run(side: str, seed: int, gain: float, cut: float) -> dict:
-    return {"side": side, "seed": seed, "gain_points": gain, "wall_s": 1.0, "length": [20.0] * 30,
+    return {"side": side, "seed": seed, "gain_points": gain, "accuracy_before": 0.2, "wall_s": 1.0, "length": [20.0] * 30,
             "cut": [0.0] * 20 + [cut] * 10, "reward": [0.5] * 30}
 
 
@@ -33,8 +33,8 @@ def test_purerl_s_side_of_a_seed_the_twin_ran_on_trl_alone_comes_from_the_seeds_
     (tmp_path / "seed_0.json").write_text(json.dumps([_run("purerl", 0, 60.0, 0.0), _run("trl", 0, 50.0, 0.0)]))
     (tmp_path / "seed_3.json").write_text(json.dumps([_run("trl", 3, 70.0, 0.0)]))
     table = tmp_path / "seeds.json"
-    rows = [{"seed": s, "gain_points": 40.0 + s, "wall_s": 9.0, "cut_last10": 0.5, "reward_last10": 0.7}
-            for s in (0, 3, 4)]
+    rows = [{"seed": s, "accuracy_before": 0.2, "gain_points": 40.0 + s, "wall_s": 9.0, "cut_last10": 0.5,
+             "reward_last10": 0.7} for s in (0, 3, 4)]
     table.write_text(json.dumps({"rows": rows}))
     runs = twin_summary.with_purerl_table(twin_summary.runs_in(tmp_path), table)
     assert [(r["seed"], r["side"], r["gain_points"]) for r in runs] == [
@@ -51,4 +51,13 @@ def test_a_seed_missing_from_the_seeds_table_is_named(tmp_path):
     table = tmp_path / "seeds.json"
     table.write_text(json.dumps({"rows": []}))
     with pytest.raises(SystemExit, match=r"seeds.json has no row for seed\(s\) \[5\]"):
+        twin_summary.with_purerl_table(twin_summary.runs_in(tmp_path), table)
+
+
+def test_a_seeds_table_of_another_job_is_refused(tmp_path):
+    (tmp_path / "seed_5.json").write_text(json.dumps([_run("trl", 5, 70.0, 0.0)]))  # TRL started at 0.2
+    table = tmp_path / "seeds.json"
+    table.write_text(json.dumps({"rows": [{"seed": 5, "accuracy_before": 0.3, "gain_points": 50.0, "wall_s": 9.0,
+                                           "cut_last10": 0.0, "reward_last10": 0.7}]}))
+    with pytest.raises(SystemExit, match=r"starts seed\(s\) \[5\] from another held-out accuracy .* not the same job"):
         twin_summary.with_purerl_table(twin_summary.runs_in(tmp_path), table)
