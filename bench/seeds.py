@@ -112,6 +112,7 @@ def plot(rows: list[dict], over: dict, path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (gain_ax, cut_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
     seeds = [r["seed"] for r in rows]
@@ -124,6 +125,8 @@ def plot(rows: list[dict], over: dict, path: Path, title: str) -> None:
     cut_ax.axhline(100 * CUT_SHARE, color="k", lw=1, ls="--")
     cut_ax.set(xlabel="seed", ylabel="% cut at the limit, last 10 steps", ylim=(0, 100),
                title="red: over 20 % cut or unhealthy at the end")
+    for ax in (gain_ax, cut_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # seeds, not a continuum
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
