@@ -73,6 +73,28 @@ def seed_row(seed: int, folder: Path) -> dict:
             "health_symptoms": sorted(health.get("seen", []))}
 
 
+def one_job(folders: dict[int, Path]) -> None:
+    """Refuses, in one line, runs that are not one job: each run's ``config.json`` must equal the first's
+    but for ``trainer.seed`` and ``trainer.threads`` (a table over mixed settings would state a spread no
+    recipe has; ``--no-run`` reads whatever folders are there)."""
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return {k: v for k, v in out.items() if k not in ("trainer.seed", "trainer.threads")}
+
+    configs = {s: flat(json.loads((f / "config.json").read_text())) for s, f in folders.items()
+               if (f / "config.json").exists()}
+    if not configs:
+        return
+    first, want = next(iter(configs.items()))
+    for seed, got in configs.items():
+        if diff := sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k)):
+            raise SystemExit(f"seeds: seed {seed}'s run is another job than seed {first}'s: {diff[0]} = "
+                             f"{got.get(diff[0])!r} against {want.get(diff[0])!r} (config.json)")
+
+
 def _health_of(folder: Path, rows: list[dict]) -> dict:
     """The health report of a run: its rows folded by today's monitor (signals a run from before it did not
     log, ``health/*``, leave their symptoms unread)."""
@@ -154,6 +176,7 @@ def main() -> None:
         with ThreadPoolExecutor(args.lanes) as pool:
             list(pool.map(lambda s: run_seed(s, args.out, job_args), args.seeds))
     done = [s for s in args.seeds if (args.out / f"seed_{s}" / "summary.json").exists()]
+    one_job({s: args.out / f"seed_{s}" for s in done})
     rows = [seed_row(s, args.out / f"seed_{s}") for s in done]
     if not rows:
         raise SystemExit(f"seeds: no finished run under {args.out}")

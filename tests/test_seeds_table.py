@@ -31,3 +31,14 @@ def test_the_table_has_each_seed_its_spread_and_the_runs_that_ended_cut(tmp_path
     assert over["mean_gain"] == 50.0 and over["min_gain"] == 40.0 and over["runs_over_20pct_cut"] == 1
     assert round(over["sd_gain"], 3) == round(200 ** 0.5, 3)
     assert "| 1 | 20.0% → 60.0% | +40.0 | 90% |" in seeds.table(rows, over)
+
+
+def test_runs_of_another_job_are_refused_in_one_line(tmp_path):
+    import pytest
+
+    a, b = _run(tmp_path / "seed_0", 60.0, 0.0), _run(tmp_path / "seed_1", 40.0, 0.0)
+    seeds.one_job({0: a, 1: b})  # the same settings: accepted
+    (b / "config.json").write_text(json.dumps({"rollout": {"max_new_tokens": 64}, "actor": {"grad_clip": 1.0}}))
+    with pytest.raises(SystemExit, match=r"seed 1's run is another job than seed 0's: rollout.max_new_tokens = 64 "
+                                         r"against 48"):
+        seeds.one_job({0: a, 1: b})
