@@ -5,13 +5,18 @@ a ``--config``, flags, ``key=value``), ``--lanes`` runs at a time, each on one t
 ``OUT/seed_S`` (a seed whose ``summary.json`` is there already is read, not run again: rerun the
 command to finish an interrupted sweep). Then it writes, per seed, the held-out gain, the share of
 responses cut at the length limit and the train reward over the last 10 steps, the wall time and
-the health symptoms the run ended with (:mod:`purerl.health`), and over the seeds the mean
-gain ± its standard deviation, the lowest gain and how many runs ended with over 20 % cut:
+the health symptoms the run ended with (:mod:`purerl.health`) and its held-out accuracy at each
+evaluation; over the seeds the mean gain ± its standard deviation, the lowest gain, how many runs
+ended with over 20 % cut and the mean held-out accuracy at each evaluation step. ``--against
+TABLE.json`` (another job's table, written by ``--json``) adds the paired difference on the seeds
+both tables hold: its mean, standard deviation and standard error, and the seeds ahead and behind:
 
     python3 bench/seeds.py --seeds 0-19 --out runs/seeds                     # the main job
     python3 bench/seeds.py --seeds 0-4 --out runs/seeds_dapo -- --config examples/dapo.toml
     python3 bench/seeds.py --seeds 0-19 --out runs/seeds --no-run --json docs/grpo_math_seeds.json \\
         --plot docs/grpo_math_seeds.png                                       # the table of finished runs
+    python3 bench/seeds.py --seeds 0-19 --out runs/seeds_t09 --no-run --against docs/grpo_math_seeds.json \
+        -- rollout.temperature=0.9                                            # against the default's table
 """
 
 import argparse
@@ -70,7 +75,8 @@ def seed_row(seed: int, folder: Path) -> dict:
             "reward_last10": tail_mean(rows, "critic/score/mean"),
             "wall_s": summary["wall_seconds"],
             "unhealthy_at_end": sorted(health.get("active", [])),
-            "health_symptoms": sorted(health.get("seen", []))}
+            "health_symptoms": sorted(health.get("seen", [])),
+            "accuracy_by_step": {str(r["step"]): r["val/accuracy"] for r in rows if "val/accuracy" in r}}
 
 
 def one_job(folders: dict[int, Path]) -> None:
@@ -107,13 +113,31 @@ def _health_of(folder: Path, rows: list[dict]) -> dict:
 
 
 def spread(rows: list[dict]) -> dict:
-    """Mean, standard deviation (N − 1), lowest gain and the count of runs ending with over 20 % cut."""
+    """Mean, standard deviation (N − 1), lowest gain, the count of runs ending with over 20 % cut, and the
+    mean held-out accuracy at each evaluation step every run reports (a table from before runs reported
+    their evaluations has none)."""
     gains = [r["gain_points"] for r in rows]
+    steps = set.intersection(*(set(r.get("accuracy_by_step", {})) for r in rows))
     return {"seeds": len(rows), "mean_gain": statistics.fmean(gains),
             "sd_gain": statistics.stdev(gains) if len(gains) > 1 else 0.0, "min_gain": min(gains),
             "runs_over_20pct_cut": sum(r["cut_last10"] > CUT_SHARE for r in rows),
             "runs_unhealthy_at_end": sum(bool(r["unhealthy_at_end"]) for r in rows),
-            "mean_wall_s": statistics.fmean(r["wall_s"] for r in rows)}
+            "mean_wall_s": statistics.fmean(r["wall_s"] for r in rows),
+            "mean_accuracy_by_step": {step: statistics.fmean(r["accuracy_by_step"][step] for r in rows)
+                                      for step in sorted(steps, key=int)}}
+
+
+def paired(rows: list[dict], baseline: list[dict]) -> dict:
+    """This table's gains less ``baseline``'s on the seeds both hold: the mean difference, its standard
+    deviation (N − 1) and standard error, and how many seeds are ahead, behind and level."""
+    base = {r["seed"]: r["gain_points"] for r in baseline}
+    diffs = [r["gain_points"] - base[r["seed"]] for r in rows if r["seed"] in base]
+    if not diffs:
+        raise SystemExit("seeds: the table given with --against holds none of these seeds")
+    sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+    return {"seeds": len(diffs), "mean_diff": statistics.fmean(diffs), "sd_diff": sd,
+            "se_diff": sd / len(diffs) ** 0.5, "ahead": sum(d > 0 for d in diffs),
+            "behind": sum(d < 0 for d in diffs), "level": sum(d == 0 for d in diffs)}
 
 
 def table(rows: list[dict], over: dict) -> str:
@@ -126,7 +150,16 @@ def table(rows: list[dict], over: dict) -> str:
     lines.append(f"\n{over['seeds']} seeds: gain {over['mean_gain']:+.1f} ± {over['sd_gain']:.1f} (SD), lowest "
                  f"{over['min_gain']:+.1f}; {over['runs_over_20pct_cut']} ended with over {CUT_SHARE:.0%} cut; "
                  f"{over['runs_unhealthy_at_end']} unhealthy at the end; mean wall {over['mean_wall_s']:.0f} s")
+    if curve := over.get("mean_accuracy_by_step"):
+        lines.append(f"mean held-out accuracy at steps {' / '.join(curve)}: "
+                     f"{' / '.join(f'{a:.1%}' for a in curve.values())}")
     return "\n".join(lines)
+
+
+def paired_line(diff: dict, against: Path) -> str:
+    return (f"against {against}, {diff['seeds']} paired seeds: {diff['mean_diff']:+.1f} points (SD "
+            f"{diff['sd_diff']:.1f}, SE {diff['se_diff']:.1f}); ahead on {diff['ahead']}, behind on "
+            f"{diff['behind']}, level on {diff['level']}")
 
 
 def plot(rows: list[dict], over: dict, path: Path, title: str) -> None:
@@ -165,6 +198,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", type=Path, help="write the rows and the spread here")
     ap.add_argument("--plot", type=Path, help="write the gains and cut shares per seed here (PNG)")
     ap.add_argument("--title", default="purerl grpo_math, gain per seed", help="the plot's title")
+    ap.add_argument("--against", type=Path, help="another job's table (--json): the paired difference per seed")
     return ap
 
 
@@ -182,9 +216,15 @@ def main() -> None:
         raise SystemExit(f"seeds: no finished run under {args.out}")
     over = spread(rows)
     print(table(rows, over))
+    extra = {}
+    if args.against:
+        extra = {"against": str(args.against),
+                 "paired": paired(rows, json.loads(args.against.read_text())["rows"])}
+        print(paired_line(extra["paired"], args.against))
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(["python3 bench/seeds.py", *sys.argv[1:]]),
-                                         "job_args": job_args, "rows": rows, "spread": over}, indent=1) + "\n")
+                                         "job_args": job_args, "rows": rows, "spread": over, **extra},
+                                        indent=1) + "\n")
     if args.plot:
         plot(rows, over, args.plot, args.title)
 

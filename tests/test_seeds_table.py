@@ -14,7 +14,8 @@ def _run(folder: Path, gain: float, cut: float) -> Path:
     (folder / "summary.json").write_text(json.dumps({"accuracy_before": 0.2, "accuracy_after": 0.2 + gain / 100,
                                                      "accuracy_gain_points": gain, "wall_seconds": 100.0}))
     rows = [{"step": s, "response_length/clip_ratio": 0.0 if s <= 20 else cut, "critic/score/mean": 0.5,
-             "health/rule_positive_frac": 0.5, "health/no_signal_frac": 0.2, "health/reward_spread": 1.0}
+             "health/rule_positive_frac": 0.5, "health/no_signal_frac": 0.2, "health/reward_spread": 1.0,
+             **({"val/accuracy": 0.2 + gain / 100 * s / 30} if s % 15 == 0 else {})}
             for s in range(1, 31)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "config.json").write_text(json.dumps({"rollout": {"max_new_tokens": 48}, "actor": {"grad_clip": 1.0}}))
@@ -31,6 +32,22 @@ def test_the_table_has_each_seed_its_spread_and_the_runs_that_ended_cut(tmp_path
     assert over["mean_gain"] == 50.0 and over["min_gain"] == 40.0 and over["runs_over_20pct_cut"] == 1
     assert round(over["sd_gain"], 3) == round(200 ** 0.5, 3)
     assert "| 1 | 20.0% → 60.0% | +40.0 | 90% |" in seeds.table(rows, over)
+    assert rows[0]["accuracy_by_step"] == {"15": 0.5, "30": 0.8}
+    assert {k: round(v, 9) for k, v in over["mean_accuracy_by_step"].items()} == {"15": 0.45, "30": 0.7}
+    assert "mean held-out accuracy at steps 15 / 30: 45.0% / 70.0%" in seeds.table(rows, over)
+
+
+def test_the_paired_difference_is_taken_on_the_seeds_both_tables_hold():
+    import pytest
+
+    ours = [{"seed": 0, "gain_points": 60.0}, {"seed": 1, "gain_points": 50.0}, {"seed": 2, "gain_points": 70.0},
+            {"seed": 7, "gain_points": 10.0}]
+    base = [{"seed": 0, "gain_points": 50.0}, {"seed": 1, "gain_points": 50.0}, {"seed": 2, "gain_points": 80.0}]
+    diff = seeds.paired(ours, base)
+    assert (diff["seeds"], diff["mean_diff"], diff["ahead"], diff["behind"], diff["level"]) == (3, 0.0, 1, 1, 1)
+    assert round(diff["sd_diff"], 6) == 10.0 and round(diff["se_diff"], 6) == round(10 / 3 ** 0.5, 6)
+    with pytest.raises(SystemExit, match="holds none of these seeds"):
+        seeds.paired(ours, [{"seed": 9, "gain_points": 1.0}])
 
 
 def test_runs_of_another_job_are_refused_in_one_line(tmp_path):
