@@ -15,7 +15,7 @@ both tables hold: its mean, standard deviation and standard error, and the seeds
     python3 bench/seeds.py --seeds 0-4 --out runs/seeds_dapo -- --config examples/dapo.toml
     python3 bench/seeds.py --seeds 0-19 --out runs/seeds --no-run --json docs/grpo_math_seeds.json \\
         --plot docs/grpo_math_seeds.png                                       # the table of finished runs
-    python3 bench/seeds.py --seeds 0-19 --out runs/seeds_t09 --no-run --against docs/grpo_math_seeds.json \
+    python3 bench/seeds.py --seeds 0-19 --out runs/seeds_t09 --no-run --against docs/grpo_math_seeds.json \\
         -- rollout.temperature=0.9                                            # against the default's table
 """
 
@@ -156,6 +156,15 @@ def table(rows: list[dict], over: dict) -> str:
     return "\n".join(lines)
 
 
+def table_rows(path: Path) -> list[dict]:
+    """The rows of a table ``--json`` wrote; anything else is refused in one line."""
+    try:
+        return json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"seeds: --against {path} is not a table bench/seeds.py --json wrote "
+                         f"({type(err).__name__}: {err})") from None
+
+
 def paired_line(diff: dict, against: Path) -> str:
     return (f"against {against}, {diff['seeds']} paired seeds: {diff['mean_diff']:+.1f} points (SD "
             f"{diff['sd_diff']:.1f}, SE {diff['se_diff']:.1f}); ahead on {diff['ahead']}, behind on "
@@ -218,8 +227,7 @@ def main() -> None:
     print(table(rows, over))
     extra = {}
     if args.against:
-        extra = {"against": str(args.against),
-                 "paired": paired(rows, json.loads(args.against.read_text())["rows"])}
+        extra = {"against": str(args.against), "paired": paired(rows, table_rows(args.against))}
         print(paired_line(extra["paired"], args.against))
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(["python3 bench/seeds.py", *sys.argv[1:]]),

@@ -59,3 +59,14 @@ def test_runs_of_another_job_are_refused_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"seed 1's run is another job than seed 0's: rollout.max_new_tokens = 64 "
                                          r"against 48"):
         seeds.one_job({0: a, 1: b})
+
+
+def test_a_baseline_that_is_not_a_table_is_refused_in_one_line(tmp_path):
+    import pytest
+
+    (tmp_path / "t.json").write_text(json.dumps({"rows": [{"seed": 0, "gain_points": 1.0}]}))
+    assert seeds.table_rows(tmp_path / "t.json") == [{"seed": 0, "gain_points": 1.0}]
+    (tmp_path / "summary.json").write_text(json.dumps({"accuracy_after": 0.5}))
+    for path in (tmp_path / "summary.json", tmp_path / "missing.json"):
+        with pytest.raises(SystemExit, match=f"--against {path} is not a table bench/seeds.py --json wrote"):
+            seeds.table_rows(path)
