@@ -4,12 +4,14 @@ Runs ``experiments/grpo_math.py --seed S`` for each seed (any further arguments 
 a ``--config``, flags, ``key=value``), ``--lanes`` runs at a time, each on one thread, each in
 ``OUT/seed_S`` (a seed whose ``summary.json`` is there already is read, not run again: rerun the
 command to finish an interrupted sweep). Then it writes, per seed, the held-out gain, the share of
-responses cut at the length limit and the train reward over the last 10 steps, the wall time and
-the health symptoms the run ended with (:mod:`purerl.health`) and its held-out accuracy at each
-evaluation; over the seeds the mean gain ± its standard deviation, the lowest gain, how many runs
-ended with over 20 % cut and the mean held-out accuracy at each evaluation step. ``--against
-TABLE.json`` (another job's table, written by ``--json``) adds the paired difference on the seeds
-both tables hold: its mean, standard deviation and standard error, and the seeds ahead and behind:
+responses cut at the length limit and the train reward over the last 10 steps, the wall time, the
+health symptoms the run ended with (:mod:`purerl.health`), its held-out accuracy at each evaluation
+and the machine it computed on (:mod:`purerl.machine`); over the seeds the mean gain ± its standard
+deviation, the lowest gain, how many runs ended with over 20 % cut, the mean held-out accuracy at
+each evaluation step and the machines. ``--against TABLE.json`` (another job's table, written by
+``--json``) adds the paired difference on the seeds both tables hold: its mean, standard deviation
+and standard error, the seeds ahead and behind, and the baseline's machines where they differ (the
+same seed samples differently on kernels that round differently):
 
     python3 bench/seeds.py --seeds 0-19 --out runs/seeds                     # the main job
     python3 bench/seeds.py --seeds 0-4 --out runs/seeds_dapo -- --config examples/dapo.toml
@@ -65,7 +67,10 @@ def tail_mean(rows: list[dict], key: str) -> float:
 
 
 def seed_row(seed: int, folder: Path) -> dict:
-    """One finished run as a row of the table."""
+    """One finished run as a row of the table (``machine``: what it computed on, None for a run from before
+    runs recorded it)."""
+    from purerl.machine import describe
+
     summary = json.loads((folder / "summary.json").read_text())
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     health = _health_of(folder, rows)  # today's monitor over the rows (a run's summary may hold an older one's)
@@ -76,7 +81,8 @@ def seed_row(seed: int, folder: Path) -> dict:
             "wall_s": summary["wall_seconds"],
             "unhealthy_at_end": sorted(health.get("active", [])),
             "health_symptoms": sorted(health.get("seen", [])),
-            "accuracy_by_step": {str(r["step"]): r["val/accuracy"] for r in rows if "val/accuracy" in r}}
+            "accuracy_by_step": {str(r["step"]): r["val/accuracy"] for r in rows if "val/accuracy" in r},
+            "machine": describe(summary.get("machine"))}
 
 
 def one_job(folders: dict[int, Path]) -> None:
@@ -113,9 +119,9 @@ def _health_of(folder: Path, rows: list[dict]) -> dict:
 
 
 def spread(rows: list[dict]) -> dict:
-    """Mean, standard deviation (N − 1), lowest gain, the count of runs ending with over 20 % cut, and the
+    """Mean, standard deviation (N − 1), lowest gain, the count of runs ending with over 20 % cut, the
     mean held-out accuracy at each evaluation step every run reports (a table from before runs reported
-    their evaluations has none)."""
+    their evaluations has none) and the machines the runs recorded."""
     gains = [r["gain_points"] for r in rows]
     steps = set.intersection(*(set(r.get("accuracy_by_step", {})) for r in rows))
     return {"seeds": len(rows), "mean_gain": statistics.fmean(gains),
@@ -124,7 +130,13 @@ def spread(rows: list[dict]) -> dict:
             "runs_unhealthy_at_end": sum(bool(r["unhealthy_at_end"]) for r in rows),
             "mean_wall_s": statistics.fmean(r["wall_s"] for r in rows),
             "mean_accuracy_by_step": {step: statistics.fmean(r["accuracy_by_step"][step] for r in rows)
-                                      for step in sorted(steps, key=int)}}
+                                      for step in sorted(steps, key=int)},
+            "machines": machines(rows)}
+
+
+def machines(rows: list[dict]) -> list[str]:
+    """The machines the rows name, each once (rows from before runs recorded theirs name none)."""
+    return sorted({r["machine"] for r in rows if r.get("machine")})
 
 
 def paired(rows: list[dict], baseline: list[dict]) -> dict:
@@ -135,9 +147,11 @@ def paired(rows: list[dict], baseline: list[dict]) -> dict:
     if not diffs:
         raise SystemExit("seeds: the table given with --against holds none of these seeds")
     sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+    ours, theirs = machines(rows), machines(baseline)
     return {"seeds": len(diffs), "mean_diff": statistics.fmean(diffs), "sd_diff": sd,
             "se_diff": sd / len(diffs) ** 0.5, "ahead": sum(d > 0 for d in diffs),
-            "behind": sum(d < 0 for d in diffs), "level": sum(d == 0 for d in diffs)}
+            "behind": sum(d < 0 for d in diffs), "level": sum(d == 0 for d in diffs),
+            "other_machines": theirs if ours and theirs and ours != theirs else []}
 
 
 def table(rows: list[dict], over: dict) -> str:
@@ -153,6 +167,10 @@ def table(rows: list[dict], over: dict) -> str:
     if curve := over.get("mean_accuracy_by_step"):
         lines.append(f"mean held-out accuracy at steps {' / '.join(curve)}: "
                      f"{' / '.join(f'{a:.1%}' for a in curve.values())}")
+    if named := over.get("machines"):
+        lines.append(f"computed on {'; '.join(named)}" + (
+            f" ({len(named)} machines: the same seed rounds, and so samples, differently on each)" if len(named) > 1
+            else ""))
     return "\n".join(lines)
 
 
@@ -166,9 +184,13 @@ def table_rows(path: Path) -> list[dict]:
 
 
 def paired_line(diff: dict, against: Path) -> str:
-    return (f"against {against}, {diff['seeds']} paired seeds: {diff['mean_diff']:+.1f} points (SD "
+    line = (f"against {against}, {diff['seeds']} paired seeds: {diff['mean_diff']:+.1f} points (SD "
             f"{diff['sd_diff']:.1f}, SE {diff['se_diff']:.1f}); ahead on {diff['ahead']}, behind on "
             f"{diff['behind']}, level on {diff['level']}")
+    if other := diff.get("other_machines"):
+        line += (f"; its runs computed on {'; '.join(other)}: a pair differs by the kernels' rounding as well "
+                 f"as by the job")
+    return line
 
 
 def plot(rows: list[dict], over: dict, path: Path, title: str) -> None:

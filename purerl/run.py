@@ -55,6 +55,7 @@ from purerl.loop.recording import record_reward_errors
 from purerl.loop.task import Task
 from purerl.loop.train import train
 from purerl.loop.warm_up import warm_up
+from purerl.machine import machine
 from purerl.models import CausalLM, smollm2_gguf
 from purerl.models.hf import export_hf
 from purerl.models.lora import export_peft
@@ -150,7 +151,7 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     return {**summary, **counts, **data_counts, **sft, "wall_seconds": wall,
             "phase_seconds": {k: round(v, 3) for k, v in phases.items()}, "records_bytes": records_bytes(run_dir),
             "export": str(export), **adapter,
-            "config": recorded}
+            "machine": machine(), "config": recorded}
 
 
 @contextlib.contextmanager

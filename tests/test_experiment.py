@@ -33,6 +33,10 @@ def test_kill_and_resume_continues_with_identical_metrics(tmp_path):
     _run(tmp_path / "full")
     summary = json.loads((tmp_path / "full" / "summary.json").read_text())
     assert summary["steps"] == 6 and 0.0 <= summary["accuracy_after"] <= 1.0
+    import torch
+
+    assert summary["machine"]["kernels"] == torch.backends.cpu.get_cpu_capability()  # what the run computed on
+    assert summary["machine"]["threads"] == 1 and summary["machine"]["cpu"]
     assert (tmp_path / "full" / "curve.png").stat().st_size > 1000
 
     proc = _run(tmp_path / "killed", wait=False)

@@ -101,6 +101,8 @@ def test_one_curve_per_metric_the_run_has(tmp_path):
 def test_an_asynchronous_run_gets_its_staleness_curve(tmp_path):
     run = _run_folder(tmp_path / "run", asynchronous=True)
     summary = {"steps": 4, "accuracy_before": 0.25, "accuracy_after": 0.65, "wall_seconds": 12.0,
+               "machine": {"cpu": "AMD EPYC (family 25, model 1)", "kernels": "AVX2", "threads": 1,
+                           "torch": "2.13.0+cpu", "accelerator": None},
                "async": {"staleness_histogram": {"0": 2, "1": 2}, "trained": 4},
                "health": {"mode": "warn", "active": [], "seen": ["cut_responses"], "events": [
                    {"step": 3, "symptom": "cut_responses", "started": True, "line": "health: step 3: from summary"}]}}
@@ -110,6 +112,7 @@ def test_an_asynchronous_run_gets_its_staleness_curve(tmp_path):
     assert "batches by staleness {&quot;0&quot;: 2, &quot;1&quot;: 2}" in page
     assert "25.0% before training → 65.0% (+40.0 points)" in page
     assert "health: step 3: from summary" in page  # an ended run: the summary's lines
+    assert "<th>computed on</th><td>AMD EPYC (family 25, model 1), ATen AVX2</td>" in page
 
 
 def test_a_live_run_shows_the_monitors_lines_and_tolerates_a_torn_last_line(tmp_path):

@@ -9,10 +9,14 @@ seeds = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(seeds)
 
 
-def _run(folder: Path, gain: float, cut: float) -> Path:
+def _run(folder: Path, gain: float, cut: float, kernels: str | None = None) -> Path:
+    """A finished run's files; ``kernels``: the instruction set its summary records (None: a run from before
+    runs recorded their machine)."""
     folder.mkdir(parents=True)
+    machine = {"machine": {"cpu": "Some CPU (family 6, model 1)", "kernels": kernels, "threads": 1}} if kernels else {}
     (folder / "summary.json").write_text(json.dumps({"accuracy_before": 0.2, "accuracy_after": 0.2 + gain / 100,
-                                                     "accuracy_gain_points": gain, "wall_seconds": 100.0}))
+                                                     "accuracy_gain_points": gain, "wall_seconds": 100.0,
+                                                     **machine}))
     rows = [{"step": s, "response_length/clip_ratio": 0.0 if s <= 20 else cut, "critic/score/mean": 0.5,
              "health/rule_positive_frac": 0.5, "health/no_signal_frac": 0.2, "health/reward_spread": 1.0,
              **({"val/accuracy": 0.2 + gain / 100 * s / 30} if s % 15 == 0 else {})}
@@ -70,3 +74,22 @@ def test_a_baseline_that_is_not_a_table_is_refused_in_one_line(tmp_path):
     for path in (tmp_path / "summary.json", tmp_path / "missing.json"):
         with pytest.raises(SystemExit, match=f"--against {path} is not a table bench/seeds.py --json wrote"):
             seeds.table_rows(path)
+
+
+def test_the_table_names_the_machines_its_runs_computed_on_and_a_pair_across_machines_says_so(tmp_path):
+    old = seeds.seed_row(0, _run(tmp_path / "old" / "seed_0", 60.0, 0.0))
+    assert old["machine"] is None and "computed on" not in seeds.table([old], seeds.spread([old]))
+    avx2 = [seeds.seed_row(s, _run(tmp_path / "a" / f"seed_{s}", 50.0 + s, 0.0, "AVX2")) for s in (0, 1)]
+    over = seeds.spread(avx2)
+    assert over["machines"] == ["Some CPU (family 6, model 1), ATen AVX2"]
+    assert seeds.table(avx2, over).endswith("\ncomputed on Some CPU (family 6, model 1), ATen AVX2")
+    mixed = [avx2[0], seeds.seed_row(1, _run(tmp_path / "b" / "seed_1", 40.0, 0.0, "AVX512"))]
+    assert "(2 machines: the same seed rounds, and so samples, differently on each)" in seeds.table(
+        mixed, seeds.spread(mixed))
+    diff = seeds.paired(avx2, mixed[1:])
+    assert diff["other_machines"] == ["Some CPU (family 6, model 1), ATen AVX512"]
+    assert "its runs computed on Some CPU (family 6, model 1), ATen AVX512: a pair differs by the kernels' " \
+           "rounding as well as by the job" in seeds.paired_line(diff, Path("t.json"))
+    for same in (avx2, [old]):  # the same machine, or a baseline that names none: nothing to say
+        assert seeds.paired(avx2, same)["other_machines"] == [] and "its runs" not in seeds.paired_line(
+            seeds.paired(avx2, same), Path("t.json"))

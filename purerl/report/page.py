@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from purerl.machine import describe
 from purerl.report.charts import draw_charts
 from purerl.report.run_files import ABSENT, RunFiles, config_changes, health_lines
 
@@ -102,6 +103,7 @@ def _facts(files: RunFiles) -> str:
         ("held-out accuracy", _accuracy(before, after)),
         ("wall time", f"{summary['wall_seconds']:.0f} s" if isinstance(summary.get("wall_seconds"), (int, float))
          else None),
+        ("computed on", describe(summary.get("machine"))),
         ("reward errors", _count_lines(files.path / "reward_errors.jsonl")),
     ]
     cells = "".join(f"<tr><th>{_esc(key)}</th><td>{_esc(value)}</td></tr>" for key, value in facts

@@ -1,0 +1,50 @@
+"""What a run computed on, as its ``summary.json`` records it (``machine``).
+
+A run's numbers depend on the kernels its arithmetic ran through as well as on its seed: the same
+seed of the main job samples other responses on a CPU whose ATen kernels are AVX2 than on one whose
+are AVX-512, since the sums round differently and sampling carries the difference on (BENCHMARKS.md,
+"Learns on every seed", the twelfth session: seed 8 gained +43.8 on an Intel Xeon, +37.5 on an AMD
+EPYC). A result that names its machine can be compared with another, or reproduced, knowingly.
+Recorded by the process that writes the summary: with the Ray executor, the driver's machine.
+"""
+
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["describe", "machine"]
+
+
+def machine() -> dict[str, Any]:
+    """``cpu`` (model name, family and model), ``kernels`` (the instruction set ATen dispatches to:
+    ``AVX2``, ``AVX512``, … as ``ATEN_CPU_CAPABILITY`` leaves it), ``threads``, ``torch`` and
+    ``accelerator`` (the CUDA device's name, or None)."""
+    return {"cpu": _cpu(), "kernels": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "accelerator": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def describe(recorded: Any) -> str | None:
+    """One line for a recorded :func:`machine` (None for a run from before runs recorded one)."""
+    if not isinstance(recorded, dict) or not recorded.get("cpu"):
+        return None
+    line = f"{recorded['cpu']}, ATen {recorded.get('kernels')}"
+    return line + (f", {recorded['accelerator']}" if recorded.get("accelerator") else "")
+
+
+def _cpu() -> str:
+    """``model name (family F, model M)`` from ``/proc/cpuinfo``; elsewhere what :mod:`platform` says."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
