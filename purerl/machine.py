@@ -27,10 +27,13 @@ def machine() -> dict[str, Any]:
 
 
 def describe(recorded: Any) -> str | None:
-    """One line for a recorded :func:`machine` (None for a run from before runs recorded one)."""
+    """One line for a recorded :func:`machine` (None for a run from before runs recorded one). The threads
+    are part of it: a sum split over another number of threads rounds differently too."""
     if not isinstance(recorded, dict) or not recorded.get("cpu"):
         return None
-    line = f"{recorded['cpu']}, ATen {recorded.get('kernels')}"
+    threads = recorded.get("threads")
+    line = f"{recorded['cpu']}, ATen {recorded.get('kernels')}" + (
+        f", {threads} thread{'s' if threads != 1 else ''}" if isinstance(threads, int) else "")
     return line + (f", {recorded['accelerator']}" if recorded.get("accelerator") else "")
 
 

@@ -112,7 +112,7 @@ def test_an_asynchronous_run_gets_its_staleness_curve(tmp_path):
     assert "batches by staleness {&quot;0&quot;: 2, &quot;1&quot;: 2}" in page
     assert "25.0% before training → 65.0% (+40.0 points)" in page
     assert "health: step 3: from summary" in page  # an ended run: the summary's lines
-    assert "<th>computed on</th><td>AMD EPYC (family 25, model 1), ATen AVX2</td>" in page
+    assert "<th>computed on</th><td>AMD EPYC (family 25, model 1), ATen AVX2, 1 thread</td>" in page
 
 
 def test_a_live_run_shows_the_monitors_lines_and_tolerates_a_torn_last_line(tmp_path):

@@ -81,14 +81,14 @@ def test_the_table_names_the_machines_its_runs_computed_on_and_a_pair_across_mac
     assert old["machine"] is None and "computed on" not in seeds.table([old], seeds.spread([old]))
     avx2 = [seeds.seed_row(s, _run(tmp_path / "a" / f"seed_{s}", 50.0 + s, 0.0, "AVX2")) for s in (0, 1)]
     over = seeds.spread(avx2)
-    assert over["machines"] == ["Some CPU (family 6, model 1), ATen AVX2"]
-    assert seeds.table(avx2, over).endswith("\ncomputed on Some CPU (family 6, model 1), ATen AVX2")
+    assert over["machines"] == ["Some CPU (family 6, model 1), ATen AVX2, 1 thread"]
+    assert seeds.table(avx2, over).endswith("\ncomputed on Some CPU (family 6, model 1), ATen AVX2, 1 thread")
     mixed = [avx2[0], seeds.seed_row(1, _run(tmp_path / "b" / "seed_1", 40.0, 0.0, "AVX512"))]
     assert "(2 machines: the same seed rounds, and so samples, differently on each)" in seeds.table(
         mixed, seeds.spread(mixed))
     diff = seeds.paired(avx2, mixed[1:])
-    assert diff["other_machines"] == ["Some CPU (family 6, model 1), ATen AVX512"]
-    assert "its runs computed on Some CPU (family 6, model 1), ATen AVX512: a pair differs by the kernels' " \
+    assert diff["other_machines"] == ["Some CPU (family 6, model 1), ATen AVX512, 1 thread"]
+    assert "its runs computed on Some CPU (family 6, model 1), ATen AVX512, 1 thread: a pair differs by the kernels' " \
            "rounding as well as by the job" in seeds.paired_line(diff, Path("t.json"))
     for same in (avx2, [old]):  # the same machine, or a baseline that names none: nothing to say
         assert seeds.paired(avx2, same)["other_machines"] == [] and "its runs" not in seeds.paired_line(
