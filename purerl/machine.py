@@ -20,7 +20,7 @@ __all__ = ["describe", "machine"]
 def machine() -> dict[str, Any]:
     """``cpu`` (model name, family and model), ``kernels`` (the instruction set ATen dispatches to:
     ``AVX2``, ``AVX512``, … as ``ATEN_CPU_CAPABILITY`` leaves it), ``threads``, ``torch`` and
-    ``accelerator`` (the CUDA device's name, or None)."""
+    ``accelerator`` (the name of the CUDA device present, used or not; None without one)."""
     return {"cpu": _cpu(), "kernels": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "accelerator": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
