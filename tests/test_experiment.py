@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "grpo_math.py"
 TINY = ["--tiny", "--steps", "6", "--prompts-per-step", "2", "--samples-per-prompt", "3", "--max-new-tokens", "6",
@@ -33,8 +35,6 @@ def test_kill_and_resume_continues_with_identical_metrics(tmp_path):
     _run(tmp_path / "full")
     summary = json.loads((tmp_path / "full" / "summary.json").read_text())
     assert summary["steps"] == 6 and 0.0 <= summary["accuracy_after"] <= 1.0
-    import torch
-
     assert summary["machine"]["kernels"] == torch.backends.cpu.get_cpu_capability()  # what the run computed on
     assert summary["machine"]["threads"] == 1 and summary["machine"]["cpu"]
     assert (tmp_path / "full" / "curve.png").stat().st_size > 1000
