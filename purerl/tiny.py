@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["tiny_llama_config", "char_tokenizer", "random_sequences"]
+__all__ = ["tiny_llama_config", "tiny_causal_lm", "char_tokenizer", "random_sequences"]
 
 _SPECIALS = ["<pad>", "<eos>", "<bos>"]
 _CHATML = ["<|im_start|>", "<|im_end|>"]
@@ -61,6 +61,22 @@ def tiny_llama_config(vocab_size: int = 128, hidden_size: int = 32, layers: int 
     )
     kwargs.update(overrides)
     return LlamaConfig(**kwargs)
+
+
+def tiny_causal_lm(config: Any = None, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu", activation_checkpointing: bool = False,
+                   **overrides: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A randomly initialised ``(CausalLM, params)`` (deterministic in ``seed``) of the HF ``config``,
+    by default the tiny Llama (:func:`tiny_llama_config` with ``overrides``): the model every test,
+    benchmark and demo builds (the tests through their ``tiny_lm`` fixture). A few milliseconds."""
+    from purerl.models import causal_lm_from_config
+
+    if config is None:
+        config = tiny_llama_config(**overrides)
+    elif overrides:
+        raise TypeError(f"tiny_causal_lm: overrides {sorted(overrides)} apply to the tiny Llama, not to a config given")
+    return causal_lm_from_config(config, seed=seed, dtype=dtype, device=device,
+                                 activation_checkpointing=activation_checkpointing)
 
 
 def random_sequences(batch: int, prompt_len: int, response_len: int, vocab_size: int, *, seed: int = 0) -> Any:

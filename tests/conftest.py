@@ -4,12 +4,29 @@ import os
 import shutil
 import tempfile
 
-import pytest
-import torch
+# One torch thread in each process the suite starts (set before torch loads, inherited by the jobs and Ray
+# workers it starts): pytest-xdist runs one worker per core, and workers each spinning a team of OpenMP
+# threads over the same cores ran the suite 13 % slower (BENCHMARKS.md). A thread count the user set stays.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")  # plots to files only, in every process of the suite
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.use_deterministic_algorithms(True)
 # the GGUF's conversion (purerl.models.gguf_cache) shared by the workers and kept between runs, not in ~/.cache
 os.environ.setdefault("PURERL_CACHE", os.path.join(tempfile.gettempdir(), "purerl-test-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    """The tests' tiny model: ``tiny_lm(config=None, *, seed=0, dtype=…, device=…, activation_checkpointing=…,
+    **overrides)`` gives a new random ``(model, params)``, by default of the tiny Llama with ``overrides``
+    (:func:`purerl.tiny.tiny_causal_lm`; test helpers outside a test call that directly)."""
+    from purerl.tiny import tiny_causal_lm
+
+    return tiny_causal_lm
 
 
 @pytest.fixture(scope="session")
