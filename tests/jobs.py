@@ -10,6 +10,7 @@ from purerl.config.command_line import Invocation, parse_command_line
 from purerl.config.job import JobConfig
 from purerl.config.loading import build
 from purerl.run import run
+from purerl.tiny import tiny_causal_lm
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "grpo_math.py"
 SMALL = ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6",
@@ -35,12 +36,10 @@ def tiny_teacher(folder: Path, seed: int = 1, sharpness: float = 5.0) -> Path:
     """A teacher for ``--tiny`` jobs, exported to ``folder``: a tiny Llama of the tiny policy's
     vocabulary (the character tokenizer's) from another seed, its final norm scaled by
     ``sharpness`` so its next-token distributions are peaked, far from a random student's."""
-    from purerl.models import causal_lm_from_config
     from purerl.models.hf import export_hf
-    from purerl.tiny import char_tokenizer, tiny_llama_config
+    from purerl.tiny import char_tokenizer
 
-    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(char_tokenizer()), hidden_size=64),
-                                          seed=seed)
+    model, params = tiny_causal_lm(vocab_size=len(char_tokenizer()), hidden_size=64, seed=seed)
     params = {k: v * sharpness if k == "model.norm.weight" else v for k, v in params.items()}
     return export_hf(model, params, folder)
 

@@ -4,7 +4,6 @@ engine calls, strangers are refused, edited histories become counted segments, a
 functions train in the job."""
 
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -17,13 +16,13 @@ from purerl.agents.traces import EPISODE_HEADER
 from purerl.data.records import PromptRecord
 from purerl.episodes import ChatCodec, Tool, ToolEnv
 from purerl.episodes.rollout import EpisodeLimits, episode_metrics, episodes_rollout, run_episodes
-from purerl.models import causal_lm_from_config, response_logprobs
+from purerl.models import response_logprobs
 from purerl.rewards import lenient_math_reward
 from purerl.rollout.engine import make_engine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 from purerl.tiny import char_tokenizer, tiny_llama_config
-from tests import agent_fns, episode_envs
+from tests import agent_fns, episode_envs, processes
 from tests.jobs import ENV, SCRIPT, run_job
 from tests.test_episodes import ScriptedEngine, _text
 
@@ -31,11 +30,11 @@ openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(tiny_lm):
     tokenizer = char_tokenizer(chatml=True)
     config = tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64, max_position_embeddings=1024,
                                eos_token_id=tokenizer.eos_token_id)
-    model, params = causal_lm_from_config(config, seed=1)
+    model, params = tiny_lm(config, seed=1)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     engine = make_engine("torch", model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0, decode=decode)
     engine.sync(params, 0)
@@ -255,6 +254,7 @@ def test_an_async_agent_function_plays_on_an_async_client(tiny):
         assert s.ids == a.ids and s.reward == a.reward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["tests.verifiers_envs:load_environment", "tests.verifiers_envs:multi_turn"],
                          ids=["single_turn", "multi_turn"])
 @pytest.mark.parametrize("mode", [[], ["--async", "--max-staleness", "1"]], ids=["sync", "async"])
@@ -289,6 +289,7 @@ def test_a_verifiers_rubric_scores_the_recorded_episode(tiny):
     assert verifiers_envs is not None
 
 
+@pytest.mark.slow
 def test_an_agent_function_trains_on_ray(tmp_path, ray_cluster):
     summary = run_job(["--tiny", "--env", "tests.agent_fns:guess", "--max-turns", "3", "--steps", "2",
                        "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "6", "--eval-size",
@@ -347,6 +348,7 @@ def test_a_verifiers_tool_env_calls_its_tool_through_the_endpoint():
         assert "tool\n144" in tokenizer.decode(observed)
 
 
+@pytest.mark.slow
 def test_a_hung_agent_is_abandoned_and_the_job_still_exits(tmp_path):
     """An agent that calls once and then sleeps forever becomes an env_error episode after
     env.step_timeout, and the process exits soon after its last step (its thread never holds it)."""
@@ -355,7 +357,7 @@ def test_a_hung_agent_is_abandoned_and_the_job_still_exits(tmp_path):
             "--train-size", "10", "--eval-every", "0", "--no-progress", "--threads", "1", "env.step_timeout=3",
             "env.max_tokens=256", "--out-dir", str(tmp_path / "run")]
     started = time.monotonic()
-    done = subprocess.run(argv, cwd=SCRIPT.parents[1], env=ENV, capture_output=True, text=True, timeout=300)
+    done = processes.run(argv, cwd=SCRIPT.parents[1], env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     written = (tmp_path / "run" / "summary.json").stat().st_mtime
     assert time.time() - written < 60  # exited within seconds of writing its summary (before: never)

@@ -20,12 +20,11 @@ from purerl.io.metrics import MetricsLog
 from purerl.loop.async_train import train_async
 from purerl.loop.task import Task
 from purerl.loop.train import train
-from purerl.models import causal_lm_from_config
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.state import RngState, TrainState
 from purerl.step import grpo_step
-from purerl.tiny import tiny_llama_config
+from purerl.tiny import tiny_causal_lm
 from purerl.tree import tree_clone
 from tests.equivalence import assert_async_k0_equals_sync
 
@@ -51,7 +50,7 @@ def _config(steps=4, **asynchronous) -> JobConfig:
 def _setup(slow_step: float = 0.0, generators: int = 1, trained: list | None = None):
     """The state, a local executor with ``generators`` engines, the first engine; ``trained``
     collects each step's prompt indices (a prompt's first token is 5 + its index)."""
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_causal_lm(seed=0)
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-2))
     kl = make_kl_controller("fixed")
     step = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, **stage_settings_of(_config()))

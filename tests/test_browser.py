@@ -141,6 +141,7 @@ def _check_filters(page, samples: list[dict]) -> None:
     assert narrowed
 
 
+@pytest.mark.slow
 def test_a_tiny_runs_report_draws_its_curves_and_filters_its_samples(browser, tiny_run, screenshots):
     url = (tiny_run / "report.html").as_uri()
     requested: list[str] = []
@@ -219,6 +220,7 @@ def _search(page, query: str) -> list[str]:
     return page.locator(".md-search-result a").evaluate_all("links => links.map(a => a.href)")
 
 
+@pytest.mark.slow
 def test_the_sites_search_finds_a_setting_by_name(browser, site, screenshots):
     """A setting's short name and its whole name each find the setting's own entry on the settings reference
     (a short name is found where the search splits words at dots: mkdocs.yml's search separator)."""
@@ -239,6 +241,7 @@ FIRST_PAGES = """() => [...document.querySelectorAll('.md-nav--primary > .md-nav
 """The first page of each top-level entry of the site's navigation."""
 
 
+@pytest.mark.slow
 def test_the_sites_pages_open_without_console_errors(browser, site):
     """The first page of each section of the navigation, and the settings reference (the whole site takes half a
     minute more: the API reference alone is 2.5 MB)."""

@@ -29,11 +29,9 @@ def _corrupting(monkeypatch, at_version: int, scale: float = 3.0) -> list[str]:
     return touched
 
 
-def test_a_synced_float32_engine_matches_the_trainer_to_the_last_bits():
-    from purerl.models import causal_lm_from_config
-    from purerl.tiny import tiny_llama_config
+def test_a_synced_float32_engine_matches_the_trainer_to_the_last_bits(tiny_lm):
 
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_lm(seed=0)
     engine = TorchEngine(model, device="cpu", eos_token_ids=(2,), pad_token_id=0)
     engine.sync(params, 7)
     assert Canary(model).gap(engine, params, 7) < 1e-5

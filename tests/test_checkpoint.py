@@ -14,10 +14,10 @@ from purerl.io.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from purerl.models import causal_lm_from_config, response_logits
+from purerl.models import response_logits
 from purerl.models.hf import export_hf
 from purerl.state import RngState, TrainState
-from purerl.tiny import random_sequences, tiny_llama_config
+from purerl.tiny import random_sequences, tiny_causal_lm, tiny_llama_config
 from purerl.tree import pytree, tree_clone, tree_equal, tree_map
 
 
@@ -29,7 +29,7 @@ class _Moments:
 
 def _state(seed=0):
     config = tiny_llama_config()
-    _, params = causal_lm_from_config(config, seed=seed)
+    _, params = tiny_causal_lm(config, seed=seed)
     opt = _Moments(torch.tensor(3.0), tree_map(torch.randn_like, params))
     return TrainState(policy=params, policy_opt=opt, kl=torch.tensor(0.001, dtype=torch.float64),
                       rng=RngState(seed=7, counter=11), data={"epoch": 2, "index": 5}, step=42,
@@ -100,10 +100,10 @@ def test_corrupted_tensor_file_is_refused(tmp_path):
         load_checkpoint(path, _state())
 
 
-def test_shape_mismatch_names_the_key(tmp_path):
+def test_shape_mismatch_names_the_key(tiny_lm, tmp_path):
     path = save_checkpoint(tmp_path, _state(), step=1)
     config = tiny_llama_config(hidden_size=48)
-    _, params = causal_lm_from_config(config)
+    _, params = tiny_lm(config)
     other = TrainState(policy=params, policy_opt=_Moments(torch.tensor(0.0), tree_map(torch.zeros_like, params)),
                        kl=torch.tensor(0.0, dtype=torch.float64), rng=RngState(0), data={"epoch": 0, "index": 0},
                        reference=params)
@@ -153,9 +153,9 @@ def test_manifest_records_every_leaf(tmp_path):
     assert kinds[".policy['model.embed_tokens.weight']"] == "tensor"
 
 
-def test_exported_hf_directory_reloads_with_identical_logits(tmp_path):
+def test_exported_hf_directory_reloads_with_identical_logits(tiny_lm, tmp_path):
     config = tiny_llama_config()
-    model, params = causal_lm_from_config(config, seed=3)
+    model, params = tiny_lm(config, seed=3)
     params = {k: v + 0.05 * torch.randn_like(v) for k, v in params.items()}  # not the init weights
     export_hf(model, params, tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
@@ -170,10 +170,10 @@ def test_exported_hf_directory_reloads_with_identical_logits(tmp_path):
     torch.testing.assert_close(got[mask], expected[mask], rtol=0, atol=1e-6)  # lean vs module rounding
 
 
-def test_a_loaded_folder_gives_params_of_their_own_aligned_for_the_cpu_products(tmp_path):
+def test_a_loaded_folder_gives_params_of_their_own_aligned_for_the_cpu_products(tiny_lm, tmp_path):
     from purerl.models import load_causal_lm
 
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_lm(seed=0)
     export_hf(model, params, tmp_path / "m")
     on_disk = (tmp_path / "m" / "model.safetensors").read_bytes()
     _, loaded = load_causal_lm(tmp_path / "m")

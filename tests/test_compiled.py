@@ -10,7 +10,7 @@ import torch
 
 from purerl.algo.aggregation import aggregate_loss
 from purerl.algo.logprobs import logprobs_from_logits
-from purerl.models import causal_lm_from_config, response_logprobs, value_and_grad
+from purerl.models import response_logprobs, value_and_grad
 from purerl.tiny import random_sequences, tiny_llama_config
 from tests.jobs import parse
 
@@ -42,8 +42,9 @@ def _relative(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_the_compiled_forward_and_log_probs_compute_the_eager_ones():
-    model, params = causal_lm_from_config(CONFIG, seed=0)
+@pytest.mark.slow
+def test_the_compiled_forward_and_log_probs_compute_the_eager_ones(tiny_lm):
+    model, params = tiny_lm(CONFIG, seed=0)
     seqs = random_sequences(4, 6, 7, CONFIG.vocab_size, seed=1)
     weights = torch.randn(seqs.response_mask.shape, generator=torch.Generator().manual_seed(2))
     logp, grad = _logprobs_and_gradient(model, params, seqs, weights)
@@ -59,6 +60,7 @@ def test_the_compiled_forward_and_log_probs_compute_the_eager_ones():
     assert (logp_bc - logp).abs().max() < 2 * (logp_b - logp).abs().max() + 1e-2
 
 
+@pytest.mark.slow
 def test_compiled_log_probs_keep_a_confident_tokens_precision():
     """The compiled kernels keep the eager blocks' formulas: ``log p`` and ``1 − p`` of a token
     holding nearly all the mass stay accurate in float32 (a plain ``z_y − logsumexp z`` rounds
@@ -76,9 +78,9 @@ def test_compiled_log_probs_keep_a_confident_tokens_precision():
     assert torch.allclose(grads[1], grads[0], rtol=1e-5, atol=1e-12)
 
 
-def test_actor_compile_reaches_the_policy():
+def test_actor_compile_reaches_the_policy(tiny_lm):
     from purerl.assembly.models import _adapted
 
-    model, params = causal_lm_from_config(CONFIG, seed=0)
+    model, params = tiny_lm(CONFIG, seed=0)
     assert _adapted(parse(["actor.compile=true"]).config, model, params)[0].compiled
     assert not _adapted(parse([]).config, model, params)[0].compiled

@@ -9,14 +9,13 @@ import jaxtyping
 import pytest
 import torch
 
-from purerl.models import causal_lm_from_config
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
-from purerl.tiny import tiny_llama_config
 
-pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
-                                reason="inductor's CPU backend needs a C++ compiler")
+pytestmark = [pytest.mark.slow,  # it takes seconds (BENCHMARKS.md: the suite's tiers)
+              pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                                 reason="inductor's CPU backend needs a C++ compiler")]
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
@@ -29,10 +28,10 @@ def _untyped():
     jaxtyping.config.update("jaxtyping_disable", False)
 
 
-def test_the_compiled_decode_step_samples_what_the_eager_engine_samples():
+def test_the_compiled_decode_step_samples_what_the_eager_engine_samples(tiny_lm):
     from torch._dynamo.utils import counters
 
-    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=96, layers=1), seed=0)
+    model, params = tiny_lm(vocab_size=96, layers=1, seed=0)
     # temperature, top-k and top-p: the sampler's sort, cumsums and search compiled with the step;
     # an EOS id outside the vocabulary: no row leaves the batch, so one shape is compiled
     sampling = SamplingParams(max_new_tokens=6, n=2, temperature=0.8, top_k=40, top_p=0.95)

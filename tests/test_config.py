@@ -156,13 +156,14 @@ def test_a_reward_model_and_a_user_function_score_together_locally(tmp_path):
 
 def test_the_custom_step_example_runs_in_at_most_thirty_lines_without_the_job_config(tmp_path):
     import ast
-    import subprocess
+
+    from tests import processes
 
     script = ROOT / "examples" / "custom_step.py"
     assert len(script.read_text().splitlines()) <= 30
     imported = {node.module for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, ast.ImportFrom)}
     assert not {m for m in imported if m.startswith(("purerl.config", "purerl.assembly"))}, imported
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = processes.run([sys.executable, str(script)], cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in (tmp_path / "runs" / "custom_step" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all("my/solved_frac" in r for r in rows)

@@ -6,13 +6,12 @@ buffers its capture saw, as a graph does."""
 import pytest
 import torch
 
-from purerl.models import causal_lm_from_config
 from purerl.models.families import decode_graph, llama_decode
 from purerl.models.families.decode_graph import EXACT, GraphPolicy, RowSampler, sampled
 from purerl.rollout.backends.torch import TorchEngine, left_pad
 from purerl.rollout.sampling import SamplingParams, TokenSampler, sample_keys
 from purerl.state import RngState
-from purerl.tiny import tiny_llama_config
+from purerl.tiny import tiny_causal_lm
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
@@ -66,7 +65,7 @@ def test_rows_move_to_a_smaller_bucket_only_when_it_pays():
 
 
 def _setup(vocab=128):
-    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=vocab, hidden_size=64), seed=0)
+    model, params = tiny_causal_lm(vocab_size=vocab, hidden_size=64, seed=0)
     ids, mask = left_pad(PROMPTS, 0)
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     return model, params, ids, mask, positions
@@ -111,12 +110,12 @@ def test_the_sampler_inside_the_replayed_step_equals_the_sampler_after_it(graphs
         assert torch.equal(token, want_token) and torch.equal(logp, want_logp)
 
 
-def test_the_replayed_step_samples_what_the_eager_sliced_step_samples(graphs):
+def test_the_replayed_step_samples_what_the_eager_sliced_step_samples(tiny_lm, graphs):
     """The whole engine on the bucketed, replayed step (sampler inside) and on the default eager
     path (sliced cache, shared prompt slots, oneDNN where it runs): the same tokens; the log-probs
     to float rounding of the two attention orders. Rows finish at many steps (15 of the 128 ids
     end a response), leave the batch, and the graph moves to smaller buckets."""
-    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0)
+    model, params = tiny_lm(hidden_size=64, seed=0)
     sampling = SamplingParams(max_new_tokens=24, n=4, temperature=1.0, top_k=50)
 
     def generate(**options):
@@ -135,8 +134,8 @@ def test_the_replayed_step_samples_what_the_eager_sliced_step_samples(graphs):
     torch.testing.assert_close(replayed.behaviour_logprobs, eager.behaviour_logprobs, rtol=0, atol=1e-5)
 
 
-def test_few_steps_or_graphs_off_decode_eagerly(graphs):
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+def test_few_steps_or_graphs_off_decode_eagerly(tiny_lm, graphs):
+    model, params = tiny_lm(seed=0)
     for options, new in ((dict(), 7), (dict(cuda_graphs=False), 30)):
         engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, **options)
         engine.sync(params, 0)
@@ -148,11 +147,11 @@ def test_few_steps_or_graphs_off_decode_eagerly(graphs):
     assert graphs.rows == [8]
 
 
-def test_an_engine_session_continues_the_replayed_rows_cache(graphs):
+def test_an_engine_session_continues_the_replayed_rows_cache(tiny_lm, graphs):
     """Multi-turn: the cache a replayed call keeps for the next turn is its batch's rows, the
     padding cut off (6 rows decoded in a bucket of 8), and the next turn continues it as the
     eager session does."""
-    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0)
+    model, params = tiny_lm(hidden_size=64, seed=0)
     sampling = SamplingParams(max_new_tokens=10, n=1, temperature=1.0)
     turns = {}
     for replayed in (False, True):

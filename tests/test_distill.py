@@ -9,7 +9,7 @@ from purerl.algo.kl_control import make_kl_controller
 from purerl.assembly.models import load_policy, load_teacher
 from purerl.assembly.stages import stage_settings_of
 from purerl.data.records import DataError
-from purerl.models import causal_lm_from_config, response_logits
+from purerl.models import response_logits
 from purerl.models.hf import export_hf
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.backends.torch import TorchEngine
@@ -19,7 +19,7 @@ from purerl.step import grpo_step
 from purerl.step.experience import TeacherScores, teacher_scores
 from purerl.step.roles import LocalTeacher
 from purerl.step.settings import Batching, DistillAdvantage, DistillLoss
-from purerl.tiny import tiny_llama_config
+from purerl.tiny import tiny_causal_lm, tiny_llama_config
 from purerl.tree import tree_clone, tree_equal
 from tests.jobs import SMALL, parse, run_job, step_config, tiny_teacher
 
@@ -47,7 +47,7 @@ class FixedTeacher:
 
 
 def _student(lr=1e-2):
-    model, params = causal_lm_from_config(CONFIG, seed=0)
+    model, params = tiny_causal_lm(CONFIG, seed=0)
     optimizer = chain(clip_by_global_norm(1.0), adamw(lr, weight_decay=0.0))
     kl = make_kl_controller("fixed", coef=0.0)
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0))
@@ -87,6 +87,7 @@ def test_a_student_equal_to_its_teacher_gets_zero_advantage_and_keeps_its_params
     assert tree_equal(state.policy, before)  # no gradient, and AdamW without decay moves nothing
 
 
+@pytest.mark.slow
 def test_the_reverse_kl_to_a_fixed_teacher_falls_over_the_steps():
     history = _distil(FixedTeacher(CONFIG.vocab_size), _settings(), steps=20)
     kl = [m["distill/reverse_kl"] for m in history]
@@ -103,13 +104,13 @@ def test_gkds_jsd_loss_alone_moves_the_student_towards_a_fixed_teacher():
     assert all(m["critic/advantages/max"] == 0.0 for m in history)  # the loss term alone trained it
 
 
-def test_off_policy_distillation_is_sft_on_the_teachers_samples():
+def test_off_policy_distillation_is_sft_on_the_teachers_samples(tiny_lm):
     """The teacher samples with an engine of its own; ``sft_step`` fits the student to those
     sequences (docs/guides/distillation.md's off-policy variant): their NLL under the student falls."""
     from purerl.step.sft import sft_step
 
     model, optimizer, _, state, _ = _student(lr=1e-2)
-    teacher_model, teacher_params = causal_lm_from_config(CONFIG, seed=1)
+    teacher_model, teacher_params = tiny_lm(CONFIG, seed=1)
     teacher_params = {k: v * 20 if k == "model.norm.weight" else v for k, v in teacher_params.items()}  # peaked
     teacher_engine = TorchEngine(teacher_model, eos_token_ids=[1], pad_token_id=0)
     teacher_engine.sync(teacher_params, 0)
@@ -122,8 +123,8 @@ def test_off_policy_distillation_is_sft_on_the_teachers_samples():
     assert losses[-1] < 0.7 * losses[0], losses
 
 
-def test_teacher_scores_in_micro_batches_and_token_budgets_equal_the_whole_batch():
-    model, params = causal_lm_from_config(CONFIG, seed=3)
+def test_teacher_scores_in_micro_batches_and_token_budgets_equal_the_whole_batch(tiny_lm):
+    model, params = tiny_lm(CONFIG, seed=3)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 0)
     seqs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=3, temperature=1.0), RngState(2)).sequences
@@ -139,8 +140,8 @@ def test_teacher_scores_in_micro_batches_and_token_budgets_equal_the_whole_batch
         assert torch.equal(part.top_ids[mask], whole.top_ids[mask])
 
 
-def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tmp_path):
-    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=50, hidden_size=64), seed=1)
+def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tiny_lm, tmp_path):
+    model, params = tiny_lm(vocab_size=50, hidden_size=64, seed=1)
     other = export_hf(model, params, tmp_path / "other")
     config = parse(["--tiny", "--teacher", str(other)]).config
     student, _, tokenizer = load_policy(config)
@@ -150,14 +151,14 @@ def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tmp_path):
     assert "\n" not in message and str(other) in message and "50 tokens" in message and "tokenizer" in message
 
 
-def test_a_teacher_whose_vocabulary_differs_only_in_padding_rows_scores_the_policys_tokens(tmp_path):
+def test_a_teacher_whose_vocabulary_differs_only_in_padding_rows_scores_the_policys_tokens(tiny_lm, tmp_path):
     from purerl.tiny import char_tokenizer
 
     tokens = len(char_tokenizer())
     config = parse(["--tiny", "--teacher", str(tiny_teacher(tmp_path / "same"))]).config
     student, _, tokenizer = load_policy(config)
-    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=tokens, hidden_size=64), seed=5)
-    padded_model, _ = causal_lm_from_config(tiny_llama_config(vocab_size=tokens + 64, hidden_size=64), seed=5)
+    model, params = tiny_lm(vocab_size=tokens, hidden_size=64, seed=5)
+    padded_model, _ = tiny_lm(vocab_size=tokens + 64, hidden_size=64, seed=5)
     padded = {k: torch.cat([v, torch.randn(64, *v.shape[1:])]) if v.shape[0] == tokens else v
               for k, v in params.items()}  # 64 padding rows, as one family's larger models carry
     folder = export_hf(padded_model, padded, tmp_path / "padded")
@@ -232,8 +233,9 @@ def _distil_step_fn():
                              **stage_settings_of(config)), optimizer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement, ranks", [("split", 2), ("standalone", 1)])
-def test_the_teachers_scores_agree_on_the_training_ranks_and_on_a_pool_of_its_own(ray_cluster, tmp_path, placement,
+def test_the_teachers_scores_agree_on_the_training_ranks_and_on_a_pool_of_its_own(tiny_lm, ray_cluster, tmp_path, placement,
                                                                                    ranks):
     """``split``: the teacher is sharded over the 2 training ranks; ``standalone``: over the
     reference's pool. Its log-probs feed the advantages, the metrics and the loss term, so the
@@ -247,8 +249,8 @@ def test_the_teachers_scores_agree_on_the_training_ranks_and_on_a_pool_of_its_ow
     from purerl.executors.ray import RayExecutor
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import tests/
-    model, params = causal_lm_from_config(CONFIG, seed=0)
-    teacher_model, teacher_params = causal_lm_from_config(CONFIG, seed=1)
+    model, params = tiny_lm(CONFIG, seed=0)
+    teacher_model, teacher_params = tiny_lm(CONFIG, seed=1)
     teacher = LocalTeacher(teacher_model, {k: v * 5 if k == "model.norm.weight" else v
                                            for k, v in teacher_params.items()})
     step_fn, optimizer = _distil_step_fn()

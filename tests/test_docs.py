@@ -10,8 +10,10 @@ entries link to the checkout's (``experiments/``, ``examples/``, …), so a run'
 each time and the checkout stays clean.
 """
 
+import contextlib
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -30,6 +32,7 @@ from purerl.docs.pages import PAGES, flags_page, settings_page
 from purerl.docs.registries import DOCUMENTED, entries
 from purerl.docs.roles import markdown
 from purerl.docs.settings import settings
+from tests import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -94,6 +97,7 @@ def test_sphinx_roles_become_optional_cross_references():
     assert 'identifier="purerl.config.job"' in markdown(":mod:`.job`", "purerl.config.sections")
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly(tmp_path):
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
@@ -176,11 +180,32 @@ _FETCHES = re.compile(r"(^|[;&|]\s*)(sudo\s|apt(-get)?\s|(python3?\s+-m\s+)?pip\
 """A command that installs or downloads, which a test never runs."""
 
 
+_PLAIN_PYTHON = re.compile(r"python3?\s[^|&;<>()$`*?~{}\\\n]*")
+"""A shell line that is one Python command and nothing a shell would expand or redirect."""
+
+
 _OWN_PROCESS = re.compile(r"^(import|from)\s+tinker\b", re.MULTILINE)
 """Python blocks run in a process of their own: the tinker SDK's event-loop thread leaves sockets to the
 collector after its client closes, which would otherwise close them during a later test."""
 
 
+@contextlib.contextmanager
+def _registries_kept():
+    """While entered, what a page's code registers (an estimator of its own, …) stays the page's: every
+    registry's entries are put back after it, so later tests see purerl's own."""
+    from purerl.registry import Registry
+
+    found = {id(value): value for name, module in list(sys.modules.items()) if name.split(".")[0] == "purerl"
+             for value in list(vars(module).values()) if isinstance(value, Registry)}  # registries live in modules
+    kept = [(registry, dict(registry._entries)) for registry in found.values()]
+    try:
+        yield
+    finally:
+        for registry, entries in kept:
+            registry._entries = entries
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("block", code_blocks(), ids=lambda b: f"{b.page}:{b.line}")
 def test_code_block_runs(block, page_folders, monkeypatch):
     if block.skip:
@@ -190,12 +215,12 @@ def test_code_block_runs(block, page_folders, monkeypatch):
     if block.language == "python" and _OWN_PROCESS.search(block.code):
         script = where / f"block_{block.line}.py"
         script.write_text(block.code)
-        done = subprocess.run([sys.executable, script.name], cwd=where, capture_output=True, text=True,
-                              timeout=LINE_TIMEOUT_S, env=env)
+        done = processes.run([sys.executable, script.name], cwd=where, timeout=LINE_TIMEOUT_S, env=env)
         assert done.returncode == 0, f"docs/{block.page}:{block.line} (exit {done.returncode}):\n{done.stderr[-3000:]}"
     elif block.language == "python":
         monkeypatch.chdir(where)
-        exec(compile(block.code, f"docs/{block.page}:{block.line}", "exec"), {"__name__": "__main__"})
+        with _registries_kept():
+            exec(compile(block.code, f"docs/{block.page}:{block.line}", "exec"), {"__name__": "__main__"})
     elif block.language == "toml":
         path = where / f"block_{block.line}.toml"
         path.write_text(block.code)
@@ -204,7 +229,11 @@ def test_code_block_runs(block, page_folders, monkeypatch):
         for command in _commands(block.code):
             assert not _FETCHES.search(command), (f"{command!r} installs or downloads: mark the block "
                                                   "<!-- not run: REASON -->")
-            line = re.sub(r"(?<![\w/.-])python3?(?=\s|$)", sys.executable, command)
-            done = subprocess.run(["bash", "-c", line], cwd=where, capture_output=True, text=True,
-                                  timeout=LINE_TIMEOUT_S, env=env)
+            if _PLAIN_PYTHON.fullmatch(command):  # no shell syntax: the same argv without a shell
+                done = processes.run([sys.executable, *shlex.split(command, comments=True)[1:]], cwd=where, timeout=LINE_TIMEOUT_S,
+                                     env=env)
+            else:
+                line = re.sub(r"(?<![\w/.-])python3?(?=\s|$)", sys.executable, command)
+                done = subprocess.run(["bash", "-c", line], cwd=where, capture_output=True, text=True,
+                                      timeout=LINE_TIMEOUT_S, env=env)
             assert done.returncode == 0, f"{command} (exit {done.returncode}):\n{done.stderr[-3000:]}"

@@ -3,12 +3,12 @@ turn is answered, so episodes run all their turns, on the local executor (synchr
 asynchronous) and on Ray."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import processes
 from tests.jobs import ENV, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,11 +17,11 @@ GUESS = ["--tiny", "--env", "tests.episode_envs:GuessEnv", "--max-turns", "3", "
          "--eval-every", "0", "--no-progress", "--threads", "1", "env.max_tokens=256"]
 
 
+@pytest.mark.slow
 def test_the_tool_math_demo_runs_end_to_end_on_the_tiny_model(tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), "--tiny", "--steps", "3",
-                           "--out-dir", str(out), "--no-progress", "--threads", "1"], capture_output=True, text=True,
-                          env=ENV, timeout=300)
+    done = processes.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), "--tiny", "--steps", "3",
+                           "--out-dir", str(out), "--no-progress", "--threads", "1"], env=ENV, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["config"]["env"]["name"] == "calculator"
@@ -46,6 +46,7 @@ def test_multi_turn_episodes_train_on_the_local_executor(tmp_path, mode):
     _check_multi_turn(run_job([*GUESS, *mode, "--out-dir", str(tmp_path / "run")]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--async", "--max-staleness", "1"]], ids=["sync", "async"])
 def test_multi_turn_episodes_train_on_ray(tmp_path, ray_cluster, mode):
     summary = run_job([*GUESS, "--executor", "ray", "--train-ranks", "2", "--rollout-workers", "1", *mode,
@@ -87,9 +88,9 @@ def test_an_environment_returning_a_none_reward_costs_its_episodes_recorded_like
 
 
 def test_every_episode_failing_for_max_failed_reward_steps_stops_the_run_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), *BAD, "env.sft_steps=0",
+    done = processes.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), *BAD, "env.sft_steps=0",
                            "--env", "tests.episode_envs:NaNReward", "trainer.max_failed_reward_steps=2",
-                           "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, env=ENV, timeout=300,
+                           "--out-dir", str(tmp_path / "run")], env=ENV, timeout=300,
                           cwd=ROOT)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
@@ -97,9 +98,9 @@ def test_every_episode_failing_for_max_failed_reward_steps_stops_the_run_in_one_
 
 
 def test_an_environment_returning_no_result_stops_the_run_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), *BAD, "env.sft_steps=0",
+    done = processes.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), *BAD, "env.sft_steps=0",
                            "--env", "tests.episode_envs:DictResult", "--out-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
+                          env=ENV, timeout=300, cwd=ROOT)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(
@@ -116,9 +117,9 @@ def test_an_sft_warm_up_with_an_environment_that_writes_no_demonstrations_is_ref
 
 
 def test_an_environment_whose_reset_breaks_the_protocol_is_one_line_naming_it(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "grpo_math.py"), *BAD,
+    done = processes.run([sys.executable, str(ROOT / "experiments" / "grpo_math.py"), *BAD,
                            "--env", "tests.episode_envs:StringReset", "--out-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
+                          env=ENV, timeout=300, cwd=ROOT)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     line = done.stderr.strip().splitlines()[-1]
     assert "environment StringReset: reset on task 0" in line and "returned str" in line and "not (state, messages)" in line

@@ -10,13 +10,13 @@ from purerl.assembly.stages import actor_batching_of, actor_loss_of, actor_optim
 from purerl.episodes import ChatCodec
 from purerl.episodes.calculator import calculator_env, demonstration
 from purerl.episodes.rollout import episode_of_transcript, episodes_rollout
-from purerl.models import causal_lm_from_config, response_logits
+from purerl.models import response_logits
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import RngState
 from purerl.step.sft import sft_update
 from purerl.step.shaping import TrainBatch
 from purerl.step.update import _actor_loss
-from purerl.tiny import char_tokenizer, tiny_llama_config
+from purerl.tiny import char_tokenizer, tiny_causal_lm, tiny_llama_config
 from tests.jobs import step_config
 
 
@@ -31,7 +31,7 @@ def _episodes_batch(rows: int = 3):
               for r in math_problems(rows, seed=1, difficulties=(5,))]
     sequences = episodes_rollout(played, range(rows), pad_token_id=0, version=0).sequences
     config = tiny_llama_config(vocab_size=len(tokenizer), hidden_size=32, max_position_embeddings=1024)
-    model, params = causal_lm_from_config(config, seed=0)
+    model, params = tiny_causal_lm(config, seed=0)
     return sequences, model, params
 
 

@@ -146,6 +146,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_by_name():
         ChatCodec(tokenizer)
 
 
+@pytest.mark.slow
 def test_bpe_ids_that_re_tokenise_differently_are_kept_as_sampled():
     from transformers import AutoTokenizer
 
@@ -165,6 +166,7 @@ def test_bpe_ids_that_re_tokenise_differently_are_kept_as_sampled():
     assert codec.end_of_turn == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
+@pytest.mark.slow
 def test_hung_crashing_dying_and_slow_tools_each_cost_one_turn_within_the_deadline():
     tokenizer = char_tokenizer(chatml=True)
     tools = tuple(Tool(f.__name__, f, {"name": f.__name__, "parameters": {"properties": {"x": {"type": "string"}}}})
@@ -222,12 +224,11 @@ def test_the_context_budget_ends_an_episode():
         _play(tokenizer, episode_envs.GuessEnv(), guesses, [_record("a", "a")], limits=EpisodeLimits(max_tokens=20))
 
 
-def test_a_single_turn_task_is_the_one_step_episode_of_the_same_engine_call():
-    from purerl.models import causal_lm_from_config
+def test_a_single_turn_task_is_the_one_step_episode_of_the_same_engine_call(tiny_lm):
     from purerl.rollout.engine import make_engine
 
     tokenizer = char_tokenizer()
-    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64), seed=0)
+    model, params = tiny_lm(vocab_size=len(tokenizer), hidden_size=64, seed=0)
     engine = make_engine("torch", model, eos_token_ids=[1], pad_token_id=0,
                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     engine.sync(params, 0)
@@ -288,14 +289,13 @@ def test_a_demonstration_is_the_episode_sampling_would_have_built():
     assert attrs.evolve(env, tools=()).stop == ()
 
 
-def test_multi_turn_kv_reuse_gives_the_log_probs_of_a_full_re_prefill():
-    from purerl.models import causal_lm_from_config
+def test_multi_turn_kv_reuse_gives_the_log_probs_of_a_full_re_prefill(tiny_lm):
     from purerl.rollout.engine import make_engine
 
     tokenizer = char_tokenizer(chatml=True)
     config = tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64, max_position_embeddings=1024,
                                eos_token_id=tokenizer.eos_token_id)
-    model, params = causal_lm_from_config(config, seed=1)
+    model, params = tiny_lm(config, seed=1)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     engine = make_engine("torch", model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0, decode=decode)
     engine.sync(params, 0)

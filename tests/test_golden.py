@@ -22,6 +22,8 @@ from tests.golden import runs
 
 GOLDEN = json.loads(runs.GOLDEN.read_text())
 
+pytestmark = pytest.mark.slow  # every test here takes seconds (BENCHMARKS.md: the suite's tiers)
+
 
 @pytest.fixture(scope="module")
 def pinned_run():

@@ -24,7 +24,6 @@ from purerl.algo.kl_control import make_kl_controller
 from purerl.assembly.stages import stage_settings_of
 from purerl.config.job import JobConfig
 from purerl.models import (
-    causal_lm_from_config,
     critic_from_causal_lm,
     response_logits,
     response_logprobs,
@@ -35,7 +34,7 @@ from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.step import grpo_step, ppo_step
-from purerl.tiny import random_sequences, tiny_llama_config
+from purerl.tiny import random_sequences, tiny_causal_lm
 from purerl.tree import tree_clone, tree_map
 from tests.jobs import step_config
 
@@ -82,7 +81,7 @@ def test_fused_adamw_with_a_schedule_on_cuda_matches_torch_adamw():
 
 
 def _setup(config: JobConfig = STEP_CONFIGS["kl loss"]):
-    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    model, params = tiny_causal_lm(hidden_size=64, seed=0, device="cuda")
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
     kl = make_kl_controller("fixed", coef=0.001)
     step_fn = functools.partial(grpo_step, optimizer=optimizer, kl_controller=kl, **stage_settings_of(config))
@@ -124,8 +123,8 @@ def test_engine_behaviour_logprobs_equal_the_trainers_on_cuda():
     torch.testing.assert_close(trainer[mask], rollout.behaviour_logprobs[mask], rtol=0, atol=1e-4)
 
 
-def test_cuda_graph_decoding_samples_what_eager_decoding_samples():
-    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+def test_cuda_graph_decoding_samples_what_eager_decoding_samples(tiny_lm):
+    model, params = tiny_lm(hidden_size=64, seed=0, device="cuda")
     rollouts = []
     for graphs in (True, False):
         engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, device="cuda", cuda_graphs=graphs)
@@ -135,7 +134,7 @@ def test_cuda_graph_decoding_samples_what_eager_decoding_samples():
     torch.testing.assert_close(rollouts[0].behaviour_logprobs, rollouts[1].behaviour_logprobs, rtol=0, atol=1e-5)
 
 
-def test_the_sampler_inside_the_cuda_graph_samples_what_the_eager_sampler_samples():
+def test_the_sampler_inside_the_cuda_graph_samples_what_the_eager_sampler_samples(tiny_lm):
     """Issue 60: the step captured with the sampler inside (one replay = one token and its
     log-prob per row) against the same step captured giving logits, sampled eagerly after each
     replay: bit for bit, rows padded to the bucket (9 rows in 16), then cut (a row map, then a
@@ -148,7 +147,7 @@ def test_the_sampler_inside_the_cuda_graph_samples_what_the_eager_sampler_sample
     keys = sample_keys(RngState(3), range(3), 3)
     assert torch.equal(step_uniforms(keys.cuda(), torch.tensor([5], device="cuda")).cpu(),
                        sample_uniforms(RngState(3), range(3), 3, 6)[5])
-    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    model, params = tiny_lm(hidden_size=64, seed=0, device="cuda")
     ids, mask = (x.cuda() for x in left_pad(PROMPTS, 0))
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     policy = GraphPolicy(sizes=(4, 8, 16), min_steps=1, shrink_steps=4, shrink_ratio=0.4)
@@ -176,14 +175,14 @@ def test_the_sampler_inside_the_cuda_graph_samples_what_the_eager_sampler_sample
 
 
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graph", "compiled step in the graph"])
-def test_graph_buckets_on_cuda_sample_what_eager_decoding_samples(compile_decode):
+def test_graph_buckets_on_cuda_sample_what_eager_decoding_samples(tiny_lm, compile_decode):
     """Rows finishing at many steps leave the batch; the graph moves to smaller buckets (a policy
     that pays for any capture); with ``compile_decode`` the captured step is Triton's. The same
     tokens as eager decoding, the log-probs to rounding."""
     from purerl.models.families.decode_graph import GraphPolicy
 
     jaxtyping = pytest.importorskip("jaxtyping")
-    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    model, params = tiny_lm(hidden_size=64, seed=0, device="cuda")
     sampling = SamplingParams(max_new_tokens=24, n=4, temperature=1.0, top_k=50)
     out = []
     jaxtyping.config.update("jaxtyping_disable", compile_decode)  # dynamo would trace the checks
@@ -203,13 +202,13 @@ def test_graph_buckets_on_cuda_sample_what_eager_decoding_samples(compile_decode
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
-def test_an_interrupted_rollout_continued_on_cuda_is_the_uninterrupted_one(graphs):
+def test_an_interrupted_rollout_continued_on_cuda_is_the_uninterrupted_one(tiny_lm, graphs):
     """Interruptible rollouts on the GPU: rows stopped twice and continued on the same weights
     sample the uninterrupted rows (the continuation's draws are CPU-computed, then moved)."""
     from purerl.rollout.partial import Interruptible
     from purerl.rollout.queue import Weights
 
-    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    model, params = tiny_lm(hidden_size=64, seed=0, device="cuda")
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, device="cuda", cuda_graphs=graphs)
     engine.sync(params, 0)
     sampling = SamplingParams(max_new_tokens=16, n=3, temperature=1.0)
@@ -231,17 +230,17 @@ def test_an_interrupted_rollout_continued_on_cuda_is_the_uninterrupted_one(graph
 
 
 @pytest.mark.parametrize("config", STEP_CONFIGS.values(), ids=STEP_CONFIGS.keys())
-def test_a_grpo_step_on_cuda_matches_the_same_step_on_cpu(config):
+def test_a_grpo_step_on_cuda_matches_the_same_step_on_cpu(tiny_lm, config):
     model, params, step_fn, fresh, rollout, scores = _setup(config)
     gpu = step_fn(fresh(), rollout, scores, policy=model)
-    cpu_model, _ = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0)
+    cpu_model, _ = tiny_lm(hidden_size=64, seed=0)
     cpu = step_fn(_on_cpu(fresh()), _on_cpu(rollout), scores.cpu(), policy=cpu_model)
     _assert_same_step(gpu, cpu)
     if config.actor.kl_loss_coef == 0:
         assert gpu[1]["actor/skipped_rows_frac"] > 0
 
 
-def test_a_lora_step_on_cuda_matches_the_same_step_on_cpu_and_the_engine_decodes_the_adapters():
+def test_a_lora_step_on_cuda_matches_the_same_step_on_cpu_and_the_engine_decodes_the_adapters(tiny_lm):
     from purerl.models.lora import LoraSpec, apply_lora
 
     base, params, step_fn, _, rollout, scores = _setup()
@@ -253,7 +252,7 @@ def test_a_lora_step_on_cuda_matches_the_same_step_on_cpu_and_the_engine_decodes
         return TrainState(policy=tree, policy_opt=optimizer.init(tree), kl=kl.init(), rng=RngState(0), reference={})
 
     gpu = step_fn(fresh(tree_clone(adapters)), rollout, scores, policy=model)
-    cpu_model, cpu_adapters = apply_lora(*causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0),
+    cpu_model, cpu_adapters = apply_lora(*tiny_lm(hidden_size=64, seed=0),
                                          LoraSpec(4, 8.0))
     cpu = step_fn(fresh(cpu_adapters), _on_cpu(rollout), scores.cpu(), policy=cpu_model)
     _assert_same_step(gpu, cpu)
@@ -268,14 +267,14 @@ def test_a_lora_step_on_cuda_matches_the_same_step_on_cpu_and_the_engine_decodes
                                    out.behaviour_logprobs[mask], rtol=0, atol=1e-4)
 
 
-def test_a_ppo_step_with_a_critic_on_cuda_matches_the_same_step_on_cpu():
+def test_a_ppo_step_with_a_critic_on_cuda_matches_the_same_step_on_cpu(tiny_lm):
     model, params, _, _, rollout, scores = _setup()
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3))
     kl = make_kl_controller("adaptive", coef=0.01, target_kl=0.1, horizon=100)
     config = step_config(adv_estimator="gae", micro_batch_rows=4, mini_batch_rows=6, gamma=1.0, lam=0.95)
     results = []
     for device in ("cuda", "cpu"):
-        policy, p = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device=device)
+        policy, p = tiny_lm(hidden_size=64, seed=0, device=device)
         critic, c = critic_from_causal_lm(policy, p)
         state = TrainState(policy=p, policy_opt=optimizer.init(p), kl=kl.init(), rng=RngState(0),
                            reference=tree_clone(p), critic=c, critic_opt=optimizer.init(c))
@@ -287,8 +286,8 @@ def test_a_ppo_step_with_a_critic_on_cuda_matches_the_same_step_on_cpu():
         torch.testing.assert_close(results[0][0].critic[name].cpu(), value, rtol=0, atol=1e-4)
 
 
-def test_the_lean_forward_equals_the_module_on_cuda():
-    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+def test_the_lean_forward_equals_the_module_on_cuda(tiny_lm):
+    model, params = tiny_lm(hidden_size=64, seed=0, device="cuda")
     seqs = tree_map(lambda t: t.cuda(), random_sequences(6, 5, 7, 128, seed=3))
     module = attrs.evolve(model, lean=False)
     assert model.lean
@@ -345,10 +344,10 @@ def test_an_fsdp2_nccl_rank_matches_the_local_step_on_cuda():
         assert metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
 
 
-def test_the_cuda_decoding_loop_syncs_with_the_host_only_every_few_steps():
+def test_the_cuda_decoding_loop_syncs_with_the_host_only_every_few_steps(tiny_lm):
     import warnings
 
-    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0, device="cuda")
+    model, params = tiny_lm(hidden_size=64, seed=0, device="cuda")
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, device="cuda")
     engine.sync(params, 0)
     sampling = SamplingParams(max_new_tokens=64, n=4, temperature=1.0)
@@ -418,14 +417,14 @@ def test_the_main_job_runs_on_the_ray_executor_on_cuda(tmp_path):
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "HF module"])
 @pytest.mark.parametrize("shared", [False, True], ids=["every row", "shared prompts"])
-def test_packed_forwards_on_cuda_equal_the_padded_ones(shared, lean):
+def test_packed_forwards_on_cuda_equal_the_padded_ones(tiny_lm, shared, lean):
     """The packed stream's indexing (slots, the per-row attention, the scatter back) on the device,
     in the lean forward and through the HF module (whose masks read the rows off the positions)."""
     import attrs
 
     from tests.test_llama import grouped
 
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, device="cuda")
+    model, params = tiny_lm(seed=0, device="cuda")
     model = attrs.evolve(model, lean=lean)
     seqs = random_sequences(8, 7, 9, 128, seed=3)
     seqs = grouped(seqs, 4) if shared else seqs
@@ -442,12 +441,12 @@ def test_packed_forwards_on_cuda_equal_the_padded_ones(shared, lean):
         torch.testing.assert_close(out[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_packed_critic_on_cuda_gives_the_padded_values():
+def test_a_packed_critic_on_cuda_gives_the_padded_values(tiny_lm):
     import attrs
 
     from purerl.models import critic_from_causal_lm, response_values
 
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, device="cuda")
+    model, params = tiny_lm(seed=0, device="cuda")
     critic, critic_params = critic_from_causal_lm(model, params)
     critic_params["value_head.weight"] = torch.randn_like(critic_params["value_head.weight"])
     seqs = random_sequences(8, 7, 9, 128, seed=3)

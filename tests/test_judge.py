@@ -14,7 +14,7 @@ from purerl.rewards.judge import Judge
 from purerl.rewards.verdicts import JudgeSettings, verdict_value
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
-from purerl.tiny import char_tokenizer
+from purerl.tiny import char_tokenizer, tiny_causal_lm
 from tests.jobs import run_job, tiny_teacher
 from tests.test_episodes import ScriptedEngine, _text
 
@@ -69,12 +69,10 @@ def test_the_judges_verdict_enters_the_training_reward_with_its_weight():
 def _tiny_judge(folder):
     """A tiny random Llama with the ChatML character tokenizer (the judge renders its rubric with a
     chat template), exported to ``folder``."""
-    from purerl.models import causal_lm_from_config
     from purerl.models.hf import export_hf
-    from purerl.tiny import tiny_llama_config
 
     tokenizer = char_tokenizer(chatml=True)
-    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer), hidden_size=64), seed=3)
+    model, params = tiny_causal_lm(vocab_size=len(tokenizer), hidden_size=64, seed=3)
     export_hf(model, params, folder)
     tokenizer.save_pretrained(folder)
     return folder

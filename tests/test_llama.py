@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from purerl.batch import Sequences
-from purerl.models import causal_lm_from_config, response_logits, shared_prompts
+from purerl.models import response_logits, shared_prompts
 from purerl.models.families import llama
 from purerl.tiny import random_sequences, tiny_llama_config
 
@@ -50,9 +50,9 @@ def _with_pad_tokens_attended(seqs: Sequences, pad: int) -> Sequences:
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("shared", [False, True, "pad"], ids=["every row", "shared prompts", "pad tokens attended"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_logits_and_gradients_equal_the_modules(name, shared, packed):
+def test_logits_and_gradients_equal_the_modules(tiny_lm, name, shared, packed):
     config = CONFIGS[name]
-    model, params = causal_lm_from_config(config, seed=0)
+    model, params = tiny_lm(config, seed=0)
     model = attrs.evolve(model, packed=packed)
     assert model.lean
     g = torch.Generator().manual_seed(1)
@@ -82,10 +82,10 @@ def test_logits_and_gradients_equal_the_modules(name, shared, packed):
         torch.testing.assert_close(leaf.grad, expected[key].grad, rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_padding_positions_stay_finite():
+def test_padding_positions_stay_finite(tiny_lm):
     # a padding query attends only to itself: no NaN even where a whole row of keys is masked
     config = CONFIGS["llama tied, GQA"]
-    model, params = causal_lm_from_config(config, seed=0)
+    model, params = tiny_lm(config, seed=0)
     seqs = random_sequences(4, 6, 5, config.vocab_size, seed=1)
     assert not bool(seqs.attention_mask.all())
     logits = llama.response_logits(params, model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(config),
@@ -93,8 +93,8 @@ def test_padding_positions_stay_finite():
     assert bool(torch.isfinite(logits).all())
 
 
-def test_checkpointed_and_unsupported_models_run_the_module():
-    checkpointed, _ = causal_lm_from_config(tiny_llama_config(), seed=0, activation_checkpointing=True)
-    yarn, _ = causal_lm_from_config(tiny_llama_config(rope_theta=1e4, rope_scaling={
-        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}), seed=0)
+def test_checkpointed_and_unsupported_models_run_the_module(tiny_lm):
+    checkpointed, _ = tiny_lm(seed=0, activation_checkpointing=True)
+    yarn, _ = tiny_lm(rope_theta=1e4, rope_scaling={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}, seed=0)
     assert not checkpointed.lean and not yarn.lean

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from purerl.models import causal_lm_from_config
 from purerl.models.families import llama, llama_decode
 from purerl.models.families.onednn import OneDNNLinear, onednn_runs
 from purerl.rollout.backends.torch import TorchEngine, left_pad
@@ -17,8 +16,8 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
 @pytest.mark.parametrize("onednn", [False, True], ids=["torch.mm", "oneDNN prepacked"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_prefill_and_every_decode_step_give_the_modules_logits(name, onednn):
-    model, params = causal_lm_from_config(CONFIGS[name], seed=0)
+def test_prefill_and_every_decode_step_give_the_modules_logits(tiny_lm, name, onednn):
+    model, params = tiny_lm(CONFIGS[name], seed=0)
     assert llama.supports(model)
     if "qwen2" in name:
         assert "model.layers.0.self_attn.q_proj.bias" in params
@@ -51,8 +50,8 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(name, onednn):
 @pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=10, temperature=0.0, n=1),
                                       SamplingParams(max_new_tokens=10, n=3, top_p=0.9, top_k=20, temperature=1.0)],
                          ids=["greedy", "top-p/top-k"])
-def test_the_engine_samples_the_same_tokens_on_both_paths(sampling):
-    model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0)
+def test_the_engine_samples_the_same_tokens_on_both_paths(tiny_lm, sampling):
+    model, params = tiny_lm(hidden_size=64, seed=0)
     lean, hf = (TorchEngine(model, eos_token_ids=[1], pad_token_id=0, lean=flag) for flag in (True, False))
     assert lean.lean and not hf.lean
     out = []
@@ -63,17 +62,17 @@ def test_the_engine_samples_the_same_tokens_on_both_paths(sampling):
     torch.testing.assert_close(out[0].behaviour_logprobs, out[1].behaviour_logprobs, rtol=0, atol=1e-5)
 
 
-def test_unsupported_models_take_the_module_path():
+def test_unsupported_models_take_the_module_path(tiny_lm):
     config = tiny_llama_config(rope_theta=1e4, rope_scaling={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                                              "original_max_position_embeddings": 64})
-    model, _ = causal_lm_from_config(config, seed=0)
+    model, _ = tiny_lm(config, seed=0)
     assert not llama.supports(model)
     assert not TorchEngine(model, eos_token_ids=[1], pad_token_id=0).lean
 
 
-def test_the_fixed_shape_step_equals_the_sliced_step():
+def test_the_fixed_shape_step_equals_the_sliced_step(tiny_lm):
     # decode_step_static (the CUDA-graph step) attends over the whole cache with unwritten slots masked
-    model, params = causal_lm_from_config(CONFIGS["llama tied, GQA"], seed=0)
+    model, params = tiny_lm(CONFIGS["llama tied, GQA"], seed=0)
     layout = llama.layout_of(model.config)
     weights = llama.fused_weights(params, layout)
     ids, mask = left_pad(PROMPTS, 0)
@@ -109,10 +108,10 @@ def test_one_query_attention_is_sdpa(kv_heads):
                                rtol=0, atol=1e-12)
 
 
-def test_an_engine_with_a_dtype_decodes_what_the_model_cast_to_it_decodes():
+def test_an_engine_with_a_dtype_decodes_what_the_model_cast_to_it_decodes(tiny_lm):
     """``dtype="bfloat16"``: the engine samples from the cast weights (the same tokens and log-probs
     as an engine holding a bfloat16 copy itself), while the params it is given stay float32."""
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_lm(seed=0)
     sampling = SamplingParams(max_new_tokens=6, n=2, temperature=1.0)
     cast = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, dtype="bfloat16")
     cast.sync(params, 0)
@@ -126,8 +125,8 @@ def test_an_engine_with_a_dtype_decodes_what_the_model_cast_to_it_decodes():
         TorchEngine(model, eos_token_ids=[1], pad_token_id=0, dtype="int8")
 
 
-def test_decoder_weights_are_prepacked_once_per_version_on_a_cpu():
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+def test_decoder_weights_are_prepacked_once_per_version_on_a_cpu(tiny_lm):
+    model, params = tiny_lm(seed=0)
     if onednn_runs(torch.float32):
         assert isinstance(llama_decode.decoder_weights(model, params).head, OneDNNLinear)
     assert llama_decode.decoder_weights(model, params, onednn=False) is params

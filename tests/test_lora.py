@@ -16,7 +16,7 @@ from purerl.assembly.stages import stage_settings_of
 from purerl.data.cursor import DataCursor
 from purerl.executors.local import LocalExecutor
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
-from purerl.models import causal_lm_from_config, response_logits, response_logprobs, value_and_grad
+from purerl.models import response_logits, response_logprobs, value_and_grad
 from purerl.models.hf import export_hf
 from purerl.models.lora import LoraSpec, apply_lora, export_peft
 from purerl.optim import adamw, chain, clip_by_global_norm
@@ -25,7 +25,7 @@ from purerl.rollout.sampling import SamplingParams
 from purerl.run import load_policy
 from purerl.state import RngState, TrainState
 from purerl.step import grpo_step
-from purerl.tiny import random_sequences, tiny_llama_config
+from purerl.tiny import random_sequences, tiny_causal_lm
 from purerl.tree import tree_clone, tree_leaves
 from tests.jobs import SMALL, assert_cut_run_resumes_as_the_whole, parse, run_job, step_config
 
@@ -35,7 +35,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
 def _lora(dtype=torch.float32, rank=4, targets=None):
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, dtype=dtype)
+    model, params = tiny_causal_lm(seed=0, dtype=dtype)
     spec = LoraSpec(rank, 8.0) if targets is None else LoraSpec(rank, 8.0, targets)
     lm, adapters = apply_lora(model, params, spec, seed=3)
     return model, params, lm, adapters
@@ -95,7 +95,7 @@ def test_the_lean_forward_and_the_hf_module_compute_the_same_adapted_logits_and_
         torch.testing.assert_close(g_lean[name], g_hf[name], rtol=1e-9, atol=1e-12)
 
 
-def test_targets_choose_the_adapted_layers_and_an_unknown_target_is_refused():
+def test_targets_choose_the_adapted_layers_and_an_unknown_target_is_refused(tiny_lm):
     _, _, lm, adapters = _lora(targets=("q_proj", "v_proj"))
     assert {k.split(".")[-3] for k in adapters} == {"q_proj", "v_proj"}
     seqs = random_sequences(4, 5, 4, 128, seed=3)
@@ -103,7 +103,7 @@ def test_targets_choose_the_adapted_layers_and_an_unknown_target_is_refused():
     torch.testing.assert_close(_masked(response_logits(lm, adapters, seqs), seqs),
                                _masked(response_logits(attrs.evolve(lm, lean=False), adapters, seqs), seqs),
                                rtol=1e-5, atol=1e-5)
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_lm(seed=0)
     with pytest.raises(ValueError, match="match no linear layer"):
         apply_lora(model, params, LoraSpec(4, 8.0, ("qproj",)))
 
@@ -238,6 +238,7 @@ def _make_lora_step_fn():
     return _grpo()[0]
 
 
+@pytest.mark.slow
 def test_fsdp2_ranks_train_the_adapters_like_the_local_step_and_rollout_workers_sample_the_adapted_policy(ray_cluster):
     import sys
 
@@ -288,10 +289,9 @@ def test_fsdp2_ranks_train_the_adapters_like_the_local_step_and_rollout_workers_
     assert not tree_equal(ray_full.policy, adapters)
 
 
-def test_lora_on_a_checkpointed_model_gives_the_same_gradients():
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, dtype=torch.float64)
-    checkpointed, _ = causal_lm_from_config(tiny_llama_config(), seed=0, dtype=torch.float64,
-                                            activation_checkpointing=True)
+def test_lora_on_a_checkpointed_model_gives_the_same_gradients(tiny_lm):
+    model, params = tiny_lm(seed=0, dtype=torch.float64)
+    checkpointed, _ = tiny_lm(seed=0, dtype=torch.float64, activation_checkpointing=True)
     seqs = random_sequences(4, 5, 4, 128, seed=5)
     grads = []
     for skeleton in (model, checkpointed):

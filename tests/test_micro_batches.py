@@ -14,14 +14,13 @@ from purerl.assembly.stages import (
     value_loss_of,
 )
 from purerl.batch import Rollout, Sequences
-from purerl.models import causal_lm_from_config, critic_from_causal_lm, response_logits
+from purerl.models import critic_from_causal_lm, response_logits
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.state import RngState
 from purerl.step.experience import make_experience
 from purerl.step.micro_batches import token_budget_rows, trimmed_sequences
 from purerl.step.shaping import TrainBatch
 from purerl.step.update import actor_update, critic_update
-from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone
 from tests.jobs import SMALL, run_job, step_config
 
@@ -48,8 +47,8 @@ def _masked(logits, mask):
 
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "hf-module"])
-def test_trimming_a_micro_batch_keeps_every_used_positions_logits(lean):
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, dtype=torch.float64)
+def test_trimming_a_micro_batch_keeps_every_used_positions_logits(tiny_lm, lean):
+    model, params = tiny_lm(seed=0, dtype=torch.float64)
     model = attrs.evolve(model, lean=lean)
     seqs = _long_tailed()
     rows = torch.tensor([3, 5, 7])  # short rows: most of the batch's width is their padding
@@ -86,8 +85,8 @@ def _batch(seqs, seed=0, with_values=False):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_token_budget_updates_give_the_fixed_row_gradient(agg):
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, dtype=torch.float64)
+def test_token_budget_updates_give_the_fixed_row_gradient(tiny_lm, agg):
+    model, params = tiny_lm(seed=0, dtype=torch.float64)
     seqs = _long_tailed(rows=12)
     batch = _batch(seqs)
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3))
@@ -105,8 +104,8 @@ def test_token_budget_updates_give_the_fixed_row_gradient(agg):
         assert budget_metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-11), key
 
 
-def test_token_budget_critic_updates_and_no_grad_forwards_equal_fixed_rows():
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, dtype=torch.float64)
+def test_token_budget_critic_updates_and_no_grad_forwards_equal_fixed_rows(tiny_lm):
+    model, params = tiny_lm(seed=0, dtype=torch.float64)
     critic, critic_params = critic_from_causal_lm(model, params)
     g = torch.Generator().manual_seed(3)
     critic_params = {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in critic_params.items()}

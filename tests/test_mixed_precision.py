@@ -16,14 +16,13 @@ from purerl.algo.kl_control import make_kl_controller
 from purerl.assembly.stages import stage_settings_of
 from purerl.config.job import ExecutorConfig
 from purerl.executors.local import LocalExecutor
-from purerl.models import cast_floating, causal_lm_from_config, response_logprobs, value_and_grad
+from purerl.models import cast_floating, response_logprobs, value_and_grad
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.run import load_policy
 from purerl.state import RngState, TrainState
 from purerl.step import grpo_step
-from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_leaves
 from tests.jobs import assert_cut_run_resumes_as_the_whole, parse, run_job, step_config
 
@@ -61,8 +60,8 @@ def _batch(model, params):
     return rollout, _even_tokens(rollout)
 
 
-def test_float32_masters_take_an_update_that_bfloat16_params_round_away():
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+def test_float32_masters_take_an_update_that_bfloat16_params_round_away(tiny_lm):
+    model, params = tiny_lm(seed=0)
     mixed = attrs.evolve(model, compute_dtype=BF16)
     rollout, scores = _batch(model, params)
     step_fn, optimizer = _make_step_fn(lr=2e-5)
@@ -100,8 +99,8 @@ def test_updates_below_bfloat16_resolution_accumulate_in_the_master_until_the_co
     assert (narrow["w"] == 1).all()  # bfloat16 params never did
 
 
-def test_a_mixed_precision_grpo_step_equals_the_float32_step_within_bfloat16_tolerance():
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+def test_a_mixed_precision_grpo_step_equals_the_float32_step_within_bfloat16_tolerance(tiny_lm):
+    model, params = tiny_lm(seed=0)
     mixed = attrs.evolve(model, compute_dtype=BF16)
     rollout, scores = _batch(model, params)
     step_fn, optimizer = _make_step_fn()
@@ -122,6 +121,7 @@ def test_a_mixed_precision_grpo_step_equals_the_float32_step_within_bfloat16_tol
         assert (grads["mixed"][k] - g).norm() <= 5e-2 * g.norm() + 1e-6, k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_bfloat16_job_holds_float32_masters_exports_bfloat16_and_resumes_bit_exactly(tmp_path, lora):
     argv = ["--tiny", "--dtype", "bfloat16", "--lr", "1e-3", "--kl-coef", "0.05", "--prompts-per-step", "2",
@@ -140,10 +140,11 @@ def test_a_bfloat16_job_holds_float32_masters_exports_bfloat16_and_resumes_bit_e
     assert all(torch.equal(again[k], export[k]) for k in export)
 
 
-def test_fsdp2_ranks_with_the_mixed_precision_policy_equal_the_local_step(ray_cluster):
+@pytest.mark.slow
+def test_fsdp2_ranks_with_the_mixed_precision_policy_equal_the_local_step(tiny_lm, ray_cluster):
     from purerl.executors.ray import executor as ray_executor
 
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_lm(seed=0)
     mixed = attrs.evolve(model, compute_dtype=BF16)
     rollout, scores = _batch(model, params)
     step_fn, optimizer = _make_step_fn()

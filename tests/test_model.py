@@ -7,7 +7,6 @@ from transformers import AutoModelForCausalLM
 
 from purerl.algo.aggregation import SumCount, aggregate_loss
 from purerl.models import (
-    causal_lm_from_config,
     critic_from_causal_lm,
     load_causal_lm,
     response_entropy,
@@ -22,9 +21,9 @@ from tests.test_llama import grouped
 
 
 @pytest.fixture(scope="module", params=["lean", "module"])
-def tiny(request):
+def tiny(tiny_lm, request):
     config = tiny_llama_config()
-    model, params = causal_lm_from_config(config, seed=0)
+    model, params = tiny_lm(config, seed=0)
     assert model.lean
     if request.param == "module":
         model = attrs.evolve(model, lean=False)  # the path of models purerl.models.families.llama does not cover
@@ -104,13 +103,13 @@ def test_value_and_grad_with_denominator_accumulates_micro_batches_exactly(tiny)
     assert_trees_close(summed, whole, rtol=1e-4, atol=1e-7)
 
 
-def test_activation_checkpointing_gives_the_same_gradients_for_trained_params(tiny):
+def test_activation_checkpointing_gives_the_same_gradients_for_trained_params(tiny_lm, tiny):
     config, _, params, seqs = tiny
     # params that differ from the skeleton's initialisation: a recomputation that silently used
     # the module's own weights would give different gradients
     moved = {k: v + 0.01 * torch.randn_like(v) for k, v in params.items()}
-    plain, _ = causal_lm_from_config(config, seed=0)
-    ckpt, _ = causal_lm_from_config(config, seed=0, activation_checkpointing=True)
+    plain, _ = tiny_lm(config, seed=0)
+    ckpt, _ = tiny_lm(config, seed=0, activation_checkpointing=True)
     calls = []
     ckpt.module.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
     _, _, g_plain = value_and_grad(_pg_loss(plain, seqs))(moved)
@@ -168,9 +167,9 @@ def test_summed_loss_type_is_sumcount(tiny):
 
 
 @pytest.mark.parametrize("path", ["lean", "module"])
-def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(path):
+def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(tiny_lm, path):
     config = tiny_llama_config()
-    model, params = causal_lm_from_config(config, seed=0)
+    model, params = tiny_lm(config, seed=0)
     if path == "module":
         model = attrs.evolve(model, lean=False)  # the path of models purerl.models.families.llama does not cover
     seqs = grouped(random_sequences(8, 12, 6, config.vocab_size, seed=2), 4)
@@ -194,12 +193,12 @@ def test_rows_sharing_a_prompt_run_it_once_with_the_same_logits_and_gradients(pa
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_shared_prompt_reaches_its_rows_through_index_select_whose_gradient_adds_in_row_order(packed):
+def test_a_shared_prompt_reaches_its_rows_through_index_select_whose_gradient_adds_in_row_order(tiny_lm, packed):
     """``x[inverse]``'s backward (``IndexBackward0``: ``index_put_`` accumulating) adds a prompt's rows
     with atomics on a CPU's threads, in an order that changed from process to process: the main job's
     updates differed in their last bits between two identical runs. ``index_select``'s adds in row order."""
     config = tiny_llama_config()
-    model, params = causal_lm_from_config(config, seed=0)
+    model, params = tiny_lm(config, seed=0)
     model = attrs.evolve(model, packed=packed)
     seqs = grouped(random_sequences(8, 12, 6, config.vocab_size, seed=2), 4)
     assert shared_prompts(seqs) is not None

@@ -15,9 +15,9 @@ import torch
 
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.batch import Sequences
-from purerl.models import causal_lm_from_config, response_logits, shared_prompts
+from purerl.models import response_logits, shared_prompts
 from purerl.models import value_and_grad as pure_value_and_grad
-from purerl.tiny import random_sequences, tiny_llama_config
+from purerl.tiny import random_sequences, tiny_causal_lm
 from purerl.tree import tree_clone
 from tests.test_llama import grouped
 
@@ -27,7 +27,7 @@ PATHS = ["lean", "HF module", "HF module, checkpointed"]
 def _model(packed: bool, path: str = "lean"):
     """The tiny Llama in float64 (perturbed weights), through the lean forward or its HF module
     (with activation checkpointing: the module's path)."""
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, activation_checkpointing="checkpointed" in path)
+    model, params = tiny_causal_lm(seed=0, activation_checkpointing="checkpointed" in path)
     g = torch.Generator().manual_seed(1)
     params = {k: (v + 0.02 * torch.randn(v.shape, generator=g)).double() for k, v in params.items()}
     model = attrs.evolve(model, packed=packed, lean=path == "lean",

@@ -4,19 +4,19 @@ import pytest
 import torch
 
 from purerl.batch import FINISH_INTERRUPTED
-from purerl.models import causal_lm_from_config, response_logprobs
+from purerl.models import response_logprobs
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.partial import Interruptible
 from purerl.rollout.queue import Weights
 from purerl.rollout.sampling import SamplingParams, sample_uniforms
 from purerl.state import RngState
-from purerl.tiny import tiny_llama_config
+from purerl.tiny import tiny_causal_lm
 
 PROMPTS, STREAMS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [4, 7, 9]
 
 
 def _engine(seed: int = 0):
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=seed)
+    model, params = tiny_causal_lm(seed=seed)
     params = {k: v.double() for k, v in params.items()}  # float64: prefill and decode agree to the last bit
     engine = TorchEngine(model, eos_token_ids=[2, 3], pad_token_id=0)
     engine.sync(params, 0)

@@ -8,7 +8,6 @@ the run with an error naming the worker, quickly.
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,16 +28,19 @@ from purerl.io.metrics import MetricsLog
 from purerl.loop.async_train import train_async
 from purerl.loop.task import Task
 from purerl.loop.train import train
-from purerl.models import causal_lm_from_config, critic_from_causal_lm
+from purerl.models import critic_from_causal_lm
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rewards import score_responses
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
 from purerl.step import grpo_step, ppo_step
-from purerl.tiny import tiny_llama_config
+from purerl.tiny import tiny_causal_lm
 from purerl.tree import replace, tree_clone, tree_equal, tree_leaves
+from tests import processes
 from tests.equivalence import assert_async_k0_equals_sync
+
+pytestmark = pytest.mark.slow  # every test here takes seconds (BENCHMARKS.md: the suite's tiers)
 
 pytest.importorskip("ray")
 ray_executor = pytest.importorskip("purerl.executors.ray")
@@ -71,7 +73,7 @@ def _make_step_fn(micro_batch_rows):
 
 
 def _setup(micro_batch_rows):
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_causal_lm(seed=0)
     step_fn, optimizer = _make_step_fn(micro_batch_rows)
     kl = make_kl_controller("fixed", coef=0.001)
 
@@ -196,9 +198,9 @@ def _make_ppo_step_fn(**actor):
                              **stage_settings_of(config)), optimizer
 
 
-def test_ppo_with_a_sharded_critic_and_checkpointed_policy_equals_local(ray_cluster):
+def test_ppo_with_a_sharded_critic_and_checkpointed_policy_equals_local(tiny_lm, ray_cluster):
     # activation checkpointing: FSDP's hooks must re-gather the params when a layer recomputes
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, activation_checkpointing=True)
+    model, params = tiny_lm(seed=0, activation_checkpointing=True)
     critic, critic_params = critic_from_causal_lm(model, params)
     step_fn, optimizer = _make_ppo_step_fn()
     kl = make_kl_controller("fixed", coef=0.001)
@@ -239,13 +241,13 @@ PRESETS = {  # placement: (training ranks, workers of the other pools); at most 
 
 @pytest.mark.parametrize("placement", list(PRESETS))
 def test_every_placement_runs_ppo_with_a_critic_a_reference_and_a_reward_model_like_the_local_executor(
-        ray_cluster, tmp_path, placement):
+        tiny_lm, ray_cluster, tmp_path, placement):
     """Each preset puts the rollout, the reference, the critic and the reward model on its pools;
     the same step function then gives the local executor's samples, reward-model scores, metrics
     and params (to float rounding: sums reduced over other ranks in another order)."""
     from purerl.rewards.model import RewardModel, save_tiny_reward_model
 
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_lm(seed=0)
     critic, critic_params = critic_from_causal_lm(model, params)
     step_fn, optimizer = _make_ppo_step_fn(kl_loss_coef=0.1)
     kl = make_kl_controller("fixed", coef=0.001)
@@ -500,7 +502,7 @@ def test_the_job_joins_a_running_cluster_with_ray_address_and_leaves_it_running(
            "--samples-per-prompt", "2", "--max-new-tokens", "4", "--eval-size", "2", "--train-size", "20",
            "--eval-every", "0", "--checkpoint-every", "2", "--no-progress", "--threads", "1", "--out-dir", str(out)]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    done = processes.run(cmd, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     assert (out / "checkpoints" / "step_00000002").is_dir()
@@ -523,7 +525,7 @@ def test_the_job_scores_with_a_reward_model_and_a_user_function_on_reward_worker
            "--eval-size", "2", "--train-size", "20", "--eval-every", "0", "--no-progress", "--threads", "1",
            "--out-dir", str(out)]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    done = processes.run(cmd, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

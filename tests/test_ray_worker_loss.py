@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -17,12 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from tests import processes
+
+pytestmark = pytest.mark.slow  # every test here takes seconds (BENCHMARKS.md: the suite's tiers)
+
 pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _after_first_step(proc: subprocess.Popen, out: Path) -> Path:
+def _after_first_step(proc: processes.Popen, out: Path) -> Path:
     """Wait (up to 600 s: two Ray jobs may share 2 cores with a suite beside them) until the job
     ``proc`` has recorded a step in ``out``; its metrics file."""
     deadline = time.monotonic() + 600
@@ -79,7 +82,7 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim
            *(["--step-timeout", "10"] if sig == signal.SIGSTOP else []),
            *(["--placement", "split_collocate", "--adv-estimator", "gae"] if victim.startswith("critic") else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = processes.Popen(cmd, env=env, merge_stderr=True)
     try:
         _after_first_step(proc, out)
         pids = json.loads((out / "workers.json").read_text())
@@ -108,7 +111,7 @@ def test_killing_a_worker_mid_run_exits_nonzero_naming_it(tmp_path, mode, victim
         again = [str(step + 1) if i and cmd[i - 1] == "--steps" else arg for i, arg in enumerate(cmd)]
         again[again.index(ray_temp)] = ray_temp = tempfile.mkdtemp(prefix="ray")
         try:
-            resumed = subprocess.run([*again, "--resume"], capture_output=True, text=True, env=env, timeout=300)
+            resumed = processes.run([*again, "--resume"], env=env, timeout=300)
         finally:
             shutil.rmtree(ray_temp, ignore_errors=True)
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -147,7 +150,7 @@ def test_generators_on_other_nodes_of_a_cluster_survive_losing_a_node(tmp_path):
                "executor.pool_resources.rollout.generator_node=1", "asynchronous.restart_backoff_s=0.5",
                "asynchronous.status_every_s=0.5"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        proc = processes.Popen(cmd, env=env, merge_stderr=True)
         metrics = _after_first_step(proc, out)
         assert [g["restarts"] for g in json.loads((out / "status.json").read_text())["generators"]] == [0, 0]
         cluster.remove_node(generator_nodes[1])

@@ -8,26 +8,24 @@ import torch
 
 from purerl.algo.kl_control import make_kl_controller
 from purerl.executors import LocalExecutor
-from purerl.models import causal_lm_from_config
 from purerl.optim import adamw
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState, TrainState
-from purerl.tiny import tiny_llama_config
 from purerl.tree import tree_clone, tree_equal
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 CUSTOM_STEPS = README.parent / "docs" / "guides" / "custom-steps.md"
 
 
-def test_the_docs_custom_step_runs_on_the_local_executor_and_updates_the_policy():
+def test_the_docs_custom_step_runs_on_the_local_executor_and_updates_the_policy(tiny_lm):
     section = CUSTOM_STEPS.read_text().split("## Your own step function", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict = {}
     exec(compile(code, "docs/guides/custom-steps.md", "exec"), namespace)
     my_step = namespace["my_step"]
 
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_lm(seed=0)
     optimizer = adamw(1e-3)
     kl_controller = make_kl_controller("fixed")
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(), rng=RngState(0))

@@ -27,17 +27,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from tests import processes
 from tests.jobs import ENV, SCRIPT, SMALL, one_line_error, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = f"reward.fn={ROOT / 'tests' / 'golden' / 'reward.py'}:digit_fraction"  # scores vary: updates happen
 
 
-def _job(out_dir, *extra, steps=3, wait=True, model=("--tiny",), env=ENV, **kwargs):
+def _job(out_dir, *extra, steps=3, wait=True, model=("--tiny",), env=ENV, fresh=False, **kwargs):
+    """The script on the tiny model (in a fork of a preloaded interpreter, :mod:`tests.processes`; ``fresh``: a
+    new interpreter, for what happens while it starts)."""
     cmd = [sys.executable, str(SCRIPT), *model, *SMALL, "--steps", str(steps), "--out-dir", str(out_dir), *extra]
-    if not wait:
+    if fresh:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, **kwargs)
+    if not wait:
+        return processes.Popen(cmd, env=env)
+    return processes.run(cmd, env=env, timeout=600, **kwargs)
 
 
 def _wait_for(proc, condition, limit=300.0):
@@ -74,11 +79,10 @@ def _recorder(run_dir, step, **trainer):
     from purerl.executors.local import LocalExecutor
     from purerl.io.metrics import MetricsLog
     from purerl.loop.recording import StepRecorder
-    from purerl.models import causal_lm_from_config
     from purerl.rollout.backends.torch import TorchEngine
-    from purerl.tiny import tiny_llama_config
+    from purerl.tiny import tiny_causal_lm
 
-    model, _ = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, _ = tiny_causal_lm(seed=0)
     executor = LocalExecutor(step_function(build(JobConfig, {})), model,
                              TorchEngine(model, eos_token_ids=[1], pad_token_id=0))
     settings = TrainerConfig(progress=False, checkpoint_every=0, **trainer)
@@ -140,6 +144,7 @@ def test_a_huge_but_finite_update_stops_the_job_at_that_step_before_any_export(t
 
 
 # 2. the Ray instance a run starts listens on loopback only, with Ray's token authentication on
+@pytest.mark.slow
 def test_the_jobs_ray_instance_listens_on_loopback_only():
     pytest.importorskip("ray")
     temp_dir = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 107 bytes
@@ -150,7 +155,7 @@ def test_the_jobs_ray_instance_listens_on_loopback_only():
             "if c.status == psutil.CONN_LISTEN]; print(json.dumps(ports)); ray.shutdown()")
     env = {k: v for k, v in ENV.items() if k != "RAY_AUTH_MODE"}  # the product's own setting
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        done = processes.run([sys.executable, "-c", code], env=env, timeout=300)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -207,6 +212,7 @@ def test_a_model_that_attends_to_later_tokens_is_refused_whatever_its_config_say
 # 5, 6. verl rows whole; reward failures visible
 REWARDS = '''
 import os, subprocess
+from purerl.tiny import tiny_causal_lm
 
 def by_extra_info(data_source, solution_str, ground_truth, extra_info=None):
     return float(extra_info["weight"])
@@ -254,6 +260,7 @@ def test_reward_errors_are_shown_and_kept_and_steps_of_only_failures_stop_the_ru
 
 
 # 7, and the per-batch deadline: killed reward workers take their children with them
+@pytest.mark.slow
 def test_a_hung_reward_costs_at_most_the_batch_deadline_and_leaves_no_child_behind(tmp_path):
     import psutil
 
@@ -272,6 +279,7 @@ def test_a_hung_reward_costs_at_most_the_batch_deadline_and_leaves_no_child_behi
 
 
 # 8. a full disk is one line naming the file
+@pytest.mark.slow
 def test_a_checkpoint_that_cannot_be_written_is_one_line_naming_it(tmp_path):
     def limit_files():  # every file of the job may hold 64 kB: metrics fit, a checkpoint does not
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -408,6 +416,7 @@ def test_checkpoint_files_are_readable_like_every_other_file(tmp_path):
     assert len(set(modes.values())) == 1, modes
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_and_a_killed_trainer_leave_no_traceback(tmp_path):
     marker = tmp_path / "scoring"
     slow = tmp_path / "slower_reward.py"
@@ -446,6 +455,7 @@ def test_the_divergence_check_finds_every_non_finite_value_and_passes_large_fini
     assert not tree_all_finite(tree, moments)
 
 
+@pytest.mark.slow
 def test_making_a_file_readable_never_changes_the_umask_other_threads_create_files_under(tmp_path):
     import threading
 
@@ -479,6 +489,7 @@ def test_making_a_file_readable_never_changes_the_umask_other_threads_create_fil
 
 
 # 44.2. SIGTERM under Ray: the step in flight finishes and is checkpointed, as with Ctrl-C
+@pytest.mark.slow
 def test_sigterm_stops_a_ray_run_after_its_step_and_resume_ends_like_the_uninterrupted_run(tmp_path):
     pytest.importorskip("ray")
     temp_dir = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 107 bytes
@@ -530,7 +541,7 @@ def _catches(pid: int, signum: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads handlers from /proc")
 def test_ctrl_c_while_the_script_loads_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "run"
-    proc = _job(out, wait=False)
+    proc = _job(out, fresh=True)
     _wait_for(proc, lambda: _catches(proc.pid, signal.SIGTERM))  # the script's first handler is in
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)

@@ -224,6 +224,7 @@ def test_counterfactuals_refuse_what_they_cannot_honour_and_say_what_changed(grp
     assert "actor/pg_loss:" in printed and "in the run" in printed and "replayed" in printed
 
 
+@pytest.mark.slow
 def test_a_ray_run_on_two_ranks_replays_here_within_a_tolerance_saying_why(ray_cluster, tmp_path, capsys):
     out = tmp_path / "ray"
     run_job([*TINY, "--steps", "2", "--executor", "ray", "--train-ranks", "2", "--rollout-workers", "1",

@@ -4,17 +4,17 @@ import torch
 
 from purerl.algo.aggregation import aggregate_loss
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from purerl.models import causal_lm_from_config, response_logprobs, value_and_grad
+from purerl.models import response_logprobs, value_and_grad
 from purerl.optim import adamw, chain, clip_by_global_norm, warmup_cosine_schedule
 from purerl.state import RngState, TrainState
-from purerl.tiny import random_sequences, tiny_llama_config
+from purerl.tiny import random_sequences, tiny_causal_lm, tiny_llama_config
 from purerl.tree import tree_equal
 
 CONFIG = tiny_llama_config()
 
 
 def _init():
-    model, params = causal_lm_from_config(CONFIG, seed=0)
+    model, params = tiny_causal_lm(CONFIG, seed=0)
     opt = chain(clip_by_global_norm(1.0), adamw(warmup_cosine_schedule(1e-2, 2, 8)))
     state = TrainState(policy=params, policy_opt=opt.init(params), kl=None, rng=RngState(seed=5))
     return model, opt, state

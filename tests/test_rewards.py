@@ -427,16 +427,14 @@ def test_a_model_with_more_than_one_label_or_no_model_is_refused(tmp_path):
     json.loads((tmp_path / "two" / "config.json").read_text())  # the folder was written
 
 
-def test_local_executor_scores_with_its_reward_model_and_passes_data_sources(reward_models):
+def test_local_executor_scores_with_its_reward_model_and_passes_data_sources(tiny_lm, reward_models):
     import torch
 
     from purerl.executors.local import LocalExecutor
-    from purerl.models import causal_lm_from_config
     from purerl.rewards.model import RewardModel
     from purerl.rollout.backends.torch import TorchEngine
-    from purerl.tiny import tiny_llama_config
 
-    model, _ = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, _ = tiny_lm(seed=0)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     step_fn = lambda state, rollout, scores, **effects: (state, {})  # noqa: E731 - never called here
     without = LocalExecutor(step_fn, model, engine)
@@ -457,15 +455,13 @@ def score_by_source(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if data_source == "graded" else 0.0
 
 
-def test_evaluation_gives_a_verl_form_function_each_record_s_data_source():
+def test_evaluation_gives_a_verl_form_function_each_record_s_data_source(tiny_lm):
     from purerl.data.records import PromptRecord
     from purerl.loop.evaluation import evaluate
     from purerl.loop.task import Task
-    from purerl.models import causal_lm_from_config
     from purerl.rollout.backends.torch import TorchEngine
-    from purerl.tiny import tiny_llama_config
 
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_lm(seed=0)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 0)
     records = [PromptRecord(({"role": "user", "content": "q"},), "0", data_source=source)

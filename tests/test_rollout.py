@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
-from purerl.models import causal_lm_from_config, response_logprobs
+from purerl.models import response_logprobs
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams, sample_tokens, sampling_logprobs
 from purerl.state import RngState
@@ -16,9 +16,9 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(tiny_lm):
     config = tiny_llama_config()
-    model, params = causal_lm_from_config(config, seed=0)
+    model, params = tiny_lm(config, seed=0)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, version=0)
     return config, model, params, engine
@@ -72,10 +72,10 @@ def test_eos_ends_a_row_and_is_kept_in_the_response(setup):
     assert bool(seqs.response_mask.all())
 
 
-def test_length_limit_and_stop_strings():
+def test_length_limit_and_stop_strings(tiny_lm):
     tokenizer = char_tokenizer()
     config = tiny_llama_config(vocab_size=len(tokenizer))
-    model, params = causal_lm_from_config(config, seed=0)
+    model, params = tiny_lm(config, seed=0)
     engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
                          decode=lambda ids: tokenizer.decode(ids))
     engine.sync(params, version=0)
@@ -112,12 +112,11 @@ def test_top_k_and_top_p_truncate_and_renormalise():
     assert torch.isfinite(lp[0, 0]) and lp[0, 0].item() == 0.0
 
 
-def test_a_model_trained_with_activation_checkpointing_samples_with_its_kv_cache():
+def test_a_model_trained_with_activation_checkpointing_samples_with_its_kv_cache(tiny_lm):
     # the skeleton stays in eval mode (purerl checkpoints its layers itself), so no forward drops the cache
     rollouts = []
     for checkpointing in (False, True):
-        model, params = causal_lm_from_config(tiny_llama_config(hidden_size=64), seed=0,
-                                              activation_checkpointing=checkpointing)
+        model, params = tiny_lm(hidden_size=64, seed=0, activation_checkpointing=checkpointing)
         engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
         engine.sync(params, 0)
         rollouts.append(engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=8, temperature=1.0, n=1), RngState(0)))
@@ -199,10 +198,10 @@ def test_the_decoding_loop_reads_the_device_only_every_host_check_every_steps(se
     assert torch.equal(out[1].behaviour_logprobs, out[8].behaviour_logprobs)
 
 
-def test_concatenated_rollouts_keep_every_row_and_its_log_probs():
+def test_concatenated_rollouts_keep_every_row_and_its_log_probs(tiny_lm):
     from purerl.rollout.merge import concat_rollouts
 
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+    model, params = tiny_lm(seed=0)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 0)
     first = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, n=2, temperature=1.0), RngState(1), version=0)

@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from purerl.models import causal_lm_from_config, response_logprobs
+from purerl.models import response_logprobs
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
-from purerl.tiny import tiny_llama_config
 
 
 def test_prompt_shards_cover_every_prompt_once_in_order():
@@ -20,8 +19,8 @@ def test_prompt_shards_cover_every_prompt_once_in_order():
             assert all(s > 0 for s in sizes) and (not sizes or max(sizes) - min(sizes) <= 1)
 
 
-def test_concatenated_shards_keep_tokens_groups_and_behaviour_logprobs():
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+def test_concatenated_shards_keep_tokens_groups_and_behaviour_logprobs(tiny_lm):
+    model, params = tiny_lm(seed=0)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 5)
     sampling = SamplingParams(max_new_tokens=7, n=2, temperature=1.0)
@@ -46,8 +45,8 @@ def test_concatenated_shards_keep_tokens_groups_and_behaviour_logprobs():
     assert (joined.behaviour_logprobs[~mask] == 0).all()
 
 
-def test_parts_of_different_versions_are_refused():
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0)
+def test_parts_of_different_versions_are_refused(tiny_lm):
+    model, params = tiny_lm(seed=0)
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 1)
     a = engine.generate([[5]], SamplingParams(max_new_tokens=2, temperature=1.0, n=1), RngState(0))

@@ -4,11 +4,9 @@ index), not on the batch it is in, the shard or the worker that samples it."""
 import pytest
 import torch
 
-from purerl.models import causal_lm_from_config
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams, sample_keys, sample_seeds, sample_uniforms
 from purerl.state import RngState
-from purerl.tiny import tiny_llama_config
 
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16, 17, 18, 19]]
@@ -41,8 +39,8 @@ def test_uniforms_are_uniform():
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_sharding_the_prompts_over_engines_samples_what_one_engine_samples(workers):
-    model, params = causal_lm_from_config(tiny_llama_config(), seed=0, dtype=torch.float64)
+def test_sharding_the_prompts_over_engines_samples_what_one_engine_samples(tiny_lm, workers):
+    model, params = tiny_lm(seed=0, dtype=torch.float64)
     engine = TorchEngine(model, **ENGINE)
     engine.sync(params, 0)
     sampling = SamplingParams(max_new_tokens=10, n=3, temperature=1.0)

@@ -9,7 +9,7 @@ from purerl.algo.estimators import ADVANTAGE_ESTIMATORS
 from purerl.algo.kl_control import make_kl_controller
 from purerl.algo.policy_loss import POLICY_LOSSES
 from purerl.assembly.stages import experience_settings_of, shaping_of, stage_settings_of
-from purerl.models import causal_lm_from_config, critic_from_causal_lm, response_logits
+from purerl.models import critic_from_causal_lm, response_logits
 from purerl.optim import adamw, chain, clip_by_global_norm
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
@@ -21,7 +21,7 @@ from purerl.step import (
     shape_rewards,
     token_level_scores,
 )
-from purerl.tiny import tiny_llama_config
+from purerl.tiny import tiny_causal_lm, tiny_llama_config
 from purerl.tree import tree_clone, tree_equal
 from tests.jobs import step_config
 
@@ -30,7 +30,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
 def _setup(critic=False, kl=0.0):
-    model, params = causal_lm_from_config(CONFIG, seed=0)
+    model, params = tiny_causal_lm(CONFIG, seed=0)
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.0))
     kl_controller = make_kl_controller("fixed", coef=0.001)
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl_controller.init(),

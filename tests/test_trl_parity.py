@@ -35,14 +35,13 @@ from purerl.assembly.stages import actor_batching_of, actor_optimizer, kl_contro
 from purerl.batch import left_pad, rollout_of  # noqa: E402
 from purerl.config.job import JobConfig  # noqa: E402
 from purerl.config.loading import build  # noqa: E402
-from purerl.models import causal_lm_from_config  # noqa: E402
 from purerl.models.hf import export_hf  # noqa: E402
 from purerl.optim.base import Optimizer  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.run import initial_state  # noqa: E402
 from purerl.step import grpo_step  # noqa: E402
 from purerl.step.experience import reference_logprobs  # noqa: E402
-from purerl.tiny import char_tokenizer, tiny_llama_config  # noqa: E402
+from purerl.tiny import char_tokenizer  # noqa: E402
 
 DIFFERENCES = {"advantage epsilon": (1e-6, 1e-4), "positions under left padding": "none here: equal prompt lengths"}
 PROMPTS = ["12+34=", "56-78=", "3*3="]
@@ -160,10 +159,10 @@ def _trl(model, tokenizer, responses, rewards, steps, grad_clip, tmp):
 
 
 @pytest.mark.parametrize("grad_clip, steps", [(1.0, 2), (0.25, 4)], ids=["main-job-clip", "clipped-4-steps"])
-def test_one_batch_gives_trls_params_and_gradients_up_to_the_named_differences(monkeypatch, grad_clip, steps):
+def test_one_batch_gives_trls_params_and_gradients_up_to_the_named_differences(tiny_lm, monkeypatch, grad_clip, steps):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     tokenizer = char_tokenizer()
-    model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer) + 8), seed=0)
+    model, params = tiny_lm(vocab_size=len(tokenizer) + 8, seed=0)
     start = {k: v.clone() for k, v in params.items()}
     responses, rewards = _batch(tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
