@@ -7,6 +7,7 @@ import time
 
 import attrs
 import pytest
+import torch
 
 from purerl.algo.kl_control import make_kl_controller
 from purerl.assembly.stages import batch_plan_of, stage_settings_of
@@ -106,6 +107,36 @@ def test_staleness_zero_is_the_synchronous_trainer_bit_for_bit(tmp_path):
     async_state, report, async_records = _run_async(tmp_path / "async", _config(steps=5, max_staleness=0))
     assert_async_k0_equals_sync(sync_state, sync_records, async_state, async_records, report, steps=5)
     assert attrs.astuple(async_state.data) == attrs.astuple(sync_state.data)
+
+
+def test_a_second_start_begins_another_run_whose_engines_load_its_weights():
+    """An executor's start begins a run: starting again from other weights publishes version 0 anew,
+    and an engine that held version 0 of the first run loads the second run's (a new executor's samples)."""
+    from purerl.rollout.sampling import SamplingParams
+
+    model, first = tiny_causal_lm(seed=0)
+    _, second = tiny_causal_lm(seed=1)
+    sampling, prompts = SamplingParams(max_new_tokens=6, n=2, temperature=1.0), [[5, 6, 7], [8, 9]]
+
+    def state_of(params):
+        return TrainState(policy=tree_clone(params), policy_opt=None, kl=None, rng=RngState(0))
+
+    def sample(executor):
+        with executor.engine(executor.newest(0)) as engine:
+            return engine.generate(prompts, sampling, RngState(3)).sequences.input_ids
+
+    def executor_of():
+        generator = TorchEngine(attrs.evolve(model, module=copy.deepcopy(model.module)), **ENGINE)
+        return LocalExecutor(lambda *a, **k: None, model, TorchEngine(model, **ENGINE), generator_engines=[generator])
+
+    executor = executor_of()
+    executor.start(state_of(first))
+    of_first = sample(executor)
+    executor.start(state_of(second))
+    assert executor.newest().version == 0
+    fresh = executor_of()
+    fresh.start(state_of(second))
+    assert torch.equal(sample(executor), sample(fresh)) and not torch.equal(of_first, sample(fresh))
 
 
 def test_a_slow_trainer_trains_on_batches_one_version_old_never_older(tmp_path):

@@ -40,7 +40,8 @@ class ExecutorError(RuntimeError):
 class Executor(Protocol):
     def start(self, state: TrainState) -> TrainState:
         """Take ownership of ``state`` and publish its policy; returns the state the driver holds
-        from now on."""
+        from now on. Each start begins a run: a second one, on the same workers, forgets the
+        versions published before it."""
 
     def step(self, state: TrainState, rollout: Rollout, rewards: torch.Tensor | Rewards
              ) -> tuple[TrainState, dict[str, float]]:

@@ -72,6 +72,11 @@ class LocalExecutor:
         self._published = Published()
 
     def start(self, state: TrainState) -> TrainState:
+        """Publish ``state``'s policy as the first version of a run: a second start begins another
+        (the versions published before are forgotten; every engine loads the new run's weights)."""
+        self._published, self._evaluated_version = Published(), None
+        for slot in {id(s): s for s in (self.evaluator, *self.generators)}.values():
+            slot.restart(lambda engine: None)  # nothing to restart: it only holds no version now
         self.publish(state)
         return state
 

@@ -189,8 +189,14 @@ class RayExecutor:
     def start(self, state: TrainState) -> TrainState:
         """Send the full ``state`` to where its parts live (the training ranks shard the policy;
         the critic's and the reference's pools, when the placement has them, start now and shard
-        theirs) and publish its policy; the driver keeps the rest."""
+        theirs) and publish its policy; the driver keeps the rest. Each start begins a run on the
+        same workers: the versions published before are forgotten, and every engine loads the new
+        run's weights when it is first used."""
         import ray
+
+        self._published = Published()
+        for slot in self.slots:
+            slot.restart(lambda engine: None)  # nothing to restart: it only holds no version now
 
         roles, parts = self.config.roles, {}
         if roles["critic"] == "critic" and state.critic is not None:
