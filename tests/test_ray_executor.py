@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -91,6 +92,30 @@ def _pickle_this_module_by_value():
     from ray import cloudpickle  # Ray's own copy, the one that serialises tasks
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import tests/
+
+
+SPLIT = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, placement="split", step_timeout=120,
+                       sync_timeout=60)
+
+
+@pytest.fixture(scope="class")
+def shared(ray_cluster):
+    """``shared(name, make)``: an executor the tests of a class start runs on in turn (each start begins a run
+    on the same workers), made on first use, made again when a test left it stopped, closed with the class.
+    Starting Ray workers is most of a test's time here (~3 s of imports each on a 2-core box)."""
+    built = {}
+
+    def get(name, make):
+        executor = built.get(name)
+        if executor is None or executor.groups.failure is not None or executor.broken:
+            if executor is not None:
+                executor.close()
+            built[name] = executor = make()
+        return executor
+
+    yield get
+    for executor in built.values():
+        executor.close()
 
 
 def _picky_reward(text, truth):
@@ -317,69 +342,6 @@ def _tiny_task(prompts: int = 8) -> Task:
                 lambda text, truth: float(text.count("a")) / max(len(text), 1), lambda ids: "".join(map(chr, ids)))
 
 
-@pytest.mark.parametrize("generators", [1])  # 2 generators: tests/test_async.py (local), and below (restarts)
-def test_async_with_staleness_zero_on_ray_is_the_synchronous_trainer_bit_for_bit(ray_cluster, tmp_path, generators):
-    """Generators on the rollout pool, ranks on the train pool: with k = 0 ("wait") every batch is
-    sampled by the weights the synchronous loop would have used, so weights and metrics agree.
-    With two generators, each with its rollout worker and one prompt group of two, the samples
-    are the same (per-sample streams), the engine's log-probs equal up to float rounding (measured:
-    it passes with ``[1, 2]``; the local test runs the two-generator case in the suite)."""
-    model, _, make_step_fn, fresh = _setup(4)
-    task = _tiny_task()
-    config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=generators, placement="split",
-                            step_timeout=120)
-    results = {}
-    for mode in ("sync", "async"):
-        log = MetricsLog(tmp_path / mode)
-        with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config, make_step_fn=make_step_fn,
-                                      generators=generators if mode == "async" else 0) as executor:
-            state = executor.start(fresh())
-            common = dict(executor=executor, task=task, run_dir=tmp_path / mode, log=log)
-            if mode == "sync":
-                job = _job(steps=5)
-                state, report = train(state, plan=batch_plan_of(job), trainer=job.trainer, **common), None
-            else:
-                job = _job(steps=5, asynchronous={"enable": True, "max_staleness": 0, "generators": generators})
-                state, report = train_async(state, plan=batch_plan_of(job), trainer=job.trainer,
-                                            asynchronous=job.asynchronous, **common)
-            results[mode] = executor.full_state(state), list(MetricsLog.read(log.path)), report
-        log.close()
-    (sync_state, sync_records, _), (async_state, async_records, report) = results["sync"], results["async"]
-    assert_async_k0_equals_sync(sync_state, sync_records, async_state, async_records, report, steps=5,
-                                logprob_tol=1e-5 if generators > 1 else 0.0)
-
-
-def test_async_on_ray_with_staleness_one_overlaps_and_stays_in_bounds(ray_cluster, tmp_path):
-    model, _, make_step_fn, fresh = _setup(4)
-    job = _job(trainer={"steps": 6, "eval_every": 3, "progress": False},
-               asynchronous={"enable": True, "max_staleness": 1, "queue_batches": 1})
-    config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split", step_timeout=120)
-    log = MetricsLog(tmp_path)
-    evaluated = []
-
-    def evaluate_fn(state):  # runs on the rollout workers between two of the generator's batches
-        with executor.engine(executor.newest(state.step), "evaluate") as engine:
-            rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=1.0, n=1), RngState(0),
-                                      version=state.step)
-        evaluated.append((state.step, rollout.version))
-        return {"val/accuracy": 0.0}
-
-    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
-                                  make_step_fn=make_step_fn) as executor:
-        state, report = train_async(executor.start(fresh()), executor=executor, task=_tiny_task(),
-                                    plan=batch_plan_of(job), trainer=job.trainer, asynchronous=job.asynchronous,
-                                    run_dir=tmp_path, log=log, evaluate_fn=evaluate_fn)
-        assert executor.newest().version == 6  # the final weights, published for a final evaluation
-    log.close()
-    records = list(MetricsLog.read(log.path))
-    assert state.step == 6 and [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert set(report["staleness_histogram"]) <= {0, 1} and report["trained"] == report["generated"] == 6
-    assert all(r["async/staleness"] <= 1 and r["async/queue_depth"] <= 1 for r in records)
-    versions = [r["step"] - 1 - r["async/staleness"] for r in records]  # the weights each batch was sampled with
-    assert versions == sorted(versions)
-    assert evaluated == [(3, 3), (6, 6)]
-
-
 def test_rollout_workers_stop_open_rows_when_interrupted_and_continue_them(ray_cluster):
     """Ray's view of a generator's two rollout workers: an interrupt polled on the driver reaches
     each worker while it generates (two methods at once); the rows still open stop, and
@@ -410,50 +372,6 @@ def test_rollout_workers_stop_open_rows_when_interrupted_and_continue_them(ray_c
     trainer = response_logprobs(model, state.policy, again.sequences)
     mask = again.sequences.response_mask
     torch.testing.assert_close(again.behaviour_logprobs[mask], trainer[mask], rtol=0, atol=1e-4)
-
-
-def test_a_hung_generator_worker_is_given_up_after_the_generate_timeout_and_restarted(ray_cluster):
-    """A generator's rollout worker that outlasts ``generate_timeout`` fails that generator alone
-    (the ranks keep running); restarting it starts a new worker, which loads the weights again
-    and samples what the old one sampled."""
-    model, _, _, fresh = _setup(4)
-    config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split")
-    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, n=2)
-    with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config, generators=1,
-                                  generate_timeout=2.0) as executor:
-        executor.start(fresh())
-        with executor.engine(executor.newest(0)) as engine:
-            before = engine.generate(PROMPTS, sampling, RngState(1), version=0)
-        executor.wait([(executor.rollout[0].straggle.remote(10_000.0), "rollout worker 0")], 30.0, "straggle")
-        start = time.monotonic()
-        with pytest.raises(ExecutorError, match=r"generate: rollout worker 0 did not answer within 2 s"), \
-                executor.engine(executor.newest(0)) as engine:
-            engine.generate(PROMPTS, sampling, RngState(1), version=0)
-        assert time.monotonic() - start < 15 and executor.broken == {0}
-        executor.wait([(executor.train[0].pid.remote(), "train rank 0")], 10.0, "ping")  # nothing else stopped
-        executor.restart_generator(0)
-        with executor.engine(executor.newest(0)) as engine:
-            after = engine.generate(PROMPTS, sampling, RngState(1), version=0)
-        assert executor.broken == set()
-    assert torch.equal(after.sequences.input_ids, before.sequences.input_ids)
-
-
-def test_a_generators_rollout_worker_checks_each_load_and_a_corrupted_one_stops_the_run(ray_cluster):
-    """Asynchronous generators' rollout workers run the weight-sync canary after each load (a batch
-    they sample may be older than any version a step checks): a tensor scaled on its way into the
-    engine is named with the worker and the version, and no restart is tried."""
-    from purerl.rollout.canary import Canary, CanaryError
-
-    model, _, _, fresh = _setup(4)
-    config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split")
-    with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config, generators=1,
-                                  canary=Canary(model, tolerance=5e-2)) as executor:
-        executor.start(fresh())
-        with executor.engine(executor.newest(0)) as engine:  # version 0 loads and passes
-            engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=1), RngState(1), version=0)
-        executor.wait([(executor.rollout[0].scramble.remote(3.0), "rollout worker 0")], 30.0, "scramble")
-        with pytest.raises(CanaryError, match=r"rollout worker 0 at weights version 0: .* nats per token"):
-            executor.reload(executor.newest(0))
 
 
 def _sleeping_step(state, rollout, scores, **effects):
@@ -534,53 +452,11 @@ def test_the_job_scores_with_a_reward_model_and_a_user_function_on_reward_worker
                                                        + r["reward/overlong_penalty_mean"], abs=1e-5)
 
 
-def test_offloading_params_and_optimizer_state_leaves_every_weight_unchanged(ray_cluster):
-    """On CPU the offloaded tensors stay where they are, but the path runs: FSDP2's CPUOffloadPolicy
-    and the optimizer state moved around each step; two steps give the same bits as without."""
-    from purerl.executors.fsdp import Offload
-
-    model, _, make_step_fn, fresh = _setup(2)
-    rollout = TorchEngine(model, **ENGINE)
-    rollout.sync(fresh().policy, 0)
-    batch = rollout.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4, temperature=1.0), RngState(1), version=0)
-    scores = _even_tokens(batch)
-    config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, step_timeout=120, sync_timeout=60)
-    finals = []
-    for offload in (Offload(), Offload(params=True, optimizer=True)):
-        with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config, make_step_fn=make_step_fn,
-                                      offload=offload) as executor:
-            state = executor.start(fresh())
-            for _ in range(2):
-                state, _ = executor.step(state, batch, scores)
-            finals.append(executor.full_state(state))
-    plain, offloaded = finals
-    assert tree_equal(plain.policy, offloaded.policy) and tree_equal(plain.policy_opt, offloaded.policy_opt)
-    assert not tree_equal(plain.policy, fresh().policy)
-
-
 def _make_budget_step_fn():
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
     config = _job(actor={"kl_loss_coef": 0.1, "micro_batch_rows": 2, "max_tokens_per_micro_batch": 24})
     return functools.partial(grpo_step, optimizer=optimizer, kl_controller=make_kl_controller("fixed", coef=0.001),
                              **stage_settings_of(config))
-
-
-def test_token_budget_micro_batches_on_fsdp2_ranks_equal_the_local_step(ray_cluster):
-    model, _, _, fresh = _setup(2)
-    engine = TorchEngine(model, **ENGINE)
-    engine.sync(fresh().policy, 0)
-    batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(3), version=0)
-    scores = _even_tokens(batch)
-    config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, step_timeout=120, sync_timeout=60)
-    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
-                                  make_step_fn=_make_budget_step_fn) as executor:
-        state, metrics = executor.step(executor.start(fresh()), batch, scores)
-        ray_full = executor.full_state(state)
-    local_state, local_metrics = LocalExecutor(_make_budget_step_fn(), model, engine).step(fresh(), batch, scores)
-    for name, value in local_state.policy.items():
-        torch.testing.assert_close(ray_full.policy[name], value, rtol=0, atol=1e-5)
-    for key, value in local_metrics.items():
-        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 def test_the_samples_do_not_depend_on_the_number_of_rollout_workers(ray_cluster):
@@ -604,3 +480,169 @@ def test_the_samples_do_not_depend_on_the_number_of_rollout_workers(ray_cluster)
         assert got.sequences.response_length == width
         assert torch.equal(got.sequences.responses(), expected.sequences.responses()), workers
         assert torch.equal(got.sequences.response_mask, expected.sequences.response_mask), workers
+
+
+def _split(shared, model):
+    """The shared split executor: 2 ranks running the token-budget GRPO step, a rollout worker, a generator."""
+    return shared("split", lambda: ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=SPLIT,
+                                                            make_step_fn=_make_budget_step_fn, generators=1))
+
+
+class TestOneSplitExecutor:
+    """Runs started one after another on one split executor (:func:`_split`): each start begins a run on the
+    same workers, and the executor is closed when the class ends (its workers hold half the session's CPUs)."""
+
+    @pytest.mark.parametrize("generators", [1])  # 2 generators: tests/test_async.py (local), and below (restarts)
+    def test_async_with_staleness_zero_on_ray_is_the_synchronous_trainer_bit_for_bit(self, shared, tmp_path,
+                                                                                     generators):
+        """Generators on the rollout pool, ranks on the train pool: with k = 0 ("wait") every batch is
+        sampled by the weights the synchronous loop would have used, so weights and metrics agree.
+        Both runs on one executor, one after the other (a start begins a run on the same workers).
+        With two generators, each with its rollout worker and one prompt group of two, the samples
+        are the same (per-sample streams), the engine's log-probs equal up to float rounding (measured:
+        it passes with ``[1, 2]``; the local test runs the two-generator case in the suite)."""
+        model, _, _, fresh = _setup(2)
+        task = _tiny_task()
+        executor = _split(shared, model) if generators == 1 else shared(f"split, {generators} generators", lambda: (
+            ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=attrs.evolve(SPLIT, rollout_workers=2),
+                                     make_step_fn=_make_budget_step_fn, generators=generators)))
+        results = {}
+        for mode in ("sync", "async"):
+            log = MetricsLog(tmp_path / mode)
+            state = executor.start(fresh())
+            common = dict(executor=executor, task=task, run_dir=tmp_path / mode, log=log)
+            if mode == "sync":
+                job = _job(steps=5)
+                state, report = train(state, plan=batch_plan_of(job), trainer=job.trainer, **common), None
+            else:
+                job = _job(steps=5, asynchronous={"enable": True, "max_staleness": 0, "generators": generators})
+                state, report = train_async(state, plan=batch_plan_of(job), trainer=job.trainer,
+                                            asynchronous=job.asynchronous, **common)
+            results[mode] = executor.full_state(state), list(MetricsLog.read(log.path)), report
+            log.close()
+        (sync_state, sync_records, _), (async_state, async_records, report) = results["sync"], results["async"]
+        assert_async_k0_equals_sync(sync_state, sync_records, async_state, async_records, report, steps=5,
+                                    logprob_tol=1e-5 if generators > 1 else 0.0)
+
+    def test_async_on_ray_with_staleness_one_overlaps_and_stays_in_bounds(self, shared, tmp_path):
+        model, _, _, fresh = _setup(2)
+        job = _job(trainer={"steps": 6, "eval_every": 3, "progress": False},
+                   asynchronous={"enable": True, "max_staleness": 1, "queue_batches": 1})
+        log = MetricsLog(tmp_path)
+        evaluated = []
+
+        def evaluate_fn(state):  # runs on the rollout workers between two of the generator's batches
+            with executor.engine(executor.newest(state.step), "evaluate") as engine:
+                rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=1.0, n=1), RngState(0),
+                                          version=state.step)
+            evaluated.append((state.step, rollout.version))
+            return {"val/accuracy": 0.0}
+
+        executor = _split(shared, model)
+        state, report = train_async(executor.start(fresh()), executor=executor, task=_tiny_task(),
+                                    plan=batch_plan_of(job), trainer=job.trainer, asynchronous=job.asynchronous,
+                                    run_dir=tmp_path, log=log, evaluate_fn=evaluate_fn)
+        assert executor.newest().version == 6  # the final weights, published for a final evaluation
+        log.close()
+        records = list(MetricsLog.read(log.path))
+        assert state.step == 6 and [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+        assert set(report["staleness_histogram"]) <= {0, 1} and report["trained"] == report["generated"] == 6
+        assert all(r["async/staleness"] <= 1 and r["async/queue_depth"] <= 1 for r in records)
+        versions = [r["step"] - 1 - r["async/staleness"] for r in records]  # the weights each batch was sampled with
+        assert versions == sorted(versions)
+        assert evaluated == [(3, 3), (6, 6)]
+
+    def test_offloading_params_and_optimizer_state_leaves_every_weight_unchanged(self, shared):
+        """On CPU the offloaded tensors stay where they are, but the path runs: FSDP2's CPUOffloadPolicy
+        and the optimizer state moved around each step; two steps give the same bits as without (the
+        shared split executor, which offloads nothing)."""
+        from purerl.executors.fsdp import Offload
+
+        model, _, _, fresh = _setup(2)
+        rollout = TorchEngine(model, **ENGINE)
+        rollout.sync(fresh().policy, 0)
+        batch = rollout.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4, temperature=1.0), RngState(1),
+                                 version=0)
+        scores = _even_tokens(batch)
+        offloading = ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=SPLIT, generators=1,
+                                              make_step_fn=_make_budget_step_fn,
+                                              offload=Offload(params=True, optimizer=True))
+        finals = []
+        with offloading:
+            for executor in (_split(shared, model), offloading):
+                state = executor.start(fresh())
+                for _ in range(2):
+                    state, _ = executor.step(state, batch, scores)
+                finals.append(executor.full_state(state))
+        plain, offloaded = finals
+        assert tree_equal(plain.policy, offloaded.policy) and tree_equal(plain.policy_opt, offloaded.policy_opt)
+        assert not tree_equal(plain.policy, fresh().policy)
+
+    def test_token_budget_micro_batches_on_fsdp2_ranks_equal_the_local_step(self, shared):
+        model, _, _, fresh = _setup(2)
+        engine = TorchEngine(model, **ENGINE)
+        engine.sync(fresh().policy, 0)
+        batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(3), version=0)
+        scores = _even_tokens(batch)
+        executor = _split(shared, model)  # its ranks run _make_budget_step_fn's step
+        state, metrics = executor.step(executor.start(fresh()), batch, scores)
+        ray_full = executor.full_state(state)
+        local_state, local_metrics = LocalExecutor(_make_budget_step_fn(), model, engine).step(fresh(), batch, scores)
+        for name, value in local_state.policy.items():
+            torch.testing.assert_close(ray_full.policy[name], value, rtol=0, atol=1e-5)
+        for key, value in local_metrics.items():
+            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def _generator(shared, model):
+    """The shared executor of a generator whose rollout worker is given up after 2 s and checked by the
+    weight-sync canary after each load (its rank never steps)."""
+    from purerl.rollout.canary import Canary
+
+    config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split")
+    return shared("generator", lambda: ray_executor.RayExecutor(
+        _sleeping_step, model, engine_kwargs=ENGINE, config=config, generators=1, generate_timeout=2.0,
+        canary=Canary(model, tolerance=5e-2)))
+
+
+class TestOneGeneratorExecutor:
+    """Runs started one after another on one generator's executor (:func:`_generator`), closed when the
+    class ends."""
+
+    def test_a_hung_generator_worker_is_given_up_after_the_generate_timeout_and_restarted(self, shared):
+        """A generator's rollout worker that outlasts ``generate_timeout`` fails that generator alone
+        (the ranks keep running); restarting it starts a new worker, which loads the weights again
+        and samples what the old one sampled."""
+        model, _, _, fresh = _setup(4)
+        sampling = SamplingParams(max_new_tokens=8, temperature=1.0, n=2)
+        executor = _generator(shared, model)
+        executor.start(fresh())
+        with executor.engine(executor.newest(0)) as engine:
+            before = engine.generate(PROMPTS, sampling, RngState(1), version=0)
+        executor.wait([(executor.rollout[0].straggle.remote(10_000.0), "rollout worker 0")], 30.0, "straggle")
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"generate: rollout worker 0 did not answer within 2 s"), \
+                executor.engine(executor.newest(0)) as engine:
+            engine.generate(PROMPTS, sampling, RngState(1), version=0)
+        assert time.monotonic() - start < 15 and executor.broken == {0}
+        executor.wait([(executor.train[0].pid.remote(), "train rank 0")], 10.0, "ping")  # nothing else stopped
+        executor.restart_generator(0)
+        with executor.engine(executor.newest(0)) as engine:
+            after = engine.generate(PROMPTS, sampling, RngState(1), version=0)
+        assert executor.broken == set()
+        assert torch.equal(after.sequences.input_ids, before.sequences.input_ids)
+
+    def test_a_generators_rollout_worker_checks_each_load_and_a_corrupted_one_stops_the_run(self, shared):
+        """Asynchronous generators' rollout workers run the weight-sync canary after each load (a batch
+        they sample may be older than any version a step checks): a tensor scaled on its way into the
+        engine is named with the worker and the version, and no restart is tried."""
+        from purerl.rollout.canary import CanaryError
+
+        model, _, _, fresh = _setup(4)
+        executor = _generator(shared, model)
+        executor.start(fresh())
+        with executor.engine(executor.newest(0)) as engine:  # version 0 loads and passes
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=1), RngState(1), version=0)
+        executor.wait([(executor.rollout[0].scramble.remote(3.0), "rollout worker 0")], 30.0, "scramble")
+        with pytest.raises(CanaryError, match=r"rollout worker 0 at weights version 0: .* nats per token"):
+            executor.reload(executor.newest(0))
