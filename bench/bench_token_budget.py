@@ -60,7 +60,7 @@ def long_tailed(rows: int, longest: int, vocab: int) -> TrainBatch:
     seqs = Sequences(torch.where(attend, ids, 0), attend, mask)
     advantages = torch.randn(rows, 1, generator=g).expand(rows, t) * mask
     old = torch.full((rows, t), -3.0)
-    return TrainBatch(seqs, old, None, advantages, advantages, None)
+    return TrainBatch(seqs, old, None, advantages, advantages, None, temperature=1.0)
 
 
 def setup(args):
@@ -92,7 +92,7 @@ def trainer_step(model, params, batch, variant):
     seqs = batch.sequences
     rows = len(seqs)
     rollout = Rollout(seqs, batch.old_logprobs * seqs.response_mask, torch.zeros(rows, dtype=torch.long),
-                      torch.arange(rows) // 4, 0)
+                      torch.arange(rows) // 4, 0, 1.0)
     scores = torch.randn(rows, generator=torch.Generator().manual_seed(1))
     return grpo_step(state, rollout, scores, policy=attrs.evolve(model, packed=packed), optimizer=optimizer,
                      kl_controller=make_kl_controller("fixed", coef=0.0), **stage_settings_of(config))

@@ -80,7 +80,10 @@ class Rollout:
 
     ``behaviour_logprobs`` are the log-probs of the sampled tokens under the sampling distribution
     (0 at masked positions); ``finish_reasons`` holds FINISH_EOS / FINISH_LENGTH / FINISH_STOP;
-    ``version`` is the weights version that sampled them.
+    ``version`` is the weights version that sampled them. ``temperature`` is the temperature of the
+    sampling distribution (1 for greedy decoding, whose log-probs are the untempered model's): the
+    trainer scores the responses at it, so a step cannot score them at another
+    (:attr:`~purerl.rollout.sampling.SamplingParams.logprob_temperature`).
     """
 
     sequences: Sequences
@@ -88,11 +91,12 @@ class Rollout:
     finish_reasons: Int[Tensor, " b"]
     group: Int[Tensor, " b"]
     version: int
+    temperature: float
 
     def rows(self, index: Tensor) -> "Rollout":
         """The rollout of the given rows (group ids unchanged)."""
         return Rollout(self.sequences.rows(index), self.behaviour_logprobs[index], self.finish_reasons[index],
-                       self.group[index], self.version)
+                       self.group[index], self.version, self.temperature)
 
 
 @pytree
@@ -133,10 +137,11 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tenso
 
 def rollout_of(prompt_ids: Int[Tensor, "g p"], prompt_mask: Bool[Tensor, "g p"], responses: Int[Tensor, "b t"],
                logprobs: Float[Tensor, "b t"], alive: Bool[Tensor, "b t"], finish_reasons: Int[Tensor, " b"],
-               n: int, version: int) -> Rollout:
+               n: int, version: int, temperature: float) -> Rollout:
     """The :class:`Rollout` of ``n`` responses per left-padded prompt (``b = g·n``, prompt-major):
-    each prompt row repeated ``n`` times ahead of its responses, ``alive`` the response mask."""
+    each prompt row repeated ``n`` times ahead of its responses, ``alive`` the response mask,
+    ``logprobs`` at ``temperature``."""
     sequences = Sequences(torch.cat([prompt_ids.repeat_interleave(n, 0), responses], 1),
                           torch.cat([prompt_mask.repeat_interleave(n, 0), alive], 1), alive)
     group = torch.arange(len(prompt_ids), device=responses.device).repeat_interleave(n)
-    return Rollout(sequences, logprobs, finish_reasons, group, version)
+    return Rollout(sequences, logprobs, finish_reasons, group, version, temperature)

@@ -115,7 +115,8 @@ def test_a_three_turn_tool_episode_through_the_endpoint_is_the_env_paths_token_f
         assert a.ids == e.ids and a.sampled == e.sampled and a.logprobs == e.logprobs and a.turn_ends == e.turn_ends
         assert a.reward == e.reward == 1.0 and a.actions[-1] == e.actions[-1] == "#### 12"
     group = [0, 0, 1, 1]
-    rollouts = [episodes_rollout(p, group, pad_token_id=0, version=0) for p in (by_env, by_agent)]
+    rollouts = [episodes_rollout(p, group, pad_token_id=0, version=0, temperature=1.0)
+                for p in (by_env, by_agent)]
     for field in ("input_ids", "attention_mask", "response_mask"):
         assert torch.equal(getattr(rollouts[0].sequences, field), getattr(rollouts[1].sequences, field))
     assert engine.calls <= 6  # four agents' 12 calls: batched (one engine call per turn when they arrive together)

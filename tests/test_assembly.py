@@ -94,7 +94,7 @@ def test_the_settings_follow_the_config():
     shaping, loss = shaping_of(config), actor_loss_of(config)
     assert shaping.estimator.name == "rloo" and shaping.kl_penalty == "mse" and shaping.correction == "none"
     assert loss.policy_loss.name == "gspo" and loss.policy_loss.settings.clip_high == 0.4
-    assert loss.entropy_coeff == 0.01 and loss.temperature == config.rollout.temperature
+    assert loss.entropy_coeff == 0.01
     assert shaping_of(JobConfig()).kl_penalty is None
 
 

@@ -29,7 +29,7 @@ def _episodes_batch(rows: int = 3):
     codec, env = ChatCodec(tokenizer), calculator_env()
     played = [episode_of_transcript(codec, demonstration(r, env), stop=env.stop)
               for r in math_problems(rows, seed=1, difficulties=(5,))]
-    sequences = episodes_rollout(played, range(rows), pad_token_id=0, version=0).sequences
+    sequences = episodes_rollout(played, range(rows), pad_token_id=0, version=0, temperature=1.0).sequences
     config = tiny_llama_config(vocab_size=len(tokenizer), hidden_size=32, max_position_embeddings=1024)
     model, params = tiny_causal_lm(config, seed=0)
     return sequences, model, params
@@ -48,7 +48,8 @@ def test_observation_tokens_add_no_loss_no_kl_and_no_gradient():
         junk = torch.where(observation, at_observations, 0.0)
         return TrainBatch(sequences, torch.where(mask, -1.0 + 0.1 * base[0], 0.0) + junk,
                           torch.where(mask, -1.2 + 0.1 * base[1], 0.0) + junk,
-                          torch.where(mask, base[2], 0.0) + 50 * junk, torch.zeros(mask.shape), None)
+                          torch.where(mask, base[2], 0.0) + 50 * junk, torch.zeros(mask.shape), None,
+                          temperature=1.0)
 
     base = [noise(), noise(), noise()]
     config = step_config(kl_loss_coef=0.5, entropy_coeff=0.01, policy_loss="vanilla")
@@ -122,7 +123,7 @@ def test_per_turn_rewards_sit_on_each_turns_last_token_and_sum_to_the_score():
         e.append([6, 1], sampled=True, logprobs=[-1.0] * 2)
         e.add(StepResult(None, (), second, True))
         episodes.append(e)
-    rollout = episodes_rollout(episodes, [0, 0, 1, 1], pad_token_id=0, version=0)
+    rollout = episodes_rollout(episodes, [0, 0, 1, 1], pad_token_id=0, version=0, temperature=1.0)
     scores = torch.tensor([e.reward + 0.1 for e in episodes])  # e.g. a tool bonus beyond the turns' rewards
     tokens = turn_token_rewards(episodes, scores, rollout.sequences.response_length)
     assert tokens[0].tolist() == pytest.approx([0, 0, 0.25, 0, 0, 0, 1.1])
@@ -133,7 +134,7 @@ def test_per_turn_rewards_sit_on_each_turns_last_token_and_sum_to_the_score():
         mask = rollout.sequences.response_mask
         zeros = torch.zeros(mask.shape)
         experience = Experience(rollout.sequences, rollout.group, scores, zeros, zeros, None, None,
-                                token_rewards=token_rewards)
+                                token_rewards=token_rewards, temperature=1.0, on_policy=True)
         batch, _, _ = shape_rewards(experience, make_kl_controller("fixed").init(), make_kl_controller("fixed"),
                                     shaping=shaping_of(config))
         return batch.advantages

@@ -55,7 +55,7 @@ class ScriptedEngine:
             tokens[i, : len(r)], alive[i, : len(r)] = torch.tensor(r, dtype=torch.long), True
         ids, mask = left_pad(prompts, 0)
         return rollout_of(ids, mask, tokens, torch.where(alive, -0.5, 0.0), alive, torch.zeros(len(rows)).long(),
-                          sampling.n, self.version)
+                          sampling.n, self.version, sampling.logprob_temperature)
 
 
 def _text(tokenizer, text: str, end: bool = False) -> list[int]:
@@ -110,7 +110,7 @@ def test_ids_are_the_prompt_then_each_turns_sampled_and_delta_ids_and_chatml_ren
 def test_the_rollout_masks_observation_tokens_and_holds_the_ids():
     tokenizer = char_tokenizer(chatml=True)
     episodes, _ = _play(tokenizer, calculator_env(), _calculator_script(tokenizer), [_record(), _record()], n=2)
-    rollout = episodes_rollout(episodes, [0, 0, 1, 1], pad_token_id=0, version=3)
+    rollout = episodes_rollout(episodes, [0, 0, 1, 1], pad_token_id=0, version=3, temperature=1.0)
     seqs = rollout.sequences
     for row, e in enumerate(episodes):
         length = len(e.ids) - e.prompt_length
@@ -238,7 +238,7 @@ def test_a_single_turn_task_is_the_one_step_episode_of_the_same_engine_call(tiny
     episodes = run_episodes(engine, SingleTurn(math_reward), codec, records, sampling, rng, 0, EpisodeLimits(),
                             decode=decode)
     direct = engine.generate([codec.initial_ids(r.messages) for r in records], sampling, rng, version=0)
-    rollout = episodes_rollout(episodes, direct.group.tolist(), pad_token_id=0, version=0)
+    rollout = episodes_rollout(episodes, direct.group.tolist(), pad_token_id=0, version=0, temperature=1.0)
     width = direct.sequences.response_length
     assert torch.equal(rollout.sequences.input_ids[:, : rollout.sequences.input_ids.shape[1]],
                        direct.sequences.input_ids[:, : rollout.sequences.input_ids.shape[1]])

@@ -81,7 +81,7 @@ def _batch(seqs, seed=0, with_values=False):
     old = -torch.rand(shape, generator=g, dtype=torch.float64) - 4.0
     values = torch.randn(shape, generator=g, dtype=torch.float64) if with_values else None
     returns = torch.randn(shape, generator=g, dtype=torch.float64)
-    return TrainBatch(seqs, old, old - 0.01, advantages, returns, values)
+    return TrainBatch(seqs, old, old - 0.01, advantages, returns, values, temperature=1.0)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -113,7 +113,7 @@ def test_token_budget_critic_updates_and_no_grad_forwards_equal_fixed_rows(tiny_
     batch = _batch(seqs, with_values=True)
     optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3))
     rollout = Rollout(seqs, torch.zeros(seqs.response_mask.shape, dtype=torch.float64),
-                      torch.zeros(len(seqs), dtype=torch.long), torch.arange(len(seqs)) // 2, 0)
+                      torch.zeros(len(seqs), dtype=torch.long), torch.arange(len(seqs)) // 2, 0, 1.0)
     from purerl.state import TrainState
 
     state = TrainState(policy=params, policy_opt=None, kl=None, rng=RngState(0), reference=params,

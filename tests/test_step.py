@@ -274,3 +274,63 @@ def test_every_critic_free_estimator_trains_in_a_step(estimator):
     state, metrics = grpo_step(state, rollout, _scores(rollout), policy=model, optimizer=optimizer,
                                kl_controller=kl_controller, **stage_settings_of(config))
     assert metrics["actor/rejected_updates"] == 0 and math.isfinite(metrics["critic/advantages/mean"])
+
+
+def _guide_step(state, rollout, rewards, *, policy, loss):
+    """The custom-steps guide's step (docs/guides/custom-steps.md), its settings all defaults."""
+    from purerl.algo import PolicyLossSettings
+    from purerl.step import ActorLoss, Batching, ExperienceSettings, Shaping, actor_update
+
+    optimizer = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.0))
+    kl_controller = make_kl_controller("fixed", coef=0.0)
+    experience = make_experience(state, rollout, rewards, policy=policy, settings=ExperienceSettings())
+    batch, _, metrics = shape_rewards(experience, state.kl, kl_controller,
+                                      shaping=Shaping(ADVANTAGE_ESTIMATORS["grpo"].bound()))
+    _, _, actor_metrics = actor_update(state.policy, optimizer.init(state.policy), batch, policy=policy,
+                                       loss=loss or ActorLoss(POLICY_LOSSES["cispo"].bound(PolicyLossSettings())),
+                                       batching=Batching(), optimizer=optimizer, rng=state.rng)
+    return experience, {**metrics, **actor_metrics}
+
+
+@pytest.mark.parametrize("told", ["the sampling temperature", "another temperature"])
+def test_a_custom_step_on_defaults_scores_at_the_sampling_temperature_or_its_sync_check_stops_it(told):
+    """The public helpers with their defaults score a rollout sampled at SamplingParams' default
+    temperature at that temperature (the rollout carries it), report the engine-trainer gap, and
+    fill the engine's log-probs so that ``ActorLoss.sync_tolerance`` checks the sync in a user's step:
+    a rollout that misstates its temperature is off by far more than the tolerance, and flagged."""
+    import attrs
+
+    from purerl.algo import PolicyLossSettings
+    from purerl.step import ActorLoss
+
+    model, _, _, state, engine, _ = _setup()
+    engine.sync(state.policy, state.step)
+    sampling = SamplingParams(max_new_tokens=8, n=4)
+    assert sampling.temperature != 1.0  # the default samples tempered
+    rollout = engine.generate(PROMPTS, sampling, RngState(1))
+    if told == "another temperature":
+        rollout = attrs.evolve(rollout, temperature=1.0)
+    loss = ActorLoss(POLICY_LOSSES["cispo"].bound(PolicyLossSettings()), sync_tolerance=0.005)
+    experience, metrics = _guide_step(state, rollout, _scores(rollout), policy=model, loss=loss)
+    assert experience.temperature == rollout.temperature and experience.on_policy
+    assert "actor/sync_gap" in metrics and "rollout/logprob_gap_mean" in metrics
+    if told == "the sampling temperature":
+        assert metrics["rollout/logprob_gap_mean"] < 1e-4 and metrics["actor/sync_gap"] < 1e-4
+        assert "actor/sync_failed" not in metrics
+    else:
+        assert metrics["rollout/logprob_gap_mean"] > 0.005 and metrics["actor/sync_failed"] == 1.0
+
+
+def test_a_stale_rollout_is_not_sync_checked_in_a_custom_step():
+    """Weights the update does not start from sampled the rollout: nothing to check the sync against."""
+    import attrs
+
+    from purerl.algo import PolicyLossSettings
+    from purerl.step import ActorLoss
+
+    model, _, _, state, engine, _ = _setup()
+    engine.sync(state.policy, state.step)
+    rollout = attrs.evolve(engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4), RngState(1)), version=-1)
+    loss = ActorLoss(POLICY_LOSSES["cispo"].bound(PolicyLossSettings()), sync_tolerance=0.005)
+    experience, metrics = _guide_step(state, rollout, _scores(rollout), policy=model, loss=loss)
+    assert not experience.on_policy and "actor/sync_gap" not in metrics

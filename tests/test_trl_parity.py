@@ -84,14 +84,15 @@ def _purerl(model, params, tokenizer, responses, rewards, steps, grad_clip):
     for row, ids in enumerate(responses):
         tokens[row, :len(ids)], alive[row, :len(ids)] = torch.tensor(ids), True
     reasons = torch.tensor([0 if ids[-1] == tokenizer.eos_token_id else 1 for ids in responses])
-    rollout = rollout_of(prompt_ids, prompt_mask, tokens, torch.zeros(tokens.shape), alive, reasons, N, 0)
+    rollout = rollout_of(prompt_ids, prompt_mask, tokens, torch.zeros(tokens.shape), alive, reasons, N, 0, TEMPERATURE)
     state = initial_state(config, params)
     optimizer, grads = actor_optimizer(config), []
     recording = Optimizer(optimizer.init, lambda g, s, p, **k: (grads.append(g), optimizer.update(g, s, p, **k))[1])
     for _ in range(steps):
         behaviour = reference_logprobs(model, state.policy, rollout.sequences, temperature=config.rollout.temperature,
                                        batching=actor_batching_of(config))
-        step_rollout = rollout_of(prompt_ids, prompt_mask, tokens, behaviour, alive, reasons, N, state.step)
+        step_rollout = rollout_of(prompt_ids, prompt_mask, tokens, behaviour, alive, reasons, N, state.step,
+                                  config.rollout.temperature)
         state, metrics = grpo_step(state, step_rollout, torch.tensor(rewards), policy=model,
                                    optimizer=recording, kl_controller=kl_controller_of(config),
                                    **stage_settings_of(config))

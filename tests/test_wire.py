@@ -24,7 +24,7 @@ def _params():
 
 def test_trees_round_trip_through_numpy_bit_exactly_bfloat16_included():
     seqs = random_sequences(3, 4, 5, vocab_size=20)
-    rollout = Rollout(seqs, torch.randn(3, 5), torch.tensor([0, 1, 2]), torch.tensor([0, 0, 1]), 4)
+    rollout = Rollout(seqs, torch.randn(3, 5), torch.tensor([0, 1, 2]), torch.tensor([0, 0, 1]), 4, 0.85)
     tree = {"rollout": rollout, "params": _params(), "note": "x"}
     back = from_wire(to_wire(tree))
     assert tree_equal(back, tree)

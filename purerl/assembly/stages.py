@@ -50,7 +50,7 @@ def critic_batching_of(config: JobConfig) -> Batching:
 
 def experience_settings_of(config: JobConfig) -> ExperienceSettings:
     resolved = resolve(config)
-    return ExperienceSettings(temperature=config.rollout.temperature, batching=actor_batching_of(config),
+    return ExperienceSettings(batching=actor_batching_of(config),
                               critic_batching=critic_batching_of(config),
                               recompute_old_logprobs=resolved.actor.recompute_old_logprobs,
                               sum_pi_squared=config.algorithm.estimator.needs_sum_pi_squared,
@@ -71,8 +71,7 @@ def shaping_of(config: JobConfig) -> Shaping:
 
 def actor_loss_of(config: JobConfig) -> ActorLoss:
     actor = config.actor
-    return ActorLoss(actor.loss.bound(actor), temperature=config.rollout.temperature,
-                     entropy_coeff=actor.entropy_coeff, compute_entropy=actor.compute_entropy,
+    return ActorLoss(actor.loss.bound(actor), entropy_coeff=actor.entropy_coeff, compute_entropy=actor.compute_entropy,
                      kl_coef=actor.kl_loss_coef, kl_type=actor.kl_loss_type,
                      skip_zero_advantage_rows=actor.skip_zero_advantage_rows, distill=_distill_loss(config),
                      sync_tolerance=sync_tolerance_of(config))

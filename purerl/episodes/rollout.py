@@ -234,10 +234,11 @@ def episode_scores(episodes: Sequence[Episode], tool_bonus: float = 0.0) -> list
 
 
 def episodes_rollout(episodes: Sequence[Episode], group: Sequence[int], *, pad_token_id: int,
-                     version: int, device: str | torch.device = "cpu") -> Rollout:
+                     version: int, temperature: float, device: str | torch.device = "cpu") -> Rollout:
     """The :class:`~purerl.batch.Rollout` of ``episodes`` on ``device`` (prompts left-padded, the
     rest right-padded; ``response_mask`` the sampled mask, ``behaviour_logprobs`` 0 off it).
-    ``finish_reasons``: FINISH_LENGTH for episodes cut by the context budget, FINISH_EOS otherwise."""
+    ``finish_reasons``: FINISH_LENGTH for episodes cut by the context budget, FINISH_EOS otherwise;
+    ``temperature``: the one the log-probs were sampled at."""
     prompt_ids, prompt_mask = left_pad([e.ids[: e.prompt_length] for e in episodes], pad_token_id)
     width = max(1, max(len(e.ids) - e.prompt_length for e in episodes))
     shape = (len(episodes), width)
@@ -252,7 +253,8 @@ def episodes_rollout(episodes: Sequence[Episode], group: Sequence[int], *, pad_t
         logprobs[row, :length] = torch.tensor(e.logprobs, dtype=torch.float32)
     sequences = Sequences(torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, attention], 1), sampled)
     reasons = torch.tensor([FINISH_LENGTH if e.finish == "context" else FINISH_EOS for e in episodes])
-    rollout = Rollout(sequences, logprobs, reasons, torch.as_tensor(list(group), dtype=torch.long), version)
+    rollout = Rollout(sequences, logprobs, reasons, torch.as_tensor(list(group), dtype=torch.long), version,
+                      temperature)
     return tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, rollout)  # no copy on the CPU
 
 

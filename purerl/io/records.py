@@ -2,7 +2,7 @@
 
 ``records/step_<k>/`` holds step ``k``'s batch as the step function took it: the rollout (token
 ids as int32, attention and response masks, behaviour log-probs, finish reasons, prompt groups,
-the weights version that sampled it), the rewards (scores and any baselines, per-reward
+the weights version that sampled it and the sampling temperature), the rewards (scores and any baselines, per-reward
 components, per-token rewards) and the data cursor after the batch was drawn. It is written like a
 checkpoint (a folder written whole or not at all; a manifest with the tensor file's size and
 sha256) and read back with the same damage checks, so a replay (:mod:`purerl.replay`) re-runs the
@@ -10,11 +10,13 @@ step on exactly what the run trained on. A record is small: the main job's is ~2
 against a 1.6 GB checkpoint.
 """
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from purerl.batch import Rewards, Rollout, Sequences
 from purerl.data.cursor import DataCursor
@@ -27,6 +29,8 @@ from purerl.io.checkpoint import (
     step_folder,
     step_of,
 )
+from purerl.io.run_folder import CONFIG
+from purerl.tree import pytree
 
 __all__ = ["RECORDS", "RecordError", "drop_records_after", "load_record", "record_path", "records_bytes", "save_record"]
 
@@ -48,7 +52,8 @@ def save_record(run_dir: str | Path, step: int, rollout: Rollout, rewards: Rewar
     """Write step ``step``'s batch (see the module note); keep the newest ``keep`` records (None: all)."""
     rollout = Rollout(Sequences(rollout.sequences.input_ids.to(torch.int32), rollout.sequences.attention_mask,
                                 rollout.sequences.response_mask),
-                      rollout.behaviour_logprobs, rollout.finish_reasons, rollout.group, rollout.version)
+                      rollout.behaviour_logprobs, rollout.finish_reasons, rollout.group, rollout.version,
+                      rollout.temperature)
     tree = {"rollout": rollout, "rewards": Rewards.of(rewards), "data": data}
     return save_checkpoint(Path(run_dir) / RECORDS, tree, step=step, keep=keep, metadata={"record": True})
 
@@ -64,13 +69,15 @@ def load_record(run_dir: str | Path, step: int) -> tuple[Rollout, Rewards, DataC
     try:
         template = _template(read_manifest(path)["leaves"])
         tree = load_checkpoint(path, template)
+        rollout = tree["rollout"]
+        temperature = (rollout.temperature if isinstance(rollout, Rollout)
+                       else _configured_temperature(Path(run_dir)))
     except (CheckpointError, KeyError, TypeError, ValueError) as err:
         raise RecordError(f"step {step}: {err}" if str(path) in str(err) else f"{path}: step {step}: {err}") from None
-    rollout = tree["rollout"]
     sequences = Sequences(rollout.sequences.input_ids.long(), rollout.sequences.attention_mask,
                           rollout.sequences.response_mask)
-    return (Rollout(sequences, rollout.behaviour_logprobs, rollout.finish_reasons, rollout.group, rollout.version),
-            tree["rewards"], tree["data"])
+    return (Rollout(sequences, rollout.behaviour_logprobs, rollout.finish_reasons, rollout.group, rollout.version,
+                    float(temperature)), tree["rewards"], tree["data"])
 
 
 def drop_records_after(run_dir: str | Path, step: int) -> None:
@@ -91,9 +98,31 @@ def _recorded_range(run_dir: Path) -> str:
     return f"steps {steps[0]}-{steps[-1]}" if steps else "no steps"
 
 
+def _configured_temperature(run_dir: Path) -> float:
+    """The run's ``rollout.temperature`` (``config.json``): what a record written before records
+    carried their temperature was sampled at."""
+    try:
+        return float(json.loads((run_dir / CONFIG).read_text())["rollout"]["temperature"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"the record has no sampling temperature, and {run_dir / CONFIG} gives none "
+                         f"(rollout.temperature): {err}") from None
+
+
+@pytree
+class _UntemperedRollout:
+    """The rollout of a record written before records carried the sampling temperature."""
+
+    sequences: Sequences
+    behaviour_logprobs: Tensor
+    finish_reasons: Tensor
+    group: Tensor
+    version: int
+
+
 def _template(entries: list[dict[str, Any]]) -> dict[str, Any]:
     """A record tree whose leaves have the manifest's shapes and dtypes (what :func:`load_checkpoint`
-    checks the file against). Raises ``KeyError`` naming a leaf the manifest lacks."""
+    checks the file against). Raises ``KeyError`` naming a leaf the manifest lacks; the rollout of
+    a record without a temperature is an :class:`_UntemperedRollout`."""
     leaves = {entry["path"]: entry for entry in entries}
 
     def leaf(path: str) -> Any:
@@ -105,10 +134,11 @@ def _template(entries: list[dict[str, Any]]) -> dict[str, Any]:
     def optional(path: str) -> Any:
         return leaf(path) if path in leaves else None
 
-    rollout = Rollout(Sequences(*(leaf(f"['rollout'].sequences.{name}")
-                                  for name in ("input_ids", "attention_mask", "response_mask"))),
-                      *(leaf(f"['rollout'].{name}") for name in ("behaviour_logprobs", "finish_reasons", "group",
-                                                                 "version")))
+    fields = [Sequences(*(leaf(f"['rollout'].sequences.{name}") for name in ("input_ids", "attention_mask",
+                                                                               "response_mask"))),
+              *(leaf(f"['rollout'].{name}") for name in ("behaviour_logprobs", "finish_reasons", "group", "version"))]
+    tempered = "['rollout'].temperature" in leaves
+    rollout = Rollout(*fields, leaf("['rollout'].temperature")) if tempered else _UntemperedRollout(*fields)
     rewards = Rewards(leaf("['rewards'].scores"), *(optional(f"['rewards'].{name}")
                                                      for name in ("baselines", "components", "token_rewards")))
     data = DataCursor(*(leaf(f"['data'].{name}") for name in ("seed", "epoch", "index")))

@@ -33,7 +33,7 @@ def warm_up(state: TrainState, task: Task, env_config: EnvConfig, policy: Causal
         played = [episode_of_transcript(setup.codec, demonstration(r), stop=setup.env.stop,
                                         template_kwargs=dict(setup.template_kwargs)) for r in rows]
         sequences = episodes_rollout(played, range(len(played)), pad_token_id=setup.pad_token_id, version=0,
-                                     device=device).sequences
+                                     temperature=1.0, device=device).sequences
         state, metrics = sft_step(state, sequences, policy=policy, optimizer=optimizer, batching=batching)
         losses.append(metrics["sft/loss"])
         if metrics.get("sft/diverged") or metrics.get("sft/rejected_updates"):

@@ -28,7 +28,8 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int, *, mixed_ver
 
     All parts must carry the same weights version, unless ``mixed_versions`` (parts of one batch
     made by several generators): the result then carries the oldest, which staleness counts from
-    (each row's behaviour log-probs are its own version's, so the correction stays exact).
+    (each row's behaviour log-probs are its own version's, so the correction stays exact). All parts
+    must carry the same sampling temperature.
     """
     if not rollouts:
         raise ValueError("concat_rollouts: nothing to join")
@@ -37,6 +38,9 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int, *, mixed_ver
         versions = {min(versions)}
     if len(versions) != 1:
         raise ValueError(f"concat_rollouts: parts were generated with different weights versions {sorted(versions)}")
+    temperatures = {r.temperature for r in rollouts}
+    if len(temperatures) != 1:
+        raise ValueError(f"concat_rollouts: parts were sampled at different temperatures {sorted(temperatures)}")
     if len(rollouts) == 1:
         return rollouts[0]
     widths = [r.sequences.input_ids.shape[1] - r.sequences.response_length for r in rollouts]
@@ -57,7 +61,7 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int, *, mixed_ver
         offset += int(r.group.max()) + 1 if len(r.group) else 0
     return Rollout(Sequences(torch.cat(ids), torch.cat(attention), torch.cat(response_mask)),
                    torch.cat(logprobs), torch.cat([r.finish_reasons for r in rollouts]), torch.cat(groups),
-                   versions.pop())
+                   versions.pop(), temperatures.pop())
 
 
 def concat_rewards(parts: Sequence[Rewards], width: int) -> Rewards:

@@ -106,4 +106,4 @@ def spliced(rollout: Rollout, rows: Sequence[int], more: Rollout, pad_token_id: 
     prompt = seqs.input_ids.shape[1] - t
     return Rollout(Sequences(torch.cat([seqs.input_ids[:, :prompt], tokens], 1),
                              torch.cat([seqs.attention_mask[:, :prompt], alive], 1), alive),
-                   logprobs, reasons, rollout.group, min(rollout.version, more.version))
+                   logprobs, reasons, rollout.group, min(rollout.version, more.version), rollout.temperature)

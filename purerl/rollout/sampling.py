@@ -51,6 +51,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the reported log-probs, which the trainer scores the responses at:
+        ``temperature``, or 1 when greedy (:func:`sampling_logprobs`)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
 
 def sampling_logprobs(
     logits: Float[Tensor, "b v"], *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0

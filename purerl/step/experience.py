@@ -19,7 +19,7 @@ from purerl.models import CausalLM, Critic, Params, response_logits, response_va
 from purerl.state import TrainState
 from purerl.step.micro_batches import chunks, token_budget_rows, trimmed_sequences
 from purerl.step.settings import Batching, ExperienceSettings
-from purerl.tree import pytree
+from purerl.tree import pytree, static_field
 
 __all__ = ["CriticValues", "Experience", "ReferenceLogprobs", "TeacherScores", "TeacherScoring", "critic_values",
            "make_experience", "reference_logprobs", "teacher_scores"]
@@ -42,7 +42,10 @@ class Experience:
     ``baselines``/``components``: see :class:`~purerl.batch.Rewards`; ``sum_pi_squared``:
     ``Σ_v π_old(v)²`` per response position, for the optimal-token-baseline estimators;
     ``token_rewards``: the scores placed on tokens (per-turn rewards), when the rewards give them;
-    ``teacher``: a distillation teacher's scores (:class:`TeacherScores`), with a teacher."""
+    ``teacher``: a distillation teacher's scores (:class:`TeacherScores`), with a teacher.
+    ``temperature``: the rollout's sampling temperature, which every log-prob here is at;
+    ``on_policy``: the weights the update starts from sampled the rollout (its version is the
+    state's step), so the engine's ``behaviour_logprobs`` can check the weight sync."""
 
     sequences: Sequences
     group: Int[Tensor, " b"]
@@ -56,6 +59,8 @@ class Experience:
     sum_pi_squared: Float[Tensor, "b t"] | None = None
     token_rewards: Float[Tensor, "b t"] | None = None
     teacher: TeacherScores | None = None
+    temperature: float = static_field(kw_only=True)
+    on_policy: bool = static_field(kw_only=True)
 
 
 @torch.no_grad()
@@ -180,8 +185,8 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
                     teacher: TeacherScoring | None = None) -> Experience:
     """Old log-probs (the policy before the update; the rollout's behaviour log-probs unless
     ``settings.recompute_old_logprobs``), reference log-probs, values (with a ``critic``) and
-    ``Σπ²`` (with ``settings.sum_pi_squared``), all without gradients, at ``settings.temperature``,
-    in ``settings.batching``'s micro-batches (``settings.critic_batching``'s for values).
+    ``Σπ²`` (with ``settings.sum_pi_squared``), all without gradients, at the rollout's sampling
+    temperature, in ``settings.batching``'s micro-batches (``settings.critic_batching``'s for values).
     ``rewards``: one score per row, or :class:`~purerl.batch.Rewards` with ReMax baselines / GDPO
     components.
 
@@ -192,7 +197,7 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
     holds params. ``teacher``: a distillation teacher role, scoring the responses with
     ``settings.teacher_top_k``."""
     rewards = Rewards.of(rewards)
-    seqs, temperature, batching = rollout.sequences, settings.temperature, settings.batching
+    seqs, temperature, batching = rollout.sequences, rollout.temperature, settings.batching
     rows, budget = batching.micro_batch_rows, batching.max_tokens
     sum_pi_squared, old, recompute = None, rollout.behaviour_logprobs, settings.recompute_old_logprobs
     if settings.sum_pi_squared:  # Σπ² of π_old: the recomputed policy, whatever the flag
@@ -218,4 +223,5 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
         scored = teacher.scores(seqs, temperature=temperature, batching=batching, top_k=settings.teacher_top_k)
     return Experience(seqs, rollout.group, rewards.scores.to(torch.float32), old, rollout.behaviour_logprobs, ref,
                       values, rewards.baselines, rewards.components, sum_pi_squared,
-                      None if rewards.token_rewards is None else rewards.token_rewards.to(torch.float32), scored)
+                      None if rewards.token_rewards is None else rewards.token_rewards.to(torch.float32), scored,
+                      temperature=temperature, on_policy=rollout.version == state.step)

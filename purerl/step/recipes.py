@@ -9,8 +9,6 @@ A step function is ``step(state, rollout, rewards, *, policy, value_and_grad[, c
 from collections.abc import Callable
 from typing import Any
 
-import attrs
-import torch
 from jaxtyping import Float
 from torch import Tensor
 
@@ -19,10 +17,10 @@ from purerl.batch import FINISH_LENGTH, Rewards, Rollout
 from purerl.models import CausalLM, Critic
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.state import TrainState
-from purerl.step.experience import Experience, make_experience
+from purerl.step.experience import make_experience
 from purerl.step.roles import CriticRole, ReferenceRole, TeacherRole, critic_role
 from purerl.step.settings import ActorLoss, Batching, ExperienceSettings, Shaping, ValueLoss
-from purerl.step.shaping import Metrics, TrainBatch, shape_rewards
+from purerl.step.shaping import Metrics, shape_rewards
 from purerl.step.update import ValueAndGrad, actor_update
 
 __all__ = ["StepFn", "grpo_step", "ppo_step"]
@@ -30,26 +28,13 @@ __all__ = ["StepFn", "grpo_step", "ppo_step"]
 StepFn = Callable[..., tuple[TrainState, Metrics]]
 
 
-def _rollout_metrics(rollout: Rollout, experience: Experience) -> Metrics:
-    mask = rollout.sequences.response_mask
-    lengths = mask.sum(-1).float()
-    gap = (experience.behaviour_logprobs - experience.old_logprobs).abs()
-    finite = experience.behaviour_logprobs.isfinite() & experience.old_logprobs.isfinite()
+def _rollout_metrics(rollout: Rollout) -> Metrics:
+    lengths = rollout.sequences.response_mask.sum(-1).float()
     return {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float((rollout.finish_reasons == FINISH_LENGTH).float().mean()),
-        "rollout/logprob_gap_max": float(torch.where(mask, gap, 0.0).max()),
-        "rollout/logprob_gap_mean": float(masked_mean(gap, mask)),
-        # the weights this step started from: the driver stops on any (StepRecorder)
-        "rollout/nonfinite_logprobs": float((mask & ~finite).sum()),
     }
-
-
-def _on_policy(batch: TrainBatch, made: Experience, rollout: Rollout, state: TrainState) -> TrainBatch:
-    """``batch`` with the engine's log-probs for the weight-sync check when the weights the update starts
-    from sampled the rollout (its oldest version is the state's: a stale batch has no such weights here)."""
-    return attrs.evolve(batch, behaviour_logprobs=made.behaviour_logprobs) if rollout.version == state.step else batch
 
 
 def grpo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] | Rewards, *, policy: CausalLM,
@@ -66,11 +51,11 @@ def grpo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] 
                            teacher=teacher)
     batch, kl_state, metrics = shape_rewards(made, state.kl, kl_controller, shaping=shaping)
     params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt,
-                                                    _on_policy(batch, made, rollout, state), policy=policy, loss=loss,
+                                                    batch, policy=policy, loss=loss,
                                                     batching=batching, optimizer=optimizer, rng=state.rng,
                                                     value_and_grad=value_and_grad)
     metrics.update(actor_metrics)
-    metrics.update(_rollout_metrics(rollout, made))
+    metrics.update(_rollout_metrics(rollout))
     return state.advance(policy=params, policy_opt=opt_state, kl=kl_state, rng=state.rng.next()), metrics
 
 
@@ -99,12 +84,12 @@ def ppo_step(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] |
         params, opt_state, actor_metrics = state.policy, state.policy_opt, {"actor/critic_warmup": 1.0}
     else:
         params, opt_state, actor_metrics = actor_update(state.policy, state.policy_opt,
-                                                        _on_policy(batch, made, rollout, state), policy=policy,
+                                                        batch, policy=policy,
                                                         loss=loss, batching=batching, optimizer=optimizer,
                                                         rng=state.rng.next(), value_and_grad=value_and_grad)
     metrics.update(critic_metrics)
     metrics.update(actor_metrics)
-    metrics.update(_rollout_metrics(rollout, made))
+    metrics.update(_rollout_metrics(rollout))
     metrics["critic/values/mean"] = float(masked_mean(made.values, made.sequences.response_mask))
     return state.advance(policy=params, policy_opt=opt_state, critic=critic_params, critic_opt=critic_opt,
                          kl=kl_state, rng=state.rng.next().next()), metrics

@@ -37,14 +37,14 @@ class Batching:
 
 @attrs.frozen
 class ExperienceSettings:
-    """The experience's forwards: log-probs at ``temperature`` (the sampling one) in ``batching``'s
-    micro-batches, the critic's values in ``critic_batching``'s (None: ``batching``).
+    """The experience's forwards: log-probs at the rollout's sampling temperature
+    (:attr:`~purerl.batch.Rollout.temperature`) in ``batching``'s micro-batches, the critic's values
+    in ``critic_batching``'s (None: ``batching``).
     ``recompute_old_logprobs``: the old log-probs from a forward of the policy (else the engine's);
     ``sum_pi_squared``: also ``Σ_v π_old(v)²`` per position (the optimal-token-baseline estimators);
     ``teacher_top_k``: with a teacher, also its ``k`` likeliest tokens per position (0: the whole
     vocabulary), for a :class:`DistillLoss`; None: its log-probs of the sampled tokens only."""
 
-    temperature: float = 1.0
     batching: Batching = Batching()
     critic_batching: Batching | None = None
     recompute_old_logprobs: bool = True
@@ -91,7 +91,8 @@ class Shaping:
 class ActorLoss:
     """What the actor's update minimises: ``policy_loss`` (``POLICY_LOSSES[name].bound(...)``),
     minus ``entropy_coeff`` × the entropy, plus ``kl_coef`` × the ``kl_type`` KL to the reference,
-    all aggregated as the policy loss is; log-probs at ``temperature`` (the sampling one).
+    all aggregated as the policy loss is; log-probs at the batch's sampling temperature
+    (:attr:`~purerl.step.shaping.TrainBatch.temperature`).
     ``compute_entropy``: report ``actor/entropy`` without a bonus. ``skip_zero_advantage_rows``:
     rows whose advantages are all 0 skip the forward and backward where that changes nothing.
     ``distill``: a loss term to the teacher's distributions (None: none). ``sync_tolerance``: the
@@ -101,7 +102,6 @@ class ActorLoss:
     the update flags ``actor/sync_failed`` and the driver stops (None: unchecked)."""
 
     policy_loss: BoundPolicyLoss
-    temperature: float = 1.0
     entropy_coeff: float = 0.0
     compute_entropy: bool = True
     kl_coef: float = 0.0

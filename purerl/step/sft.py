@@ -35,7 +35,7 @@ def sft_update(params: Params, opt_state: Any, sequences: Sequences, *, policy: 
         return nll, {"loss": nll}
 
     zeros = torch.zeros(sequences.response_mask.shape, device=sequences.input_ids.device)
-    batch = TrainBatch(sequences, zeros, None, zeros, zeros, None)
+    batch = TrainBatch(sequences, zeros, None, zeros, zeros, None, temperature=1.0)
     rows = [torch.arange(len(sequences), device=sequences.input_ids.device)]
     micro = Batching(micro_batch_rows=batching.micro_batch_rows)
     return _update(params, opt_state, optimizer, batch, rows, loss_fn, micro, value_and_grad, "sft", "token-mean")

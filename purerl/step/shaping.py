@@ -16,7 +16,7 @@ from purerl.algo.masked import masked_mean
 from purerl.batch import Sequences
 from purerl.step.experience import Experience, TeacherScores
 from purerl.step.settings import Shaping
-from purerl.tree import pytree, tree_map
+from purerl.tree import pytree, static_field, tree_map
 
 __all__ = ["Metrics", "TrainBatch", "shape_rewards", "token_level_scores"]
 
@@ -29,7 +29,9 @@ class TrainBatch:
     per-token weights of the policy loss (None: uncorrected; :attr:`Shaping.correction`);
     ``teacher``: a distillation teacher's scores, for its loss term; ``behaviour_logprobs``: the
     engine's log-probs of the sampled tokens when the weights this update starts from sampled them,
-    for the weight-sync check (:attr:`~purerl.step.settings.ActorLoss.sync_tolerance`; None: unchecked)."""
+    for the weight-sync check (:attr:`~purerl.step.settings.ActorLoss.sync_tolerance`; None: unchecked).
+    ``temperature``: what the losses compute log-probs at, the rollout's sampling temperature (1 for
+    supervised batches)."""
 
     sequences: Sequences
     old_logprobs: Float[Tensor, "b t"]
@@ -40,6 +42,7 @@ class TrainBatch:
     is_weights: Float[Tensor, "b t"] | None = None
     teacher: TeacherScores | None = None
     behaviour_logprobs: Float[Tensor, "b t"] | None = None
+    temperature: float = static_field(kw_only=True)
 
     def rows(self, index: Tensor | slice) -> "TrainBatch":
         return tree_map(lambda x: x[index] if isinstance(x, Tensor) else x, self)
@@ -94,9 +97,26 @@ def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
         "critic/returns/mean": float(masked_mean(returns, mask)),
     })
     metrics.update({f"rollout_corr/{name}": float(value.value()) for name, value in correction.items()})
+    metrics.update(_logprob_gap_metrics(experience))
     batch = TrainBatch(experience.sequences, experience.old_logprobs, experience.ref_logprobs,
-                       advantages, returns, experience.values, is_weights, experience.teacher)
+                       advantages, returns, experience.values, is_weights, experience.teacher,
+                       experience.behaviour_logprobs if experience.on_policy else None,
+                       temperature=experience.temperature)
     return batch, kl_state, metrics
+
+
+def _logprob_gap_metrics(experience: Experience) -> Metrics:
+    """How far the engine's log-probs of the sampled tokens are from the old ones (the trainer's,
+    when recomputed): ``rollout/logprob_gap_*`` (the health monitor's ``logprob_drift``), and the
+    count of non-finite ones, on which the driver stops (StepRecorder)."""
+    mask = experience.sequences.response_mask
+    gap = (experience.behaviour_logprobs - experience.old_logprobs).abs()
+    finite = experience.behaviour_logprobs.isfinite() & experience.old_logprobs.isfinite()
+    return {
+        "rollout/logprob_gap_max": float(torch.where(mask, gap, 0.0).max()) if mask.numel() else 0.0,
+        "rollout/logprob_gap_mean": float(masked_mean(gap, mask)),
+        "rollout/nonfinite_logprobs": float((mask & ~finite).sum()),
+    }
 
 
 def _distilled(advantages: Tensor, experience: Experience, shaping: Shaping, metrics: Metrics) -> Tensor:

@@ -92,12 +92,12 @@ def _actor_loss(policy: CausalLM, loss: ActorLoss, rng: RngState) -> Callable:
     """The actor's loss as a function of (params, micro-batch): the policy loss (with its own
     settings), the entropy bonus and the KL loss, all aggregated alike. Losses that draw at
     random (``clip_cov``) draw from one generator seeded by ``rng``, in micro-batch order."""
-    policy_loss, temperature = loss.policy_loss, loss.temperature
+    policy_loss = loss.policy_loss
     agg, norm, entropy_coeff = policy_loss.aggregation, policy_loss.loss_norm, loss.entropy_coeff
     generator = rng.fold_in(_LOSS_STREAM).generator()
 
     def loss_fn(params: Params, batch: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
-        mask = batch.sequences.response_mask
+        mask, temperature = batch.sequences.response_mask, batch.temperature
         logits = response_logits(policy, params, batch.sequences)
         logp = logprobs_from_logits(logits, batch.sequences.responses(), temperature=temperature,
                                     compiled=policy.compiled)

@@ -135,7 +135,8 @@ class TorchEngine:
                                        context=functools.partial(continuing.context, self, sampling), drop=False,
                                        samples=samples)
         tokens, logprobs, alive, reasons = (x.clone() for x in decoded)
-        return rollout_of(prompt_ids, prompt_mask, tokens, logprobs, alive, reasons, sampling.n, self.version)
+        return rollout_of(prompt_ids, prompt_mask, tokens, logprobs, alive, reasons, sampling.n, self.version,
+                          sampling.logprob_temperature)
 
     def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState, streams: Sequence[int], *,
                 positions: Tensor | None = None,

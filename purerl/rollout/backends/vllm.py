@@ -245,12 +245,14 @@ class VllmEngine:
             max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed, stop_token_ids=self.eos,
             detokenize=False) for seed in seeds]
         outputs = self._llm.generate(requests, settings, use_tqdm=False, lora_request=self._adapter)
-        return self._rollout(prompts, [out.outputs[0] for out in outputs], n, sampling.stop)
+        return self._rollout(prompts, [out.outputs[0] for out in outputs], n, sampling.stop,
+                             sampling.logprob_temperature)
 
     def _rollout(self, prompts: Sequence[Sequence[int]], completions: list[Any], n: int,
-                 stop: tuple[str, ...] = ()) -> Rollout:
+                 stop: tuple[str, ...], temperature: float) -> Rollout:
         """Left-padded prompts (each repeated ``n`` times) + right-padded responses, as tensors;
-        a response that passed a stop string cut after the token completing it (FINISH_STOP)."""
+        a response that passed a stop string cut after the token completing it (FINISH_STOP);
+        the log-probs at ``temperature``."""
         rows, width = len(completions), max(1, max(len(c.token_ids) for c in completions))
         tokens = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros((rows, width), dtype=torch.float32)
@@ -271,7 +273,7 @@ class VllmEngine:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
         to = self.device
         return rollout_of(prompt_ids.to(to), prompt_mask.to(to), tokens.to(to), logprobs.to(to), alive.to(to),
-                          reasons.to(to), n, self.version)
+                          reasons.to(to), n, self.version, temperature)
 
     def close(self) -> None:
         if self._llm is not None:
