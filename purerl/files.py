@@ -14,16 +14,29 @@ __all__ = ["make_readable", "whole_folder"]
 def whole_folder(path: str | Path) -> Iterator[Path]:
     """A folder written whole or not at all: the block writes into a temporary sibling, which
     replaces ``path`` when the block ends without an error (a full disk, a crash) and is removed
-    when it raises. Yields the temporary folder."""
-    path = Path(path)
+    when it raises. Yields the temporary folder. The old folder is moved aside before the new one
+    takes its name and deleted only after, so a failed swap leaves it in place; ``path`` that is a
+    file or a link (not a folder) is refused before the block runs (``FileExistsError``)."""
+    path = Path(os.path.abspath(path))  # "." and "x/.." name a folder with a parent, links not followed
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise FileExistsError(f"{path}: not a folder; a folder is written there only in place of a folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".tmp_{path.name}_", dir=path.parent))
     try:
         yield partial
         partial.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700
-        if path.exists():
-            shutil.rmtree(path)
-        partial.rename(path)
+        old = Path(tempfile.mkdtemp(prefix=f".old_{path.name}_", dir=path.parent)) / "old"
+        try:
+            if path.exists():
+                path.rename(old)
+            try:
+                partial.rename(path)
+            except BaseException:
+                if old.exists():
+                    old.rename(path)
+                raise
+        finally:
+            shutil.rmtree(old.parent, ignore_errors=True)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -83,7 +83,7 @@ class Futures:
 
     def _new(self) -> str:
         if self._open >= self.capacity:
-            raise QueueFull(f"{self._open} calls are queued (the server's capacity); retry later")
+            raise QueueFull(f"{self._open} calls are queued, the server's capacity (--queue-depth); retry later")
         self._open += 1
         request_id = f"req-{next(self._ids)}"
         self._events[request_id] = asyncio.Event()

@@ -6,29 +6,81 @@ disk); ``model_folder(path)`` is that folder for a folder or a ``.gguf`` file (c
 purerl's cache, :mod:`purerl.models.gguf_cache`; None: SmolLM2-135M-Instruct's GGUF, the main
 job's default); ``write_tiny_model(path)`` writes a tiny random Llama with purerl's character
 tokenizer there first (seed 0: the same weights every time), for trying the server on a CPU in
-seconds.
+seconds: only into a new or empty folder, or one it wrote before (it leaves :data:`TINY_MARKER`
+there), so a mistyped ``--model`` never costs the user's files. ``device_of(text)`` is the torch
+device a ``--device`` names, refused in one line when this torch cannot use it.
 """
 
+import tempfile
 from pathlib import Path
 
 import torch
 
 from purerl.models import causal_lm_from_config, load_causal_lm
 from purerl.models.hf import export_hf
+from purerl.tinker.limits import Limits
 from purerl.tinker.service import Service
 from purerl.tiny import char_tokenizer, tiny_llama_config
 
-__all__ = ["DEFAULT_STORE", "model_folder", "service_of", "write_tiny_model"]
+__all__ = ["DEFAULT_STORE", "TINY_MARKER", "device_of", "model_folder", "service_of", "write_tiny_model"]
 
 DEFAULT_STORE = Path.home() / ".cache" / "purerl" / "tinker"
+TINY_MARKER = ".purerl-tiny"
+
+
+def _tiny_refusal(path: Path) -> str | None:
+    """Why ``write_tiny_model`` must leave ``path`` as it is (None: it may write there)."""
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return f"{path}: a file; a tiny model is written only into a new or empty folder"
+    if (path / TINY_MARKER).is_file() or not any(path.iterdir()):
+        return None
+    return (f"{path}: neither empty nor a tiny model written here before (no {TINY_MARKER} in it); a tiny "
+            "model is written only into a new or empty folder, leaving others as they are")
 
 
 def write_tiny_model(path: str | Path, *, seed: int = 0) -> Path:
     """A tiny random Llama (:func:`purerl.tiny.tiny_llama_config`) and the character tokenizer,
-    written as a Hugging Face folder at ``path`` (replacing what is there)."""
+    written as a Hugging Face folder at ``path`` (module docstring: ``ValueError`` in one line,
+    and nothing written, unless ``path`` is new, empty or a tiny model written here before, whose
+    files are replaced). Returns ``path``."""
+    path = Path(path)
+    refusal = _tiny_refusal(path)
+    if refusal is not None:
+        raise ValueError(refusal)
     tokenizer = char_tokenizer()
     model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer)), seed=seed)
-    return export_hf(model, params, path, tokenizer=tokenizer)
+    path.mkdir(parents=True, exist_ok=True)
+    # the marker first: a write cut short leaves a folder the next --tiny may finish
+    (path / TINY_MARKER).write_text("a tiny random model written by purerl; writing one again replaces its files\n")
+    with tempfile.TemporaryDirectory(prefix=".tmp_tiny_", dir=path) as scratch:
+        written = export_hf(model, params, Path(scratch) / "model", tokenizer=tokenizer)
+        for file in written.iterdir():
+            file.replace(path / file.name)
+    return path
+
+
+def device_of(text: str) -> torch.device:
+    """The torch device ``text`` names (cpu, cuda, cuda:N, mps) when this torch can use it
+    (``ValueError`` in one line naming the cause otherwise)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {text}: not a device name (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "it is built without CUDA" if torch.version.cuda is None else "it sees no CUDA GPU"
+            raise ValueError(f"--device {text}: CUDA is not available to this torch ({why}); pass --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {text}: this torch sees {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered from 0")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"--device {text}: MPS is not available to this torch; pass --device cpu")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {text}: cpu, cuda, cuda:N or mps are served")
+    return device
 
 
 def model_folder(path: str | Path | None = None) -> Path:
@@ -49,13 +101,13 @@ def model_folder(path: str | Path | None = None) -> Path:
 
 
 def service_of(path: str | Path, *, name: str | None = None, device: str = "cpu", lora_alpha: float = 32.0,
-               max_rank: int | None = None, store: str | Path = DEFAULT_STORE) -> Service:
+               limits: Limits = Limits(), store: str | Path = DEFAULT_STORE) -> Service:  # noqa: B008 - frozen
     """The service over the causal LM in the folder ``path`` (served as ``name``, default the path
-    as given), on ``device``, with checkpoints under ``store``."""
+    as given), on ``device`` (:func:`device_of`), within ``limits``, with checkpoints under ``store``."""
     from transformers import AutoTokenizer
 
-    target = torch.device(device)
+    target = device_of(device)
     base, params = load_causal_lm(path, device=target)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return Service(str(path) if name is None else name, base, params, tokenizer, tokenizer_dir=str(Path(path)),
-                   store=store, device=target, lora_alpha=lora_alpha, max_rank=max_rank)
+                   store=store, device=target, lora_alpha=lora_alpha, limits=limits)

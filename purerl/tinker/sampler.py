@@ -8,7 +8,8 @@ set of stop tokens): it is synced to a snapshot's merged weights (:func:`purerl.
 when a request for another snapshot than the last comes.
 
 Sampling settings: ``temperature`` (0: greedy), ``top_p``, ``top_k`` (-1: no limit), ``seed``
-(none: a fresh one per request), ``max_tokens`` (none: the room left in the model's context),
+(none: a fresh one per request), ``max_tokens`` (none: the room left in the model's context, at
+most the sampler's ``max_new_tokens``),
 ``stop`` (strings: generation ends once the text contains one, the token completing it kept; token
 ids: they replace EOS as the tokens that end a sample, and are kept; ``[]``: only ``max_tokens``
 ends a sample). The returned log-probs are those of the distribution each token was drawn from:
@@ -78,12 +79,15 @@ class Sample:
 class Sampler:
     """Samples snapshots of models over ``base`` (``base_params``) with its tokenizer's ``decode``
     (stop strings) and EOS ids; keeps up to ``engines`` engines (one per set of stop ids); an engine
-    call samples at most ``max_rows`` rows."""
+    call samples at most ``max_rows`` rows; ``max_tokens`` None samples the room left in the
+    ``context``, at most ``max_new_tokens`` (None: no cap)."""
 
     def __init__(self, base: CausalLM, base_params: Params, *, eos_ids: Sequence[int], decode: Any,
-                 pad_id: int, context: int, device: torch.device, engines: int = 4, max_rows: int = 256) -> None:
+                 pad_id: int, context: int, device: torch.device, engines: int = 4, max_rows: int = 256,
+                 max_new_tokens: int | None = None) -> None:
         self.base, self.base_params, self.eos_ids, self.decode = base, base_params, tuple(eos_ids), decode
         self.pad_id, self.context, self.device, self._limit, self.max_rows = pad_id, context, device, engines, max_rows
+        self.max_new_tokens = max_new_tokens
         self._engines: OrderedDict[tuple[int, ...], TorchEngine] = OrderedDict()
 
     def _engine(self, stop_ids: tuple[int, ...]) -> TorchEngine:
@@ -125,8 +129,7 @@ class Sampler:
         seed = secrets.randbits(62) if request.seed is None else request.seed % (2**62)
         limits: dict[int, list[int]] = {}  # max_tokens (None: each prompt's room) -> the prompts sampled with it
         for i in todo:
-            limits.setdefault(self.context - len(prompts[i]) if request.max_tokens is None else request.max_tokens,
-                              []).append(i)
+            limits.setdefault(self._max_tokens(prompts[i], request), []).append(i)
         per_call = max(1, self.max_rows // n)
         calls = [(limit, same[at:at + per_call]) for limit, same in limits.items()
                  for at in range(0, len(same), per_call)]
@@ -157,8 +160,15 @@ class Sampler:
         if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
             return ValueError(f"prompt: needs at least one token, each in the vocabulary [0, {vocab})")
         room = self.context - len(prompt)
-        max_tokens = room if request.max_tokens is None else request.max_tokens
+        max_tokens = self._max_tokens(prompt, request)
         if not 1 <= max_tokens <= room:
             return ValueError(f"max_tokens {max_tokens}: the prompt ({len(prompt)} tokens) leaves room for 1 to "
                               f"{room} in the model's context ({self.context})")
         return None
+
+    def _max_tokens(self, prompt: Sequence[int], request: SamplingRequest) -> int:
+        """The request's ``max_tokens`` for ``prompt`` (None: the room left, at most ``max_new_tokens``)."""
+        if request.max_tokens is not None:
+            return request.max_tokens
+        room = self.context - len(prompt)
+        return room if self.max_new_tokens is None else min(room, self.max_new_tokens)

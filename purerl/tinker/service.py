@@ -5,7 +5,9 @@ One frozen base model (``name``: what ``base_model`` must say) is shared by ever
 after Tinker calls run on the queue's worker thread (:mod:`purerl.tinker.futures`) and return what
 the call answers (a dict for JSON, bytes for protobuf); a request they cannot honour raises
 ``ValueError`` in one line. Model ids are ``<session>:train:<n>`` (the SDK derives them so for
-create-via-load) and sampling sessions ``<session>:sample:<n>``.
+create-via-load) and sampling sessions ``<session>:sample:<n>``. What one request may cost is
+bounded by :class:`~purerl.tinker.limits.Limits`; :meth:`Service.admitted` checks a request against
+them, and its names against the store's rules, before it is queued.
 """
 
 import itertools
@@ -22,9 +24,10 @@ from tinker import types
 from purerl.models import CausalLM, Params
 from purerl.tinker import runs, wire
 from purerl.tinker.futures import Batched
+from purerl.tinker.limits import Limits
 from purerl.tinker.losses import bound_config, loss_of
 from purerl.tinker.sampler import Sampler, SamplingRequest, Snapshot
-from purerl.tinker.store import Store, parse_path, tinker_path
+from purerl.tinker.store import Store, check_model_id, check_name, parse_path, tinker_path
 from purerl.tinker.trainer import (
     LoraSettings,
     ModelState,
@@ -54,21 +57,21 @@ class TrainingModel:
 
 class Service:
     """The server's state over ``base`` (``base_params``) named ``name``, whose tokenizer lives in
-    ``tokenizer_dir``; LoRA scale ``lora_alpha / rank``, ranks up to ``max_rank`` (None: any);
-    checkpoints under ``store``."""
+    ``tokenizer_dir``; LoRA scale ``lora_alpha / rank``; what a request may cost bounded by
+    ``limits``; checkpoints under ``store``."""
 
     def __init__(self, name: str, base: CausalLM, base_params: Params, tokenizer: Any, *, tokenizer_dir: str,
                  store: str | Path, device: torch.device, lora_alpha: float = 32.0,
-                 max_rank: int | None = None) -> None:
+                 limits: Limits = Limits()) -> None:  # noqa: B008 - frozen
         self.name, self.base, self.base_params, self.tokenizer_dir = name, base, base_params, tokenizer_dir
-        self.device, self.lora_alpha, self.max_rank, self.store = device, lora_alpha, max_rank, Store(store)
+        self.device, self.lora_alpha, self.limits, self.store = device, lora_alpha, limits, Store(store)
         self.vocab = int(base.config.vocab_size)
         self.context = int(getattr(base.config, "max_position_embeddings", 2048))
         eos = getattr(base.config, "eos_token_id", None)
         eos_ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])
         self.sampler = Sampler(base, base_params, eos_ids=sorted(i for i in eos_ids if i is not None),
                                decode=tokenizer.decode, pad_id=tokenizer.pad_token_id or 0, context=self.context,
-                               device=device)
+                               device=device, max_new_tokens=limits.max_tokens)
         self.sessions: dict[str, bool] = {}  # id -> finished
         self.models: dict[str, TrainingModel] = {}
         self.snapshots: dict[int, Snapshot] = {0: Snapshot(0, None, {})}
@@ -84,7 +87,10 @@ class Service:
         return session_id
 
     def finish_session(self, session_id: str) -> list[str]:
-        """Mark ``session_id`` finished and unload its training models; their ids."""
+        """Mark ``session_id`` finished and unload its training models; their ids (``KeyError``: a
+        session this server never opened)."""
+        if session_id not in self.sessions:
+            raise KeyError(session_id)
         self.sessions[session_id] = True
         gone = [m for m, model in self.models.items() if model.session_id == session_id]
         for model_id in gone:
@@ -116,11 +122,35 @@ class Service:
 
     # training calls (on the worker)
 
+    def admitted(self, request: Any) -> Any:
+        """``request`` (an SDK request type) when it is within the limits and names what the store
+        may hold (``OverLimit``, ``BadPath``: answered 400 before it is queued)."""
+        if isinstance(request, types.CreateModelRequest) and request.lora_config is not None:
+            self.limits.check_rank("lora_config.rank", request.lora_config.rank)
+        elif isinstance(request, wire.ForwardBackward):
+            for i, datum in enumerate(request.data):
+                self.limits.check_tokens(f"datum {i}'s model_input length", len(datum.tokens))
+        elif isinstance(request, (types.SaveWeightsRequest, types.SaveWeightsForSamplerRequest)):
+            if request.path is not None:
+                check_name(request.path, "path")
+        elif isinstance(request, types.LoadWeightsRequest):
+            parse_path(request.path, "path")
+        elif isinstance(request, types.CreateSamplingSessionRequest) and request.model_path is not None:
+            parse_path(request.model_path, "model_path")
+        return request
+
+    def _saved_lora(self, path: str, saved: dict[str, Any]) -> LoraSettings | None:
+        """The LoRA settings a checkpoint's metadata ``saved`` records (its rank within the limit)."""
+        lora = saved.get("lora")
+        if lora is None:
+            return None
+        self.limits.check_rank(f"{path}: the saved LoRA rank", int(lora["rank"]))
+        return LoraSettings(**lora)
+
     def _lora(self, config: types.LoraConfig | None) -> LoraSettings | None:
         if config is None:
             return None
-        if self.max_rank is not None and config.rank > self.max_rank:
-            raise ValueError(f"lora_config.rank {config.rank}: this server serves ranks up to {self.max_rank}")
+        self.limits.check_rank("lora_config.rank", config.rank)
         return LoraSettings(config.rank, self.lora_alpha, config.seed or 0, config.train_attn, config.train_mlp,
                             config.train_unembed)
 
@@ -223,9 +253,8 @@ class Service:
         self._check_session(request.session_id)
         self._check_base(request.base_model)
         saved = self.store.metadata(request.path)
-        lora = saved.get("lora")
         model_id = f"{request.session_id}:train:{request.model_seq_id}"
-        model = self._add_model(model_id, request.session_id, None if lora is None else LoraSettings(**lora),
+        model = self._add_model(model_id, request.session_id, self._saved_lora(request.path, saved),
                                 request.user_metadata)
         try:
             model.state = self._restored(request.path, model.state, request.optimizer)
@@ -238,6 +267,7 @@ class Service:
 
     def training_run(self, run_id: str) -> dict[str, Any]:
         """``GET training_runs/{id}`` (:mod:`.runs`; ``KeyError``: unknown)."""
+        check_model_id(run_id, "training run id")
         model = self.models.get(run_id)
         live = None if model is None else {
             "base_model": self.name, "lora": None if model.trainable.lora is None else model.trainable.lora.as_dict(),
@@ -246,11 +276,14 @@ class Service:
 
     def checkpoints(self, run_id: str) -> dict[str, Any]:
         """``GET training_runs/{id}/checkpoints`` (``KeyError``: unknown)."""
+        check_model_id(run_id, "training run id")
         return runs.checkpoint_list(self.store, run_id, run_id in self.models).model_dump(mode="json")
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
         """``DELETE training_runs/{id}/checkpoints/{kind}/{name}`` (``KeyError``: nothing there)."""
+        check_model_id(run_id, "training run id")
         path = f"tinker://{run_id}/{checkpoint_id}"
+        parse_path(path, "checkpoint_id")
         if not self.store.exists(path):
             raise KeyError(path)
         self.store.delete(path)
@@ -260,6 +293,7 @@ class Service:
 
     def weights_info(self, path: str) -> dict[str, Any]:
         """``POST weights_info``: what loading the checkpoint ``path`` builds (``KeyError``: nothing there)."""
+        parse_path(path, "tinker_path")
         if not self.store.exists(path):
             raise KeyError(path)
         return runs.weights_info(self.store, path).model_dump(mode="json")
@@ -274,11 +308,10 @@ class Service:
             return 0
         if model_path in self.by_path:
             return self.by_path[model_path]
-        parse_path(model_path)
+        parse_path(model_path, "model_path")
         saved = self.store.metadata(model_path)
         self._check_base(saved.get("base_model"))
-        lora = saved.get("lora")
-        trainable, params = make_trainable(self.base, self.base_params, None if lora is None else LoraSettings(**lora))
+        trainable, params = make_trainable(self.base, self.base_params, self._saved_lora(model_path, saved))
         template = {"params": params, **({"opt": new_state(params).opt} if saved.get("optimizer") else {})}
         loaded = self.store.load(model_path, template)
         number = next(self._numbers)
@@ -301,7 +334,8 @@ class Service:
     def sample_work(self, request: types.SampleRequest, settings: SamplingRequest) -> Batched:
         """The work of an ``asample`` request (its snapshot resolved now, its settings checked there),
         as a batch member: requests with the same ``key`` waiting together share engine calls. A
-        request with its own ``seed`` is sampled alone, so that its draw does not depend on others."""
+        request with its own ``seed`` is sampled alone, so that its draw does not depend on others.
+        ``OverLimit`` for a request past the limits."""
         if request.sampling_session_id is not None:
             if request.sampling_session_id not in self.samplers:
                 raise ValueError(f"sampling session {request.sampling_session_id!r} is not open on this server")
@@ -309,6 +343,12 @@ class Service:
         else:
             source = (request.model_path, request.base_model)
         prompt = wire.prompt_tokens(request.prompt, "prompt")
+        self.limits.check_samples(request.num_samples)
+        self.limits.check_tokens("prompt length", len(prompt))
+        if settings.max_tokens is not None:
+            self.limits.check_tokens("sampling_params.max_tokens", settings.max_tokens)
+        if request.model_path is not None:
+            parse_path(request.model_path, "model_path")
         alone = object() if settings.seed is not None else None
 
         def run(prompts: list[list[int]]) -> list[bytes | ValueError]:
