@@ -1,6 +1,6 @@
 """An OpenAI-compatible endpoint over the rollout engine, on loopback, for agent code.
 
-``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` (FastAPI, served by uvicorn on
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and ``/v1/models/{model}`` (FastAPI, served by uvicorn on
 a thread of its own at ``127.0.0.1``, a free port). Every request must come from a loopback
 address and carry ``Authorization: Bearer <token>``, a random token made per endpoint and handed
 to the agents' clients: the endpoint samples from the policy being trained, so nothing else on
@@ -9,11 +9,12 @@ the machine may use it.
 A chat request is rendered by the chat template (``tools``: JSON schemas, through the template),
 continued by the engine at the weights version being trained (:mod:`purerl.agents.batching`:
 concurrent requests share engine calls) and recorded in its episode
-(:mod:`purerl.agents.traces`). It honours ``n``, ``temperature`` (default: the job's),
-``top_p``, ``max_tokens`` / ``max_completion_tokens`` (at most the job's ``max_new_tokens`` and
-the episode's token budget), ``stop`` (cut from the returned text, as OpenAI does; the sampled
-ids keep it) and ``logprobs`` (each sampled token's behaviour log-prob; ``top_logprobs`` is
-empty). Tool calls are parsed from the text (Hermes/Qwen ``<tool_call>{"name", "arguments"}
+(:mod:`purerl.agents.traces`). It honours ``n`` (at most the batcher's ``max_rows``),
+``temperature`` (default: the job's), ``top_p``, ``max_tokens`` / ``max_completion_tokens`` (at
+most the job's ``max_new_tokens``; cut to the room left in the episode's token budget), ``stop``
+(cut from the returned text, as OpenAI does; the sampled ids keep it), ``logprobs`` (each sampled
+token's behaviour log-prob; ``top_logprobs`` is empty) and content given as a list of text parts
+(joined). Tool calls are parsed from the text (Hermes/Qwen ``<tool_call>{"name", "arguments"}
 </tool_call>``) when the request offers ``tools`` (and ``tool_choice`` is not ``none``). Each
 choice also carries ``token_ids``, the sampled ids, and the response ``prompt_token_ids``: what the
 trainer will see. ``stream``: the same answer as server-sent events (a chunk per choice with its
@@ -24,9 +25,11 @@ Requests and answers are typed: a body is parsed into a pydantic model
 (:mod:`purerl.agents.openai_requests`) before anything is sampled, and answers are built from
 OpenAI's own types (:mod:`purerl.agents.openai_responses`). A request the endpoint cannot honour as
 OpenAI defines it is answered 400 with an ``error`` whose ``param`` and message name the field,
-in one line, never served differently: a body that is not JSON, ``n`` < 1, ``max_tokens`` < 1, no
-``messages``, a message without a role, a prompt that leaves no room in the episode's token budget,
-token ids outside the vocabulary, and the parameters it does not implement
+in one line, never served differently: a body that is not JSON, a field outside OpenAI's range
+(``n`` < 1, ``max_tokens`` < 1, ``temperature`` not in [0, 2], ``top_p`` not in (0, 1], an empty
+``stop`` string, …) or past the endpoint's limits (``n``, ``max_tokens``), content parts other
+than text, no ``messages``, a message without a role, a prompt that leaves no room in the episode's
+token budget, token ids outside the vocabulary, and the parameters it does not implement
 (:data:`~purerl.agents.openai_requests.UNSUPPORTED`: ``seed``, ``response_format`` other than text,
 ``tool_choice`` other than ``auto``/``none``, penalties, ``logit_bias``, …). Tool calls are parsed
 by purerl's one Hermes parser (:func:`purerl.episodes.tools.hermes_calls`).
@@ -42,6 +45,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from purerl.agents.batching import EngineBatcher, Request, Sampled
 from purerl.agents.traces import EPISODE_HEADER, Call, EpisodeTraces
@@ -74,6 +79,12 @@ def tool_calls_of(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     content = text[: calls[0].start].strip()
     return content or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                               "function": {"name": call.name, "arguments": call.arguments_json}} for call in calls]
+
+
+def _within(sampling: SamplingParams, room: int) -> SamplingParams:
+    """``sampling`` with its tokens cut to the ``room`` its episode leaves (≥ 1: a call with none is
+    refused when opened); its answers then finish with ``length``, as the Env path cuts a turn."""
+    return attrs.evolve(sampling, max_new_tokens=max(1, min(sampling.max_new_tokens, room)))
 
 
 def _hash_stream(name: str) -> int:
@@ -118,6 +129,7 @@ class Endpoint:
         naming its field (:func:`~purerl.agents.openai_responses.refusal`)."""
         from fastapi import FastAPI
         from fastapi import Request as HttpRequest
+        from starlette.exceptions import HTTPException as StarletteHTTPException
 
         from purerl.agents.openai_requests import ChatRequest, CompletionRequest, parsed_json
         from purerl.agents.openai_responses import answer_response, error_response, model_list, refusal
@@ -136,16 +148,30 @@ class Endpoint:
                                       "unauthorized")
             return await call_next(request)
 
+        @app.exception_handler(StarletteHTTPException)
+        async def no_route(request: HttpRequest, err: StarletteHTTPException) -> Any:
+            """A path or method it does not serve, answered as OpenAI's are (an ``error`` object)."""
+            return error_response(err.status_code, f"{request.method} {request.url.path}: {err.detail}",
+                                  "unknown_url" if err.status_code == 404 else "method_not_allowed")
+
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
             return model_list(self.model, self.created)
+
+        @app.get("/v1/models/{name:path}")
+        async def model(name: str) -> Any:
+            if name != self.model:
+                return error_response(404, f"the model {name!r} does not exist: this endpoint serves "
+                                           f"{self.model!r}", "model_not_found", "model")
+            return model_list(self.model, self.created)["data"][0]
 
         @app.post("/v1/chat/completions")
         async def chat(request: HttpRequest) -> Any:
             try:
                 asked = parsed_json(ChatRequest, await request.body())
+                sampling = self._sampling(asked)
                 call, record = self._opened(asked, request.headers.get(EPISODE_HEADER) or asked.user)
-                sampling = self._sampling(asked, call.room)
+                sampling = _within(sampling, call.room)
             except (TypeError, ValueError) as err:  # RequestError, ContextError, or the template's or tokenizer's
                 return refusal(err)
             answer = await self._chat(asked, call, record, sampling)
@@ -155,8 +181,9 @@ class Endpoint:
         async def completions(request: HttpRequest) -> Any:
             try:
                 asked = parsed_json(CompletionRequest, await request.body())
+                sampling = self._sampling(asked)
                 call = self._prompt(asked)
-                sampling = self._sampling(asked, call.room)
+                sampling = _within(sampling, call.room)
             except (TypeError, ValueError) as err:  # RequestError, ContextError, or the template's or tokenizer's
                 return refusal(err)
             answer = await self._completion(asked, call, sampling)
@@ -171,16 +198,23 @@ class Endpoint:
         and dropped)."""
         name = episode if episode is not None else f"unrecorded-{uuid.uuid4().hex}"
         messages = [message.as_dict() for message in asked.messages]
-        return self.traces.open_call(name, messages, asked.tools or None), episode is not None
+        try:
+            return self.traces.open_call(name, messages, asked.tools or None), episode is not None
+        except BaseException:
+            if episode is None:  # refused (the template could not take it): its trace is dropped
+                self.traces.pop(name)
+            raise
 
     def _prompt(self, asked: "CompletionRequest") -> Call:
         """A completion request's call: its prompt's ids (a string encoded without special tokens),
-        each in the vocabulary, leaving room in the token budget; never recorded."""
+        at least one, each in the vocabulary, leaving room in the token budget; never recorded."""
         from purerl.agents.openai_requests import RequestError
 
         prompt = asked.prompt
         ids = prompt if isinstance(prompt, list) else self.traces.codec.tokenizer.encode(prompt,
                                                                                         add_special_tokens=False)
+        if not ids:
+            raise RequestError("prompt: an empty prompt leaves no token to continue", "invalid_prompt", "prompt")
         vocab = len(self.traces.codec.tokenizer)
         outside = [t for t in ids if not 0 <= t < vocab]
         if outside:
@@ -192,13 +226,25 @@ class Endpoint:
                                f"({self.traces.max_tokens}, env.max_tokens)", "context_length_exceeded", "prompt")
         return Call(f"completion-{uuid.uuid4().hex}", 0, list(ids), room)
 
-    def _sampling(self, asked: "ChatRequest | CompletionRequest", room: int) -> SamplingParams:
-        """How a request samples: its own settings, else the job's; at most the job's
-        ``max_new_tokens`` and the ``room`` its episode leaves."""
-        new_tokens = min(asked.asked_tokens or self.sampling.max_new_tokens, self.sampling.max_new_tokens, room)
-        return SamplingParams(max_new_tokens=max(1, new_tokens),
+    def _sampling(self, asked: "ChatRequest | CompletionRequest") -> SamplingParams:
+        """How a request samples: its own settings, else the job's (``top_p``: 1). Its cost is bound:
+        :class:`~purerl.agents.openai_requests.RequestError` naming the field and the limit when it
+        asks for more samples than one engine call takes (the batcher's ``max_rows``) or more tokens
+        than the job's ``max_new_tokens``. Checked before its call is opened in an episode."""
+        from purerl.agents.openai_requests import RequestError
+
+        n, limit = asked.n or 1, self.sampling.max_new_tokens
+        if n > self.batcher.max_rows:
+            raise RequestError(f"n: at most {self.batcher.max_rows} samples per request (the endpoint's engine batch, "
+                               f"max_rows), got {n}", "invalid_n", "n")
+        field = "max_completion_tokens" if asked.max_completion_tokens is not None else "max_tokens"
+        if asked.asked_tokens is not None and asked.asked_tokens > limit:
+            raise RequestError(f"{field}: at most {limit} tokens (the job's rollout.max_new_tokens), got "
+                               f"{asked.asked_tokens}", f"invalid_{field}", field)
+        return SamplingParams(max_new_tokens=asked.asked_tokens or limit,
                               temperature=self.sampling.temperature if asked.temperature is None else asked.temperature,
-                              top_p=asked.top_p or 1.0, top_k=self.sampling.top_k, n=asked.n or 1, stop=asked.stops)
+                              top_p=1.0 if asked.top_p is None else asked.top_p, top_k=self.sampling.top_k, n=n,
+                              stop=asked.stops)
 
     async def _sampled(self, call: Call, sampling: SamplingParams, *, record: bool) -> list[Sampled]:
         """``call`` continued by the engine (batched with other requests): its ``n`` samples."""

@@ -6,7 +6,11 @@ which the endpoint answers as the OpenAI API does: HTTP 400 with an ``error`` ob
 names the field (``messages[1].role``) and whose message says, in one line, what is wrong with it.
 A request is never served differently than asked: a parameter the endpoint does not implement
 (:data:`UNSUPPORTED`) is refused rather than ignored, and the fields it honours are validated as
-OpenAI defines them (``n`` ≥ 1, ``max_tokens`` ≥ 1, ``top_p`` in [0, 1], a role per message, …).
+OpenAI defines them: ``n`` ≥ 1, ``max_tokens`` ≥ 1, ``temperature`` finite in [0, 2], ``top_p`` in
+(0, 1], at most 4 ``stop`` strings, none empty, a role per message, a message's ``content`` a
+string or a list of text parts (joined by newlines, as vLLM does: the chat template sees a string),
+numbers as JSON numbers and flags as JSON booleans. The endpoint's own limits (``n``, ``max_tokens``)
+are checked where they are known (:class:`purerl.agents.endpoint.Endpoint`).
 Fields OpenAI defines that change nothing here (``user`` on completions, ``metadata``, …) and
 unknown ones are ignored, as OpenAI-compatible servers do.
 
@@ -17,7 +21,17 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = ["ROLES", "UNSUPPORTED", "ChatMessage", "ChatRequest", "CompletionRequest", "RequestError", "Role", "parsed",
            "parsed_json"]
@@ -56,18 +70,57 @@ Count = Annotated[StrictInt, Field(ge=1)]
 """A count OpenAI requires to be a positive integer (``2.0``, ``"2"`` and ``true`` are not)."""
 
 
+Flag = StrictBool
+"""A JSON boolean (``"true"`` and ``1`` are not)."""
+
+MAX_STOPS = 4
+"""The most ``stop`` strings a request may give (OpenAI's limit): each is searched for at every step."""
+
+Stop = Annotated[str, Field(min_length=1)]
+"""A stop string: an empty one would end every answer before its first token."""
+
+
 def _listed(value: Any) -> Any:
-    """``stop`` as a list: one string is a list of it, an empty one no stop at all."""
-    return ([value] if value else []) if isinstance(value, str) else value
+    """``stop`` as a list: one string is a list of it."""
+    return [value] if isinstance(value, str) else value
+
+
+def _text_content(content: Any) -> Any:
+    """A message's ``content`` as the chat template takes it: OpenAI's list of content parts as its
+    text parts joined by newlines; an empty list (as OpenAI does) or a part of another type
+    (``image_url``, ``input_audio``, …) is refused, naming its type. Anything else is left to the
+    field's type (a string or None)."""
+    if not isinstance(content, list):
+        return content
+    if not content:
+        raise ValueError("an empty list of content parts")
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = (f"of type {kind!r}" if kind not in (None, "text") else "a text part without a string 'text'"
+                    if kind == "text" else "not a content part ({'type': 'text', 'text': ...})")
+            raise ValueError(f"content[{k}] is {what}; this endpoint takes text parts only")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 class ChatMessage(BaseModel):
-    """A chat message: a ``role`` OpenAI defines; its other fields (``content``, ``tool_calls``,
-    ``name``, ``tool_call_id``, …) kept as sent, for the chat template."""
+    """A chat message: a ``role`` OpenAI defines and its ``content``, a string (a list of text parts
+    is joined into one, :func:`_text_content`), which only an assistant's message may omit or leave
+    null (as OpenAI's: one that calls tools); its other fields (``tool_calls``, ``name``,
+    ``tool_call_id``, …) kept as sent, for the chat template."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Role
+    content: Annotated[str | None, BeforeValidator(_text_content)] = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its content (a string or a list of text parts)")
+        return self
 
     def as_dict(self) -> dict[str, Any]:
         """The message as the client sent it."""
@@ -75,7 +128,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool | None = None
+    include_usage: Flag | None = None
 
 
 class _Sampled(BaseModel):
@@ -85,10 +138,10 @@ class _Sampled(BaseModel):
     n: Count | None = None
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    stop: Annotated[list[str], BeforeValidator(_listed)] | None = None
-    stream: bool | None = None
+    temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(strict=True, gt=0, le=1)] | None = None
+    stop: Annotated[list[Stop], Field(max_length=MAX_STOPS), BeforeValidator(_listed)] | None = None
+    stream: Flag | None = None
     stream_options: StreamOptions | None = None
 
     @property
@@ -115,7 +168,7 @@ class ChatRequest(_Sampled):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     user: str | None = None
-    logprobs: bool | None = None
+    logprobs: Flag | None = None
 
     @property
     def parses_tools(self) -> bool:
@@ -125,8 +178,9 @@ class ChatRequest(_Sampled):
 
 class CompletionRequest(_Sampled):
     """A ``/v1/completions`` body: ``prompt``, a string or a list of token ids. ``logprobs``:
-    OpenAI's number of alternatives per token (none are returned, only the sampled token's; a
-    flag is taken as 0 or 1); anything but 0 asks for the sampled tokens' log-probs."""
+    OpenAI's number of alternatives per token, 0 or 1 (1 is how clients ask for log-probs; no
+    alternatives are returned, only the sampled token's, so 2 or more are refused; a flag is taken as
+    0 or 1); anything but 0 asks for the sampled tokens' log-probs."""
 
     prompt: str | list[int]
     logprobs: Annotated[int, Field(ge=0)] | None = None
@@ -137,6 +191,13 @@ class CompletionRequest(_Sampled):
         if isinstance(value, str) or (isinstance(value, list) and all(type(t) is int for t in value)):
             return value
         raise ValueError("a string or a list of token ids is required")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_alternatives(cls, value: int | None) -> int | None:
+        if value is not None and value > 1:
+            raise ValueError("0 or 1 (the sampled tokens' log-probs): alternatives per token are not returned")
+        return value
 
 
 SomeRequest = TypeVar("SomeRequest", bound=_Sampled)
