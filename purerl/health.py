@@ -11,10 +11,14 @@ summary folds the rows again (:meth:`Monitor.fold`), so a resumed run reports it
 Each symptom is a :class:`Symptom` record in :data:`SYMPTOMS`: the signal it reads, when it holds,
 and its line, which names the step, what was seen and the setting or file to look at. A row that
 lacks a symptom's signal (a critic warm-up step has no policy gradient) leaves that symptom as it
-was. The signals are metrics the step already reports, and two the sampling adds for this
+was. The signals are metrics the step already reports, and those the sampling adds for this
 (:func:`purerl.loop.sampling.joined_batch`): ``health/no_signal_frac`` (groups whose rewards are
-all equal), ``health/reward_spread`` (the step's highest reward less its lowest) and
-``health/rule_positive_frac`` (samples the task's reward scored above 0).
+all equal), ``health/reward_spread`` (the step's highest reward less its lowest, shaping included) and
+``health/rule_positive_frac`` (samples the task's reward scored above 0); and, where the sampling
+records them, ``health/rule_spread`` (the task's own reward's highest less its lowest, before any
+shaping), ``health/reference_held_frac`` (responses that contain their reference answer) and
+``health/reference_unrewarded_frac`` (of those, the share the task's reward scored 0 or less).
+A symptom that reads one of these last three does without it where the row lacks it.
 """
 
 from collections.abc import Callable, Iterable, Mapping
@@ -24,7 +28,8 @@ import attrs
 
 from purerl.checks import at_least, in_range, positive
 
-__all__ = ["SYMPTOMS", "Context", "Event", "HealthLimits", "HealthState", "Monitor", "Symptom", "report"]
+__all__ = ["OPENING_STEPS", "SYMPTOMS", "Context", "Event", "HealthLimits", "HealthState", "Monitor", "Symptom",
+           "report"]
 
 
 @attrs.frozen
@@ -32,9 +37,9 @@ class HealthLimits:
     """When a symptom is reported (defaults chosen from the main job's seeds, BENCHMARKS.md "Learns on
     every seed"). Groups alike because the task is solved are no symptom (a learned main job has most of
     its groups all right), and clipping alone is none either (the main job's gradient norm is 2–5× its
-    clip of 1.0 on nearly every healthy step). Symptoms without a threshold: every reward of a step equal
-    (``constant_reward``), the task's reward above 0 for no sample (``dead_reward``), a gradient norm of 0
-    while some rows had an advantage (``zero_gradient``)."""
+    clip of 1.0 on nearly every healthy step). Symptoms without a threshold: the task's reward the same for
+    every sample whatever the shaping adds, or above 0 for every one (``constant_reward``), above 0 for no
+    sample (``dead_reward``), a gradient norm of 0 while some rows had an advantage (``zero_gradient``)."""
 
     patience: int = attrs.field(default=3, validator=at_least(1))
     """Steps in a row a condition must hold for its symptom to start, and be absent for it to clear (a
@@ -53,6 +58,17 @@ class HealthLimits:
     eval_drop: float = attrs.field(default=0.15, validator=in_range(0, 1))
     """``heldout_drop``: held-out accuracy more than this fraction (0.15 is 15 points) below the run's best
     evaluation."""
+    guess_reward: float = attrs.field(default=0.25, validator=in_range(0, 1))
+    """``guessing``: the task's reward above 0 for at most this share of samples, while most groups score
+    alike (``guess_no_signal``) and responses have shrunk to a few tokens (``guess_length``, ``guess_tokens``)."""
+    guess_no_signal: float = attrs.field(default=0.75, validator=in_range(0, 1))
+    """``guessing``: more than this share of groups score alike (with the task's reward near 0, a random
+    group of 4 is alike about half the time: this asks for more)."""
+    guess_length: float = attrs.field(default=0.5, validator=in_range(0, 1))
+    """``guessing``: the mean response length at most this fraction of its mean over the run's first
+    steps (:data:`OPENING_STEPS`)."""
+    guess_tokens: float = attrs.field(default=8.0, validator=positive)
+    """``guessing``: the mean response length at most this many tokens (a bare answer)."""
 
 
 @attrs.frozen
@@ -64,15 +80,33 @@ class Context:
     samples: str = "samples.jsonl"
 
 
+OPENING_STEPS = 3
+"""The run's first steps (those with a response length): ``guessing`` measures a collapse against them."""
+
+
+@attrs.frozen
+class HealthState:
+    """Per symptom, the steps in a row its condition held (``held``) or did not (``absent``); the
+    symptoms active now and every one seen; the best held-out accuracy so far; the mean response length
+    of each of the run's first :data:`OPENING_STEPS` steps (``opening``)."""
+
+    held: Mapping[str, int] = attrs.field(factory=dict)
+    absent: Mapping[str, int] = attrs.field(factory=dict)
+    active: frozenset[str] = frozenset()
+    seen: frozenset[str] = frozenset()
+    best_accuracy: float | None = None
+    opening: tuple[float, ...] = ()
+
+
 @attrs.frozen
 class Symptom:
-    """One symptom: ``holds(row, limits, context, best)`` is True or False where the row has its
-    signal, None where it has not (``best``: the best held-out accuracy before this row);
-    ``line(row, limits, context, steps)`` says what was seen when it starts (``steps``: for how long);
-    ``patience(limits)`` is how many steps in a row make it start (and clear)."""
+    """One symptom: ``holds(row, limits, context, past)`` is True or False where the row has its
+    signal, None where it has not (``past``: the :class:`HealthState` before this row);
+    ``line(row, limits, context, past, steps)`` says what was seen when it starts (``steps``: for how
+    long); ``patience(limits)`` is how many steps in a row make it start (and clear)."""
 
-    holds: Callable[[Mapping[str, Any], HealthLimits, Context, float | None], bool | None]
-    line: Callable[[Mapping[str, Any], HealthLimits, Context, int], str]
+    holds: Callable[[Mapping[str, Any], HealthLimits, Context, HealthState], bool | None]
+    line: Callable[[Mapping[str, Any], HealthLimits, Context, HealthState, int], str]
     patience: Callable[[HealthLimits], int] = lambda limits: limits.patience
 
 
@@ -84,41 +118,70 @@ def _has(row: Row, *keys: str) -> bool:
     return all(isinstance(row.get(k), (int, float)) for k in keys)
 
 
-def _cut(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
+def _cut(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
     return row["response_length/clip_ratio"] > limits.cut_share if _has(row, "response_length/clip_ratio") else None
 
 
-def _no_signal(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
+def _no_signal(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
     if not _has(row, "health/no_signal_frac", "health/rule_positive_frac"):
         return None
     return 0 < row["health/rule_positive_frac"] < 0.5 and row["health/no_signal_frac"] > limits.no_signal_share
 
 
-def _constant(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
+def _constant(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
+    """Nothing tells samples apart: the step's rewards all equal, or the task's own reward the same for every
+    sample whatever the shaping (``reward.overlong_*``) adds: ``health/rule_spread`` 0 where the row has it,
+    else every sample scored above 0. A reward above 0 for no sample is ``dead_reward``'s."""
     if not _has(row, "health/reward_spread", "health/rule_positive_frac"):
         return None
-    return row["health/rule_positive_frac"] > 0 and row["health/reward_spread"] == 0
+    positive = row["health/rule_positive_frac"]
+    rule_alike = row["health/rule_spread"] == 0 if _has(row, "health/rule_spread") else positive == 1
+    return positive > 0 and (row["health/reward_spread"] == 0 or rule_alike)
 
 
-def _dead_reward(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
+def _dead_reward(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
     return row["health/rule_positive_frac"] == 0 if _has(row, "health/rule_positive_frac") else None
 
 
-def _entropy(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
+def _guessing(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
+    """Bare guesses: the task's reward above 0 for at most ``guess_reward`` of the samples, over
+    ``guess_no_signal`` of the groups alike, and the mean response at most ``guess_tokens`` tokens and
+    ``guess_length`` of its mean over the run's first steps (None before the first step's length is known)."""
+    if not past.opening or not _has(row, "response_length/mean", "health/no_signal_frac", "health/rule_positive_frac"):
+        return None
+    short = min(limits.guess_tokens, limits.guess_length * _opening_length(past))
+    return (row["health/rule_positive_frac"] <= limits.guess_reward
+            and row["health/no_signal_frac"] > limits.guess_no_signal and row["response_length/mean"] <= short)
+
+
+def _opening_length(state: HealthState) -> float:
+    """The mean response length over the run's first steps (0 before any)."""
+    return sum(state.opening) / len(state.opening) if state.opening else 0.0
+
+
+def _reference_unrewarded(row: Row) -> bool | None:
+    """Whether the samples point at ``reward.fn``: most responses that contain their reference answer scored
+    0 or less (False where none contains it; None where the row does not say)."""
+    if not _has(row, "health/reference_held_frac", "health/reference_unrewarded_frac"):
+        return None
+    return row["health/reference_held_frac"] > 0 and row["health/reference_unrewarded_frac"] > 0.5
+
+
+def _entropy(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
     return row["actor/entropy"] < limits.entropy_floor if _has(row, "actor/entropy") else None
 
 
-def _drift(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
+def _drift(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
     return row["rollout/logprob_gap_mean"] > limits.logprob_gap if _has(row, "rollout/logprob_gap_mean") else None
 
 
-def _grad_norm(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
+def _grad_norm(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
     if not _has(row, "actor/grad_norm"):
         return None
     return row["actor/grad_norm"] > limits.grad_norm_factor * context.grad_clip
 
 
-def _zero_gradient(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
+def _zero_gradient(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
     if not _has(row, "actor/grad_norm"):
         return None
     return row["actor/grad_norm"] == 0 and _some_advantage(row)
@@ -133,43 +196,82 @@ def _some_advantage(row: Row) -> bool:
     return row.get("actor/skipped_rows_frac", 0.0) < 1
 
 
-def _dropped(row: Row, limits: HealthLimits, context: Context, best: float | None) -> bool | None:
-    if not _has(row, "val/accuracy") or best is None:
+def _dropped(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
+    if not _has(row, "val/accuracy") or past.best_accuracy is None:
         return None
-    return best - row["val/accuracy"] > limits.eval_drop
+    return past.best_accuracy - row["val/accuracy"] > limits.eval_drop
+
+
+_HARDER = ("more samples per prompt (rollout.n, --samples-per-prompt), algorithm.dynamic_sampling=true, a supervised "
+          "warm-up first (env.sft_steps, where the environment writes demonstrations), or a smaller or easier task")
+"""The knobs for a task the model cannot solve yet (its groups all fail alike)."""
+
+
+def _constant_line(row: Row, limits: HealthLimits, context: Context, past: HealthState, steps: int) -> str:
+    if row["health/reward_spread"] == 0:
+        seen = "every sample of the step got the same reward"
+    elif _has(row, "health/rule_spread"):
+        seen = (f"the task's reward gave every sample the same score (the rewards' spread of "
+                f"{row['health/reward_spread']:.3g} is the shaping's)")
+    else:
+        seen = "the task's reward scored every sample above 0 (whatever the shaping adds)"
+    return (f"{seen} for {steps} steps: nothing tells answers apart; read {context.samples} and check reward.fn (a "
+            "reward that accepts anything, under which held-out accuracy means nothing too, or a task already solved)")
+
+
+def _dead_reward_line(row: Row, limits: HealthLimits, context: Context, past: HealthState, steps: int) -> str:
+    seen = f"the task's reward gave no sample more than 0 for {steps} steps"
+    suspect = _reference_unrewarded(row)
+    if suspect:
+        return (f"{seen}, though {row['health/reference_held_frac']:.0%} of responses contain their reference answer: "
+                f"check reward.fn against what the model writes in {context.samples}")
+    if suspect is False:
+        return (f"{seen} and no response contains its reference answer: the model cannot solve the task yet "
+                f"(reward.fn is not to blame); try {_HARDER}; read {context.samples}")
+    return (f"{seen}: read {context.samples} (each response, its reward and the reference): if responses that "
+            f"contain their reference score 0, check reward.fn; if none does, the model cannot solve the task yet: "
+            f"try {_HARDER}")
+
+
+def _guessing_line(row: Row, limits: HealthLimits, context: Context, past: HealthState, steps: int) -> str:
+    seen = (f"responses of {row['response_length/mean']:.1f} tokens on average (from {_opening_length(past):.1f} "
+            f"over the first steps) while the task rewarded {row['health/rule_positive_frac']:.0%} of samples and "
+            f"{row['health/no_signal_frac']:.0%} of groups scored alike, for {steps} steps: the model answers with "
+            f"bare guesses, whose alike groups teach nothing; try {_HARDER}")
+    if _reference_unrewarded(row):
+        return (f"{seen}; but {row['health/reference_unrewarded_frac']:.0%} of the responses that contain their "
+                f"reference answer scored 0: check reward.fn against them in {context.samples}")
+    return f"{seen}; read {context.samples}"
 
 
 SYMPTOMS: dict[str, Symptom] = {
-    "cut_responses": Symptom(_cut, lambda row, limits, context, steps: (
+    "cut_responses": Symptom(_cut, lambda row, limits, context, past, steps: (
         f"{row['response_length/clip_ratio']:.0%} of responses cut at rollout.max_new_tokens={context.max_new_tokens} "
         f"(over {limits.cut_share:.0%} for {steps} steps): the answers do not fit; raise rollout.max_new_tokens or "
         f"reward.overlong_buffer, and read the responses in {context.samples}")),
-    "no_signal": Symptom(_no_signal, lambda row, limits, context, steps: (
+    "no_signal": Symptom(_no_signal, lambda row, limits, context, past, steps: (
         f"{row['health/no_signal_frac']:.0%} of groups scored alike (over {limits.no_signal_share:.0%} for {steps} "
         f"steps) while {row['health/rule_positive_frac']:.0%} of samples were rewarded: those groups have "
         "advantages of 0 and teach nothing; the task is too hard for the model: a larger rollout.n, "
         "algorithm.dynamic_sampling=true, or easier data")),
-    "constant_reward": Symptom(_constant, lambda row, limits, context, steps: (
-        f"every sample of the step got the same reward for {steps} steps: nothing tells answers apart; read "
-        f"{context.samples} and check reward.fn (a reward that accepts anything, or a task already solved)")),
-    "dead_reward": Symptom(_dead_reward, lambda row, limits, context, steps: (
-        f"the task's reward gave no sample more than 0 for {steps} steps: read {context.samples} (each response, "
-        "its reward and the reference) and check reward.fn against what the model writes")),
-    "entropy_collapse": Symptom(_entropy, lambda row, limits, context, steps: (
+    "constant_reward": Symptom(_constant, _constant_line),
+    "dead_reward": Symptom(_dead_reward, _dead_reward_line),
+    "guessing": Symptom(_guessing, _guessing_line),
+    "entropy_collapse": Symptom(_entropy, lambda row, limits, context, past, steps: (
         f"entropy {row['actor/entropy']:.3g} nats per token (under {limits.entropy_floor:g} for {steps} steps): "
         "the policy has collapsed onto single answers; lower actor.lr, or add actor.entropy_coeff")),
-    "logprob_drift": Symptom(_drift, lambda row, limits, context, steps: (
+    "logprob_drift": Symptom(_drift, lambda row, limits, context, past, steps: (
         f"the engine's log-probs are {row['rollout/logprob_gap_mean']:.3g} nats per token from the trainer's "
         f"(over {limits.logprob_gap:g} for {steps} steps): the rollout is off-policy; check the weight sync, "
         "rollout.engine and model.dtype, or set algorithm.rollout_correction")),
-    "grad_norm_high": Symptom(_grad_norm, lambda row, limits, context, steps: (
+    "grad_norm_high": Symptom(_grad_norm, lambda row, limits, context, past, steps: (
         f"gradient norm {row['actor/grad_norm']:.3g}, over {limits.grad_norm_factor:g}× actor.grad_clip="
         f"{context.grad_clip:g} for {steps} steps: every update is clipped hard and steers by direction alone; "
         "lower actor.lr")),
-    "zero_gradient": Symptom(_zero_gradient, lambda row, limits, context, steps: (
+    "zero_gradient": Symptom(_zero_gradient, lambda row, limits, context, past, steps: (
         f"gradient norm 0 for {steps} steps although some rows have an advantage: the weights no longer respond "
         "(an update too large, e.g. actor.lr); resume from an earlier checkpoint with a smaller actor.lr")),
-    "heldout_drop": Symptom(_dropped, lambda row, limits, context, steps: (
+    "heldout_drop": Symptom(_dropped, lambda row, limits, context, past, steps: (
         f"held-out accuracy {row['val/accuracy']:.1%}, over {100 * limits.eval_drop:.0f} points below the run's "
         f"best: the run is forgetting; lower actor.lr, or keep the checkpoint of the best evaluation"),
         patience=lambda limits: 1),
@@ -188,18 +290,6 @@ class Event:
 
 
 @attrs.frozen
-class HealthState:
-    """Per symptom, the steps in a row its condition held (``held``) or did not (``absent``); the
-    symptoms active now and every one seen; the best held-out accuracy so far."""
-
-    held: Mapping[str, int] = attrs.field(factory=dict)
-    absent: Mapping[str, int] = attrs.field(factory=dict)
-    active: frozenset[str] = frozenset()
-    seen: frozenset[str] = frozenset()
-    best_accuracy: float | None = None
-
-
-@attrs.frozen
 class Monitor:
     """The monitor bound to its limits and to what its lines name."""
 
@@ -211,7 +301,7 @@ class Monitor:
         step = int(row.get("step", 0))
         held, absent, active, events = dict(state.held), dict(state.absent), set(state.active), []
         for name, symptom in SYMPTOMS.items():
-            holds = symptom.holds(row, self.limits, self.context, state.best_accuracy)
+            holds = symptom.holds(row, self.limits, self.context, state)
             if holds is None:
                 continue
             held[name], absent[name] = (held.get(name, 0) + 1, 0) if holds else (0, absent.get(name, 0) + 1)
@@ -219,15 +309,18 @@ class Monitor:
             if name not in active and held[name] >= patience:
                 active.add(name)
                 events.append(Event(step, name, True, f"health: step {step}: {name}: "
-                                    + symptom.line(row, self.limits, self.context, held[name])))
+                                    + symptom.line(row, self.limits, self.context, state, held[name])))
             elif name in active and absent[name] >= patience:
                 active.discard(name)
                 events.append(Event(step, name, False, f"health: step {step}: {name} cleared"))
         best = state.best_accuracy
         if _has(row, "val/accuracy"):
             best = row["val/accuracy"] if best is None else max(best, row["val/accuracy"])
+        opening = state.opening
+        if len(opening) < OPENING_STEPS and _has(row, "response_length/mean"):
+            opening = (*opening, float(row["response_length/mean"]))
         return HealthState(held, absent, frozenset(active), state.seen | {e.symptom for e in events if e.started},
-                           best), events
+                           best, opening), events
 
     def fold(self, rows: Iterable[Mapping[str, Any]]) -> tuple[HealthState, list[Event]]:
         """The state after ``rows`` (a run's ``metrics.jsonl``, in order) and every event on the way."""

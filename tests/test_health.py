@@ -12,13 +12,14 @@ from tests.jobs import run_job
 
 MONITOR = Monitor(HealthLimits(patience=2), Context(max_new_tokens=48, grad_clip=1.0, samples="run/samples.jsonl"))
 HEALTHY = {"response_length/clip_ratio": 0.1, "health/no_signal_frac": 0.3, "health/rule_positive_frac": 0.4,
-           "health/reward_spread": 1.0,
+           "health/reward_spread": 1.0, "response_length/mean": 20.0,
            "actor/entropy": 0.8, "rollout/logprob_gap_mean": 0.0, "actor/grad_norm": 3.0,
            "actor/skipped_rows_frac": 0.3, "critic/advantages/max": 1.5, "critic/advantages/min": -1.5}
 SICK = {"cut_responses": {"response_length/clip_ratio": 0.9},
         "no_signal": {"health/no_signal_frac": 1.0},
         "constant_reward": {"health/reward_spread": 0.0},
         "dead_reward": {"health/rule_positive_frac": 0.0},
+        "guessing": {"response_length/mean": 3.0, "health/rule_positive_frac": 0.1, "health/no_signal_frac": 0.85},
         "entropy_collapse": {"actor/entropy": 0.001},
         "logprob_drift": {"rollout/logprob_gap_mean": 0.5},
         "grad_norm_high": {"actor/grad_norm": 50.0},
@@ -93,6 +94,86 @@ def test_observing_row_by_row_is_the_fold():
     assert (state, events) == MONITOR.fold(rows)
 
 
+# a reward that accepts everything, whatever the shaping adds
+def test_the_task_reward_above_0_for_every_sample_is_a_constant_reward_whatever_the_shaping_adds():
+    accepts_all = {"health/rule_positive_frac": 1.0, "health/reward_spread": 1.0}  # rewards.py:always, overlong shaping
+    state, events = MONITOR.fold(_rows({}, accepts_all, accepts_all))
+    assert [(e.step, e.symptom) for e in events] == [(3, "constant_reward")]
+    assert "scored every sample above 0" in events[0].line and "reward.fn" in events[0].line
+    alike = {**accepts_all, "health/rule_spread": 0.0}  # where the sampling records the task's own spread
+    assert [e.symptom for e in MONITOR.fold(_rows(alike, alike))[1]] == ["constant_reward"]
+    assert "spread of 1 is the shaping's" in MONITOR.fold(_rows(alike, alike))[1][0].line
+
+
+def test_a_partial_credit_reward_above_0_for_every_sample_is_no_symptom_where_its_spread_is_known():
+    partial = {"health/rule_positive_frac": 1.0, "health/reward_spread": 0.6, "health/rule_spread": 0.5}
+    assert MONITOR.fold(_rows(partial, partial, partial))[1] == []
+
+
+def test_the_task_reward_at_0_for_every_sample_stays_one_dead_reward_line():
+    dead = {"health/rule_positive_frac": 0.0, "health/reward_spread": 1.0}
+    assert [e.symptom for e in MONITOR.fold(_rows(dead, dead, dead))[1]] == ["dead_reward"]
+
+
+# guessing: the reward is right, the model answers with bare guesses
+OPENING = {"response_length/mean": 20.0, "health/rule_positive_frac": 0.15, "health/no_signal_frac": 0.6}
+SUMS = {"response_length/mean": 3.0, "health/rule_positive_frac": 0.12, "health/no_signal_frac": 0.88}
+
+
+def test_short_responses_low_reward_and_alike_groups_are_guessing_with_the_numbers_and_the_knobs():
+    state, events = MONITOR.fold(_rows(OPENING, OPENING, OPENING, SUMS, SUMS))
+    assert [(e.step, e.symptom) for e in events] == [(5, "guessing")]
+    line = events[0].line
+    assert "3.0 tokens" in line and "from 20.0" in line and "12%" in line and "88%" in line
+    for knob in ("rollout.n", "--samples-per-prompt", "algorithm.dynamic_sampling=true", "env.sft_steps",
+                 "easier task"):
+        assert knob in line, knob
+    assert "reward.fn" not in line and "\n" not in line  # nothing in the rows says the reward is wrong
+
+
+def test_guessing_points_at_reward_fn_only_when_responses_holding_their_reference_score_0():
+    right = {"health/reference_held_frac": 0.1, "health/reference_unrewarded_frac": 0.0}
+    _, events = MONITOR.fold(_rows(OPENING, OPENING, {**SUMS, **right}, {**SUMS, **right}))
+    assert [e.symptom for e in events] == ["guessing"] and "reward.fn" not in events[0].line
+    wrong = {"health/reference_held_frac": 0.4, "health/reference_unrewarded_frac": 0.9}
+    _, events = MONITOR.fold(_rows(OPENING, OPENING, {**SUMS, **wrong}, {**SUMS, **wrong}))
+    assert "90% of the responses that contain their reference answer scored 0: check reward.fn" in events[0].line
+
+
+def test_a_dead_reward_with_no_response_holding_its_reference_does_not_blame_reward_fn():
+    # the counting task: its last-number reward was right; the model collapsed to 2-token guesses
+    counting = {"response_length/mean": 2.0, "health/rule_positive_frac": 0.0, "health/no_signal_frac": 1.0,
+                "health/reference_held_frac": 0.0, "health/reference_unrewarded_frac": 0.0}
+    _, events = MONITOR.fold(_rows(OPENING, counting, counting))
+    assert sorted(e.symptom for e in events) == ["dead_reward", "guessing"]
+    assert all("check reward.fn" not in e.line for e in events)
+    assert "reward.fn is not to blame" in next(e.line for e in events if e.symptom == "dead_reward")
+    wrong = {**counting, "health/reference_held_frac": 0.3, "health/reference_unrewarded_frac": 1.0}
+    _, events = MONITOR.fold(_rows(OPENING, wrong, wrong))
+    assert all("check reward.fn" in e.line for e in events)
+
+
+@pytest.mark.parametrize("change", [{"response_length/mean": 15.0},  # answers as long as at the start
+                                    {"health/rule_positive_frac": 0.4},  # learning
+                                    {"health/no_signal_frac": 0.5}])  # groups still differ
+def test_short_answers_alone_are_not_guessing(change):
+    assert MONITOR.fold(_rows(OPENING, OPENING, {**SUMS, **change}, {**SUMS, **change}, {**SUMS, **change}))[1] == []
+
+
+def test_a_task_of_short_answers_from_the_start_is_not_guessing():
+    short = {**SUMS, "response_length/mean": 3.0}
+    assert MONITOR.fold(_rows(short, short, short, short))[1] == []
+
+
+def test_a_resumed_monitor_measures_the_collapse_against_the_runs_first_steps():
+    rows = _rows(OPENING, OPENING, OPENING, SUMS, SUMS)
+    state, _ = MONITOR.fold(rows[:3])
+    assert state.opening == (20.0, 20.0, 20.0)
+    state, events = MONITOR.fold(rows[:4])
+    _, later = MONITOR.observe(state, rows[4])
+    assert [e.symptom for e in later] == ["guessing"]
+
+
 # tiny runs: the job as the command line runs it, each symptom provoked
 STOPS = "rollout.stop=[" + ",".join(f'"{c}"' for c in string.ascii_letters) + "]"  # short answers: none cut
 DIGITS = "reward.fn=tests/golden/reward.py:digit_fraction"  # scores vary within a group
@@ -118,7 +199,8 @@ def test_a_healthy_tiny_run_prints_no_health_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case, symptom", [("never_fires", "dead_reward"), ("all_cut", "cut_responses"),
-                                           ("huge_lr", "cut_responses"), ("equal_rewards", "constant_reward")])
+                                           ("huge_lr", "cut_responses"), ("equal_rewards", "constant_reward"),
+                                           ("accepts_all", "constant_reward")])
 def test_each_provoked_symptom_prints_its_line_and_lands_in_metrics_and_summary(tmp_path, capsys, case, symptom):
     argv = {"never_fires": lambda: [STOPS, _rewards(tmp_path, 0.0, "never_fires")],
             "all_cut": lambda: [DIGITS, "--max-new-tokens", "2"],
@@ -127,7 +209,9 @@ def test_each_provoked_symptom_prints_its_line_and_lands_in_metrics_and_summary(
             "huge_lr": lambda: [STOPS, DIGITS, "--lr", "0.1", "--warmup-steps", "0", "--steps", "8",
                                 "--temperature", "0.7"],  # the draw in which the wreck repeats to the limit
             "equal_rewards": lambda: [STOPS, _rewards(tmp_path, 1.0, "equal_rewards"),
-                                      "reward.overlong_buffer=0"]}[case]()
+                                      "reward.overlong_buffer=0"],
+            # the same reward under the default overlong shaping: the rewards differ, the task's own do not
+            "accepts_all": lambda: [STOPS, _rewards(tmp_path, 1.0, "accepts_all")]}[case]()
     summary = run_job([*BASE, *argv, "--out-dir", str(tmp_path / "run")])
     lines = _health_lines(capsys)
     assert any(line.startswith("health: step ") and f": {symptom}: " in line for line in lines), lines

@@ -70,7 +70,8 @@ def train_async(state: TrainState, *, executor: Executor, task: Task, plan: Batc
     start = time.perf_counter()
     progress = {"step": state.step, "idle_frac": 0.0, "waiting": True}
     generators = Generators(executor, task, plan, settings, batches, Path(run_dir), lambda: dict(progress))
-    with StepRecorder(state, executor, trainer, run_dir, log, evaluate_fn, stop, health) as record, generators:
+    with StepRecorder(state, executor, trainer, run_dir, log, evaluate_fn, stop, health,
+                      reward_fn=plan.reward.fn) as record, generators:
         record.check(state)
         while state.step < trainer.steps:
             step_start = time.perf_counter()

@@ -20,7 +20,8 @@ from purerl.loop_settings import TrainerSettings
 from purerl.rollout.canary import CanaryError
 from purerl.state import TrainState
 
-__all__ = ["Interrupted", "StepRecorder", "StopRequest", "TrainingStopped", "record_reward_errors"]
+__all__ = ["Interrupted", "StepRecorder", "StopRequest", "TrainingStopped", "record_reward_errors",
+           "reward_failure"]
 
 
 class Interrupted(Exception):
@@ -41,9 +42,11 @@ ERROR_MESSAGES = ("reward/error_messages", "val/reward_error_messages")
 """Metrics keys that carry the messages of failed reward calls (taken out before logging)."""
 
 
-def record_reward_errors(run_dir: str | Path, step: int, metrics: dict[str, Any], *, shown: int = 3) -> None:
+def record_reward_errors(run_dir: str | Path, step: int, metrics: dict[str, Any], *, shown: int = 3) -> list[str]:
     """Move the reward error messages out of ``metrics`` into ``reward_errors.jsonl`` (every one)
-    and a printed line (the first ``shown`` distinct ones)."""
+    and a printed line (the first ``shown`` distinct ones). Returns the distinct messages of the
+    training's calls (without their sample numbers), in order."""
+    trained: list[str] = []
     for key in ERROR_MESSAGES:
         messages = metrics.pop(key, None)
         if not messages:
@@ -53,9 +56,25 @@ def record_reward_errors(run_dir: str | Path, step: int, metrics: dict[str, Any]
             for message in messages:
                 f.write(json.dumps({"step": step, "phase": where, "message": message}) + "\n")
         distinct = list(dict.fromkeys(re.sub(r"^(\w+: )?sample \d+: ", "", m) for m in messages))
+        if where == "training":
+            trained = distinct
         print(f"step {step}: {len(messages)} reward call(s) failed in {where}: " + "; ".join(distinct[:shown])
               + (f"; … ({len(distinct) - shown} more kinds)" if len(distinct) > shown else "")
               + f" (all in {Path(run_dir) / 'reward_errors.jsonl'})", flush=True)
+    return trained
+
+
+def reward_failure(messages: list[str], reward_fn: str | None) -> str:
+    """What every reward call of a step did, from its distinct ``messages``: ``reward.fn`` (named
+    ``reward_fn`` where known) raised (the first exception, and how many other kinds), or timed out."""
+    name = f"reward.fn {reward_fn}" if reward_fn else "reward.fn"
+    if not messages:
+        return f"{name} failed"
+    late = ("timed out", "the batch's scoring deadline")
+    first = messages[0].strip().splitlines()[0] if messages[0].strip() else messages[0]  # the stop is one line
+    what = (f"{name}: {first} (reward.timeout, reward.batch_timeout)" if first.startswith(late)
+            else f"{name} raised {first}")
+    return what + (f" (and {len(messages) - 1} other kinds)" if len(messages) > 1 else "")
 
 
 class StopRequest:
@@ -95,7 +114,8 @@ class StepRecorder:
 
     def __init__(self, state: TrainState, executor: Executor, trainer: TrainerSettings, run_dir: str | Path,
                  log: MetricsLog, evaluate_fn: Callable[[TrainState], dict[str, float]] | None = None,
-                 stop: threading.Event | None = None, health: Monitor | None = None) -> None:
+                 stop: threading.Event | None = None, health: Monitor | None = None, *,
+                 reward_fn: str | None = None) -> None:
         from tqdm.auto import tqdm
 
         self.executor, self.trainer, self.run_dir = executor, trainer, run_dir
@@ -108,6 +128,7 @@ class StepRecorder:
             self.health_state, _ = self.health.fold(row for row in logged if row["step"] <= state.step)
         self.writer = CheckpointWriter()
         self.rejected_in_a_row = self.failed_rewards_in_a_row = 0
+        self.reward_fn, self.reward_errors = reward_fn, []
         self.bar = tqdm(total=trainer.steps, initial=state.step, disable=not trainer.progress, unit="step",
                         dynamic_ncols=True)
 
@@ -177,12 +198,23 @@ class StepRecorder:
         return (f"the last good checkpoint is {good[-1]} (resume from it with --resume, e.g. with a smaller "
                 f"learning rate){bad}")
 
-    def _newest_checkpoint(self) -> str:
-        """``"; the newest checkpoint is …"`` (the trainer's weights in it are intact), or nothing."""
+    def _newest(self) -> Path | None:
+        """The newest checkpoint written (the trainer's weights in it are intact), or None."""
         with contextlib.suppress(CheckpointError):
             self.writer.wait()
         saved = list_checkpoints(checkpoints_of(self.run_dir))
-        return f"; the newest checkpoint is {saved[-1]} (--resume continues from it)" if saved else ""
+        return saved[-1] if saved else None
+
+    def _newest_checkpoint(self) -> str:
+        """``"; the newest checkpoint is …"`` (the trainer's weights in it are intact), or nothing."""
+        newest = self._newest()
+        return f"; the newest checkpoint is {newest} (--resume continues from it)" if newest else ""
+
+    def _resume_hint(self) -> str:
+        """How to go on once the cause is fixed: from the newest checkpoint, or from the start."""
+        newest = self._newest()
+        return (f"--resume continues from the newest checkpoint, {newest}" if newest
+                else "rerun (--overwrite): no checkpoint was written")
 
     def check_outputs(self, step: int, metrics: dict[str, Any]) -> None:
         """Raise :class:`TrainingStopped` when weights gave non-finite log-probs: the weights a
@@ -234,11 +266,13 @@ class StepRecorder:
             print(f"step {step}: warning: every reward call failed or timed out "
                   f"({self.failed_rewards_in_a_row} step(s) in a row)", flush=True)
             if self.failed_rewards_in_a_row >= trainer.max_failed_reward_steps:
+                # the weights are sound (the updates had no reward to follow): no learning-rate advice
                 raise TrainingStopped(f"step {step}: every reward call failed or timed out in "
                                       f"{self.failed_rewards_in_a_row} steps in a row (trainer.max_failed_reward_steps "
                                       f"{trainer.max_failed_reward_steps}): "
-                                      f"see {Path(self.run_dir) / 'reward_errors.jsonl'}"
-                                      f"; {self._last_good(step)}")
+                                      f"{reward_failure(self.reward_errors, self.reward_fn)} "
+                                      f"(every call in {Path(self.run_dir) / 'reward_errors.jsonl'}); fix it, then "
+                                      f"{self._resume_hint()}")
         else:
             self.failed_rewards_in_a_row = 0
 
@@ -255,7 +289,7 @@ class StepRecorder:
 
     def __call__(self, state: TrainState, metrics: dict[str, Any]) -> None:
         trainer = self.trainer
-        record_reward_errors(self.run_dir, state.step, metrics)
+        self.reward_errors = record_reward_errors(self.run_dir, state.step, metrics)
         try:
             self._guard(state, metrics)
         except TrainingStopped:

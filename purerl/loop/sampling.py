@@ -7,6 +7,7 @@ reward model, DAPO's overlong shaping: :func:`~purerl.rewards.mix.mixed_rewards`
 enough groups have varied rewards (DAPO's dynamic sampling).
 """
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -204,7 +205,20 @@ def joined_batch(parts: Sequence[SampledPart], plan: BatchPlan) -> tuple[Rollout
         if name in sampled:
             metrics[name] = sampled[name]
     metrics.update(signal_metrics(rewards.scores, rollout.group, sampled["rule_positive"], sampled["rows"]))
+    rule = sampled["rule_values"]
+    metrics["health/rule_spread"] = float(max(rule) - min(rule)) if rule else 0.0
+    if "reference_held" in sampled:
+        metrics["health/reference_held_frac"] = sampled["reference_held"] / max(sampled["rows"], 1.0)
+        metrics["health/reference_unrewarded_frac"] = (sampled["reference_unrewarded"]
+                                                       / max(sampled["reference_held"], 1.0))
     return rollout, rewards, metrics
+
+
+def holds_reference(text: str, reference: str) -> bool:
+    """Whether ``text`` contains ``reference`` as a whole token (not inside a longer number or word):
+    a response the task's reward may be expected to credit (the health monitor's ``reward.fn`` check)."""
+    reference = reference.strip()
+    return bool(reference) and re.search(rf"(?<![\w.]){re.escape(reference)}(?!\w)", text) is not None
 
 
 def signal_metrics(scores: Float[Tensor, " b"], group: Int[Tensor, " b"], rule_positive: float,
@@ -264,7 +278,11 @@ def _scored_rollout(engine: RolloutEngine, task: Task, plan: BatchPlan, indices:
         scored = Scores(scored.values, scored.errors + verdicts.errors, scored.timeouts + verdicts.timeouts,
                         [*scored.error_messages, *verdicts.error_messages])
     sums.update(errors=float(scored.errors), timeouts=float(scored.timeouts), rule_failed=rule_failed,
-                rule_positive=float((rule > 0).sum()))
+                rule_positive=float((rule > 0).sum()), rule_values=scored.values)
+    if task.episodes is None:
+        held = [holds_reference(text, r.ground_truth) for text, r in zip(texts, records)]
+        sums.update(reference_held=float(sum(held)),
+                    reference_unrewarded=float(sum(h and v <= 0 for h, v in zip(held, scored.values))))
     learned = None
     if uses_reward_model(reward):
         if score_model is None:

@@ -37,7 +37,8 @@ def train(state: TrainState, *, executor: Executor, task: Task, plan: BatchPlan,
     checkpoints the step it finished and raises :class:`~purerl.loop.recording.Interrupted`. ``health``:
     the run-health monitor each step's row goes through (:class:`~purerl.loop.recording.StepRecorder`)."""
     log = MetricsLog(run_dir) if log is None else log
-    with StepRecorder(state, executor, trainer, run_dir, log, evaluate_fn, stop, health) as record:
+    with StepRecorder(state, executor, trainer, run_dir, log, evaluate_fn, stop, health,
+                      reward_fn=plan.reward.fn) as record:
         record.check(state)
         while state.step < trainer.steps:
             step_start = time.perf_counter()
