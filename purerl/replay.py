@@ -19,7 +19,10 @@ under them (a counterfactual: the behaviour log-probs make that an off-policy up
 the run's ``algorithm.rollout_correction`` says), writes its metrics to
 ``RUN_DIR/replays/<settings>/metrics.jsonl`` and prints the headline metrics' means against the run's.
 Settings that would have changed what was sampled or scored, or the shape of the state, and settings
-equal to the run's, are refused, naming the key.
+equal to the run's, are refused, naming the key. A counterfactual stops where a run under its settings
+stops (an update that diverged, weights that give non-finite log-probs, ``trainer.max_rejected_steps``
+rejected updates in a row), saying in one line which step and why, and exits 1 as the run would. Steps
+beyond the records (``--to-step``) are refused before anything is replayed.
 """
 
 import argparse
@@ -54,7 +57,7 @@ from purerl.io.run_folder import (
 from purerl.models import value_and_grad
 from purerl.tree import tree_equal, tree_leaves, tree_map
 
-__all__ = ["HEADLINE", "REPLAYABLE", "compare", "parser", "replay"]
+__all__ = ["HEADLINE", "REPLAYABLE", "ReplayError", "ReplayStopped", "compare", "parser", "replay"]
 
 REPLAYABLE = ("algorithm.", "actor.", "critic.", "distill.")
 """Settings a counterfactual may change: how the batch is turned into an update."""
@@ -69,6 +72,15 @@ _NOT_COMPARED = re.compile(r"^(timing|perf)/")
 
 class ReplayError(RuntimeError):
     """A run that cannot be replayed as asked; the message names the file, step or setting."""
+
+
+class ReplayStopped(ReplayError):
+    """A counterfactual stopped where a run under its settings stops (:func:`_stop_rule`): ``step``, the
+    step whose update diverged or was one rejected update too many; the message says which and why."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 def replay(run_dir: str | Path, *, from_step: int = 0, to_step: int | None = None,
@@ -95,10 +107,7 @@ def replay(run_dir: str | Path, *, from_step: int = 0, to_step: int | None = Non
 
 def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | None, settings: dict[str, Any],
             out: Any, *, exact: bool = True) -> dict[str, Any]:
-    last = _last_recorded(run_dir)
-    to_step = last if to_step is None else to_step
-    if not 0 <= from_step < to_step:
-        raise ReplayError(f"replay: --from-step {from_step} must be below --to-step {to_step}")
+    to_step = _steps_recorded(run_dir, from_step, to_step)
     model, params, tokenizer = load_policy(config)
     critic, critic_params = load_critic(config, model, params)
     teacher = load_teacher(config, model, tokenizer)
@@ -117,6 +126,7 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
     if log is not None:
         log.clear()
     results: dict[str, Any] = {"steps": [], "metrics": [], "mismatches": [], "state_equal": None, "unchecked": []}
+    rejected = 0
     for step in range(from_step + 1, to_step + 1):
         rollout, rewards, cursor = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,
                                              load_record(run_dir, step))
@@ -127,8 +137,17 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
         results["steps"].append(step)
         results["metrics"].append(metrics)
         if log is not None:
-            log.write(step, metrics)
+            log.write(step, metrics)  # a stopped step's row too: it shows what went bad, as the run's does
+            rejected, why = _stop_rule(step, metrics, rejected, config.trainer.max_rejected_steps, out)
+            if why is not None:
+                log.close()
+                raise ReplayStopped(step, f"replay: step {step} under {_label(settings)}: {why}; a run under "
+                                          f"these settings stops here, so no later step is replayed (the steps "
+                                          f"replayed: {log.path})")
             continue
+        rejected, why = _stop_rule(step, metrics, rejected, config.trainer.max_rejected_steps, out)
+        if why is not None:  # the run stopped here too: its records end at this step
+            out(f"step {step}: {why}: the run stopped at this step")
         compared, differing = _compare(metrics, recorded.get(step, {}), exact=exact)
         results["mismatches"] += [(step, *d) for d in differing]
         if not compared:
@@ -136,8 +155,11 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
             out(f"step {step}: NOT CHECKED: {run_dir / 'metrics.jsonl'} has no metrics of this step (the run "
                 "ended, or its file was cut, before it)")
             continue
-        out(f"step {step}: {compared} metrics " + ("equal" if exact else "within tolerance" if not differing else "")
-            + ("" if not differing else "; ".join(f"{k} {a!r} replayed, {b!r} recorded" for k, a, b in differing[:3])))
+        if not differing:
+            out(f"step {step}: {compared} metrics " + ("equal" if exact else "within tolerance"))
+        else:
+            out(f"step {step}: {len(differing)} of {compared} metrics DIFFER: "
+                + "; ".join(f"{k} {a!r} replayed, {b!r} recorded" for k, a, b in differing[:3]))
     if log is not None:
         log.close()
         out(f"replayed steps {from_step + 1}-{to_step} under {_label(settings)}: {log.path}")
@@ -250,12 +272,72 @@ def _same(recorded: Any, given: Any) -> bool:
         return False
 
 
-def _last_recorded(run_dir: Path) -> int:
-    saved = list_checkpoints(run_dir / RECORDS)
-    if not saved:
-        raise ReplayError(f"replay: {run_dir / 'records'} holds no step records (a run before records, or "
+def _steps_recorded(run_dir: Path, from_step: int, to_step: int | None) -> int:
+    """The last step to replay (``to_step``, default the last recorded), once every step after ``from_step``
+    up to it is known to have its record; else a one-line :class:`ReplayError` naming the steps recorded."""
+    folder = run_dir / RECORDS
+    recorded = [step_of(p) for p in list_checkpoints(folder)]
+    if not recorded:
+        raise ReplayError(f"replay: {folder} holds no step records (a run before records, or "
                           "trainer.records=false)")
-    return step_of(saved[-1])
+    last = f"--to-step {to_step}" if to_step is not None else f"the last recorded step, {recorded[-1]}"
+    to_step = recorded[-1] if to_step is None else to_step
+    span = _span(recorded)
+    if to_step > recorded[-1]:
+        raise ReplayError(f"replay: --to-step {to_step} is past the last recorded step, {recorded[-1]} "
+                          f"({folder} holds {span})")
+    if from_step < 0:
+        raise ReplayError(f"replay: --from-step {from_step}: steps count from 0, the start (the run recorded {span})")
+    if from_step >= to_step:
+        raise ReplayError(f"replay: --from-step {from_step} leaves nothing to replay: it must be below {last} "
+                          f"(the run recorded {span})")
+    missing = sorted(set(range(from_step + 1, to_step + 1)) - set(recorded))
+    if missing:
+        raise ReplayError(f"replay: {folder} has no record of step {missing[0]} (it holds {span}): replay "
+                          "steps it holds, with --from-step (0 or a checkpointed step) and --to-step")
+    return to_step
+
+
+def _span(steps: list[int]) -> str:
+    """Sorted steps as their runs: ``"steps 1-4, 6"``, ``"step 3"``."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][-1] + 1:
+            runs[-1].append(step)
+        else:
+            runs.append([step])
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    return ("steps " if len(steps) > 1 else "step ") + text
+
+
+def _stop_rule(step: int, metrics: dict[str, Any], rejected: int, max_rejected: int,
+               out: Any) -> tuple[int, str | None]:
+    """The run's stop rules (:class:`~purerl.loop.recording.StepRecorder`) applied to a replayed step:
+    how many updates in a row are now rejected, and why a run would stop at ``step`` (None: it goes on).
+    It stops where the weights the step started from give non-finite log-probs, where the update diverged
+    (non-finite weights, or their norm changed by a huge factor), or at ``max_rejected`` rejected updates in a
+    row (``trainer.max_rejected_steps``); each rejected update is printed, as the run prints it."""
+    if metrics.get("rollout/nonfinite_logprobs"):
+        return rejected, (f"the weights after step {step - 1} give non-finite log-probs "
+                          f"({int(metrics['rollout/nonfinite_logprobs'])} tokens of the batch): they diverged")
+    diverged = [key for key in metrics if key.endswith("/diverged") and metrics[key]]
+    if diverged:
+        changes = {k: metrics[k] for k in metrics if k.endswith("/param_norm_change")}
+        what = ("non-finite weights or optimizer moments" if not changes else "weights of another scale: "
+                + ", ".join(f"{k.split('/')[0]}'s norm changed ×{v:.3g} in one step" for k, v in changes.items())
+                + " (a learning rate far too large)")
+        return rejected, f"the update diverged: it left {what} ({', '.join(diverged)})"
+    flagged = [key for key in metrics if key.endswith("/rejected_updates") and metrics[key] > 0]
+    if not flagged:
+        return 0, None
+    bad = [key.rsplit("/", 1)[1].removeprefix("nonfinite_") for key in metrics
+           if key.rsplit("/", 1)[-1].startswith("nonfinite_") and metrics[key] > 0]
+    why = f"non-finite {' and '.join(bad) or 'values'}"
+    out(f"step {step}: update rejected ({', '.join(flagged)}): {why} ({rejected + 1} in a row)")
+    if rejected + 1 >= max_rejected:
+        return rejected + 1, (f"{rejected + 1} updates in a row were rejected ({why}: trainer.max_rejected_steps "
+                              f"{max_rejected})")
+    return rejected + 1, None
 
 
 def _state_at(run_dir: Path, config: JobConfig, step: int, initial: Any) -> Any:
@@ -278,21 +360,35 @@ def _state_at(run_dir: Path, config: JobConfig, step: int, initial: Any) -> Any:
 
 def _compare(replayed: dict[str, Any], recorded: dict[str, Any], *,
              exact: bool = True) -> tuple[int, list[tuple[str, Any, Any]]]:
-    """How many of the step's metrics the run recorded, and those that differ (NaN equals NaN; not ``exact``:
-    beyond :data:`RTOL`)."""
+    """How many of the step's metrics the run recorded, and those that differ as ``metrics.jsonl`` writes them
+    (NaN as ``"nan"``: equal to the run's NaN; not ``exact``: beyond :data:`RTOL`)."""
     compared, differing = 0, []
     for key, value in replayed.items():
         if _NOT_COMPARED.match(key) or key not in recorded:
             continue
         compared += 1
-        old = recorded[key]
-        same = value == old or (isinstance(value, float) and isinstance(old, float)
-                                and math.isnan(value) and math.isnan(old))
+        old, value = recorded[key], _as_written(value)
+        same = value == old
         if not same and not exact and isinstance(value, (int, float)) and isinstance(old, (int, float)):
             same = math.isclose(value, old, rel_tol=RTOL, abs_tol=ATOL)
         if not same:
             differing.append((key, value, old))
     return compared, differing
+
+
+def _as_written(value: Any) -> Any:
+    """A metric as :meth:`~purerl.io.metrics.MetricsLog.write` writes it: a finite number, else its text."""
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else str(value)
+
+
+def _numeric(value: Any) -> float | None:
+    """A metric read back from ``metrics.jsonl`` as a number (its ``"nan"``, ``"inf"`` too); None for others."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
 
 
 def _label(settings: dict[str, Any]) -> str:
@@ -309,16 +405,33 @@ def compare(a: str | Path, b: str | Path, *, keys: tuple[str, ...] = HEADLINE, p
     """Per step, ``keys``' values in two runs or replays (a folder holding ``metrics.jsonl``, or the
     file): ``{step: {key: (a, b)}}`` over the steps both recorded, printed as differences; ``plot``:
     one figure of the keys over the steps, both lines in each panel."""
-    rows = [{int(r["step"]): r for r in MetricsLog.read(_metrics_file(x))} for x in (a, b)]
+    rows = [_rows_by_step(_metrics_file(x)) for x in (a, b)]
     steps = sorted(set(rows[0]) & set(rows[1]))
-    table = {step: {k: (rows[0][step][k], rows[1][step][k]) for k in keys
-                    if k in rows[0][step] and k in rows[1][step]} for step in steps}
+    table = {step: {k: (x, y) for k in keys if (x := _numeric(rows[0][step].get(k))) is not None
+                    and (y := _numeric(rows[1][step].get(k))) is not None} for step in steps}
     for step in steps:
         out(f"step {step}: " + "; ".join(f"{k} {x:.4g} -> {y:.4g} ({y - x:+.3g})" for k, (x, y) in table[step].items()))
     if plot is not None:
-        _plot(table, keys, (str(a), str(b)), Path(plot))
+        try:
+            _plot(table, keys, (str(a), str(b)), Path(plot))
+        except (OSError, ValueError) as err:  # a folder that is not there, a format matplotlib does not write
+            raise ReplayError(f"replay --compare: could not write the plot {plot} "
+                              f"({getattr(err, 'strerror', None) or err})") from None
         out(f"wrote {plot}")
     return table
+
+
+def _rows_by_step(path: Path) -> dict[int, dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` by their step, or a one-line :class:`ReplayError` naming the file."""
+    try:
+        rows = MetricsLog.read(path)
+    except (OSError, ValueError) as err:
+        raise ReplayError(f"replay --compare: {err if str(path) in str(err) else f'{path}: {err}'}") from None
+    bad = next((n for n, row in enumerate(rows, 1) if not isinstance(row, dict) or isinstance(row.get("step"), bool)
+                or not isinstance(row.get("step"), int)), None)
+    if bad is not None:
+        raise ReplayError(f"replay --compare: {path}: record {bad} has no integer step (not a run's metrics.jsonl)")
+    return {row["step"]: row for row in rows}
 
 
 def _metrics_file(path: str | Path) -> Path:
@@ -376,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
             compare(*args.compare, plot=args.plot)
             return 0
         result = replay(args.run_dir, from_step=args.from_step, to_step=args.to_step, settings=settings)
+    except ReplayStopped as err:  # as a run under these settings stops: exit 1, as its does
+        print(err, file=sys.stderr)
+        return 1
     except (ReplayError, RecordError, CheckpointError) as err:
         print(err, file=sys.stderr)
         return 2

@@ -234,3 +234,73 @@ def test_a_ray_run_on_two_ranks_replays_here_within_a_tolerance_saying_why(ray_c
     printed = capsys.readouterr().out
     assert "comparing within a tolerance" in printed and "sharded over 2 FSDP2 ranks" in printed, printed
     assert printed.strip().endswith("every metric and the state within tolerance"), printed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting, why", [
+    ("actor.lr=1e30", r"the update diverged: it left weights of another scale: actor's norm changed ×inf"),
+    ("actor.entropy_coeff=1e30", r"3 updates in a row were rejected \(non-finite grad_norm: "
+                                 r"trainer.max_rejected_steps 3\)")])
+def test_a_counterfactual_stops_where_a_run_under_its_settings_stops_saying_which_step_and_why(
+        grpo_run, tmp_path, capsys, setting, why):
+    import json
+    import re
+
+    copy = _copy(grpo_run[0], tmp_path)
+    assert main([str(copy), setting]) == 1  # as the run under these settings exits
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(rf"^replay: step \d+ under {re.escape(setting[:-4])}", err), err
+    assert re.search(why, err) and "a run under these settings stops here" in err, err
+    stopped = int(re.search(r"step (\d+) under", err).group(1))
+    assert stopped < 6
+    log = Path(re.search(r"the steps replayed: (\S+metrics\.jsonl)", err).group(1))
+    assert log.parent.parent == copy / "replays"
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == list(range(1, stopped + 1))  # nothing replayed on the broken weights
+
+
+@pytest.mark.slow
+def test_steps_beyond_or_missing_from_the_records_are_refused_before_anything_is_replayed(
+        grpo_run, tmp_path, capsys):
+    import shutil
+
+    out = grpo_run[0]
+    assert main([str(out), "--to-step", "9"]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.count("\n") == 1
+    assert "--to-step 9 is past the last recorded step, 6" in printed.err and "holds steps 1-6" in printed.err
+    assert main([str(out), "--from-step", "6"]) == 2
+    assert "--from-step 6 leaves nothing to replay" in capsys.readouterr().err
+    copy = _copy(out, tmp_path)
+    shutil.rmtree(record_path(copy, 5))  # a gap: a replay of steps 1-6 would fail after replaying four
+    assert main([str(copy)]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and "has no record of step 5" in printed.err, printed
+    assert main([str(copy), "--from-step", "3", "--to-step", "4"]) == 0  # the steps that are recorded
+
+
+def test_a_metric_the_run_wrote_as_nan_equals_its_replayed_nan():
+    from purerl.replay import _compare
+
+    replayed = {"actor/grad_norm": float("nan"), "actor/x": float("inf"), "actor/pg_loss": 0.5}
+    recorded = {"actor/grad_norm": "nan", "actor/x": "inf", "actor/pg_loss": 0.5}  # as MetricsLog writes them
+    assert _compare(replayed, recorded) == (3, [])
+    assert _compare({"actor/grad_norm": 1.0}, recorded) == (1, [("actor/grad_norm", 1.0, "nan")])
+
+
+def test_compare_reads_nan_as_written_and_refuses_what_is_not_metrics_in_one_line(tmp_path, capsys):
+    import json
+
+    run, replayed = tmp_path / "run.jsonl", tmp_path / "replay.jsonl"
+    run.write_text(json.dumps({"step": 1, "actor/grad_norm": 1.5, "actor/entropy": 4.0}) + "\n")
+    replayed.write_text(json.dumps({"step": 1, "actor/grad_norm": "nan", "actor/entropy": 4.5}) + "\n")
+    assert main(["--compare", str(run), str(replayed)]) == 0  # a replay whose update was rejected
+    assert "actor/grad_norm 1.5 -> nan" in capsys.readouterr().out
+    for name, text, message in (("cut.jsonl", '{"step": 1}\n{cut\n{"step": 2}\n', "line 2 is not a JSON record"),
+                                ("nostep.jsonl", '{"step": "one"}\n', "record 1 has no integer step")):
+        (tmp_path / name).write_text(text)
+        assert main(["--compare", str(run), str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{tmp_path / name}: {message}" in err, err
+    assert main(["--compare", str(run), str(run), "--plot", str(tmp_path / "no" / "such" / "plot.png")]) == 2
+    assert "could not write the plot" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 The folders here are written by hand, in the layout every run writes (purerl.io.metrics, purerl.io.run_folder),
 so the tests take well under a second each."""
 
+import html
 import json
 import re
 
@@ -121,8 +122,11 @@ def test_a_live_run_shows_the_monitors_lines_and_tolerates_a_torn_last_line(tmp_
         f.write('{"step": 5, "critic/score/me')
     with (run / "samples.jsonl").open("a") as f:
         f.write('{"step": 5, "phase": "tr')
-    page = _page(run, out=tmp_path / "live.html")
-    assert "live, or ended before its summary" in page and "4 (last step 4)" in page
+    from purerl.io.run_folder import RunFolder
+
+    with RunFolder(run):  # a live run holds its folder
+        page = _page(run, out=tmp_path / "live.html")
+    assert "<th>state</th><td>live (run process " in page and "4 (last step 4)" in page
     assert "health: step 3: cut_responses: 75% of responses cut at rollout.max_new_tokens=" in page
     assert f"read the responses in {run / 'samples.jsonl'}" in page
     assert not (run / "report.html").exists()
@@ -135,11 +139,9 @@ def test_a_folder_that_is_not_a_run_fails_in_one_line_naming_the_file(tmp_path, 
     assert err.count("\n") == 1 and str(tmp_path / "empty" / "metrics.jsonl") in err
     assert main([str(tmp_path / "missing")]) == 1
     assert str(tmp_path / "missing") in capsys.readouterr().err
-    run = _run_folder(tmp_path / "run")
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    (run / "metrics.jsonl").write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
-    with pytest.raises(ReportError, match=re.escape(f"{run / 'metrics.jsonl'}: line 2")):
-        write_report(run)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ReportError, match=re.escape(f"{tmp_path / 'file'}: no such folder")):
+        write_report(tmp_path / "file")
 
 
 def test_a_large_samples_file_keeps_whole_steps_spread_over_the_run():
@@ -157,3 +159,113 @@ def test_series_and_right_read_rows_as_runs_write_them():
     assert right({"correct": False, "reward": 1.0}) is False
     assert right({"reward": 0.5}) and not right({"reward": 0.0}) and not right({})
     assert len({chart.title for chart in CHARTS}) == len(CHARTS)
+
+
+def _rewrite_rows(path, change):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    change(rows)
+    _write_jsonl(path, rows)
+
+
+def _rewrite_object(path, change):
+    data = json.loads(path.read_text()) if path.exists() else {}
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _append(path, text):
+    with path.open("a") as f:
+        f.write(text)
+
+
+def _set(rows, index, **values):
+    rows[index].update(values)
+
+
+DAMAGES = {
+    "finite values of ±1e308": (
+        lambda run: _rewrite_rows(run / "metrics.jsonl", lambda rows: (_set(rows, 0, **{"actor/grad_norm": 1e308}),
+                                                                      _set(rows, 2, **{"actor/grad_norm": -1e308}))),
+        "before clipping; 2 values beyond ±1e+300 not drawn"),
+    "a string and a null step beside health flags": (
+        lambda run: _rewrite_rows(run / "metrics.jsonl", lambda rows: (
+            _set(rows, 1, step="two", **{"health/cut_responses": 1.0}),
+            _set(rows, 3, step=None, **{"health/cut_responses": 0.0}))),
+        "metrics.jsonl: 2 rows left out: the step is not an integer (line 2)"),
+    "a config.json section that is not an object": (
+        lambda run: _rewrite_object(run / "config.json", lambda c: c.update(trainer=5, health=[1], rollout="x")),
+        "config.json: section trainer left out: not a JSON object (a number)"),
+    "summary.health.events not a list": (
+        lambda run: _rewrite_object(run / "summary.json", lambda s: s.update(
+            health={"mode": "warn", "events": 5, "active": 3}, machine={"cpu": ["x"]}, wall_seconds="x")),
+        "summary.json: health.events or health.active is not a list"),
+    "a metrics line that is not JSON": (
+        lambda run: (run / "metrics.jsonl").write_text(
+            "\n".join(["{not json", "[1, 2]", *(run / "metrics.jsonl").read_text().splitlines()]) + "\n"),
+        "metrics.jsonl: 2 lines left out: line 1 is not JSON"),
+    "a samples row whose step is a list, and a line that is not an object": (
+        lambda run: (_rewrite_rows(run / "samples.jsonl", lambda rows: _set(rows, 3, step=[1], reward=1e308)),
+                     _append(run / "samples.jsonl", "7\n{}\n")),
+        "samples.jsonl: 1 line left out: line 8 is not a JSON object (a number)"),
+    "a summary.json that is a list and a baseline.json that is not JSON": (
+        lambda run: ((run / "summary.json").write_text("[]"), (run / "baseline.json").write_text("{cut")),
+        "summary.json: left out: not a JSON object (an array)"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_run_file_gets_a_note_and_the_rest_of_the_page_stands(tmp_path, capsys, damage):
+    run = _run_folder(tmp_path / "run")
+    make, note = DAMAGES[damage]
+    make(run)
+    assert main([str(run)]) == 0, capsys.readouterr().err
+    page = (run / "report.html").read_text()
+    assert note in html.unescape(page)
+    assert "Not shown" not in page  # every damage foreseen: no section fell back to its safety note
+    assert page.count("<svg") >= 5 and "Entropy" in page and "actor.lr" in page
+    assert page.count('<tr data-step="') >= 6  # the samples table, less what was damaged
+
+
+def test_an_unforeseen_damage_costs_only_its_section(tmp_path, monkeypatch):
+    import purerl.report.page as page_module
+
+    def broken(files):
+        raise TypeError("a value of another type")
+
+    monkeypatch.setattr(page_module, "_config", broken)
+    page = _page(_run_folder(tmp_path / "run"))
+    assert "the settings could not be shown: a run file is not as runs write it (TypeError: a value of another " \
+           "type)" in page
+    assert page.count("<svg") >= 5 and page.count('<tr data-step="') == 7
+
+
+def test_one_huge_step_of_samples_is_capped_in_rows_and_characters_and_read_in_bounded_memory(tmp_path):
+    import tracemalloc
+
+    run = _run_folder(tmp_path / "run")
+    row = {"step": 4, "phase": "train", "index": 0, "prompt": "p" * 20_000, "response": "r" * 20_000 + "END",
+           "reward": 1.0, "length": 3, "finish": "length", "reference": "x" * 20_000}
+    line = json.dumps(row) + "\n"
+    with (run / "samples.jsonl").open("a") as f:
+        for _ in range(400):  # 24 MB, all of one step
+            f.write(line)
+    tracemalloc.start()
+    page = _page(run)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(page) < 4e6  # not the file's 24 MB
+    from purerl.report.run_files import MAX_STEP_ROWS, MAX_TEXT_CHARS
+
+    assert len(page) < 2 * MAX_STEP_ROWS * (3 * MAX_TEXT_CHARS + ROW_CHARS)
+    assert page.count('<tr data-step="4"') == MAX_STEP_ROWS  # the step's first rows, its own row among them
+    assert "r" * MAX_TEXT_CHARS + "END" not in page and "r" * (MAX_TEXT_CHARS - 3) + "END" in page  # the end
+    assert f"1 step with over {MAX_STEP_ROWS} rows of a phase (step 4, train: 401)" in page
+    assert peak < 30e6, peak  # a line at a time: not the file, not its rows
+
+
+def test_a_run_that_stopped_before_its_summary_is_not_called_live(tmp_path):
+    run = _run_folder(tmp_path / "run")
+    _rewrite_rows(run / "metrics.jsonl", lambda rows: _set(rows, -1, **{"actor/diverged": 1.0}))
+    page = _page(run)
+    assert ("<th>state</th><td>stopped or killed before its summary (no summary.json, and no process holds the "
+            "folder); its last step, 4, flags actor/diverged</td>") in page

@@ -2,7 +2,8 @@
 (the job's command line, :func:`purerl.config.command_line.job_parser`), ``python3 -m purerl.report``,
 ``python3 -m purerl.replay``, ``python3 -m purerl.tinker`` and ``bench/seeds.py``. Each exposes a
 ``parser()`` function; a script is loaded from its file under a name that is not ``__main__``, so
-nothing of it runs."""
+nothing of it runs. The scripts are files of a checkout, not of the installed package: the flags page
+is built from a clone (an installed package raises :class:`CheckoutMissing`, naming the file)."""
 
 import argparse
 import importlib
@@ -12,9 +13,15 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["COMMANDS", "Command", "Flag", "flags", "parser_of"]
+__all__ = ["COMMANDS", "CheckoutMissing", "Command", "Flag", "flags", "parser_of"]
 
 ROOT = Path(__file__).resolve().parents[2]
+"""The checkout's root, where a clone has ``experiments/`` and ``bench/`` (for an installed package: the
+folder that holds it, e.g. ``site-packages``, which has neither)."""
+
+
+class CheckoutMissing(FileNotFoundError):
+    """A script the documentation reads is not here: the package was installed, not run from a clone."""
 
 
 @attrs.frozen
@@ -54,6 +61,10 @@ def parser_of(command: Command) -> argparse.ArgumentParser:
     if command.module is not None:
         return importlib.import_module(command.module).parser()
     path = ROOT / str(command.script)
+    if not path.is_file():
+        raise CheckoutMissing(f"purerl.docs: {command.script} is not in {ROOT}: the flags page documents the "
+                              "scripts of a checkout, which an installed purerl does not have; build the "
+                              "documentation from a clone of the purerl repository")
     spec = importlib.util.spec_from_file_location(f"purerl_docs_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise ImportError(f"{path}: not a Python file")

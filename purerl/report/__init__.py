@@ -9,6 +9,13 @@ an asynchronous run's staleness: :data:`~purerl.report.charts.CHARTS`), the sett
 defaults, and the rows of ``samples.jsonl`` (prompt, response, reward, reference) filterable by step, phase and
 right or wrong.
 
+A damaged run file costs only what is damaged: the page keeps the rest and says at its top, one line each, what
+it left out or cut (a line that is not JSON, a row without an integer step, a section that is not an object, a
+summary field of another type). Its size and the memory it takes are bounded whatever the files' size: the samples
+are read a line at a time, and the page embeds at most :data:`~purerl.report.run_files.MAX_STEP_ROWS` rows of a
+step and phase, :data:`~purerl.report.run_files.MAX_TEXT_CHARS` characters of a text, whole steps within
+``--max-sample-chars``.
+
 Invariants: the page fetches nothing (style, SVG curves and script inline; it holds no URL of its own) and escapes
 every text of the run; the run folder is only read, except for the default output file, which is replaced whole
 (written beside it, then renamed: a reader never sees half a page); a live run is read as it is now (a torn last
@@ -30,7 +37,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *,
                  max_sample_chars: int = MAX_SAMPLE_CHARS) -> Path:
     """Write the report of the run in ``run_dir`` to ``out`` (default ``run_dir/report.html``) and return its
     path; a :class:`ReportError` naming the file for a folder that is not a run or an unreadable run file."""
-    files = read_run(run_dir)
+    files = read_run(run_dir, max_sample_chars=max_sample_chars)
     target = Path(out) if out is not None else files.path / "report.html"
     page = render(files, max_sample_chars=max_sample_chars)
     partial = target.with_name(f".{target.name}.partial")

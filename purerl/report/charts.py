@@ -4,7 +4,9 @@ fetched).
 A :class:`Chart` names the metrics it draws; :func:`draw_charts` draws each chart that has at least one of them in
 the rows and leaves out the rest, so a run gets exactly the curves it has data for. A series is a metric's finite
 numeric values by step (a step logged twice keeps its last value; the ``"nan"`` strings a run writes for
-non-finite values are gaps). Every text in the SVG is escaped.
+non-finite values are gaps); values beyond ±:data:`MAX_DRAWN` (a diverged run's, or a damaged file's) and steps
+beyond ±2**53 are left out, the chart's note counting them, so that every coordinate is a finite number. Every
+text in the SVG is escaped.
 """
 
 import html
@@ -47,26 +49,48 @@ LEFT, RIGHT, TOP, BOTTOM = 58, 12, 12, 44
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
 MARKED = 80
 """Series with at most this many points get a marker per point, with its value as a tooltip."""
+MAX_DRAWN = 1e300
+"""The largest magnitude drawn: any span of two drawn values, and the ticks' round numbers past it, stay finite."""
+_MAX_STEP = 2**53
 
 
 def series(rows: Iterable[Mapping[str, Any]], key: str) -> list[tuple[int, float]]:
-    """``key``'s finite numeric values by step, sorted by step (the last value of a step logged twice)."""
+    """``key``'s finite numeric values within ±:data:`MAX_DRAWN` by step, sorted by step (the last value of a step
+    logged twice)."""
     by_step: dict[int, float] = {}
     for row in rows:
         value, step = row.get(key), row.get("step")
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                and isinstance(step, int):
+        if _number_in_range(value) and isinstance(step, int) and not isinstance(step, bool) \
+                and abs(step) < _MAX_STEP:
             by_step[step] = float(value)
     return sorted(by_step.items())
 
 
+def _number_in_range(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and abs(value) <= MAX_DRAWN
+
+
+def _left_out(rows: Iterable[Mapping[str, Any]], key: str) -> int:
+    """How many of ``key``'s finite numbers :func:`series` leaves out as beyond ±:data:`MAX_DRAWN`."""
+    return sum(1 for row in rows if isinstance(value := row.get(key), (int, float)) and not isinstance(value, bool)
+               and math.isfinite(value) and abs(value) > MAX_DRAWN)
+
+
 def draw_charts(rows: Sequence[Mapping[str, Any]], charts: Sequence[Chart] = CHARTS) -> list[str]:
-    """The ``<figure>`` of each chart that has data in ``rows`` (metrics rows, each with its ``step``), all on
-    the same span of steps (so that the curves line up)."""
+    """The ``<figure>`` of each chart that has data in ``rows`` (metrics rows, each with its integer ``step``),
+    all on the same span of steps (so that the curves line up)."""
     drawn = [(chart, lines) for chart in charts
              if (lines := {key: points for key in chart.keys if (points := series(rows, key))})]
     steps = [x for _, lines in drawn for points in lines.values() for x, _ in points]
-    return [svg_chart(chart, lines, steps=(min(steps), max(steps))) for chart, lines in drawn]
+    figures = []
+    for chart, lines in drawn:
+        left = sum(_left_out(rows, key) for key in chart.keys)
+        if left:
+            chart = attrs.evolve(chart, note=f"{chart.note}; {left} value{'s' if left > 1 else ''} beyond "
+                                             f"±{MAX_DRAWN:g} not drawn".lstrip("; "))
+        figures.append(svg_chart(chart, lines, steps=(min(steps), max(steps))))
+    return figures
 
 
 def svg_chart(chart: Chart, lines: Mapping[str, Sequence[tuple[int, float]]],

@@ -8,22 +8,25 @@ text; it renders the files as they are now, so a live run's page is a snapshot.
 
 import html
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from purerl.machine import describe
 from purerl.report.charts import draw_charts
-from purerl.report.run_files import ABSENT, RunFiles, config_changes, health_lines
+from purerl.report.run_files import (
+    ABSENT,
+    MAX_SAMPLE_CHARS,
+    MAX_STEP_ROWS,
+    MAX_TEXT_CHARS,
+    ROW_CHARS,
+    RunFiles,
+    config_changes,
+    health_lines,
+    kept_steps,
+)
 
 __all__ = ["MAX_SAMPLE_CHARS", "PHASES", "ROW_CHARS", "kept_samples", "render", "right"]
-
-MAX_SAMPLE_CHARS = 4_000_000
-"""The samples table's budget of page text (each row's escaped prompt and response, and :data:`ROW_CHARS`); a run
-with more shows whole steps spread over the run, which bounds the page's size (the main job's: 5 MB)."""
-
-ROW_CHARS = 300
-"""What a samples row's markup takes besides its prompt and response, about."""
 
 PHASES = {"train": "train", "eval": "held-out"}
 """``samples.jsonl``'s phases by the names the page shows."""
@@ -41,6 +44,7 @@ svg .plot{fill:none;stroke:#999}svg .grid{stroke:#eee}svg .line{fill:none;stroke
 #samples .text{white-space:pre-wrap;font-family:monospace;font-size:12px;max-width:560px;max-height:12em;
 overflow:auto}#samples tr.right td.mark{color:#080}#samples tr.wrong td.mark{color:#b00}
 .filters{margin:.5em 0}.filters label{margin-right:1.2em}
+.notes{border:1px solid #e0b000;background:#fff8e0;padding:.4em .8em}
 """
 
 SCRIPT = """
@@ -60,22 +64,46 @@ filter();
 
 
 def render(files: RunFiles, *, max_sample_chars: int = MAX_SAMPLE_CHARS) -> str:
-    """The whole page of the run in ``files``."""
+    """The whole page of the run in ``files``: its notes on damaged files first; a section that a damage this
+    module did not foresee breaks shows a note in its place, and the rest of the page stands."""
     name = _esc(files.path.resolve().name)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    curve_rows = ([{"step": 0, **files.baseline}] if files.baseline else []) + files.metrics
-    charts = draw_charts(curve_rows)
+    notes = list(files.notes)
+
+    def part(section: str, make: Callable[[], str]) -> str:
+        try:
+            return make()
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RecursionError) as err:
+            notes.append(f"the {section} could not be shown: a run file is not as runs write it "
+                         f"({type(err).__name__}: {str(err)[:200]})")
+            return '<p class="quiet">Not shown: see the notes at the top of the page.</p>'
+
+    sections = [part("facts", lambda: _facts(files)),
+                "<h2>Health</h2>", part("health lines", lambda: _health(files, notes)),
+                "<h2>Curves</h2>", part("curves", lambda: _curves(files)),
+                "<h2>Settings that differ from the defaults</h2>", part("settings", lambda: _config(files)),
+                "<h2>Samples</h2>",
+                part("samples", lambda: _samples(files.samples, max_sample_chars, files.samples_total))]
     body = [f"<h1>Run report: {name}</h1>",
             f'<p class="quiet">{_esc(files.path.resolve())} · generated {generated} by python3 -m purerl.report</p>',
-            _facts(files),
-            "<h2>Health</h2>", _health(files),
-            "<h2>Curves</h2>",
-            f'<div class="charts">{"".join(charts)}</div>' if charts else "<p>No step has a metric to draw yet.</p>",
-            "<h2>Settings that differ from the defaults</h2>", _config(files),
-            "<h2>Samples</h2>", _samples(files.samples, max_sample_chars)]
+            _notes(notes), *sections]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{name}: purerl run report'
             f"</title><style>{STYLE}</style></head><body>\n" + "\n".join(body)
             + f"\n<script>{SCRIPT}</script></body></html>\n")
+
+
+def _notes(notes: list[str]) -> str:
+    """What of the run's files the page leaves out or cuts, one line each (nothing for intact files)."""
+    if not notes:
+        return ""
+    items = "".join(f"<li>{_esc(note)}</li>" for note in notes)
+    return f'<div class="notes"><b>Notes on the run\'s files</b><ul>{items}</ul></div>'
+
+
+def _curves(files: RunFiles) -> str:
+    """The charts of the metrics the run has (``baseline.json`` as step 0)."""
+    charts = draw_charts(([{**files.baseline, "step": 0}] if files.baseline else []) + files.metrics)
+    return f'<div class="charts">{"".join(charts)}</div>' if charts else "<p>No step has a metric to draw yet.</p>"
 
 
 def _facts(files: RunFiles) -> str:
@@ -92,8 +120,7 @@ def _facts(files: RunFiles) -> str:
     after = summary.get("accuracy_after", accuracy[-1] if accuracy else None)
     model = section("model")
     facts = [
-        ("state", "ended (summary.json written)" if files.summary is not None
-         else "live, or ended before its summary (no summary.json yet)"),
+        ("state", _state(files)),
         ("steps logged", f"{len(steps)} (last step {max(steps)})" if steps else "none yet"),
         ("model", summary.get("model") or ("tiny" if model.get("tiny") else model.get("path")) or "default"),
         ("algorithm", summary.get("algorithm") or section("algorithm").get("adv_estimator")),
@@ -109,6 +136,23 @@ def _facts(files: RunFiles) -> str:
     cells = "".join(f"<tr><th>{_esc(key)}</th><td>{_esc(value)}</td></tr>" for key, value in facts
                     if value not in (None, ""))
     return f'<table class="facts">{cells}</table>'
+
+
+def _state(files: RunFiles) -> str:
+    """Whether the run ended (its summary), is live (a process holds its folder) or stopped before its summary
+    (with what its last row flags: an update that diverged, or was rejected)."""
+    from purerl.io.run_folder import held_by
+
+    if files.summary is not None:
+        return "ended (summary.json written)"
+    holder = held_by(files.path)
+    if holder is not None:
+        return f"live (run process {holder}; no summary.json yet)"
+    last = files.metrics[-1] if files.metrics else {}
+    flags = [key for key, value in last.items() if key.endswith(("/diverged", "/rejected_updates", "/sync_failed"))
+             and isinstance(value, (int, float)) and value > 0]
+    return "stopped or killed before its summary (no summary.json, and no process holds the folder)" + (
+        f"; its last step, {last['step']}, flags {', '.join(flags)}" if flags else "")
 
 
 def _asynchronous(section: Mapping[str, Any], report: Any) -> str | None:
@@ -139,9 +183,12 @@ def _count_lines(path: Any) -> str | None:
     return f"{count} in {path.name}" if count else None
 
 
-def _health(files: RunFiles) -> str:
-    """The monitor's lines (:mod:`purerl.health`): each symptom that started or cleared, and those active."""
+def _health(files: RunFiles, notes: list[str]) -> str:
+    """The monitor's lines (:mod:`purerl.health`): each symptom that started or cleared, and those active (a
+    damaged summary's record of them: a note in ``notes``)."""
     health = health_lines(files)
+    if health.note:
+        notes.append(health.note)
     if health.mode == "off":
         return "<p>trainer.health=off: the run watched no symptom.</p>"
     if not health.lines:
@@ -187,34 +234,26 @@ def right(row: Mapping[str, Any]) -> bool:
 def kept_samples(samples: Sequence[Mapping[str, Any]], max_chars: int) -> list[Mapping[str, Any]]:
     """``samples`` whole, or if their rows take more than ``max_chars`` characters of the page (escaped prompt
     and response, and :data:`ROW_CHARS`), the rows of as many steps as fit, spread evenly over the run, the first
-    and the last step always among them."""
+    and the last step always among them (:func:`~purerl.report.run_files.kept_steps`)."""
     size: dict[Any, int] = {}
     for row in samples:
         size[row.get("step")] = size.get(row.get("step"), 0) + ROW_CHARS + len(_esc(row.get("prompt", ""))) \
             + len(_esc(row.get("response", "")))
-    if sum(size.values()) <= max_chars:
-        return list(samples)
-    steps = list(size)
-
-    def chosen(k: int) -> set:
-        return {steps[i * len(steps) // k] for i in range(k)} | {steps[-1]}
-
-    low, high = 1, len(steps)
-    while low < high:  # the most steps that fit (a single step over the budget is still shown)
-        k = (low + high + 1) // 2
-        low, high = (k, high) if sum(size[s] for s in chosen(k)) <= max_chars else (low, k - 1)
-    keep = chosen(low)
-    return [row for row in samples if row.get("step") in keep]
+    keep = kept_steps(size, max_chars)
+    return list(samples) if len(keep) == len(size) else [row for row in samples if row.get("step") in keep]
 
 
-def _samples(samples: Sequence[Mapping[str, Any]], max_chars: int) -> str:
-    """The table of ``samples.jsonl`` with its filters (step, phase, right or wrong) and their script."""
+def _samples(samples: Sequence[Mapping[str, Any]], max_chars: int, total: int | None = None) -> str:
+    """The table of the samples shown (:func:`~purerl.report.run_files.shown_samples`: ``total`` rows in the
+    file) with its filters (step, phase, right or wrong) and their script."""
     if not samples:
         return "<p>No samples.jsonl rows yet (trainer.samples_per_step=0, or no step logged).</p>"
     rows = kept_samples(samples, max_chars)
-    note = "" if len(rows) == len(samples) else (
-        f'<p class="quiet">{len(rows)} of {len(samples)} rows: the steps shown are spread over the run '
-        f"(the report keeps {max_chars} characters of them; --max-sample-chars).</p>")
+    total = len(samples) if total is None else total
+    note = "" if len(rows) == total else (
+        f'<p class="quiet">{len(rows)} of {total} rows: the steps shown are spread over the run (the report keeps '
+        f"{max_chars} characters of them; --max-sample-chars), at most {MAX_STEP_ROWS} rows of a step and phase, "
+        f"{MAX_TEXT_CHARS} characters of a text.</p>")
     steps = sorted({row["step"] for row in rows if isinstance(row.get("step"), int)})
     phases = sorted({str(row.get("phase")) for row in rows})
 
