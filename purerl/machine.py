@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["describe", "machine"]
+__all__ = ["describe", "device_problem", "machine"]
 
 
 def machine() -> dict[str, Any]:
@@ -24,6 +24,27 @@ def machine() -> dict[str, Any]:
     return {"cpu": _cpu(), "kernels": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "accelerator": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def device_problem(name: str) -> str | None:
+    """Why this process cannot compute on the torch device ``name`` (cpu, cuda, cuda:N, mps), in one
+    line naming the cause and the way out; None when it can."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return "not a device name (cpu, cuda, cuda:N or mps)"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "it is built without CUDA" if torch.version.cuda is None else "it sees no CUDA GPU"
+            return f"CUDA is not available to this torch ({why}); use cpu"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"this torch sees {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            return "MPS is not available to this torch; use cpu"
+    elif device.type != "cpu":
+        return "cpu, cuda, cuda:N or mps are served"
+    return None
 
 
 def describe(recorded: Any) -> str | None:

@@ -196,6 +196,9 @@ def test_data_without_eval_data_holds_rows_out_of_training(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--samples-per-prompt", "1"], "rollout.n (--samples-per-prompt) 1: grpo compares samples of a prompt"),
     (["--temperature", "0"], "rollout.temperature (--temperature) 0.0: training needs sampling"),
+    *([] if torch.cuda.is_available() else
+      [(["--device", "cuda"], "model.device (--device) cuda: CUDA is not available to this torch")]),
+    (["--device", "tpu"], "model.device (--device) tpu: not a device name"),
     (["--kl-coef", "-0.1"], "actor.kl_loss_coef (--kl-coef) must be ≥ 0"),
     (["--steps", "-1"], "trainer.steps (--steps) must be ≥ 1, got -1"),
     (["--top-p", "0"], "rollout.top_p (--top-p) must be in (0, 1]"),

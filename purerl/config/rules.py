@@ -15,6 +15,7 @@ import torch
 
 from purerl.config.job import CriticConfig, JobConfig
 from purerl.data.math_problems import DIFFICULTIES
+from purerl.machine import device_problem
 from purerl.rollout.engine import INSTALL_HINT
 
 __all__ = ["problems", "resolve"]
@@ -72,6 +73,10 @@ def problems(config: JobConfig) -> list[str]:
     if estimator.grouped and rollout.n < 2:
         found.append(f"rollout.n {rollout.n}: {algorithm.adv_estimator} compares samples of a prompt, so it needs "
                      "≥ 2 (with 1, every advantage is 0 and nothing is learned)")
+    device = config.model.device
+    if device != "auto" and config.executor.kind != "ray" and (problem := device_problem(device)) is not None:
+        # the Ray executor's workers may have the GPUs a driver lacks: they check there
+        found.append(f"model.device {device}: {problem}")
     if not rollout.temperature > 0:
         found.append(f"rollout.temperature {rollout.temperature}: training needs sampling (> 0); greedy samples "
                      "of a prompt are all alike (evaluation is greedy already)")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from purerl.machine import device_problem
 from purerl.models import causal_lm_from_config, load_causal_lm
 from purerl.models.hf import export_hf
 from purerl.tinker.limits import Limits
@@ -64,23 +65,10 @@ def write_tiny_model(path: str | Path, *, seed: int = 0) -> Path:
 def device_of(text: str) -> torch.device:
     """The torch device ``text`` names (cpu, cuda, cuda:N, mps) when this torch can use it
     (``ValueError`` in one line naming the cause otherwise)."""
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {text}: not a device name (cpu, cuda or cuda:N)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "it is built without CUDA" if torch.version.cuda is None else "it sees no CUDA GPU"
-            raise ValueError(f"--device {text}: CUDA is not available to this torch ({why}); pass --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {text}: this torch sees {torch.cuda.device_count()} CUDA device(s), "
-                             f"numbered from 0")
-    elif device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ValueError(f"--device {text}: MPS is not available to this torch; pass --device cpu")
-    elif device.type != "cpu":
-        raise ValueError(f"--device {text}: cpu, cuda, cuda:N or mps are served")
-    return device
+    problem = device_problem(text)
+    if problem is not None:
+        raise ValueError(f"--device {text}: {problem}")
+    return torch.device(text)
 
 
 def model_folder(path: str | Path | None = None) -> Path:
