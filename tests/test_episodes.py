@@ -23,6 +23,7 @@ from purerl.episodes.rollout import (
 )
 from purerl.episodes.tools import parse_call
 from purerl.rewards import lenient_math_reward, math_reward, score_responses
+from purerl.rollout.engines import EngineKind
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 from purerl.tiny import char_tokenizer, tiny_llama_config
@@ -32,6 +33,9 @@ from tests import episode_envs
 class ScriptedEngine:
     """A rollout engine whose "model" is ``script(prompt text, call) -> response ids``; every
     sampled token gets log-prob -0.5."""
+
+    kind = EngineKind("scripted", lambda model, **options: None)
+    pad_token_id, device = 0, torch.device("cpu")
 
     def __init__(self, tokenizer, script: Callable[[str, int], list[int]]) -> None:
         self.tokenizer, self.script, self.version, self.calls = tokenizer, script, 0, 0

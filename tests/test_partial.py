@@ -6,6 +6,7 @@ import torch
 from purerl.batch import FINISH_INTERRUPTED
 from purerl.models import response_logprobs
 from purerl.rollout.backends.torch import TorchEngine
+from purerl.rollout.engines import EngineKind
 from purerl.rollout.partial import Interruptible
 from purerl.rollout.queue import Weights
 from purerl.rollout.sampling import SamplingParams, sample_uniforms
@@ -93,7 +94,8 @@ def test_tokens_after_an_interruption_carry_the_new_weights_log_probs():
 
 def test_an_engine_that_cannot_continue_rows_is_refused():
     class Plain:  # a rollout engine without interrupt/samples/start
-        version = 0
+        kind = EngineKind("plain", lambda model, **options: None)
+        version, pad_token_id, device = 0, 0, torch.device("cpu")
 
         def sync(self, params, version):
             pass

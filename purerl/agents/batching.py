@@ -155,7 +155,7 @@ class EngineBatcher:
         rng = self.rng if first.turn == 0 else self.rng.fold_in(first.turn)
         rows = [(r, j) for r in requests for j in range(r.sampling.n)]
         sampling = attrs.evolve(first.sampling, max_new_tokens=widest, n=1)
-        if getattr(self.engine, "interruptible", False):
+        if self.engine.kind.interruptible:
             prompts, streams, samples, n, at = _layout(rows)
             sampling = attrs.evolve(sampling, n=n)
             if self._session is not None:

@@ -21,6 +21,7 @@ from purerl.config.rules import resolve
 from purerl.health import Context, Monitor
 from purerl.loop.sampling import BatchPlan
 from purerl.optim import Optimizer, Schedule, adamw, chain, clip_by_global_norm, warmup_cosine_schedule
+from purerl.rollout.engines import ENGINES, LOW_PRECISION_SYNC_TOLERANCE
 from purerl.step.recipes import StepFn, grpo_step, ppo_step
 from purerl.step.settings import (
     ActorLoss,
@@ -78,13 +79,15 @@ def actor_loss_of(config: JobConfig) -> ActorLoss:
 
 
 def sync_tolerance_of(config: JobConfig) -> float | None:
-    """``executor.sync_canary``'s tolerance (nats per token; None: off), the compute dtype's: a float32
-    embedded engine agrees with the trainer to ~1e-6 on average and ~1e-3 on its worst token (SmolLM2;
-    a run under a tolerance of 1e-3 on the worst token was stopped by kernel noise), bfloat16 engines or
-    vLLM's kernels to a tenth of a nat or so; a corrupted tensor moves it by far more."""
+    """``executor.sync_canary``'s tolerance (nats per token; None: off): in float32 the engine's own
+    (:attr:`~purerl.rollout.engines.EngineKind.sync_tolerance`), in lower precision
+    :data:`~purerl.rollout.engines.LOW_PRECISION_SYNC_TOLERANCE`; a corrupted tensor moves the
+    log-probs by far more."""
     if not config.executor.sync_canary:
         return None
-    return 5e-2 if config.model.dtype == "float32" and config.rollout.engine == "torch" else 0.5
+    if config.model.dtype != "float32":
+        return LOW_PRECISION_SYNC_TOLERANCE
+    return ENGINES[config.rollout.engine].sync_tolerance
 
 
 def value_loss_of(config: JobConfig) -> ValueLoss:

@@ -2,8 +2,9 @@
 documentation, and the settings it reads (``section.key`` of the job's config).
 
 An entry's documentation is its function's docstring; a registered record (an estimator, a loss, a
-model family, a kind of environment) is documented by the function it wraps. An estimator whose
-wrapper has none is documented by the function its body calls (``_grpo`` → ``grpo_advantages``).
+model family, a kind of environment) is documented by the function it wraps, a kind of rollout
+engine by its description and what it can do. An estimator whose wrapper has none is documented by
+the function its body calls (``_grpo`` → ``grpo_advantages``).
 What a policy loss reads is what its declared ``reads`` returns (keyword settings named like the
 fields of :class:`~purerl.algo.loss_settings.PolicyLossSettings` they come from); what an estimator
 reads, the attributes of its settings argument in its source.
@@ -34,6 +35,7 @@ from purerl.models.families import FAMILIES, Family
 from purerl.optim.base import GRADIENT_TRANSFORMS, OPTIMIZERS
 from purerl.optim.schedules import SCHEDULES
 from purerl.registry import Registry
+from purerl.rollout.engines import ENGINES, EngineKind
 
 __all__ = ["DOCUMENTED", "Entry", "Listing", "entries", "entry_doc", "entry_reads"]
 
@@ -63,6 +65,8 @@ DOCUMENTED = (
             "pair that micro-batches and ranks add exactly.", ("actor.loss_agg",)),
     Listing("Off-policy corrections", IS_CORRECTIONS, "Importance weights from the engine's log-probs to the "
             "trainer's.", ("algorithm.rollout_correction",)),
+    Listing("Rollout engines", ENGINES, "What samples the responses: each kind says what it can do and what it "
+            "needs installed.", ("rollout.engine",)),
     Listing("Environments", ENVIRONMENTS, "Kinds of environment: the built-ins by name, the others recognised in "
             "what a ``module:name`` names.", ("env.name",)),
     Listing("Model families", FAMILIES, "Architectures with a lean forward (the others run their HF module)."),
@@ -109,8 +113,25 @@ def entry_doc(entry: Any) -> str:
         return (sys.modules[entry.supports.__module__].__doc__ or "").split("\n\n")[0].strip()
     if isinstance(entry, EnvironmentKind) and entry.description:
         return entry.description[0].upper() + entry.description[1:] + "."
+    if isinstance(entry, EngineKind):
+        return _engine_doc(entry)
     source = _source(entry)
     return (inspect.getdoc(source) if source is not None else None) or ""
+
+
+def _engine_doc(kind: EngineKind) -> str:
+    """A kind of engine's description, then what it can do and what it needs."""
+    can = [fact for fact, holds in (
+        ("rows stop and continue on newer weights (``asynchronous.interruptible``)", kind.interruptible),
+        ("its float32 log-probs are the trainer's (a synchronous step need not recompute them)", kind.exact_logprobs),
+        ("it may run inside the training ranks (Ray's colocated placements)", kind.colocates)) if holds]
+    lines = [kind.description + "." if kind.description else ""]
+    if can:
+        lines.append("; ".join(can)[0].upper() + "; ".join(can)[1:] + ".")
+    lines.append(f"Weight-sync canary tolerance in float32: {kind.sync_tolerance:g} nats per token.")
+    if kind.requires:
+        lines.append(kind.install_hint[0].upper() + kind.install_hint[1:] + ".")
+    return " ".join(line for line in lines if line)
 
 
 def entry_reads(entry: Any) -> tuple[str, ...]:

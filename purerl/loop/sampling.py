@@ -336,7 +336,7 @@ def _episode_rollout(engine: RolloutEngine, task: Task, episodes: Episodes, indi
                            template_kwargs=dict(episodes.template_kwargs), batch_timeout=batch_timeout, timings=timings)
     group = [j for j in range(len(indices)) for _ in range(sampling.n)]
     rollout = episodes_rollout(played, group, pad_token_id=episodes.pad_token_id, version=version,
-                               temperature=sampling.logprob_temperature, device=getattr(engine, "device", "cpu"))
+                               temperature=sampling.logprob_temperature, device=engine.device)
     values = [penalty if e.error else v for e, v in zip(played, episode_scores(played, episodes.limits.tool_bonus))]
     failed = [e.error for e in played if e.error]
     scores = Scores(values, len(failed), 0, failed)

