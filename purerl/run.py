@@ -39,16 +39,10 @@ from purerl.environments import demonstrating_kinds
 from purerl.executors.base import Executor, ExecutorError
 from purerl.health import report as health_report
 from purerl.io.checkpoint import latest_checkpoint, load_checkpoint
+from purerl.io.layout import RunLayout
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import drop_records_after, records_bytes
-from purerl.io.run_folder import (
-    RunFolder,
-    check_resume_config,
-    check_teacher,
-    checkpoints_of,
-    save_run_config,
-    weights_fingerprint,
-)
+from purerl.io.run_folder import RunFolder, check_resume_config, check_teacher, save_run_config, weights_fingerprint
 from purerl.loop.async_train import train_async
 from purerl.loop.evaluation import evaluate
 from purerl.loop.recording import record_reward_errors
@@ -93,7 +87,7 @@ def run(config: JobConfig, out_dir: str | Path, *, resume: bool = False, overwri
                 folder.undo()
             raise
         records = summary.pop("records")
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        folder.layout.summary.write_text(json.dumps(summary, indent=1))
     return {**summary, "records": records}
 
 
@@ -101,11 +95,12 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
             stop: threading.Event | None) -> dict[str, Any]:
     """:func:`run` in the folder it holds: everything is loaded and checked before the folder is
     claimed."""
-    run_dir = folder.path
+    run_dir, layout = folder.path, folder.layout
     folder.check(resume=resume, overwrite=overwrite)
     recorded = to_dict(config)
     if resume and not check_resume_config(run_dir, recorded, MAY_CHANGE_ON_RESUME):
-        print(f"--resume: {run_dir} records no settings (config.json) in this layout to check against", flush=True)
+        print(f"--resume: {run_dir} records no settings ({layout.config.name}) in this layout to check against",
+              flush=True)
     wall_start = time.time()
     phases: dict[str, float] = {}
     train_records, eval_records, data_counts = load_records_of(config)
@@ -127,12 +122,12 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     phases["load"] = time.time() - wall_start
     for leftover in folder.begin(overwrite=overwrite):
         print(f"removed {leftover}, an unfinished checkpoint write", flush=True)
-    if not resume or not (run_dir / "config.json").exists():
+    if not resume or not layout.config.exists():
         save_run_config(run_dir, recorded)
     if teacher is not None:  # a swapped teacher would silently change what the run learns from
         check_teacher(run_dir, config.distill.teacher, weights_fingerprint(teacher.params), record=not resume)
     sft: dict[str, Any] = {}
-    if config.env.sft_steps and not (resume and latest_checkpoint(checkpoints_of(run_dir)) is not None):
+    if config.env.sft_steps and not (resume and latest_checkpoint(layout.checkpoints) is not None):
         with _timed(phases, "sft"):
             state, sft = _warm_up(config, state, model, options, train_task, eval_task)
     with make_executor(config, model, critic, options, teacher) as executor:
@@ -140,11 +135,11 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
         state = summary.pop("_state")
         with _timed(phases, "export"):
             policy = executor.full_state(state).policy
-            export = export_hf(model, policy, run_dir / "export", tokenizer)
+            export = export_hf(model, policy, layout.export, tokenizer)
             adapter = {}
             if model.lora is not None:
                 base = str(config.model.path or ("tiny" if config.model.tiny else smollm2_gguf()))
-                adapter = {"adapter": str(export_peft(model, policy, run_dir / "adapter", base_model=base))}
+                adapter = {"adapter": str(export_peft(model, policy, layout.adapter, base_model=base))}
     wall = time.time() - wall_start
     phases["other"] = wall - sum(phases.values())
     print("wall " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + f": {wall:.1f} s", flush=True)
@@ -188,7 +183,7 @@ def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dic
 def _write_workers(executor: Executor, run_dir: Path) -> None:
     """The PIDs of a Ray executor's workers, once started (the roles' pools too), in ``workers.json``."""
     if hasattr(executor, "worker_pids"):
-        (run_dir / "workers.json").write_text(json.dumps(executor.worker_pids()))
+        RunLayout(run_dir).workers.write_text(json.dumps(executor.worker_pids()))
 
 
 def _read_baseline(path: Path) -> float | None:
@@ -233,8 +228,9 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
         evaluated[state.step] = result
         return dict(result)
 
-    baseline = run_dir / "baseline.json"
-    if resume and (checkpoint := latest_checkpoint(checkpoints_of(run_dir))) is not None:
+    layout = RunLayout(run_dir)
+    baseline = layout.baseline
+    if resume and (checkpoint := latest_checkpoint(layout.checkpoints)) is not None:
         with _timed(phases, "start"):
             state = executor.start(load_checkpoint(checkpoint, state))
         _write_workers(executor, run_dir)

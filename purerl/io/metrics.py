@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from purerl.io.layout import RunLayout
+
 __all__ = ["SAMPLE_KEYS", "MetricsLog"]
 
 SAMPLE_KEYS = ("samples/train", "val/samples")
@@ -25,8 +27,8 @@ class MetricsLog:
 
     def __init__(self, run_dir: str | Path, backends: tuple[str, ...] = (), *, project: str = "purerl",
                  config: dict[str, Any] | None = None) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.samples_path = Path(run_dir) / "samples.jsonl"
+        layout = RunLayout(run_dir)
+        self.path, self.samples_path = layout.metrics, layout.samples
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
         self._wandb = None
@@ -34,7 +36,7 @@ class MetricsLog:
             if backend == "tensorboard":
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                self._tb = SummaryWriter(str(layout.tensorboard))
             elif backend == "wandb":
                 import wandb
 

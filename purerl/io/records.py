@@ -26,16 +26,12 @@ from purerl.io.checkpoint import (
     load_checkpoint,
     read_manifest,
     save_checkpoint,
-    step_folder,
     step_of,
 )
-from purerl.io.run_folder import CONFIG
+from purerl.io.layout import RunLayout
 from purerl.tree import pytree
 
-__all__ = ["RECORDS", "RecordError", "drop_records_after", "load_record", "record_path", "records_bytes", "save_record"]
-
-RECORDS = "records"
-"""The run folder's subfolder of step records."""
+__all__ = ["RecordError", "drop_records_after", "load_record", "record_path", "records_bytes", "save_record"]
 
 
 class RecordError(RuntimeError):
@@ -44,7 +40,7 @@ class RecordError(RuntimeError):
 
 def record_path(run_dir: str | Path, step: int) -> Path:
     """Where step ``step``'s record lives in ``run_dir``."""
-    return step_folder(Path(run_dir) / RECORDS, step)
+    return RunLayout(run_dir).record(step)
 
 
 def save_record(run_dir: str | Path, step: int, rollout: Rollout, rewards: Rewards | torch.Tensor, data: Any, *,
@@ -55,7 +51,7 @@ def save_record(run_dir: str | Path, step: int, rollout: Rollout, rewards: Rewar
                       rollout.behaviour_logprobs, rollout.finish_reasons, rollout.group, rollout.version,
                       rollout.temperature)
     tree = {"rollout": rollout, "rewards": Rewards.of(rewards), "data": data}
-    return save_checkpoint(Path(run_dir) / RECORDS, tree, step=step, keep=keep, metadata={"record": True})
+    return save_checkpoint(RunLayout(run_dir).records, tree, step=step, keep=keep, metadata={"record": True})
 
 
 def load_record(run_dir: str | Path, step: int) -> tuple[Rollout, Rewards, DataCursor]:
@@ -82,29 +78,30 @@ def load_record(run_dir: str | Path, step: int) -> tuple[Rollout, Rewards, DataC
 
 def drop_records_after(run_dir: str | Path, step: int) -> None:
     """Remove the records of steps after ``step`` (a run resumed there records them anew)."""
-    for path in list_checkpoints(Path(run_dir) / RECORDS):
+    for path in list_checkpoints(RunLayout(run_dir).records):
         if step_of(path) > step:
             shutil.rmtree(path, ignore_errors=True)
 
 
 def records_bytes(run_dir: str | Path) -> int:
     """The bytes the run's records take on disk."""
-    root = Path(run_dir) / RECORDS
+    root = RunLayout(run_dir).records
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0
 
 
 def _recorded_range(run_dir: Path) -> str:
-    steps = [step_of(p) for p in list_checkpoints(run_dir / RECORDS)]
+    steps = [step_of(p) for p in list_checkpoints(RunLayout(run_dir).records)]
     return f"steps {steps[0]}-{steps[-1]}" if steps else "no steps"
 
 
 def _configured_temperature(run_dir: Path) -> float:
     """The run's ``rollout.temperature`` (``config.json``): what a record written before records
     carried their temperature was sampled at."""
+    config = RunLayout(run_dir).config
     try:
-        return float(json.loads((run_dir / CONFIG).read_text())["rollout"]["temperature"])
+        return float(json.loads(config.read_text())["rollout"]["temperature"])
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"the record has no sampling temperature, and {run_dir / CONFIG} gives none "
+        raise ValueError(f"the record has no sampling temperature, and {config} gives none "
                          f"(rollout.temperature): {err}") from None
 
 

@@ -15,40 +15,23 @@ settings that differ from it outside an allow-list.
 import fcntl
 import json
 import os
-import re
 import shutil
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from purerl.config.loading import flatten
-from purerl.io.checkpoint import latest_checkpoint, remove_partial_checkpoints, step_folder
+from purerl.io.checkpoint import latest_checkpoint, remove_partial_checkpoints
+from purerl.io.layout import RunLayout
 from purerl.io.metrics import MetricsLog
 
-__all__ = ["RunFolder", "RunFolderError", "check_resume_config", "check_teacher", "checkpoint_of", "checkpoints_of",
-           "held_by", "replay_folder_of", "save_run_config", "weights_fingerprint"]
-
-CONFIG = "config.json"
-LOCK = ".lock"
-CHECKPOINTS = "checkpoints"
-_RUN_MARKERS = (CONFIG, "metrics.jsonl", CHECKPOINTS, "summary.json", "baseline.json")
+__all__ = ["RunFolder", "RunFolderError", "check_resume_config", "check_teacher", "held_by", "save_run_config",
+           "weights_fingerprint"]
 
 
-def checkpoints_of(run_dir: str | Path) -> Path:
-    """The folder of a run's checkpoints (one :func:`~purerl.io.checkpoint.step_folder` each)."""
-    return Path(run_dir) / CHECKPOINTS
-
-
-def checkpoint_of(run_dir: str | Path, step: int) -> Path:
-    """Where a run's checkpoint of step ``step`` is (or would be)."""
-    return step_folder(checkpoints_of(run_dir), step)
-
-
-def replay_folder_of(run_dir: str | Path, label: str) -> Path:
-    """The folder (made if missing) where a counterfactual replay of a run, labelled by its settings, writes."""
-    path = Path(run_dir) / "replays" / re.sub(r"[^\w.=,+-]", "_", label)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _run_markers(layout: RunLayout) -> tuple[Path, ...]:
+    """The entries that show a folder holds a purerl run."""
+    return layout.config, layout.metrics, layout.checkpoints, layout.summary, layout.baseline
 
 
 class RunFolderError(ValueError):
@@ -67,6 +50,7 @@ class RunFolder:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.layout = RunLayout(self.path)
         self.created, self.created_root, self.had_lock = False, self.path, False
         self.before: set[str] = set()
         self._lock: Any = None
@@ -78,9 +62,9 @@ class RunFolder:
         self.created_root = self.path  # the outermost folder this run creates (--out-dir a/new/run: a/new)
         while not self.created_root.parent.exists():
             self.created_root = self.created_root.parent
-        self.had_lock = (self.path / LOCK).exists()
+        self.had_lock = self.layout.lock.exists()
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = (self.path / LOCK).open("a+")
+        self._lock = self.layout.lock.open("a+")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -104,21 +88,20 @@ class RunFolder:
 
     def entries(self) -> list[str]:
         """The folder's entries, its lock file left out."""
-        return sorted(p.name for p in self.path.iterdir() if p.name != LOCK)
+        return sorted(p.name for p in self.path.iterdir() if p.name != self.layout.lock.name)
 
     def holds_run(self) -> bool:
-        return any(name in self.before for name in _RUN_MARKERS)
+        return any(marker.name in self.before for marker in _run_markers(self.layout))
 
     def trained(self) -> bool:
         """Whether a run here recorded a step: a metrics record, a checkpoint or a summary (a
         damaged metrics file counts: it held records)."""
-        log = self.path / "metrics.jsonl"
+        log = self.layout.metrics
         try:
             recorded = log.exists() and bool(MetricsLog.read(log))
         except (OSError, ValueError):
             recorded = True
-        return recorded or latest_checkpoint(checkpoints_of(self.path)) is not None \
-            or (self.path / "summary.json").exists()
+        return recorded or latest_checkpoint(self.layout.checkpoints) is not None or self.layout.summary.exists()
 
     def check(self, *, resume: bool, overwrite: bool) -> None:
         """Refuse what this run may not do with the folder; writes nothing."""
@@ -132,7 +115,7 @@ class RunFolder:
         if kept and not (resume or overwrite):
             raise RunFolderError(f"--out-dir {path} already holds a run: add --resume to continue it or "
                                  "--overwrite to replace it (or choose another --out-dir)")
-        if resume and latest_checkpoint(checkpoints_of(path)) is None:
+        if resume and latest_checkpoint(self.layout.checkpoints) is None:
             raise RunFolderError(f"--resume: {path} holds no checkpoint to resume from (no step of a run there was "
                                  "saved); start the run afresh: without --resume"
                                  + (", with --overwrite" if kept else ""))
@@ -150,7 +133,7 @@ class RunFolder:
                 target = self.path / name
                 shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
             self.before = set()
-        return remove_partial_checkpoints(checkpoints_of(self.path))
+        return remove_partial_checkpoints(self.layout.checkpoints)
 
     def undo(self) -> None:
         """Remove what this run added to the folder, its lock file included (and the folder, with
@@ -158,14 +141,14 @@ class RunFolder:
         if self.created:
             shutil.rmtree(self.created_root, ignore_errors=True)
             return
-        for name in set(self.entries()) - self.before | ({LOCK} if not self.had_lock else set()):
+        for name in set(self.entries()) - self.before | ({self.layout.lock.name} if not self.had_lock else set()):
             target = self.path / name
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
 
 
 def save_run_config(path: str | Path, config: Mapping[str, Any]) -> None:
     """Record the run's settings (JSON values) as ``config.json``."""
-    (Path(path) / CONFIG).write_text(json.dumps(dict(config), indent=1, sort_keys=True, default=str))
+    RunLayout(path).config.write_text(json.dumps(dict(config), indent=1, sort_keys=True, default=str))
 
 
 def check_resume_config(path: str | Path, config: Mapping[str, Any], may_change: Collection[str]) -> bool:
@@ -175,7 +158,7 @@ def check_resume_config(path: str | Path, config: Mapping[str, Any], may_change:
     the recording lacks (a setting newer than the run) is not compared. Returns False when the
     folder records no settings, or settings in another layout with no key in common (nothing to
     compare)."""
-    recorded_path = Path(path) / CONFIG
+    recorded_path = RunLayout(path).config
     if not recorded_path.exists():
         return False
     try:
@@ -201,7 +184,7 @@ def check_resume_config(path: str | Path, config: Mapping[str, Any], may_change:
 
 def held_by(path: str | Path) -> str | None:
     """The PID of the run holding the folder ``path`` now (its ``.lock`` is locked), or None."""
-    lock = Path(path) / LOCK
+    lock = RunLayout(path).lock
     if not lock.exists():
         return None
     with lock.open("r") as f:
@@ -211,9 +194,6 @@ def held_by(path: str | Path) -> str | None:
             return f.read().strip() or "?"
         fcntl.flock(f, fcntl.LOCK_UN)
     return None
-
-
-TEACHER = "teacher.json"
 
 
 def weights_fingerprint(params: Mapping[str, Any]) -> str:
@@ -236,7 +216,7 @@ def weights_fingerprint(params: Mapping[str, Any]) -> str:
 def check_teacher(path: str | Path, teacher: str, fingerprint: str, *, record: bool) -> None:
     """Record (``record``: a new run) or check the distillation teacher a run trains against, in
     ``teacher.json``: a teacher whose weights are not the recorded ones is refused in one line."""
-    file = Path(path) / TEACHER
+    file = RunLayout(path).teacher
     if record or not file.exists():
         file.write_text(json.dumps({"teacher": teacher, "fingerprint": fingerprint}) + "\n")
         return

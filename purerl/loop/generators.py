@@ -27,6 +27,7 @@ import attrs
 from purerl.config.execution import AsyncConfig
 from purerl.data.cursor import DataCursor, next_indices
 from purerl.executors.base import Executor, ExecutorError
+from purerl.io.layout import RunLayout
 from purerl.loop.sampling import BatchPlan, SampledPart, joined_batch, rollout_rng, sample_part
 from purerl.loop.task import Task
 from purerl.rollout.canary import CanaryError
@@ -168,7 +169,7 @@ class Generators:
                  run_dir: Path, trainer: Callable[[], dict[str, Any]]) -> None:
         count = settings.generators
         self.executor, self.task, self.plan, self.settings, self.batches = executor, task, plan, settings, batches
-        self.run_dir, self.trainer = Path(run_dir), trainer
+        self.status_file, self.trainer = RunLayout(run_dir).status, trainer
         self.stop = threading.Event()
         self.records = [_Record() for _ in range(count)]
         self.restarts = 0  # in the run, over every generator
@@ -282,7 +283,7 @@ class Generators:
                                 "state": r.state} for i, r in enumerate(self.records)]}
 
     def write_status(self) -> None:
-        path = self.run_dir / "status.json"
+        path = self.status_file
         temporary = path.with_suffix(".json.tmp")
         temporary.write_text(json.dumps(self.status(), indent=1))
         temporary.replace(path)
@@ -293,6 +294,6 @@ class Generators:
             try:
                 self.write_status()
             except OSError as err:  # a full disk must not stop training; the next write may succeed
-                print(f"status.json: {err}", flush=True)
+                print(f"{self.status_file.name}: {err}", flush=True)
             if self.stop.wait(every):
                 return

@@ -13,9 +13,9 @@ from typing import Any
 from purerl.executors.base import Executor
 from purerl.health import HealthState, Monitor
 from purerl.io.checkpoint import CheckpointError, CheckpointWriter, list_checkpoints, step_of
+from purerl.io.layout import RunLayout
 from purerl.io.metrics import MetricsLog
 from purerl.io.records import save_record
-from purerl.io.run_folder import checkpoints_of
 from purerl.loop_settings import TrainerSettings
 from purerl.rollout.canary import CanaryError
 from purerl.state import TrainState
@@ -47,12 +47,13 @@ def record_reward_errors(run_dir: str | Path, step: int, metrics: dict[str, Any]
     and a printed line (the first ``shown`` distinct ones). Returns the distinct messages of the
     training's calls (without their sample numbers), in order."""
     trained: list[str] = []
+    file = RunLayout(run_dir).reward_errors
     for key in ERROR_MESSAGES:
         messages = metrics.pop(key, None)
         if not messages:
             continue
         where = "evaluation" if key.startswith("val/") else "training"
-        with (Path(run_dir) / "reward_errors.jsonl").open("a") as f:
+        with file.open("a") as f:
             for message in messages:
                 f.write(json.dumps({"step": step, "phase": where, "message": message}) + "\n")
         distinct = list(dict.fromkeys(re.sub(r"^(\w+: )?sample \d+: ", "", m) for m in messages))
@@ -60,7 +61,7 @@ def record_reward_errors(run_dir: str | Path, step: int, metrics: dict[str, Any]
             trained = distinct
         print(f"step {step}: {len(messages)} reward call(s) failed in {where}: " + "; ".join(distinct[:shown])
               + (f"; … ({len(distinct) - shown} more kinds)" if len(distinct) > shown else "")
-              + f" (all in {Path(run_dir) / 'reward_errors.jsonl'})", flush=True)
+              + f" (all in {file})", flush=True)
     return trained
 
 
@@ -119,6 +120,7 @@ class StepRecorder:
         from tqdm.auto import tqdm
 
         self.executor, self.trainer, self.run_dir = executor, trainer, run_dir
+        self.layout = RunLayout(run_dir)
         self.log, self.evaluate_fn = log, evaluate_fn
         self.stop, self.saved, self.first_step = stop, None, state.step
         self.health = None if trainer.health == "off" else health
@@ -136,7 +138,7 @@ class StepRecorder:
         """Checkpoint ``state`` (once per step); ``wait``: until it is on disk, else written behind
         the next steps (a failed write raises at the next checkpoint or at the end)."""
         if self.saved is None or self.saved[0] != state.step:
-            path = self.writer.save(checkpoints_of(self.run_dir), self.executor.full_state(state),
+            path = self.writer.save(self.layout.checkpoints, self.executor.full_state(state),
                                     step=state.step, keep=self.trainer.keep_checkpoints)
             self.saved = state.step, path
         if wait:
@@ -185,7 +187,7 @@ class StepRecorder:
             self.writer.wait()
         except CheckpointError:
             pass  # that write left nothing; the ones before it stand
-        saved = list_checkpoints(checkpoints_of(self.run_dir))
+        saved = list_checkpoints(self.layout.checkpoints)
         good = [c for c in saved if step_of(c) < before]
         aside = []
         for checkpoint in saved[len(good):]:
@@ -202,7 +204,7 @@ class StepRecorder:
         """The newest checkpoint written (the trainer's weights in it are intact), or None."""
         with contextlib.suppress(CheckpointError):
             self.writer.wait()
-        saved = list_checkpoints(checkpoints_of(self.run_dir))
+        saved = list_checkpoints(self.layout.checkpoints)
         return saved[-1] if saved else None
 
     def _newest_checkpoint(self) -> str:
@@ -271,7 +273,7 @@ class StepRecorder:
                                       f"{self.failed_rewards_in_a_row} steps in a row (trainer.max_failed_reward_steps "
                                       f"{trainer.max_failed_reward_steps}): "
                                       f"{reward_failure(self.reward_errors, self.reward_fn)} "
-                                      f"(every call in {Path(self.run_dir) / 'reward_errors.jsonl'}); fix it, then "
+                                      f"(every call in {self.layout.reward_errors}); fix it, then "
                                       f"{self._resume_hint()}")
         else:
             self.failed_rewards_in_a_row = 0

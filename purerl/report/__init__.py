@@ -27,6 +27,7 @@ import argparse
 import os
 from pathlib import Path
 
+from purerl.io.layout import RunLayout
 from purerl.report.page import MAX_SAMPLE_CHARS, render
 from purerl.report.run_files import ReportError, read_run
 
@@ -38,7 +39,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *,
     """Write the report of the run in ``run_dir`` to ``out`` (default ``run_dir/report.html``) and return its
     path; a :class:`ReportError` naming the file for a folder that is not a run or an unreadable run file."""
     files = read_run(run_dir, max_sample_chars=max_sample_chars)
-    target = Path(out) if out is not None else files.path / "report.html"
+    target = Path(out) if out is not None else RunLayout(files.path).report
     page = render(files, max_sample_chars=max_sample_chars)
     partial = target.with_name(f".{target.name}.partial")
     try:

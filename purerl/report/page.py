@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from purerl.io.layout import RunLayout
 from purerl.machine import describe
 from purerl.report.charts import draw_charts
 from purerl.report.run_files import (
@@ -131,7 +132,7 @@ def _facts(files: RunFiles) -> str:
         ("wall time", f"{summary['wall_seconds']:.0f} s" if isinstance(summary.get("wall_seconds"), (int, float))
          else None),
         ("computed on", describe(summary.get("machine"))),
-        ("reward errors", _count_lines(files.path / "reward_errors.jsonl")),
+        ("reward errors", _count_lines(RunLayout(files.path).reward_errors)),
     ]
     cells = "".join(f"<tr><th>{_esc(key)}</th><td>{_esc(value)}</td></tr>" for key, value in facts
                     if value not in (None, ""))
@@ -204,10 +205,11 @@ def _health(files: RunFiles, notes: list[str]) -> str:
 
 def _config(files: RunFiles) -> str:
     """The recorded settings that differ from ``JobConfig()``'s, with both values."""
+    recorded = RunLayout(files.path).config.name
     if files.config is None:
-        return "<p>The run recorded no config.json.</p>"
+        return f"<p>The run recorded no {recorded}.</p>"
     changed, newer = config_changes(files.config)
-    note = (f'<p class="quiet">{newer} settings newer than the run are not in its config.json (not compared).</p>'
+    note = (f'<p class="quiet">{newer} settings newer than the run are not in its {recorded} (not compared).</p>'
             if newer else "")
     if not changed:
         return "<p>Every setting is the default.</p>" + note

@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 
 from purerl.health import SYMPTOMS, Context, HealthLimits, Monitor
+from purerl.io.layout import RunLayout
 
 __all__ = ["ABSENT", "MAX_LINE_CHARS", "MAX_SAMPLE_CHARS", "MAX_STEP_ROWS", "MAX_TEXT_CHARS", "ROW_CHARS",
            "HealthLines", "ReportError", "RunFiles", "config_changes", "health_lines", "kept_steps", "read_run",
@@ -85,15 +86,16 @@ def read_run(run_dir: str | Path, *, max_sample_chars: int = MAX_SAMPLE_CHARS) -
     path = Path(run_dir)
     if not path.is_dir():
         raise ReportError(f"{path}: no such folder (give the folder of a run: its --out-dir)")
-    metrics_file = path / "metrics.jsonl"
+    layout = RunLayout(path)
+    metrics_file = layout.metrics
     if not metrics_file.is_file():
         raise ReportError(f"{metrics_file}: no such file: {path} is not a run folder, or its run has not finished "
                           "a step yet")
     notes: list[str] = []
     metrics = [row for _, row in _stepped(_records(metrics_file, notes), metrics_file, notes)]
-    samples, total = shown_samples(path / "samples.jsonl", max_sample_chars, notes)
-    summary, baseline = _object(path / "summary.json", notes), _object(path / "baseline.json", notes)
-    config = _sections(_object(path / "config.json", notes), path / "config.json", notes)
+    samples, total = shown_samples(layout.samples, max_sample_chars, notes)
+    summary, baseline = _object(layout.summary, notes), _object(layout.baseline, notes)
+    config = _sections(_object(layout.config, notes), layout.config, notes)
     return RunFiles(path, metrics, samples, summary, config, baseline, total, tuple(notes))
 
 
@@ -321,7 +323,7 @@ def health_lines(files: RunFiles) -> HealthLines:
         if isinstance(events, list) and isinstance(active, list):
             return HealthLines(str(health["mode"]), [str(e.get("line", e) if isinstance(e, dict) else e)
                                                      for e in events], [str(a) for a in active])
-        note = (f"{files.path / 'summary.json'}: health.events or health.active is not a list: the lines below are "
+        note = (f"{RunLayout(files.path).summary}: health.events or health.active is not a list: the lines below are "
                 "the monitor's, read again from metrics.jsonl")
     flagged = [(row["step"], key.removeprefix("health/"), bool(value)) for row in files.metrics
                for key, value in row.items() if key.startswith("health/") and key[7:] in SYMPTOMS]
@@ -352,4 +354,4 @@ def _monitor(config: Mapping[str, Any], run_dir: Path) -> Monitor:
     budget, clip = rollout.get("max_new_tokens", 0), actor.get("grad_clip", float("inf"))
     return Monitor(limits, Context(budget if isinstance(budget, int) else 0,
                                    clip if isinstance(clip, (int, float)) else float("inf"),
-                                   str(run_dir / "samples.jsonl")))
+                                   str(RunLayout(run_dir).samples)))
