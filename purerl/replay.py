@@ -26,7 +26,6 @@ beyond the records (``--to-step``) are refused before anything is replayed.
 """
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -39,33 +38,19 @@ import torch
 from purerl.assembly.models import initial_state, load_critic, load_policy, load_teacher
 from purerl.assembly.stages import step_function
 from purerl.config.job import JobConfig
-from purerl.config.loading import ConfigError, build, flatten, merge, nest, overrides
-from purerl.config.rules import resolve
+from purerl.config.loading import flatten, overrides
 from purerl.io.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, step_of
+from purerl.io.layout import RunLayout
 from purerl.io.metrics import MetricsLog
-from purerl.io.records import RECORDS, RecordError, load_record
-from purerl.io.run_folder import (
-    CONFIG,
-    RunFolderError,
-    check_teacher,
-    checkpoint_of,
-    checkpoints_of,
-    held_by,
-    replay_folder_of,
-    weights_fingerprint,
-)
+from purerl.io.records import RecordError, load_record
+from purerl.io.run_folder import RunFolderError, check_teacher, held_by, weights_fingerprint
 from purerl.models import value_and_grad
+from purerl.replay_settings import REPLAYABLE, WHERE, SettingsRefused, replay_config
+from purerl.run_compare import HEADLINE, CompareError, as_written, compare
 from purerl.tree import tree_equal, tree_leaves, tree_map
 
 __all__ = ["HEADLINE", "REPLAYABLE", "ReplayError", "ReplayStopped", "compare", "parser", "replay"]
 
-REPLAYABLE = ("algorithm.", "actor.", "critic.", "distill.")
-"""Settings a counterfactual may change: how the batch is turned into an update."""
-_SHAPES_STATE = ("actor.lora_rank", "actor.lora_alpha", "actor.lora_targets", "distill.teacher")
-_SAMPLES = ("algorithm.dynamic_sampling", "algorithm.max_sampling_rounds")
-"""Algorithm settings that decide what is sampled, not how it is learned from."""
-WHERE = ("trainer.threads", "model.device")
-"""Settings of where a check replays, not of what: bits may then differ, so it compares within a tolerance."""
 RTOL, ATOL = 1e-3, 1e-6
 _NOT_COMPARED = re.compile(r"^(timing|perf)/")
 
@@ -92,7 +77,10 @@ def replay(run_dir: str | Path, *, from_step: int = 0, to_step: int | None = Non
     holder = held_by(run_dir)
     if holder is not None:
         raise ReplayError(f"replay: {run_dir} is held by a live run (pid {holder}); replay it once it has ended")
-    config, why = _config(run_dir, settings)
+    try:
+        config, why = replay_config(run_dir, settings)
+    except SettingsRefused as err:
+        raise ReplayError(str(err)) from None
     counterfactual = {k: v for k, v in settings.items() if k not in WHERE}
     if why and not counterfactual:
         out("comparing within a tolerance (rtol {:g}): {}".format(RTOL, "; ".join(why)))
@@ -122,7 +110,7 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
     effects = {"policy": model, "value_and_grad": value_and_grad, **({"critic": critic} if critic else {}),
                **({"teacher": teacher} if teacher else {})}
     recorded = _recorded_metrics(run_dir)
-    log = None if not settings else MetricsLog(replay_folder_of(run_dir, _label(settings)))
+    log = None if not settings else MetricsLog(RunLayout(run_dir).replay(_label(settings)))
     if log is not None:
         log.clear()
     results: dict[str, Any] = {"steps": [], "metrics": [], "mismatches": [], "state_equal": None, "unchecked": []}
@@ -152,7 +140,7 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
         results["mismatches"] += [(step, *d) for d in differing]
         if not compared:
             results["unchecked"].append(step)
-            out(f"step {step}: NOT CHECKED: {run_dir / 'metrics.jsonl'} has no metrics of this step (the run "
+            out(f"step {step}: NOT CHECKED: {RunLayout(run_dir).metrics} has no metrics of this step (the run "
                 "ended, or its file was cut, before it)")
             continue
         if not differing:
@@ -165,7 +153,7 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
         out(f"replayed steps {from_step + 1}-{to_step} under {_label(settings)}: {log.path}")
         _print_effect(results, recorded, out)
         return results
-    checkpoint = checkpoint_of(run_dir, to_step)
+    checkpoint = RunLayout(run_dir).checkpoint(to_step)
     if checkpoint.is_dir():
         # no sha256 pass: every bit is compared anyway, and a damaged file shows as a difference
         try:
@@ -182,7 +170,7 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
 
 def _recorded_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     """The run's metrics by step (``metrics.jsonl``), or a :class:`ReplayError` naming the file."""
-    path = run_dir / "metrics.jsonl"
+    path = RunLayout(run_dir).metrics
     if not path.exists():
         raise ReplayError(f"replay: {path} is missing: the run's metrics are what a replay is checked against")
     try:
@@ -216,66 +204,10 @@ def _print_effect(results: dict[str, Any], recorded: dict[int, dict[str, Any]], 
             out(f"  {key}: {run:.4g} in the run, {new:.4g} replayed ({new - run:+.3g}, mean of {len(pairs)} steps)")
 
 
-def _config(run_dir: Path, settings: dict[str, Any]) -> tuple[JobConfig, list[str]]:
-    """The run's resolved config (``config.json``) with ``settings``, refusing those a replay cannot honour;
-    and why its bits may differ from the run's (empty: they must not)."""
-    path = run_dir / CONFIG
-    if not path.exists():
-        raise ReplayError(f"replay: {path} is missing: {run_dir} is not a run folder")
-    try:
-        recorded = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ReplayError(f"replay: {path} is not the JSON a run writes ({err})") from None
-    flat = flatten(recorded)
-    for key, value in settings.items():
-        if key in WHERE:
-            continue
-        if not key.startswith(REPLAYABLE) or key in _SHAPES_STATE or key in _SAMPLES:
-            raise ReplayError(f"replay: {key} would change what the run sampled, scored or holds; a replay re-steps "
-                              f"the recorded batches and may change only {', '.join(k + '*' for k in REPLAYABLE)} "
-                              f"(except {', '.join((*_SHAPES_STATE, *_SAMPLES))})")
-        if key in flat and _same(flat[key], value):
-            raise ReplayError(f"replay: {key}={value} is the run's own setting: nothing would change")
-    try:
-        config = resolve(build(JobConfig, merge(recorded, *(nest(k, v) for k, v in settings.items()))))
-        run = resolve(build(JobConfig, recorded))
-    except ConfigError as err:
-        raise ReplayError(f"replay: {err}") from None
-    if not config.trainer.records:
-        raise ReplayError(f"replay: {run_dir} ran with trainer.records=false: it recorded no batches")
-    ours, theirs = config.algorithm.estimator, run.algorithm.estimator
-    for need, what in (("needs_baselines", "greedy baselines"), ("needs_values", "a critic")):
-        if getattr(ours, need) and not getattr(theirs, need):
-            raise ReplayError(f"replay: algorithm.adv_estimator={config.algorithm.adv_estimator} needs {what}, which "
-                              f"the run ({run.algorithm.adv_estimator}) neither sampled nor trained")
-    why = []
-    if config.trainer.threads != run.trainer.threads:
-        why.append(f"{config.trainer.threads} threads where the run used {run.trainer.threads} (a CPU's sums split "
-                   "by thread count)")
-    if str(run.model.device).startswith("cuda") and not torch.cuda.is_available():
-        config = attrs.evolve(config, model=attrs.evolve(config.model, device="cpu"))
-    if config.model.device != run.model.device:
-        why.append(f"on {config.model.device} where the run computed on {run.model.device} (other kernels)")
-    if run.executor.kind == "ray" and run.executor.train_ranks > 1:
-        why.append(f"the run's updates were sharded over {run.executor.train_ranks} FSDP2 ranks (their sums add in "
-                   "another order)")
-    return config, why
-
-
-def _same(recorded: Any, given: Any) -> bool:
-    """Whether a setting given on the command line is the recorded value (``1e-5`` and ``0.00001`` alike)."""
-    if isinstance(recorded, (list, tuple)) and isinstance(given, (list, tuple)):
-        return list(recorded) == list(given)
-    try:
-        return recorded == given or float(recorded) == float(given)
-    except (TypeError, ValueError):
-        return False
-
-
 def _steps_recorded(run_dir: Path, from_step: int, to_step: int | None) -> int:
     """The last step to replay (``to_step``, default the last recorded), once every step after ``from_step``
     up to it is known to have its record; else a one-line :class:`ReplayError` naming the steps recorded."""
-    folder = run_dir / RECORDS
+    folder = RunLayout(run_dir).records
     recorded = [step_of(p) for p in list_checkpoints(folder)]
     if not recorded:
         raise ReplayError(f"replay: {folder} holds no step records (a run before records, or "
@@ -347,9 +279,10 @@ def _state_at(run_dir: Path, config: JobConfig, step: int, initial: Any) -> Any:
             raise ReplayError(f"replay: {run_dir} began with an SFT warm-up (env.sft_steps {config.env.sft_steps}): "
                               "its step-0 state is not rebuilt; replay from a checkpointed step (--from-step)")
         return initial
-    checkpoint = checkpoint_of(run_dir, step)
+    layout = RunLayout(run_dir)
+    checkpoint = layout.checkpoint(step)
     if not checkpoint.is_dir():
-        kept = [step_of(p) for p in list_checkpoints(checkpoints_of(run_dir))]
+        kept = [step_of(p) for p in list_checkpoints(layout.checkpoints)]
         raise ReplayError(f"replay: --from-step {step}: no checkpoint {checkpoint} (checkpointed steps: "
                           f"{', '.join(map(str, kept)) or 'none'}; or 0, the start)")
     try:
@@ -367,7 +300,7 @@ def _compare(replayed: dict[str, Any], recorded: dict[str, Any], *,
         if _NOT_COMPARED.match(key) or key not in recorded:
             continue
         compared += 1
-        old, value = recorded[key], _as_written(value)
+        old, value = recorded[key], as_written(value)
         same = value == old
         if not same and not exact and isinstance(value, (int, float)) and isinstance(old, (int, float)):
             same = math.isclose(value, old, rel_tol=RTOL, abs_tol=ATOL)
@@ -376,92 +309,8 @@ def _compare(replayed: dict[str, Any], recorded: dict[str, Any], *,
     return compared, differing
 
 
-def _as_written(value: Any) -> Any:
-    """A metric as :meth:`~purerl.io.metrics.MetricsLog.write` writes it: a finite number, else its text."""
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else str(value)
-
-
-def _numeric(value: Any) -> float | None:
-    """A metric read back from ``metrics.jsonl`` as a number (its ``"nan"``, ``"inf"`` too); None for others."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        return None
-
-
 def _label(settings: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(settings.items()))
-
-
-HEADLINE = ("critic/score/mean", "critic/advantages/max", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl",
-            "actor/entropy")
-"""The metrics :func:`compare` prints and plots by default."""
-
-
-def compare(a: str | Path, b: str | Path, *, keys: tuple[str, ...] = HEADLINE, plot: str | Path | None = None,
-            out: Any = print) -> dict[int, dict[str, tuple[float, float]]]:
-    """Per step, ``keys``' values in two runs or replays (a folder holding ``metrics.jsonl``, or the
-    file): ``{step: {key: (a, b)}}`` over the steps both recorded, printed as differences; ``plot``:
-    one figure of the keys over the steps, both lines in each panel."""
-    rows = [_rows_by_step(_metrics_file(x)) for x in (a, b)]
-    steps = sorted(set(rows[0]) & set(rows[1]))
-    table = {step: {k: (x, y) for k in keys if (x := _numeric(rows[0][step].get(k))) is not None
-                    and (y := _numeric(rows[1][step].get(k))) is not None} for step in steps}
-    for step in steps:
-        out(f"step {step}: " + "; ".join(f"{k} {x:.4g} -> {y:.4g} ({y - x:+.3g})" for k, (x, y) in table[step].items()))
-    if plot is not None:
-        try:
-            _plot(table, keys, (str(a), str(b)), Path(plot))
-        except (OSError, ValueError) as err:  # a folder that is not there, a format matplotlib does not write
-            raise ReplayError(f"replay --compare: could not write the plot {plot} "
-                              f"({getattr(err, 'strerror', None) or err})") from None
-        out(f"wrote {plot}")
-    return table
-
-
-def _rows_by_step(path: Path) -> dict[int, dict[str, Any]]:
-    """The rows of a ``metrics.jsonl`` by their step, or a one-line :class:`ReplayError` naming the file."""
-    try:
-        rows = MetricsLog.read(path)
-    except (OSError, ValueError) as err:
-        raise ReplayError(f"replay --compare: {err if str(path) in str(err) else f'{path}: {err}'}") from None
-    bad = next((n for n, row in enumerate(rows, 1) if not isinstance(row, dict) or isinstance(row.get("step"), bool)
-                or not isinstance(row.get("step"), int)), None)
-    if bad is not None:
-        raise ReplayError(f"replay --compare: {path}: record {bad} has no integer step (not a run's metrics.jsonl)")
-    return {row["step"]: row for row in rows}
-
-
-def _metrics_file(path: str | Path) -> Path:
-    path = Path(path)
-    found = path / "metrics.jsonl" if path.is_dir() else path
-    if not found.exists():
-        raise ReplayError(f"replay --compare: {found} does not exist "
-                          "(give a run or replay folder, or its metrics.jsonl)")
-    return found
-
-
-def _plot(table: dict[int, dict[str, tuple[float, float]]], keys: tuple[str, ...], names: tuple[str, str],
-          path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [k for k in keys if any(k in row for row in table.values())]
-    fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 2.8), squeeze=False)
-    for ax, key in zip(axes[0], shown):
-        steps = [s for s, row in table.items() if key in row]
-        for side, name in enumerate(names):
-            ax.plot(steps, [table[s][key][side] for s in steps], marker=".", label=Path(name).name or name)
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("step")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -492,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     except ReplayStopped as err:  # as a run under these settings stops: exit 1, as its does
         print(err, file=sys.stderr)
         return 1
-    except (ReplayError, RecordError, CheckpointError) as err:
+    except (ReplayError, CompareError, RecordError, CheckpointError) as err:
         print(err, file=sys.stderr)
         return 2
     if any(k not in WHERE for k in settings):
