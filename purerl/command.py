@@ -10,13 +10,6 @@ from pathlib import Path
 
 from purerl.config.command_line import parse_command_line
 from purerl.config.job import JobConfig
-from purerl.data.records import DataError
-from purerl.executors.base import ExecutorError
-from purerl.io.checkpoint import CheckpointError
-from purerl.io.run_folder import RunFolderError
-from purerl.loop.recording import Interrupted, StopRequest, TrainingStopped
-from purerl.rollout.canary import CanaryError
-from purerl.run import run
 
 __all__ = ["main", "plot_curve"]
 
@@ -29,6 +22,8 @@ def plot_curve(run_dir: Path, records: list[dict], before: float | None, after: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from purerl.io.layout import RunLayout
 
     steps = [r["step"] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -45,7 +40,7 @@ def plot_curve(run_dir: Path, records: list[dict], before: float | None, after: 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    path = run_dir / "curve.png"
+    path = RunLayout(run_dir).curve
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -60,6 +55,16 @@ def main(argv: Sequence[str] | None, *, prog: str, description: str | None, defa
     argv = sys.argv[1:] if argv is None else list(argv)
     inv = parse_command_line([*(a for path in defaults for a in ("--config", path)), *argv], prog=prog,
                              description=description, default_out_dir=default_out_dir)
+    # the run's machinery (torch, the model) loads once the command line is read: --help and its errors need none
+    from purerl.data.records import DataError
+    from purerl.executors.base import ExecutorError
+    from purerl.io.checkpoint import CheckpointError
+    from purerl.io.layout import RunLayout
+    from purerl.io.run_folder import RunFolderError
+    from purerl.loop.recording import Interrupted, StopRequest, TrainingStopped
+    from purerl.rollout.canary import CanaryError
+    from purerl.run import run
+
     try:
         with StopRequest() as stop:
             summary = run(inv.config, inv.out_dir, resume=inv.resume, overwrite=inv.overwrite, stop=stop.event)
@@ -85,6 +90,6 @@ def main(argv: Sequence[str] | None, *, prog: str, description: str | None, defa
                        title(inv.config), summary.get("sft", {}).get("accuracy_before_sft"))
     adapter = f", {summary['adapter']} (the LoRA adapter: peft's PeftModel.from_pretrained loads it)" \
         if "adapter" in summary else ""
-    print(f"wrote {run_dir / 'summary.json'}, {curve}, {summary['export']} (from_pretrained loads it){adapter}",
+    print(f"wrote {RunLayout(run_dir).summary}, {curve}, {summary['export']} (from_pretrained loads it){adapter}",
           flush=True)
     return summary

@@ -42,16 +42,13 @@ from typing import Any
 
 import attrs
 
-from purerl.agents.play import AgentEnv, is_agent_function, run_agents
-from purerl.agents.verifiers_envs import is_verifiers, verifiers_agent, verifiers_env_of
 from purerl.data.records import PromptRecord
 from purerl.episodes.adapters import TrlEnvironment, env_of, is_env_or_factory, is_trl_factory
 from purerl.episodes.calculator import calculator_env, demonstration
 from purerl.episodes.codec import Message
 from purerl.episodes.env import SingleTurn
-from purerl.episodes.rollout import Episode, run_episodes
 from purerl.episodes.tools import ToolEnv
-from purerl.registry import Registry
+from purerl.registry import Registry, imported
 from purerl.rewards.math import RewardFn
 from purerl.sandbox.loading import load_object
 
@@ -75,15 +72,27 @@ class EnvironmentKind:
     ties by name). ``description``: what the kind is, in the error for an object no kind
     recognises. ``demonstration(task, env=env)``: a correct episode of ``task`` in ``env`` as
     messages, for the supervised warm-up; None when the kind writes none. ``episodic``: False
-    only for ``single_turn``, answered on the main job's direct path rather than played as episodes."""
+    only for ``single_turn``, answered on the main job's direct path rather than played as episodes.
+    ``play`` and ``recognise`` may be given as ``"module:name"``, imported when first read, so that
+    checking ``env.name`` (a config's validation) imports neither the endpoint nor torch."""
 
     make: Callable[..., Any]
-    play: Callable[..., list[Episode]] = run_episodes
-    recognise: Callable[[Any], bool] | None = None
+    _play: Callable[..., list[Any]] | str = "purerl.episodes.rollout:run_episodes"
+    _recognise: Callable[[Any], bool] | str | None = None
     precedence: int = 50
     description: str = ""
     demonstration: Callable[[PromptRecord, Any], list[Message]] | None = None
     episodic: bool = True
+
+    @property
+    def play(self) -> Callable[..., list[Any]]:
+        """What plays the episodes (a ``"module:name"`` given imported now)."""
+        return imported(self._play)
+
+    @property
+    def recognise(self) -> Callable[[Any], bool] | None:
+        """Whether an object is of this kind (a ``"module:name"`` given imported now); None for a built-in."""
+        return imported(self._recognise)
 
 
 ENVIRONMENTS: Registry[EnvironmentKind] = Registry("environment")
@@ -95,8 +104,8 @@ def builtin_kind(name: str) -> EnvironmentKind | None:
     ``ValueError`` listing the built-in names for any other name (a loader kind's among them)."""
     if ":" in name:
         return None
-    if name not in ENVIRONMENTS or ENVIRONMENTS[name].recognise is not None:
-        builtins = [n for n in ENVIRONMENTS.names() if ENVIRONMENTS[n].recognise is None]
+    if name not in ENVIRONMENTS or not _builtin(ENVIRONMENTS[name]):
+        builtins = [n for n in ENVIRONMENTS.names() if _builtin(ENVIRONMENTS[n])]
         raise ValueError(f"unknown environment {name!r}; known: {', '.join(builtins)}, or {_MODULE_FORM}")
     return ENVIRONMENTS[name]
 
@@ -132,6 +141,11 @@ def demonstrating_kinds() -> list[str]:
     return [n for n in ENVIRONMENTS.names() if ENVIRONMENTS[n].demonstration is not None]
 
 
+def _builtin(kind: EnvironmentKind) -> bool:
+    """Whether ``env.name`` names ``kind`` itself (no ``recognise``), told without importing it."""
+    return kind._recognise is None
+
+
 def _loader_kinds() -> list[EnvironmentKind]:
     named = [(ENVIRONMENTS[n].precedence, n) for n in ENVIRONMENTS.names() if ENVIRONMENTS[n].recognise is not None]
     return [ENVIRONMENTS[n] for _, n in sorted(named)]
@@ -150,12 +164,14 @@ def _calculator(found: None, *, answer_fn: RewardFn, tools: bool, format: str) -
     return calculator_env(tools=tools, format=format, answer_fn=answer_fn)
 
 
-def _agent(found: Callable[..., Any], *, answer_fn: RewardFn, **settings: Any) -> AgentEnv:
-    return AgentEnv(found, answer_fn)
+def _agent(found: Callable[..., Any], *, answer_fn: RewardFn, **settings: Any) -> Any:
+    return imported("purerl.agents.play:AgentEnv")(found, answer_fn)
 
 
-def _verifiers(found: Any, *, answer_fn: RewardFn, **settings: Any) -> AgentEnv:
-    return AgentEnv(verifiers_agent(verifiers_env_of(found)), answer_fn)
+def _verifiers(found: Any, *, answer_fn: RewardFn, **settings: Any) -> Any:
+    agent = imported("purerl.agents.verifiers_envs:verifiers_agent")
+    environment = imported("purerl.agents.verifiers_envs:verifiers_env_of")
+    return imported("purerl.agents.play:AgentEnv")(agent(environment(found)), answer_fn)
 
 
 def _trl(found: type, *, answer_fn: RewardFn, format: str, **settings: Any) -> TrlEnvironment:
@@ -169,10 +185,11 @@ def _purerl_env(found: Any, **settings: Any) -> Any:
 ENVIRONMENTS.register("single_turn")(EnvironmentKind(_single_turn, episodic=False))
 ENVIRONMENTS.register("calculator")(EnvironmentKind(_calculator, demonstration=demonstration))
 ENVIRONMENTS.register("agent_function")(EnvironmentKind(
-    _agent, play=run_agents, recognise=is_agent_function, precedence=10,
+    _agent, play="purerl.agents.play:run_agents", recognise="purerl.agents.play:is_agent_function", precedence=10,
     description="an agent function run(client, task) on an OpenAI client"))
 ENVIRONMENTS.register("verifiers")(EnvironmentKind(
-    _verifiers, play=run_agents, recognise=is_verifiers, precedence=20,
+    _verifiers, play="purerl.agents.play:run_agents", recognise="purerl.agents.verifiers_envs:is_verifiers",
+    precedence=20,
     description="a verifiers environment or its load_environment"))
 ENVIRONMENTS.register("trl_environment_factory")(EnvironmentKind(
     _trl, recognise=is_trl_factory, precedence=30,

@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from purerl.checks import at_least, in_range, positive
+from purerl.validators import at_least, in_range, positive
 
 __all__ = ["OPENING_STEPS", "SYMPTOMS", "Context", "Event", "HealthLimits", "HealthState", "Monitor", "Symptom",
            "report"]
@@ -73,11 +73,12 @@ class HealthLimits:
 
 @attrs.frozen
 class Context:
-    """What the lines name: the response budget, the gradient clip and the samples file."""
+    """What the lines name: the response budget, the gradient clip and the samples file (the run's
+    :attr:`~purerl.io.layout.RunLayout.samples`; this module sits below :mod:`purerl.io`, so the caller names it)."""
 
     max_new_tokens: int = 0
     grad_clip: float = float("inf")
-    samples: str = "samples.jsonl"
+    samples: str = "the run's samples.jsonl"
 
 
 OPENING_STEPS = 3

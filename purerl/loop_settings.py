@@ -3,7 +3,7 @@ one record, one default and one check per field. The job's ``trainer`` section i
 
 import attrs
 
-from purerl.checks import at_least, one_of
+from purerl.validators import at_least, one_of
 
 __all__ = ["TrainerSettings"]
 

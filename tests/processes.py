@@ -40,8 +40,8 @@ from pathlib import Path
 __all__ = ["IMPORT_TIME_ENV", "PRELOAD", "Popen", "run"]
 
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "matplotlib.pyplot", "purerl.command",
-           "purerl.report", "purerl.replay"]
-"""What the fork server imports once (purerl.command: the job's command line and everything it runs;
+           "purerl.run", "purerl.report", "purerl.replay"]
+"""What the fork server imports once (purerl.command: the job's command line; purerl.run: everything it runs;
 pyplot: its ``curve.png``)."""
 
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "ONEDNN_", "DNNL_", "TORCH", "PYTORCH_", "CUDA_",

@@ -44,6 +44,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from purerl.algo import registries
 from purerl.algo.masked import masked_sum
 from purerl.checks import check_bool, check_rank, check_same_shape
 from purerl.registry import Registry
@@ -83,7 +84,7 @@ class Aggregation(Protocol):
     ) -> SumCount: ...
 
 
-LOSS_AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation mode")
+LOSS_AGGREGATIONS: Registry[Aggregation] = registries.LOSS_AGGREGATIONS
 
 
 def _row_sums(loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -29,6 +29,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from purerl.algo import registries
 from purerl.algo.aggregation import SumCount, token_mean
 from purerl.checks import check_bool, check_floating, check_rank, check_same_shape
 from purerl.registry import Registry
@@ -44,7 +45,7 @@ class Correction(Protocol):
                  *, cap: float, lower: float) -> tuple[Float[Tensor, "b t"] | None, Metrics]: ...
 
 
-IS_CORRECTIONS: Registry[Correction] = Registry("off-policy correction")
+IS_CORRECTIONS: Registry[Correction] = registries.IS_CORRECTIONS
 
 
 def _log_ratio(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:

@@ -11,12 +11,13 @@ section is one). The maths lives in :mod:`purerl.algo.advantages` and
 """
 
 import importlib
-import math
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
+from purerl.algo import registries
+from purerl.algo.advantage_settings import AdvantageSettings
 from purerl.algo.advantages import (
     AdvantageInputs,
     AdvantagesAndReturns,
@@ -33,33 +34,10 @@ from purerl.algo.advantages import (
 )
 from purerl.algo.groups import check_row_inputs, check_token_inputs, needed
 from purerl.algo.token_baseline import optimal_token_baseline_advantages, tir_optimal_token_baseline_advantages
-from purerl.checks import SettingError, in_range
 from purerl.registry import Registry
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageSettings", "BoundEstimator", "Estimator", "compute_advantages",
            "estimator"]
-
-
-def _weights(instance: Any, attribute: attrs.Attribute, value: tuple[float, ...] | None) -> None:
-    """None, or at least one weight, each finite."""
-    if value is not None and (not value or not all(math.isfinite(w) for w in value)):
-        raise SettingError(f"{attribute.name} must be finite and non-empty (or none), got {value}")
-
-
-@attrs.frozen
-class AdvantageSettings:
-    """What the estimators read (the job's ``algorithm`` section is one); each estimator reads the
-    fields it needs."""
-
-    norm_adv_by_std_in_grpo: bool = True
-    """GRPO (and ``grpo_passk``) divide each group's centred rewards by the group's standard deviation
-    (false: Dr. GRPO's centring alone)."""
-    gamma: float = attrs.field(default=1.0, validator=in_range(0, 1))
-    """The discount of GAE and REINFORCE++."""
-    lam: float = attrs.field(default=1.0, validator=in_range(0, 1))
-    """GAE's ``λ``."""
-    gdpo_weights: tuple[float, ...] | None = attrs.field(default=None, validator=_weights)
-    """``gdpo``: one weight per reward component, the rule reward then the reward model (None: all 1)."""
 
 
 @attrs.frozen
@@ -145,7 +123,7 @@ class BoundEstimator:
         return self.estimator.needs_sum_pi_squared
 
 
-ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+ADVANTAGE_ESTIMATORS: Registry[Estimator] = registries.ADVANTAGE_ESTIMATORS
 
 
 def _registered(name: str, module: str) -> Estimator:

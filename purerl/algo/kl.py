@@ -23,6 +23,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from purerl.algo import registries
 from purerl.algo.aggregation import SumCount, aggregate_loss
 from purerl.algo.masked import masked_sum
 from purerl.checks import check_bool, check_floating, check_rank, check_same_shape
@@ -39,7 +40,7 @@ __all__ = [
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+KL_ESTIMATORS: Registry[KLEstimator] = registries.KL_ESTIMATORS
 """The base estimators ``(logp, ref_logp) -> per-token KL``; the ``+`` suffix is handled by
 :func:`kl_estimate`."""
 

@@ -20,6 +20,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from purerl.algo import registries
 from purerl.registry import Registry
 from purerl.tree import pytree
 
@@ -130,7 +131,7 @@ def adaptive_kl_controller(
 
 KLControllerFactory = Callable[[float, float, int], KLController]
 
-KL_CONTROLLERS: Registry[KLControllerFactory] = Registry("KL controller")
+KL_CONTROLLERS: Registry[KLControllerFactory] = registries.KL_CONTROLLERS
 """Controller factories by name, each called as ``factory(coef, target_kl, horizon)``."""
 
 

@@ -14,6 +14,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from purerl.algo import registries
 from purerl.algo.aggregation import SumCount, aggregate_loss, token_mean
 from purerl.algo.loss_settings import PolicyLossSettings
 from purerl.checks import check_bool, check_floating, check_rank, check_same_shape
@@ -137,7 +138,7 @@ class BoundPolicyLoss:
         return self.loss.fn(logp, old_logp, advantages, mask, **inputs, **self.kwargs)
 
 
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+POLICY_LOSSES: Registry[PolicyLoss] = registries.POLICY_LOSSES
 
 
 def _registered(name: str, module: str) -> PolicyLoss:

@@ -11,8 +11,8 @@ Each registered loss reads the fields it needs from the record, by attribute
 
 import attrs
 
-from purerl.algo.aggregation import LOSS_AGGREGATIONS
-from purerl.checks import SettingError, at_least, boolean, in_range, one_of, positive
+from purerl.algo.registries import LOSS_AGGREGATIONS
+from purerl.validators import SettingError, at_least, boolean, in_range, one_of, positive
 
 __all__ = ["LossOptions", "PolicyLossSettings"]
 

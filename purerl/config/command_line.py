@@ -13,10 +13,11 @@ from typing import Any
 
 import attrs
 
-from purerl.algo.correction import IS_CORRECTIONS
+from purerl.algo.registries import IS_CORRECTIONS
 from purerl.config.job import PLACEMENTS, JobConfig
 from purerl.config.loading import ConfigError, build, load_file, merge, nest, overrides, to_dict
 from purerl.config.rules import problems, resolve
+from purerl.rollout.engines import ENGINES
 
 __all__ = ["FLAGS", "Invocation", "job_parser", "parse_command_line"]
 
@@ -41,8 +42,8 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--max-new-tokens", "rollout.max_new_tokens", dict(type=int)),
     ("--temperature", "rollout.temperature", dict(type=float)),
     ("--top-p", "rollout.top_p", dict(type=float)),
-    ("--engine", "rollout.engine", dict(choices=["torch", "vllm"], help="rollout engine: torch (embedded) "
-                                                                        "or vllm (needs vLLM; README: vLLM)")),
+    ("--engine", "rollout.engine", dict(choices=ENGINES.names(), help="rollout engine: torch (embedded) "
+                                                                     "or vllm (needs vLLM; README: vLLM)")),
     ("--adv-estimator", "algorithm.adv_estimator", dict(help="advantage estimator (grpo; gae trains a critic: PPO)")),
     ("--rollout-correction", "algorithm.rollout_correction",
      dict(choices=IS_CORRECTIONS.names(), help="importance weights from the engine's log-probs to the trainer's "

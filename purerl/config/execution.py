@@ -8,8 +8,8 @@ from typing import Any
 
 import attrs
 
-from purerl.checks import at_least, positive
 from purerl.config.loading import ConfigError, boolean, one_of, section
+from purerl.validators import at_least, positive
 
 __all__ = ["PLACEMENTS", "POOLS", "AsyncConfig", "ExecutorConfig"]
 

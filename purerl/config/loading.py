@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from purerl.checks import SettingError, boolean, one_of
+from purerl.validators import SettingError, boolean, one_of
 
 __all__ = ["ConfigError", "boolean", "build", "flatten", "keys_of", "load_file", "merge", "one_of", "overrides",
            "parse_value", "section", "to_dict"]

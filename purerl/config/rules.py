@@ -7,16 +7,13 @@ What an estimator or loss needs comes from its record (:mod:`purerl.algo.estimat
 :mod:`purerl.algo.policy_loss`), never from comparing its name.
 """
 
-import importlib.util
 from pathlib import Path
 
 import attrs
-import torch
 
 from purerl.config.job import CriticConfig, JobConfig
 from purerl.data.math_problems import DIFFICULTIES
-from purerl.machine import device_problem
-from purerl.rollout.engine import INSTALL_HINT
+from purerl.rollout.engines import ENGINES
 
 __all__ = ["problems", "resolve"]
 
@@ -32,6 +29,8 @@ def resolve(config: JobConfig) -> JobConfig:
     (0: the count torch uses here, recorded so a replay computes as the run did) and, with a
     critic, ``critic.max_tokens_per_micro_batch`` (None: the actor's token budget). Resolving a
     resolved config changes nothing."""
+    import torch  # here: reading a config (a --help, the docs, a report) imports no torch
+
     device = config.model.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,7 +41,7 @@ def resolve(config: JobConfig) -> JobConfig:
     recompute = actor.recompute_old_logprobs
     if recompute is None:
         recompute = (rollout.top_p < 1.0 or correction != "none" or config.asynchronous.enable
-                     or rollout.engine != "torch" or config.model.dtype != "float32"
+                     or not ENGINES[rollout.engine].exact_logprobs or config.model.dtype != "float32"
                      or rollout.engine_options.get("dtype") not in (None, config.model.dtype))
     executor = config.executor
     if config.asynchronous.enable:
@@ -74,7 +73,7 @@ def problems(config: JobConfig) -> list[str]:
         found.append(f"rollout.n {rollout.n}: {algorithm.adv_estimator} compares samples of a prompt, so it needs "
                      "≥ 2 (with 1, every advantage is 0 and nothing is learned)")
     device = config.model.device
-    if device != "auto" and config.executor.kind != "ray" and (problem := device_problem(device)) is not None:
+    if device != "auto" and config.executor.kind != "ray" and (problem := _device_problem(device)) is not None:
         # the Ray executor's workers may have the GPUs a driver lacks: they check there
         found.append(f"model.device {device}: {problem}")
     if not rollout.temperature > 0:
@@ -114,6 +113,12 @@ def problems(config: JobConfig) -> list[str]:
     found += _path_problems(config)
     found += _executor_problems(config)
     return found
+
+
+def _device_problem(device: str) -> str | None:
+    from purerl.machine import device_problem  # imports torch: a config that names no device is read without it
+
+    return device_problem(device)
 
 
 def _uses_reward_model(config: JobConfig) -> bool:
@@ -161,25 +166,26 @@ def _model_path_problems(key: str, path: Path, gguf: bool = True) -> list[str]:
 def _executor_problems(config: JobConfig) -> list[str]:
     found = []
     executor = config.executor
-    if config.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        found.append(f"rollout.engine=vllm: {INSTALL_HINT}")
+    engine = ENGINES[config.rollout.engine]
+    if not engine.installed():
+        found.append(f"rollout.engine={engine.name}: {engine.install_hint}")
     if executor.kind == "ray" and executor.colocated:
         if config.asynchronous.enable:
             found.append(f"asynchronous training on the Ray executor needs rollout workers apart (executor.placement="
                          f"{executor.placement}: the ranks cannot generate while they train; split, split_collocate "
                          "or standalone)")
-        if config.rollout.engine != "torch":
-            # vLLM sets up a process group of its own, which clashes with the training ranks' FSDP group
-            found.append(f"rollout.engine={config.rollout.engine} runs on rollout workers: executor.placement=split "
+        if not engine.colocates:
+            found.append(f"rollout.engine={engine.name} runs on rollout workers: executor.placement=split "
                          f"(not {executor.placement})")
     if executor.kind == "ray" and executor.roles["reference"] != "train" and config.actor.lora_rank:
         found.append(f"executor.placement={executor.placement} puts the reference on a pool of its own, but a LoRA "
                      "policy's reference is its own base (adapters off): it lives with the actor")
     generators = config.asynchronous.generators
     if config.asynchronous.interruptible:
-        if config.rollout.engine != "torch":
-            found.append(f"asynchronous.interruptible: rollout.engine={config.rollout.engine} cannot stop and continue "
-                         "a row (the embedded torch engine can)")
+        if not engine.interruptible:
+            able = ", ".join(name for name in ENGINES.names() if ENGINES[name].interruptible)
+            found.append(f"asynchronous.interruptible: rollout.engine={engine.name} cannot stop and continue a row "
+                         f"(these engines can: {able})")
         if config.rollout.stop:
             found.append("asynchronous.interruptible with rollout.stop: a stop string could span the point where a "
                          "row is continued")

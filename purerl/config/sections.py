@@ -8,22 +8,26 @@ from typing import Any
 
 import attrs
 
-from purerl.algo.correction import IS_CORRECTIONS
-from purerl.algo.estimators import ADVANTAGE_ESTIMATORS, AdvantageSettings
-from purerl.algo.kl import KL_ESTIMATORS
-from purerl.algo.kl_control import KL_CONTROLLERS
+from purerl.algo.advantage_settings import AdvantageSettings
 from purerl.algo.loss_settings import LossOptions, PolicyLossSettings
-from purerl.algo.policy_loss import POLICY_LOSSES
-from purerl.checks import at_least, in_range, positive
+from purerl.algo.registries import (
+    ADVANTAGE_ESTIMATORS,
+    IS_CORRECTIONS,
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+)
 from purerl.config.loading import ConfigError, boolean, one_of, section
 from purerl.environments import builtin_kind, is_episodic
 from purerl.episodes.limits import EpisodeLimits
 from purerl.health import HealthLimits
 from purerl.loop_settings import TrainerSettings
-from purerl.models.lora import DEFAULT_TARGETS
-from purerl.rewards.mix import RewardMix
+from purerl.models.lora_spec import DEFAULT_TARGETS
+from purerl.rewards.mix_settings import RewardMix
 from purerl.rewards.verdicts import DEFAULT_JUDGE_PROMPT, DEFAULT_VERDICT_PATTERN
-from purerl.rollout.sampling import SamplingParams
+from purerl.rollout.engines import ENGINES
+from purerl.rollout.sampling_params import SamplingParams
+from purerl.validators import at_least, in_range, positive
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "DistillConfig", "EnvConfig", "HealthConfig",
            "KLControlConfig", "LossOptions", "ModelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig"]
@@ -78,9 +82,9 @@ class RolloutConfig(SamplingParams):
     an engine generates from this section as it is) and by which engine. The step computes log-probs at
     this ``temperature`` too."""
 
-    engine: str = attrs.field(default="torch", validator=one_of(("torch", "vllm"), "rollout engine"))
-    """The rollout engine: ``torch`` (embedded: batched prefill and KV-cache decoding) or ``vllm``
-    (needs vLLM installed)."""
+    engine: str = attrs.field(default="torch", validator=one_of(ENGINES, "rollout engine"))
+    """The rollout engine (:data:`~purerl.rollout.engines.ENGINES`): ``torch`` (embedded: batched
+    prefill and KV-cache decoding) or ``vllm`` (needs vLLM installed)."""
     engine_options: dict[str, Any] = attrs.field(factory=dict)
     """The backend's keyword arguments (e.g. ``gpu_memory_utilization`` for vllm, ``cuda_graphs`` for torch)."""
 

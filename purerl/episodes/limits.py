@@ -3,7 +3,7 @@
 
 import attrs
 
-from purerl.checks import at_least, positive
+from purerl.validators import at_least, positive
 
 __all__ = ["EpisodeLimits"]
 

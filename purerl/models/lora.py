@@ -32,28 +32,12 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from purerl.files import make_readable, whole_folder
+from purerl.models.lora_spec import DEFAULT_TARGETS, LoraSpec
 
 __all__ = ["DEFAULT_TARGETS", "LoraLinear", "LoraSpec", "adapted_layers", "adapters_off", "apply_lora",
            "export_peft", "is_adapter", "layer_names", "merged"]
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""Every linear layer of attention and MLP in Llama-family models (and most decoders)."""
-
 _OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("purerl_lora_off", default=False)
-
-
-@attrs.frozen
-class LoraSpec:
-    """``rank`` r, ``alpha`` (the scale is ``alpha / r``) and the ``targets``: the last name part
-    of the linear layers to adapt (``q_proj`` adapts ``model.layers.*.self_attn.q_proj``)."""
-
-    rank: int
-    alpha: float
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
 
 
 class LoraLinear(nn.Linear):

@@ -5,38 +5,15 @@ an LLM judge's verdict in [0, 1] (when ``reward.judge`` is set: :mod:`purerl.rew
 ``overlong`` DAPO's length penalty (when ``reward.overlong_buffer`` > 0;
 :func:`~purerl.algo.dapo.overlong_penalty`)."""
 
-import attrs
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from purerl.algo.dapo import overlong_penalty
 from purerl.batch import Rewards
-from purerl.checks import at_least
+from purerl.rewards.mix_settings import RewardMix
 
 __all__ = ["RewardMix", "mixed_rewards", "uses_reward_model"]
-
-
-@attrs.frozen
-class RewardMix:
-    """How the parts mix: ``fn_weight`` × the task's reward, ``model_weight`` × the score of the
-    reward ``model``, ``judge_weight`` × a judge's verdict, and DAPO's soft overlong punishment.
-    The job's ``reward`` section *is* one (:class:`~purerl.config.sections.RewardConfig`)."""
-
-    fn_weight: float = 1.0
-    """Weight of the task's (rule) reward."""
-    model: str | None = None
-    """A local HF sequence-classification model scoring prompt + response (None: no reward model)."""
-    model_weight: float = 1.0
-    """Weight of the reward model's score."""
-    judge_weight: float = 1.0
-    """Weight of a judge's verdict (mapped to [0, 1])."""
-    overlong_buffer: int | None = attrs.field(default=None, validator=at_least(0))
-    """DAPO's soft overlong punishment: responses longer than ``max_new_tokens − overlong_buffer`` lose up to
-    ``overlong_penalty``, linearly (0: off; None: not resolved yet; the job resolves it to a third of
-    ``rollout.max_new_tokens``)."""
-    overlong_penalty: float = attrs.field(default=1.0, validator=at_least(0))
-    """The most a response at the length limit loses."""
 
 
 def uses_reward_model(reward: RewardMix) -> bool:
