@@ -172,7 +172,7 @@ def bounded(tiny, tmp_path_factory):
     from purerl.tinker.limits import Limits
 
     store = tmp_path_factory.mktemp("tinker_bounded") / "store"
-    limits = Limits(max_samples=4, max_tokens=16, lora_rank=8)
+    limits = Limits(max_samples=4, max_tokens=16, lora_rank=8, max_batch_tokens=40)
     with _client(service_of(tiny, store=store, limits=limits)) as client:
         yield client
         _closed(client)
@@ -232,6 +232,7 @@ def _never(*args, **kwargs):
     (["--max-samples", "0"], "--max-samples"),
     (["--max-tokens", "-1"], "--max-tokens"),
     (["--queue-depth", "0"], "--queue-depth"),
+    (["--max-batch-tokens", "0"], "--max-batch-tokens"),
     (["--lora-alpha", "0"], "--lora-alpha"),
     (["--port", "70000"], "--port 70000"),
     (["--device", "nonsense"], "--device nonsense"),
@@ -343,6 +344,8 @@ def test_a_datum_past_max_tokens_is_a_400_through_the_sdk_and_the_models_next_ca
         training = client.create_lora_training_client(base_model=server.service.name, rank=4).result()
         with pytest.raises(tinker.BadRequestError, match="datum 1's model_input length 17: .*--max-tokens"):
             training.forward_backward([datum(4), datum(17)], "cross_entropy").result()
+        with pytest.raises(tinker.BadRequestError, match="forward_backward of 48 tokens: .*--max-batch-tokens"):
+            training.forward_backward([datum(16)] * 3, "cross_entropy").result()  # each datum within --max-tokens
         assert training.forward_backward([datum(16)], "cross_entropy").result().metrics["loss:sum"] > 0
         client.close("success").result()
     with warnings.catch_warnings():

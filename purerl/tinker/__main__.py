@@ -28,6 +28,7 @@ _LIMIT_HELP = {
     "max_tokens": "the most tokens of a sample's prompt, of its max_tokens (None: the room left, capped here) "
                   "and of a forward_backward datum",
     "lora_rank": "the largest LoRA rank served",
+    "max_batch_tokens": "the most tokens of one forward_backward call, its datums together",
     "queue_depth": "the most calls queued or running at once (the next is answered 429, which the SDK retries)",
 }
 

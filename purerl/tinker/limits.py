@@ -6,6 +6,8 @@
   ``forward_backward`` datum;
 - ``lora_rank`` (``--lora-rank``): ``lora_config.rank`` of a new model, and the rank of a
   checkpoint loaded into one;
+- ``max_batch_tokens`` (``--max-batch-tokens``): the tokens of one ``forward_backward`` call, its
+  datums together (its logits, tokens × vocabulary, are what a training call costs);
 - ``queue_depth`` (``--queue-depth``): calls waiting or running at once; the next is answered 429,
   which the SDK retries after a pause.
 
@@ -37,6 +39,7 @@ class Limits:
     max_tokens: int = 8192
     lora_rank: int = 128
     queue_depth: int = 256
+    max_batch_tokens: int = 32768
 
     def __attrs_post_init__(self) -> None:
         for field in attrs.fields(Limits):
@@ -56,6 +59,12 @@ class Limits:
         """``what`` (a prompt's length, ``max_tokens``, a datum's length) of ``n`` tokens: at most ``max_tokens``."""
         if n > self.max_tokens:
             raise OverLimit(f"{what} {n}: this server takes at most {self.max_tokens} tokens (--max-tokens)")
+
+    def check_batch(self, n: int) -> None:
+        """A ``forward_backward`` call of ``n`` tokens, its datums together: at most ``max_batch_tokens``."""
+        if n > self.max_batch_tokens:
+            raise OverLimit(f"forward_backward of {n} tokens: this server takes at most {self.max_batch_tokens} "
+                            f"tokens a call (--max-batch-tokens); send the batch in smaller calls")
 
     def check_rank(self, what: str, rank: int) -> None:
         """A LoRA ``rank`` (of ``what``): 1 to ``lora_rank``."""

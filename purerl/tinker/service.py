@@ -130,6 +130,7 @@ class Service:
         elif isinstance(request, wire.ForwardBackward):
             for i, datum in enumerate(request.data):
                 self.limits.check_tokens(f"datum {i}'s model_input length", len(datum.tokens))
+            self.limits.check_batch(sum(len(datum.tokens) for datum in request.data))
         elif isinstance(request, (types.SaveWeightsRequest, types.SaveWeightsForSamplerRequest)):
             if request.path is not None:
                 check_name(request.path, "path")
