@@ -6,7 +6,7 @@ Its problems are new at every step, so each point is measured before any update 
 This plots the three over the steps and prints the mean share of right answers over the first and
 the last ``--window`` steps:
 
-    python3 bench/cookbook_curve.py /tmp/t61b/L/metrics.jsonl --out docs/tinker_math_rl_curve.png \
+    python3 bench/cookbook_curve.py /tmp/t61b/L/metrics.jsonl --out docs/results/tinker_math_rl_curve.png \
         --title "math_rl on SmolLM2 through purerl.tinker"
 """
 

@@ -6,8 +6,8 @@ other on the same machine::
 
     python3 experiments/grpo_math.py --seed 1 --eval-every 5 --out-dir runs/teacher
     python3 experiments/grpo_math.py --seed 1 --eval-every 5 --teacher runs/teacher/export --out-dir runs/distill
-    python3 bench/distill_vs_grpo.py runs/teacher runs/distill --plot docs/distill_curve.png \\
-        --summary docs/distill_summary.json
+    python3 bench/distill_vs_grpo.py runs/teacher runs/distill --plot docs/results/distill_curve.png \\
+        --summary docs/results/distill_summary.json
 
 The teacher's accuracy T is the GRPO run's final held-out accuracy (its export is the teacher).
 Wall time counts from the start of each run's first training step (the step-0 evaluation before

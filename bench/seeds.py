@@ -15,9 +15,9 @@ same seed samples differently on kernels that round differently):
 
     python3 bench/seeds.py --seeds 0-19 --out runs/seeds                     # the main job
     python3 bench/seeds.py --seeds 0-4 --out runs/seeds_dapo -- --config examples/dapo.toml
-    python3 bench/seeds.py --seeds 0-19 --out runs/seeds --no-run --json docs/grpo_math_seeds.json \\
-        --plot docs/grpo_math_seeds.png                                       # the table of finished runs
-    python3 bench/seeds.py --seeds 0-19 --out runs/seeds_t09 --no-run --against docs/grpo_math_seeds.json \\
+    python3 bench/seeds.py --seeds 0-19 --out runs/seeds --no-run --json docs/results/grpo_math_seeds.json \\
+        --plot docs/results/grpo_math_seeds.png                               # the table of finished runs
+    python3 bench/seeds.py --seeds 0-19 --out runs/seeds_t09 --no-run --against docs/results/grpo_math_seeds.json \\
         -- rollout.temperature=0.9                                            # against the default's table
 """
 

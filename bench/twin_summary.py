@@ -6,8 +6,8 @@ a seed ran on both sides; and how many runs ended in the long mode (over a quart
 steps' responses cut at the limit).
 
     python3 bench/twin_summary.py /tmp/twinlogs      # reads /tmp/twinlogs/seed_*.json
-    python3 bench/twin_summary.py /tmp/twin9 --purerl-table docs/grpo_math_seeds.json \\
-        --json docs/grpo_math_twin.json --plot docs/grpo_math_twin.png
+    python3 bench/twin_summary.py /tmp/twin9 --purerl-table docs/results/grpo_math_seeds.json \\
+        --json docs/results/grpo_math_twin.json --plot docs/results/grpo_math_twin.png
 
 ``--purerl-table`` takes purerl's side of a seed the twin ran on TRL's side only from a
 ``bench/seeds.py`` table of the same job (the twin's purerl side is that job at that seed; the table

@@ -9,11 +9,14 @@ import re
 
 import pytest
 
+from purerl.assembly.stages import health_monitor_of
 from purerl.config.job import JobConfig
-from purerl.config.loading import to_dict
+from purerl.config.loading import build, to_dict
+from purerl.health import Monitor
 from purerl.report import ReportError, main, write_report
 from purerl.report.charts import CHARTS, series
 from purerl.report.page import ROW_CHARS, kept_samples, right
+from purerl.report.run_files import read_run, run_monitor
 
 HOSTILE = "<script>alert('x')</script> & </td></tr>"
 
@@ -132,6 +135,29 @@ def test_a_live_run_shows_the_monitors_lines_and_tolerates_a_torn_last_line(tmp_
     assert not (run / "report.html").exists()
 
 
+def test_a_live_run_shows_the_lines_of_its_own_monitor_under_its_own_health_limits(tmp_path):
+    """Health limits other than the defaults: the report folds the rows with the monitor the run built (its
+    ``health`` section and gradient clip), so a symptom fires, or does not, as it did on the run's console."""
+    run = _run_folder(tmp_path / "run")
+    _rewrite_object(run / "config.json", lambda c: (c["health"].update(patience=2, grad_norm_factor=2, cut_share=0.8),
+                                                    c["actor"].update(grad_clip=1.0)))
+
+    def flags(rows):
+        for row in rows:
+            row.pop("health/cut_responses", None)
+            row["actor/grad_norm"] = 2.5
+        rows[1]["health/grad_norm_high"] = 1.0
+
+    _rewrite_rows(run / "metrics.jsonl", flags)
+    files = read_run(run)
+    assert run_monitor(files.config, run) == health_monitor_of(build(JobConfig, files.config),
+                                                               str(run / "samples.jsonl"))
+    assert [(e.step, e.symptom) for e in Monitor().fold(files.metrics)[1]] == [(3, "cut_responses")]  # defaults
+    page = html.unescape(_page(run))
+    assert "health: step 2: grad_norm_high: gradient norm 2.5, over 2× actor.grad_clip=1 for 2 steps" in page
+    assert "health: step 2: grad_norm_high started" not in page and "health: step 3" not in page
+
+
 def test_a_folder_that_is_not_a_run_fails_in_one_line_naming_the_file(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path / "empty")]) == 1
@@ -195,6 +221,9 @@ DAMAGES = {
     "a config.json section that is not an object": (
         lambda run: _rewrite_object(run / "config.json", lambda c: c.update(trainer=5, health=[1], rollout="x")),
         "config.json: section trainer left out: not a JSON object (a number)"),
+    "a health limit that is not a setting": (
+        lambda run: _rewrite_object(run / "config.json", lambda c: c["health"].update(patience=0)),
+        "config.json: health.patience must be ≥ 1, got 0: the health lines below say only which symptom started"),
     "summary.health.events not a list": (
         lambda run: _rewrite_object(run / "summary.json", lambda s: s.update(
             health={"mode": "warn", "events": 5, "active": 3}, machine={"cpu": ["x"]}, wall_seconds="x")),

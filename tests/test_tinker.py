@@ -416,3 +416,18 @@ def test_a_batch_whose_work_returns_the_wrong_number_of_results_fails_each_reque
 
     for done, failure in asyncio.run(scenario()):
         assert done and failure.category == "server" and "got 1 results" in failure.error
+
+
+def test_json_answers_are_the_sdks_response_types_holding_only_what_the_server_states():
+    """The server builds its JSON answers as the SDK's types (:func:`purerl.tinker.wire.json_answer`): what it
+    sets, no default it does not state (``GetInfoResponse.optimizer_config``, the sampler save's ``path``)."""
+    from purerl.tinker.wire import json_answer
+
+    info = types.GetInfoResponse(type="get_info", model_id="m", model_name="n", is_lora=False, lora_rank=None,
+                                 model_data=types.ModelData(arch="llama", model_name="n", tokenizer_id="/t"))
+    assert json_answer(info) == {"type": "get_info", "model_id": "m", "model_name": "n", "is_lora": False,
+                                 "lora_rank": None,
+                                 "model_data": {"arch": "llama", "model_name": "n", "tokenizer_id": "/t"}}
+    saved = types.SaveWeightsForSamplerResponseInternal(type="save_weights_for_sampler", sampling_session_id="s")
+    assert json_answer(saved) == {"type": "save_weights_for_sampler", "sampling_session_id": "s"}
+    assert json_answer(types.OptimStepResponse(metrics={"grad_norm:mean": 2.5})) == {"metrics": {"grad_norm:mean": 2.5}}

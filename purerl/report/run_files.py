@@ -24,12 +24,13 @@ from typing import Any
 
 import attrs
 
-from purerl.health import SYMPTOMS, Context, HealthLimits, Monitor
+from purerl.config.loading import ConfigError
+from purerl.health import SYMPTOMS, HealthLimits, Monitor
 from purerl.io.layout import RunLayout
 
 __all__ = ["ABSENT", "MAX_LINE_CHARS", "MAX_SAMPLE_CHARS", "MAX_STEP_ROWS", "MAX_TEXT_CHARS", "ROW_CHARS",
            "HealthLines", "ReportError", "RunFiles", "config_changes", "health_lines", "kept_steps", "read_run",
-           "shown_samples"]
+           "run_monitor", "shown_samples"]
 
 MAX_SAMPLE_CHARS = 4_000_000
 """The samples table's budget of page text (each row's escaped prompt and response, and :data:`ROW_CHARS`); a run
@@ -311,8 +312,8 @@ class HealthLines:
 def health_lines(files: RunFiles) -> HealthLines:
     """The events in ``summary.json``'s ``health`` once the run ended; before (or where that record is damaged),
     the ``health/<symptom>`` flags of the rows, each with the line the monitor printed (the rows folded again by
-    a monitor bound to the run's settings; a flag it does not reproduce, e.g. limits changed on resume, gets a
-    plain line)."""
+    a monitor built as the run built its own, :func:`run_monitor`; a flag it does not reproduce, e.g. limits changed
+    on resume, gets a plain line, as does every flag, with a note, where the recorded limits are not settings)."""
     config = files.config or {}
     mode = (config.get("trainer") or {}).get("health")
     mode = mode if isinstance(mode, str) else None
@@ -330,8 +331,12 @@ def health_lines(files: RunFiles) -> HealthLines:
     if not flagged:
         return HealthLines(mode, [], [], note)
     try:
-        _, events = _monitor(config, files.path).fold(files.metrics)
-    except (TypeError, ValueError, ArithmeticError):  # health limits of a damaged config.json: lines by the flags
+        _, events = run_monitor(config, files.path).fold(files.metrics)
+    except ConfigError as err:  # recorded limits that are not settings: lines by the flags
+        events = []
+        note = "; ".join(filter(None, [note, f"{RunLayout(files.path).config}: {err}: the health lines below say only "
+                                            "which symptom started or cleared"]))
+    except (TypeError, ValueError, ArithmeticError):  # rows the monitor cannot read: lines by the flags
         events = []
     said = {(e.step, e.symptom, e.started): e.line for e in events}
     lines, active = [], set()
@@ -342,16 +347,20 @@ def health_lines(files: RunFiles) -> HealthLines:
     return HealthLines(mode or "warn", lines, sorted(active), note)
 
 
-def _monitor(config: Mapping[str, Any], run_dir: Path) -> Monitor:
-    """The monitor the run had: its ``health`` limits, response budget, gradient clip and samples file (the
-    defaults for what the recording lacks or cannot give)."""
-    section = config.get("health") or {}
-    try:
-        limits = HealthLimits(**{f.name: section[f.name] for f in attrs.fields(HealthLimits) if f.name in section})
-    except (TypeError, ValueError):
-        limits = HealthLimits()
-    rollout, actor = config.get("rollout") or {}, config.get("actor") or {}
-    budget, clip = rollout.get("max_new_tokens", 0), actor.get("grad_clip", float("inf"))
-    return Monitor(limits, Context(budget if isinstance(budget, int) else 0,
-                                   clip if isinstance(clip, (int, float)) else float("inf"),
-                                   str(RunLayout(run_dir).samples)))
+def run_monitor(config: Mapping[str, Any], run_dir: str | Path) -> Monitor:
+    """The monitor the run had, built as the run built it (:func:`~purerl.assembly.stages.health_monitor_of`) from
+    the recorded ``health`` limits, ``rollout.max_new_tokens`` and ``actor.grad_clip`` (the job's defaults for what
+    the recording lacks; a limit this version does not know is not this monitor's) and bound to the run's samples
+    file. A :class:`~purerl.config.loading.ConfigError` (a ``ValueError``) where a recorded value is not a setting."""
+    from purerl.assembly.stages import health_monitor_of
+    from purerl.config.job import JobConfig
+    from purerl.config.loading import build
+
+    def recorded(section: str, names: Iterable[str]) -> dict[str, Any]:
+        values = config.get(section)
+        return {name: values[name] for name in names if name in values} if isinstance(values, Mapping) else {}
+
+    job = build(JobConfig, {"health": recorded("health", (f.name for f in attrs.fields(HealthLimits))),
+                            "rollout": recorded("rollout", ["max_new_tokens"]),
+                            "actor": recorded("actor", ["grad_clip"])})
+    return health_monitor_of(job, str(RunLayout(run_dir).samples))

@@ -212,7 +212,7 @@ def app_of(service: Service, key: str, *, capacity: int | None = None, poll_seco
     @app.post("/api/v1/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
         await body_of(request)
-        return {"type": "create_session", "session_id": service.create_session()}
+        return wire.json_answer(types.CreateSessionResponse(type="create_session", session_id=service.create_session()))
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request) -> Any:
@@ -221,7 +221,7 @@ def app_of(service: Service, key: str, *, capacity: int | None = None, poll_seco
             return refused(404, f"session {session!r} is not known to this server")
         if service.sessions[session]:
             return refused(410, f"session {session!r} has finished")
-        return {"type": "session_heartbeat"}
+        return wire.json_answer(types.SessionHeartbeatResponse(type="session_heartbeat"))
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str) -> Any:
@@ -281,7 +281,8 @@ def app_of(service: Service, key: str, *, capacity: int | None = None, poll_seco
         except ValueError as err:
             raise _BadRequest(one_line(err)) from None
         sampler_id = await on_worker(lambda: service.create_sampling_session(asked))
-        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+        return wire.json_answer(types.CreateSamplingSessionResponse(type="create_sampling_session",
+                                                                    sampling_session_id=sampler_id))
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def sampler(sampler_id: str) -> Any:

@@ -3,7 +3,8 @@
 One frozen base model (``name``: what ``base_model`` must say) is shared by every training model
 (:mod:`purerl.tinker.trainer`) and by the sampler (:mod:`purerl.tinker.sampler`). The methods named
 after Tinker calls run on the queue's worker thread (:mod:`purerl.tinker.futures`) and return what
-the call answers (a dict for JSON, bytes for protobuf); a request they cannot honour raises
+the call answers (the JSON of the SDK's response type, :func:`~purerl.tinker.wire.json_answer`; bytes
+for protobuf); a request they cannot honour raises
 ``ValueError`` in one line. Model ids are ``<session>:train:<n>`` (the SDK derives them so for
 create-via-load) and sampling sessions ``<session>:sample:<n>``. What one request may cost is
 bounded by :class:`~purerl.tinker.limits.Limits`; :meth:`Service.admitted` checks a request against
@@ -107,10 +108,11 @@ class Service:
     def info(self, model_id: str) -> dict[str, Any]:
         model = self.model(model_id)
         lora = model.trainable.lora
-        return {"type": "get_info", "model_id": model_id, "model_name": self.name, "is_lora": lora is not None,
-                "lora_rank": None if lora is None else lora.rank,
-                "model_data": {"arch": getattr(self.base.config, "model_type", None), "model_name": self.name,
-                               "tokenizer_id": self.tokenizer_dir}}
+        return wire.json_answer(types.GetInfoResponse(
+            type="get_info", model_id=model_id, model_name=self.name, is_lora=lora is not None,
+            lora_rank=None if lora is None else lora.rank,
+            model_data=types.ModelData(arch=getattr(self.base.config, "model_type", None), model_name=self.name,
+                                       tokenizer_id=self.tokenizer_dir)))
 
     def _check_base(self, base_model: str | None) -> None:
         if base_model is not None and base_model != self.name:
@@ -172,7 +174,7 @@ class Service:
             raise ValueError(f"optimizer {request.optimizer_config.type!r} is not served (AdamW only)")
         model_id = f"{request.session_id}:train:{request.model_seq_id}"
         self._add_model(model_id, request.session_id, self._lora(request.lora_config), request.user_metadata)
-        return {"type": "create_model", "model_id": model_id}
+        return wire.json_answer(types.CreateModelResponse(type="create_model", model_id=model_id))
 
     def forward_backward(self, request: wire.ForwardBackward) -> bytes:
         model = self.model(request.model_id)
@@ -193,7 +195,7 @@ class Service:
         model.state, metrics = optim_step(model.state, learning_rate=adam.learning_rate, beta1=adam.beta1,
                                           beta2=adam.beta2, eps=adam.eps, weight_decay=adam.weight_decay,
                                           grad_clip_norm=adam.grad_clip_norm)
-        return {"metrics": metrics}
+        return wire.json_answer(types.OptimStepResponse(metrics=metrics))
 
     def _metadata(self, model: TrainingModel, optimizer: bool, user_metadata: dict[str, str] | None) -> dict[str, Any]:
         lora = model.trainable.lora
@@ -216,19 +218,20 @@ class Service:
                 raise ValueError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
             sampler_id = f"{model.session_id}:sample:{request.sampling_session_seq_id}"
             self.samplers[sampler_id] = self._snapshot(model, None).number
-            return {"type": "save_weights_for_sampler", "sampling_session_id": sampler_id}
+            return wire.json_answer(types.SaveWeightsForSamplerResponseInternal(type="save_weights_for_sampler",
+                                                                                sampling_session_id=sampler_id))
         path = tinker_path(model.model_id, "sampler_weights", request.path)
         self.store.save(path, {"params": model.state.params}, step=model.state.steps,
                         metadata=self._metadata(model, False, request.user_metadata))
         self._snapshot(model, path)
-        return {"type": "save_weights_for_sampler", "path": path}
+        return wire.json_answer(types.SaveWeightsForSamplerResponse(type="save_weights_for_sampler", path=path))
 
     def save_weights(self, request: types.SaveWeightsRequest) -> dict[str, Any]:
         model = self.model(request.model_id)
         path = tinker_path(model.model_id, "weights", request.path or f"step-{model.state.steps:06d}")
         self.store.save(path, {"params": model.state.params, "opt": model.state.opt}, step=model.state.steps,
                         metadata=self._metadata(model, True, request.user_metadata), overwrite=request.overwrite)
-        return {"type": "save_weights", "path": path}
+        return wire.json_answer(types.SaveWeightsResponse(type="save_weights", path=path))
 
     def _restored(self, path: str, state: ModelState, optimizer: bool) -> ModelState:
         """``state`` with the params (and, with ``optimizer``, the AdamW state) saved under ``path``."""
@@ -248,7 +251,8 @@ class Service:
         if request.model_id is not None:  # into an existing model, in its call order
             model = self.model(request.model_id)
             model.state = self._restored(request.path, model.state, request.optimizer)
-            return {"type": "load_weights", "path": request.path, "model_id": model.model_id}
+            return wire.json_answer(types.LoadWeightsResponse(type="load_weights", path=request.path,
+                                                              model_id=model.model_id))
         if request.session_id is None or request.model_seq_id is None:
             raise ValueError("load_weights needs model_id, or session_id and model_seq_id")
         self._check_session(request.session_id)
@@ -262,7 +266,7 @@ class Service:
         except Exception:
             del self.models[model_id]
             raise
-        return {"type": "load_weights", "path": request.path, "model_id": model_id}
+        return wire.json_answer(types.LoadWeightsResponse(type="load_weights", path=request.path, model_id=model_id))
 
     # training runs and their checkpoints (on the worker: after the saves queued before them)
 
@@ -329,8 +333,8 @@ class Service:
     def sampler_info(self, sampler_id: str) -> dict[str, Any]:
         if sampler_id not in self.samplers:
             raise KeyError(sampler_id)
-        return {"sampler_id": sampler_id, "base_model": self.name,
-                "model_path": self.snapshots[self.samplers[sampler_id]].path}
+        return wire.json_answer(types.GetSamplerResponse(sampler_id=sampler_id, base_model=self.name,
+                                                         model_path=self.snapshots[self.samplers[sampler_id]].path))
 
     def sample_work(self, request: types.SampleRequest, settings: SamplingRequest) -> Batched:
         """The work of an ``asample`` request (its snapshot resolved now, its settings checked there),

@@ -3,7 +3,8 @@
 ``forward_backward`` requests arrive as protobuf (``tinker.proto.tinker_public_pb2``, the SDK's own
 schema, imported), other requests as JSON parsed by the SDK's pydantic request types (which forbid
 unknown fields: an unknown parameter is refused, never ignored). ``sample`` and ``forward_backward``
-results go back as protobuf, the SDK's only accepted form for them. Everything this server cannot
+results go back as protobuf, the SDK's only accepted form for them; the other results as JSON, each
+one of the SDK's response types (:func:`json_answer`). Everything this server cannot
 honour is refused in one line (``ValueError``): image or audio chunks, sparse or 2-d loss inputs,
 prompt log-probs and their relatives, stability records. Provenance spans are checked and unused.
 """
@@ -13,14 +14,15 @@ from typing import Any
 
 import attrs
 import numpy as np
+import pydantic
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from purerl.tinker.sampler import Sample, SamplingRequest
 from purerl.tinker.trainer import Datum
 
-__all__ = ["ForwardBackward", "forward_backward_output", "forward_backward_request", "header_of", "prompt_tokens",
-           "sample_response", "sampling_request"]
+__all__ = ["ForwardBackward", "forward_backward_output", "forward_backward_request", "header_of", "json_answer",
+           "prompt_tokens", "sample_response", "sampling_request"]
 
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
@@ -115,6 +117,12 @@ def forward_backward_output(logprobs: Sequence[np.ndarray], loss_sum: float,
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record],
                                    metrics={"loss:sum": float(loss_sum), **(metrics or {})})
     return out.SerializeToString()
+
+
+def json_answer(response: pydantic.BaseModel) -> dict[str, Any]:
+    """The JSON of a result built as the SDK's response type ``response``: the fields this server set, so an
+    optional field it does not state (e.g. ``GetInfoResponse.optimizer_config``) keeps the client's default."""
+    return response.model_dump(mode="json", exclude_unset=True)
 
 
 def sample_response(samples: Sequence[Sample]) -> bytes:
