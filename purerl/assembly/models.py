@@ -22,6 +22,7 @@ from purerl.models import (
     load_causal_lm,
     smollm2_gguf,
 )
+from purerl.models.families import computed_by
 from purerl.models.gguf_cache import gguf_as_folder
 from purerl.models.lora import LoraSpec, apply_lora
 from purerl.rewards.judge import Judge, JudgeSettings
@@ -43,7 +44,8 @@ def driver_device(config: JobConfig) -> str:
 
 def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
     """The policy (``model.path``, the default GGUF, or a tiny random one) and its tokenizer: float32
-    master weights, computing in ``model.dtype``."""
+    master weights, computing in ``model.dtype``. A loaded model's console line says what computes
+    it (its lean family, or its HF module and why)."""
     if config.model.tiny:
         tokenizer = char_tokenizer()
         context = {"max_position_embeddings": max(256, config.env.max_tokens)} if config.env.multi_turn else {}
@@ -59,6 +61,7 @@ def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:
         tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     model, params = load_causal_lm(path, device=driver_device(config))
+    print(computed_by(model), flush=True)
     return (*_adapted(config, model, params), tokenizer)
 
 

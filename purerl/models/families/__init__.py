@@ -3,9 +3,13 @@
 A :class:`Family` says which models it covers and gives two functions of the params tree: the
 training and scoring forward (``response_logits``) and KV-cache decoding for the embedded engine
 (``decoding``). :func:`family_of` picks the first registered family that supports a model; a model
-that none supports runs its HF module (same values, more overhead per call), and the log says so.
+that none supports runs its HF module (same values, more overhead per call), and the log says so
+and why (:func:`computed_by`).
 
-Registered: ``llama`` (Llama, Qwen2, SmolLM2; :mod:`.llama`, :mod:`.llama_decode`).
+Registered: ``llama`` (Llama, Qwen2, SmolLM2) and ``qwen3`` (Qwen3 dense: Llama's block with q/k
+norms per head), both :mod:`.llama`'s forward (:class:`.llama.Variant`), :mod:`.llama_packed` and
+:mod:`.llama_decode`. ``tests/test_family_exactness.py`` runs every registered family through the
+same checks against its HF module.
 A new family registers a :class:`Family` under its name: ``FAMILIES.register("name")(Family(...))``.
 """
 
@@ -30,7 +34,7 @@ CausalLM = Any
 the dependency runs one way)."""
 Params = dict[str, Tensor]
 
-__all__ = ["Decoding", "FAMILIES", "Family", "family_of"]
+__all__ = ["Decoding", "FAMILIES", "Family", "computed_by", "family_of"]
 
 _log = logging.getLogger(__name__)
 
@@ -56,12 +60,15 @@ class Family:
     - ``decoder_weights(model, params, onednn=…)``: what ``decoding`` reads in place of
       ``params`` over the calls of one weights version (prepared once by the engine's ``sync``;
       default: the params themselves).
+    - ``unsupported(model) -> str | None``: for a model of the family's architectures that
+      ``supports`` refuses, why (a phrase for the log); None otherwise.
     """
 
     supports: Callable[[CausalLM], bool]
     response_logits: Callable[[CausalLM, Params, "Sequences", tuple[Tensor, Tensor] | None], Tensor]
     decoding: Callable[..., AbstractContextManager[Decoding]]
     decoder_weights: Callable[..., Any] = lambda model, params, **options: params
+    unsupported: Callable[[CausalLM], str | None] = lambda model: None
 
 
 FAMILIES: Registry[Any] = Registry("model family")
@@ -72,9 +79,19 @@ def family_of(model: CausalLM) -> Family | None:
     for name in FAMILIES.names():
         if FAMILIES[name].supports(model):
             return FAMILIES[name]
-    _log.info("%s (model_type %r): no lean family supports it; it runs through its HF module",
-              type(model.module).__name__, getattr(model.config, "model_type", None))
+    _log.info("%s", computed_by(model))
     return None
+
+
+def computed_by(model: CausalLM) -> str:
+    """One line saying what computes ``model``'s forwards: the lean family that supports it, or
+    its HF module and why (each family of its architecture says what it does not implement)."""
+    kind = f"{type(model.module).__name__} (model_type {getattr(model.config, 'model_type', None)!r})"
+    for name in FAMILIES.names():
+        if FAMILIES[name].supports(model):
+            return f"{kind}: computed by the lean family {name!r}"
+    reasons = "; ".join(f"{name}: {why}" for name in FAMILIES.names() if (why := FAMILIES[name].unsupported(model)))
+    return f"{kind}: no lean family supports it{f' ({reasons})' if reasons else ''}; it runs through its HF module"
 
 
 def _llama_response_logits(model: CausalLM, params: Params, seqs: "Sequences",
@@ -102,5 +119,11 @@ def _compiled_llama_forward() -> Callable[..., Tensor]:
     return torch.compile(functools.partial(_llama_forward, llama.response_logits))
 
 
-FAMILIES.register("llama")(Family(llama.supports, _llama_response_logits, llama_decode.decoding,
-                                  llama_decode.decoder_weights))
+def _lean(variant: llama.Variant) -> Family:
+    """A family that :mod:`.llama`'s forward computes as ``variant``."""
+    return Family(variant.supports, _llama_response_logits, llama_decode.decoding, llama_decode.decoder_weights,
+                  variant.unsupported)
+
+
+FAMILIES.register("llama")(_lean(llama.LLAMA))
+FAMILIES.register("qwen3")(_lean(llama.QWEN3))

@@ -1,4 +1,4 @@
-"""A lean forward for Llama-family models (Llama, Qwen2, SmolLM2), as plain functions of the params tree.
+"""A lean forward for Llama-family models (Llama, Qwen2, SmolLM2, Qwen3), as plain functions of the params tree.
 
 Running the HF module costs, per call, module dispatch, mask construction, output objects and one
 kernel per projection; for small models and short sequences that overhead is most of the time.
@@ -7,9 +7,11 @@ through ``scaled_dot_product_attention``, SwiGLU MLP, with q/k/v and gate/up eac
 matrix product (fewer, larger kernels; in a training forward autograd splits the gradient of a
 fused matrix back onto its parts). It computes what ``LlamaForCausalLM`` computes, op for op:
 logits equal the module's (fp32: bit for bit in training forwards, ~1e-6 when decoding;
-``tests/test_llama.py``, ``tests/test_llama_decode.py``). :func:`supports` says which models it
-covers; the others (other architectures, rope variants that rescale attention, sliding windows)
-go through the HF module.
+``tests/test_llama.py``, ``tests/test_llama_decode.py``, ``tests/test_family_exactness.py``).
+A :class:`Variant` names what a family built on it changes in Llama's block (Qwen3: q and k
+RMS-normalised per head before the rotation). :func:`supports` says which models it covers;
+the others (other architectures, rope variants that rescale attention, sliding windows) go
+through the HF module, and :meth:`Variant.unsupported` says why.
 
 Users: :func:`response_logits` (the training and scoring forward, through
 :func:`purerl.models.response_logits`), :mod:`purerl.models.families.llama_packed` (the same forward
@@ -29,6 +31,9 @@ from torch import Tensor
 from purerl.models.families.onednn import OneDNNLinear
 
 __all__ = [
+    "LLAMA",
+    "QWEN3",
+    "Variant",
     "LlamaLayout",
     "RotaryTable",
     "FusedWeights",
@@ -42,7 +47,6 @@ __all__ = [
     "response_logits",
 ]
 
-_ARCHITECTURES = ("llama", "qwen2")
 _ROPE_TYPES = ("default", "linear", "llama3")  # inv_freq changes, attention is not rescaled
 
 Attention = Callable[[int, Tensor, Tensor, Tensor, slice | None], Tensor]
@@ -50,20 +54,53 @@ Attention = Callable[[int, Tensor, Tensor, Tensor, slice | None], Tensor]
 ``queries`` is the slice of the ``s`` positions ``q`` holds (None: all of them, ``n = s``)."""
 
 
-def supports(model: Any) -> bool:
-    """Whether this module computes exactly what ``model`` (a CausalLM skeleton) does."""
-    config = model.config
-    rotary = getattr(getattr(model.module, "model", None), "rotary_emb", None)
-    return (
-        getattr(config, "model_type", None) in _ARCHITECTURES
-        and getattr(config, "hidden_act", None) == "silu"
-        and rotary is not None
-        and getattr(rotary, "rope_type", None) in _ROPE_TYPES
-        and float(getattr(rotary, "attention_scaling", 1.0)) == 1.0
-        and not getattr(config, "use_sliding_window", False)
-        and not getattr(config, "mlp_bias", False)
-        and "model.rotary_emb.inv_freq" in model.buffers
-    )
+class Variant(NamedTuple):
+    """What a family computed by this forward changes in Llama's block: the HF model types it
+    covers, and whether each attention layer RMS-normalises q and k per head before the rotation
+    (``q_norm``/``k_norm``, one weight ``[D]`` each, shared by the heads)."""
+
+    model_types: tuple[str, ...]
+    qk_norm: bool = False
+
+    def supports(self, model: Any) -> bool:
+        """Whether this module computes exactly what ``model`` (a CausalLM skeleton) does."""
+        return getattr(model.config, "model_type", None) in self.model_types and self.unsupported(model) is None
+
+    def unsupported(self, model: Any) -> str | None:
+        """Why this module would not compute what ``model``, of one of these architectures, computes
+        (a phrase for the log: the first setting it does not implement); None where it would, and
+        for a model of another architecture."""
+        config = model.config
+        if getattr(config, "model_type", None) not in self.model_types:
+            return None
+        rotary = getattr(getattr(model.module, "model", None), "rotary_emb", None)
+        layers = getattr(getattr(model.module, "model", None), "layers", None) or [None]
+        rope_type = getattr(rotary, "rope_type", None)
+        if getattr(config, "hidden_act", None) != "silu":
+            return f"hidden_act {getattr(config, 'hidden_act', None)!r} (it runs SiLU)"
+        if rotary is None or "model.rotary_emb.inv_freq" not in model.buffers:
+            return "no rotary embedding with an inv_freq buffer"
+        if rope_type not in _ROPE_TYPES:
+            return f"rope_type {rope_type!r} (it implements {', '.join(_ROPE_TYPES)})"
+        if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+            return f"rope attention_scaling {float(rotary.attention_scaling)} (it implements 1)"
+        if getattr(config, "use_sliding_window", False) or any(
+                kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+            return "sliding-window attention layers"
+        if getattr(config, "mlp_bias", False):
+            return "MLP biases"
+        if hasattr(getattr(layers[0], "self_attn", None), "q_norm") != self.qk_norm:
+            return "no q/k norms per head" if self.qk_norm else "q/k norms per head (this family has none)"
+        return None
+
+
+LLAMA = Variant(("llama", "qwen2"))
+QWEN3 = Variant(("qwen3",), qk_norm=True)
+
+
+def supports(model: Any, variant: Variant = LLAMA) -> bool:
+    """Whether this module computes exactly what ``model`` (a CausalLM skeleton) does, as ``variant``."""
+    return variant.supports(model)
 
 
 class LlamaLayout(NamedTuple):
@@ -90,6 +127,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     per layer and decoded token.)"""
     if x.dtype == torch.float32:
         return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def head_norm(x: Float[Tensor, "... heads D"], weight: Float[Tensor, "heads D"], eps: float) -> Tensor:
+    """Qwen3's ``q_norm``/``k_norm``: RMSNorm over each head's ``D`` values, head ``j`` scaled by
+    ``weight[j]`` (as :func:`rms_norm`: normalise in float32, cast back, then scale)."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), None, eps) * weight
     return weight * torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
@@ -140,6 +185,7 @@ class LayerWeights(NamedTuple):
     out_lora: "Lora | None" = None
     gate_up_lora: "Lora | None" = None
     down_lora: "Lora | None" = None
+    qk_norm: Tensor | None = None  # [H + K, D]: each query head's q_norm weight, then each key head's k_norm
 
 
 class Lora(NamedTuple):
@@ -186,6 +232,12 @@ def fused_weights(params: dict[str, Tensor], layout: LlamaLayout, lora_scale: fl
         b = [x if x is not None else w.new_zeros(w.shape[0], 0) for x, w in zip(b, weights)]
         return Lora(torch.cat(a).t(), torch.block_diag(*b).t() if len(b) > 1 else b[0].t(), lora_scale)
 
+    def head_norms(a: str) -> Tensor | None:
+        q = params.get(f"{a}.q_norm.weight")
+        if q is None:
+            return None
+        return torch.cat((q.expand(layout.heads, -1), params[f"{a}.k_norm.weight"].expand(layout.kv_heads, -1)))
+
     layers = []
     for i in range(layout.layers):
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
@@ -199,7 +251,7 @@ def fused_weights(params: dict[str, Tensor], layout: LlamaLayout, lora_scale: fl
             params[f"model.layers.{i}.post_attention_layernorm.weight"],
             cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight").t(), t(f"{m}.down_proj.weight"),
             lora(f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"), lora(f"{a}.o_proj"),
-            lora(f"{m}.gate_proj", f"{m}.up_proj"), lora(f"{m}.down_proj")))
+            lora(f"{m}.gate_proj", f"{m}.up_proj"), lora(f"{m}.down_proj"), head_norms(a)))
     embed = params["model.embed_tokens.weight"]
     return FusedWeights(embed, layers, params["model.norm.weight"],
                         params.get("lm_head.weight", embed).t(),  # tied: only the embedding is in the tree
@@ -226,15 +278,17 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
     n = s
     for i, w in enumerate(weights.layers):
         qkv = project(rms_norm(h, w.input_norm, layout.eps), w.qkv, w.qkv_bias, lora=w.qkv_lora)
-        qkv = qkv.view(b, s, qk_heads + kv_heads, head_dim).transpose(1, 2)
-        # q and k are adjacent heads of the fused product: one rotation for both
-        qk = rotate(qkv[:, :qk_heads], cos, sin)
+        qkv = qkv.view(b, s, qk_heads + kv_heads, head_dim)
+        # q and k are adjacent heads of the fused product: one norm (where the family has one) and one rotation
+        qk = qkv[:, :, :qk_heads] if w.qk_norm is None else head_norm(qkv[:, :, :qk_heads], w.qk_norm, layout.eps)
+        qk = rotate(qk.transpose(1, 2), cos, sin)
         q, queries = qk[:, :heads], None
         if i == last and keep is not None:
             q, queries = q[:, :, keep], keep
             h = h.view(b, s, -1)[:, keep].reshape(-1, h.shape[-1])
             n = q.shape[2]
-        attn = attention(i, q, qk[:, heads:], qkv[:, qk_heads:], queries).transpose(1, 2).reshape(b * n, -1)
+        attn = attention(i, q, qk[:, heads:], qkv[:, :, qk_heads:].transpose(1, 2), queries)
+        attn = attn.transpose(1, 2).reshape(b * n, -1)
         h = project(attn, w.out, w.out_bias, residual=h, lora=w.out_lora)
         gate, up = project(rms_norm(h, w.post_norm, layout.eps), w.gate_up, lora=w.gate_up_lora).chunk(2, dim=-1)
         h = project(F.silu(gate) * up, w.down, residual=h, lora=w.down_lora)
