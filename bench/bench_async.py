@@ -45,7 +45,7 @@ from purerl.config.job import ExecutorConfig, JobConfig  # noqa: E402
 from purerl.config.loading import build  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.data.records import PromptRecord  # noqa: E402
-from purerl.executors.ray import RayExecutor  # noqa: E402
+from purerl.executors.ray import RayExecutor, RaySetup  # noqa: E402
 from purerl.io.metrics import MetricsLog  # noqa: E402
 from purerl.loop.async_train import train_async  # noqa: E402
 from purerl.loop.task import Task  # noqa: E402
@@ -87,8 +87,8 @@ def run_mode(mode: str, args: argparse.Namespace, model, params, task: Task) -> 
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
                        data=DataCursor(0))
     executor_config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split")
-    with tempfile.TemporaryDirectory() as run_dir, RayExecutor(step_fn, model, engine_kwargs=ENGINE,
-                                                                config=executor_config) as executor:
+    with tempfile.TemporaryDirectory() as run_dir, RayExecutor(step_fn, model, RaySetup(engine_kwargs=ENGINE),
+                                                                executor_config) as executor:
         log = MetricsLog(run_dir)
         state = executor.start(state)
         report = None
@@ -136,9 +136,8 @@ def straggler_mode(name: str, generators: int, workers: int, interruptible: bool
     state = TrainState(policy=params, policy_opt=optimizer.init(params), kl=kl.init(), rng=RngState(0),
                        data=DataCursor(0))
     executor_config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=workers, placement="split")
-    with tempfile.TemporaryDirectory() as run_dir, RayExecutor(step_fn, model, engine_kwargs=ENGINE,
-                                                                config=executor_config,
-                                                                generators=generators) as executor:
+    with tempfile.TemporaryDirectory() as run_dir, RayExecutor(
+            step_fn, model, RaySetup(engine_kwargs=ENGINE, generators=generators), executor_config) as executor:
         import ray
 
         ray.get(executor.rollout[-1].straggle.remote(args.straggler))

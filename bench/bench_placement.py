@@ -24,7 +24,8 @@ import torch  # noqa: E402
 from purerl.assembly.stages import step_function  # noqa: E402
 from purerl.config.job import ExecutorConfig, JobConfig  # noqa: E402
 from purerl.config.loading import build  # noqa: E402
-from purerl.executors.ray import RayExecutor  # noqa: E402
+from purerl.executors.base import Roles  # noqa: E402
+from purerl.executors.ray import RayExecutor, RaySetup, StepFactory  # noqa: E402
 from purerl.models import causal_lm_from_config, critic_from_causal_lm  # noqa: E402
 from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
@@ -45,8 +46,8 @@ def job(args: argparse.Namespace) -> JobConfig:
 def time_placement(placement: str, model, critic, state, rollout, scores, config: JobConfig, steps: int) -> list[float]:
     executor_config = ExecutorConfig(kind="ray", placement=placement, train_ranks=1, rollout_workers=1,
                                      critic_workers=1, step_timeout=1800)
-    with RayExecutor(None, model, engine_kwargs=ENGINE, config=executor_config, critic=critic,
-                     make_step_fn=functools.partial(step_function, config)) as executor:
+    with RayExecutor(StepFactory(functools.partial(step_function, config)), Roles(model, critic=critic),
+                     RaySetup(engine_kwargs=ENGINE), executor_config) as executor:
         held = executor.start(state)
         held, _ = executor.step(held, rollout, scores)  # warm-up
         times = []

@@ -29,7 +29,7 @@ from purerl.config.loading import build  # noqa: E402
 from purerl.data.cursor import DataCursor  # noqa: E402
 from purerl.data.records import PromptRecord  # noqa: E402
 from purerl.executors.local import LocalExecutor  # noqa: E402
-from purerl.executors.ray import RayExecutor  # noqa: E402
+from purerl.executors.ray import RayExecutor, RaySetup  # noqa: E402
 from purerl.loop.sampling import rollout_batch  # noqa: E402
 from purerl.loop.task import Task  # noqa: E402
 from purerl.models import causal_lm_from_config  # noqa: E402
@@ -107,7 +107,7 @@ def main() -> None:
     for placement in ("split", "colocated"):
         model, step_fn, state = setup(tiny, job)
         config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, placement=placement)
-        with RayExecutor(step_fn, model, engine_kwargs=ENGINE, config=config) as executor:
+        with RayExecutor(step_fn, model, RaySetup(engine_kwargs=ENGINE), config) as executor:
             results[f"ray {placement}"] = time_steps(executor, state, task, job, args.steps)
 
     params = sum(p.numel() for p in causal_lm_from_config(tiny)[1].values())
@@ -132,7 +132,7 @@ def main() -> None:
             size = sum(p.nbytes for p in state.policy.values()) / 1e6
             count = sum(p.numel() for p in state.policy.values())
             ray_config = ExecutorConfig(kind="ray", placement="split", sync_checksum=checksum)
-            with RayExecutor(step_fn, model, engine_kwargs=ENGINE, config=ray_config) as executor:
+            with RayExecutor(step_fn, model, RaySetup(engine_kwargs=ENGINE), ray_config) as executor:
                 small = executor.start(state)
                 times = []
                 for version in range(1, args.sync_repeats + 2):  # gather (publish), then load

@@ -181,9 +181,10 @@ def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dic
 
 
 def _write_workers(executor: Executor, run_dir: Path) -> None:
-    """The PIDs of a Ray executor's workers, once started (the roles' pools too), in ``workers.json``."""
-    if hasattr(executor, "worker_pids"):
-        RunLayout(run_dir).workers.write_text(json.dumps(executor.worker_pids()))
+    """The PIDs of the executor's worker processes, once started (the roles' pools too), in
+    ``workers.json`` (none written for an executor without any)."""
+    if pids := executor.worker_pids():
+        RunLayout(run_dir).workers.write_text(json.dumps(pids))
 
 
 def _read_baseline(path: Path) -> float | None:
@@ -216,12 +217,12 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
     def evaluate_fn(state: TrainState) -> dict[str, Any]:
         if state.step in evaluated:
             return dict(evaluated[state.step])
-        broken = set(getattr(executor, "broken", ()))  # Ray: generators waiting for new workers
+        broken = set(executor.broken)  # generators waiting for new workers (Ray)
         with _timed(phases, "evaluate"):
             try:
                 result = evaluate_on_engine(state)
             except ExecutorError:
-                if set(getattr(executor, "broken", ())) == broken:
+                if set(executor.broken) == broken:
                     raise
                 result = evaluate_on_engine(state)  # a generator's workers died under it: once more, on another's
         evaluated.clear()

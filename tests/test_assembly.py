@@ -112,3 +112,27 @@ def test_the_learning_rate_schedule_spans_the_run_in_trainer_steps_whatever_the_
     one, reference = learning_rate_schedule(2e-5, 2, plain), warmup_cosine_schedule(2e-5, 2, 10, final_lr=2e-5 * 0.1)
     assert [float(one(torch.tensor(float(s)))) for s in range(12)] == [  # one update a step: as before
         float(reference(torch.tensor(float(s)))) for s in range(12)]
+
+
+@pytest.mark.slow  # the tiny model's first build imports transformers (~2 s)
+def test_executors_take_the_runs_roles_as_one_record_built_by_the_assembly(tiny_lm):
+    """Each executor's constructor stays small (the roles come as one record); a bare policy stands
+    for a run with no other role; the assembly's roles carry the config's reward model and canary."""
+    import inspect
+
+    from purerl.assembly.executor import roles_of
+    from purerl.config.loading import build
+    from purerl.executors.base import Roles
+    from purerl.executors.local import LocalExecutor
+    from purerl.executors.ray.executor import RayExecutor
+    from purerl.rollout.backends.torch import TorchEngine
+
+    assert all(len(inspect.signature(cls.__init__).parameters) - 1 <= 5 for cls in (LocalExecutor, RayExecutor))
+    model, _ = tiny_lm()
+    bare = LocalExecutor(lambda *a, **k: None, model, TorchEngine(model, eos_token_ids=[1], pad_token_id=0))
+    assert bare.effects == {"policy": model, "value_and_grad": bare.effects["value_and_grad"]}
+    assert bare.broken == frozenset() and bare.worker_pids() == {}
+    roles = roles_of(resolve(build(JobConfig, {})), model, None, None)
+    assert roles.policy is model and roles.canary is not None and roles.reward_model is None
+    off = roles_of(resolve(build(JobConfig, {"executor": {"sync_canary": False}})), model, None, None)
+    assert off.canary is None and Roles.of(off) is off and Roles.of(model).canary is None

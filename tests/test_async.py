@@ -67,7 +67,7 @@ def _setup(slow_step: float = 0.0, generators: int = 1, trained: list | None = N
     # each generator's engine: its own skeleton copy, so no two threads share a module
     engines = [TorchEngine(attrs.evolve(model, module=copy.deepcopy(model.module)), **ENGINE)
                for _ in range(generators)]
-    executor = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE), generator_engines=engines)
+    executor = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE), engines)
     return executor.start(state), executor, engines[0] if generators == 1 else engines
 
 
@@ -127,7 +127,7 @@ def test_a_second_start_begins_another_run_whose_engines_load_its_weights():
 
     def executor_of():
         generator = TorchEngine(attrs.evolve(model, module=copy.deepcopy(model.module)), **ENGINE)
-        return LocalExecutor(lambda *a, **k: None, model, TorchEngine(model, **ENGINE), generator_engines=[generator])
+        return LocalExecutor(lambda *a, **k: None, model, TorchEngine(model, **ENGINE), [generator])
 
     executor = executor_of()
     executor.start(state_of(first))

@@ -245,8 +245,9 @@ def test_the_teachers_scores_agree_on_the_training_ranks_and_on_a_pool_of_its_ow
     from ray import cloudpickle
 
     from purerl.config.job import ExecutorConfig
+    from purerl.executors.base import Roles
     from purerl.executors.local import LocalExecutor
-    from purerl.executors.ray import RayExecutor
+    from purerl.executors.ray import RayExecutor, RaySetup, StepFactory
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # rank processes cannot import tests/
     model, params = tiny_lm(CONFIG, seed=0)
@@ -264,11 +265,11 @@ def test_the_teachers_scores_agree_on_the_training_ranks_and_on_a_pool_of_its_ow
     engine.sync(params, 0)
     rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=3, temperature=1.0), RngState(4))
     scores = torch.rand(len(rollout.sequences), generator=torch.Generator().manual_seed(0))
-    local = LocalExecutor(step_fn, model, engine, teacher=teacher)
+    local = LocalExecutor(step_fn, Roles(model, teacher=teacher), engine)
     want_state, want = local.step(fresh(), rollout, scores)
     config = ExecutorConfig(kind="ray", placement=placement, train_ranks=ranks, rollout_workers=1, step_timeout=120)
-    with RayExecutor(None, model, engine_kwargs=dict(eos_token_ids=[1], pad_token_id=0), config=config,
-                     make_step_fn=lambda: _distil_step_fn()[0], teacher=teacher) as executor:
+    with RayExecutor(StepFactory(lambda: _distil_step_fn()[0]), Roles(model, teacher=teacher),
+                     RaySetup(engine_kwargs=dict(eos_token_ids=[1], pad_token_id=0)), config) as executor:
         state = executor.start(fresh())
         state, got = executor.step(state, rollout, scores)
         got_state = executor.full_state(state)

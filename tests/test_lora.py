@@ -245,7 +245,7 @@ def test_fsdp2_ranks_train_the_adapters_like_the_local_step_and_rollout_workers_
     from ray import cloudpickle
 
     from purerl.config.job import ExecutorConfig
-    from purerl.executors.ray import RayExecutor
+    from purerl.executors.ray import RayExecutor, RaySetup, StepFactory
     from purerl.executors.wire import params_digest
     from purerl.tree import tree_equal
 
@@ -261,7 +261,7 @@ def test_fsdp2_ranks_train_the_adapters_like_the_local_step_and_rollout_workers_
     config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, placement="split", sync_checksum=True,
                             step_timeout=120, sync_timeout=60)
     sampling = SamplingParams(max_new_tokens=6, n=4, temperature=1.0)
-    with RayExecutor(None, lm, engine_kwargs=ENGINE, config=config, make_step_fn=_make_lora_step_fn) as executor:
+    with RayExecutor(StepFactory(_make_lora_step_fn), lm, RaySetup(engine_kwargs=ENGINE), config) as executor:
         state = executor.start(fresh())
         with executor.engine(executor.newest(0)) as engine:
             rollout = engine.generate(PROMPTS, sampling, RngState(1), version=0)

@@ -142,6 +142,7 @@ def test_a_bfloat16_job_holds_float32_masters_exports_bfloat16_and_resumes_bit_e
 
 @pytest.mark.slow
 def test_fsdp2_ranks_with_the_mixed_precision_policy_equal_the_local_step(tiny_lm, ray_cluster):
+    from purerl.executors.ray import RaySetup, StepFactory
     from purerl.executors.ray import executor as ray_executor
 
     model, params = tiny_lm(seed=0)
@@ -150,8 +151,8 @@ def test_fsdp2_ranks_with_the_mixed_precision_policy_equal_the_local_step(tiny_l
     step_fn, optimizer = _make_step_fn()
     fresh = functools.partial(_state, params, optimizer, BF16)
     config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, step_timeout=120, sync_timeout=60)
-    with ray_executor.RayExecutor(None, mixed, engine_kwargs=ENGINE, config=config,
-                                  make_step_fn=lambda: _make_step_fn()[0]) as executor:
+    with ray_executor.RayExecutor(StepFactory(lambda: _make_step_fn()[0]), mixed, RaySetup(engine_kwargs=ENGINE),
+                                  config) as executor:
         state, metrics = executor.step(executor.start(fresh()), rollout, scores)
         ray_full = executor.full_state(state)
     local_state, local_metrics = LocalExecutor(step_fn, mixed, TorchEngine(mixed, **ENGINE)).step(fresh(), rollout,

@@ -22,7 +22,7 @@ from purerl.config.job import ExecutorConfig, JobConfig
 from purerl.config.loading import build
 from purerl.data.cursor import DataCursor
 from purerl.data.records import PromptRecord
-from purerl.executors.base import ExecutorError
+from purerl.executors.base import ExecutorError, Roles
 from purerl.executors.local import LocalExecutor
 from purerl.executors.wire import params_digest
 from purerl.io.metrics import MetricsLog
@@ -45,10 +45,12 @@ pytestmark = pytest.mark.slow  # every test here takes seconds (BENCHMARKS.md: t
 
 pytest.importorskip("ray")
 ray_executor = pytest.importorskip("purerl.executors.ray")
+StepFactory = ray_executor.StepFactory
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
+SETUP = ray_executor.RaySetup(engine_kwargs=ENGINE)
 
 
 def _even_tokens(rollout):
@@ -131,8 +133,7 @@ def test_ray_step_equals_local_step_then_a_two_step_loop_runs(ray_cluster, tmp_p
     model, step_fn, make_step_fn, fresh = _setup(micro_batch_rows)
     config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, reward_workers=reward_workers,
                             placement=placement, sync_checksum=True, step_timeout=120, sync_timeout=60)
-    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
-                                  make_step_fn=make_step_fn) as executor:
+    with ray_executor.RayExecutor(StepFactory(make_step_fn), model, SETUP, config) as executor:
         state = executor.start(fresh())
         assert state.policy == {} and state.policy_opt is None  # params live on the ranks
         with executor.engine(executor.newest(0)) as engine:
@@ -202,8 +203,8 @@ def test_ray_reward_workers_score_verl_functions_and_the_reward_model(ray_cluste
     config = ExecutorConfig(kind="ray", train_ranks=1, placement="colocated", reward_workers=1, step_timeout=120)
     prompts = ["what is 2+2?", "hi", "a longer prompt than the others", ""]
     responses = ["4", "hello there, friend", "y", "#### 12"]
-    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config, reward_model=str(path),
-                                  make_step_fn=make_step_fn) as executor:
+    with ray_executor.RayExecutor(StepFactory(make_step_fn), Roles(model, reward_model=str(path)), SETUP,
+                                  config) as executor:
         torch.testing.assert_close(executor.score_model(prompts, responses),
                                    RewardModel(path).score(prompts, responses), rtol=0, atol=0)
         scored = executor.score(_verl_reward, ["4", "5", "4"], ["4", "4", "4"], timeout=10.0, penalty=-1.0,
@@ -236,7 +237,7 @@ def test_ppo_with_a_sharded_critic_and_checkpointed_policy_equals_local(tiny_lm,
                           critic=c, critic_opt=optimizer.init(c))
 
     engine = TorchEngine(model, **ENGINE)
-    local = LocalExecutor(step_fn, model, engine, critic=critic)
+    local = LocalExecutor(step_fn, Roles(model, critic=critic), engine)
     engine.sync(params, 0)
     rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, n=4, temperature=1.0), RngState(3), version=0)
     scores = _even_tokens(rollout)
@@ -244,8 +245,7 @@ def test_ppo_with_a_sharded_critic_and_checkpointed_policy_equals_local(tiny_lm,
 
     config = ExecutorConfig(kind="ray", train_ranks=2, placement="colocated", step_timeout=120)
     make = functools.partial(lambda: _make_ppo_step_fn()[0])
-    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config, make_step_fn=make,
-                                  critic=critic) as executor:
+    with ray_executor.RayExecutor(StepFactory(make), Roles(model, critic=critic), SETUP, config) as executor:
         state, metrics = executor.step(executor.start(fresh()), rollout, scores)
         full = executor.full_state(state)
     for tree in ("policy", "critic"):
@@ -303,13 +303,13 @@ def test_every_placement_runs_ppo_with_a_critic_a_reference_and_a_reward_model_l
         return executor.full_state(state), rollouts, scores, metrics
 
     local_rm = RewardModel(str(reward_model))
-    local = LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE), critic=critic)
+    local = LocalExecutor(step_fn, Roles(model, critic=critic), TorchEngine(model, **ENGINE))
     want, want_rollouts, want_scores, want_metrics = two_steps(local, local_rm.score)
 
     config = ExecutorConfig(kind="ray", placement=placement, step_timeout=120, **PRESETS[placement])
     make = functools.partial(lambda: _make_ppo_step_fn(kl_loss_coef=0.1)[0])
-    with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config, make_step_fn=make,
-                                  critic=critic, reward_model=str(reward_model)) as executor:
+    with ray_executor.RayExecutor(StepFactory(make), Roles(model, critic=critic, reward_model=str(reward_model)),
+                                  SETUP, config) as executor:
         got, rollouts, scores, metrics = two_steps(executor, executor.score_model, want_scores)
         labels = {label.rsplit(" ", 1)[0] for _, label in executor.groups.actors}
         rendezvous = list(executor.groups.rendezvous)
@@ -354,8 +354,7 @@ def test_rollout_workers_stop_open_rows_when_interrupted_and_continue_them(ray_c
     model, _, _, fresh = _setup(4)
     config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=2, placement="split")
     sampling = SamplingParams(max_new_tokens=200, temperature=1.0, n=2)
-    with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config,
-                                  generators=1) as executor:
+    with ray_executor.RayExecutor(_sleeping_step, model, attrs.evolve(SETUP, generators=1), config) as executor:
         state = fresh()
         executor.start(state)
         with executor.engine(executor.newest(0)) as engine:
@@ -381,7 +380,7 @@ def _sleeping_step(state, rollout, scores, **effects):
 def test_a_rank_that_outlives_the_step_timeout_ends_the_run(ray_cluster):
     model, _, _, fresh = _setup(4)
     config = ExecutorConfig(kind="ray", train_ranks=2, placement="colocated", step_timeout=3)
-    with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config) as executor:
+    with ray_executor.RayExecutor(_sleeping_step, model, SETUP, config) as executor:
         state = executor.start(fresh())
         with executor.engine(executor.newest(0)) as engine:
             rollout = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, n=2, temperature=1.0), RngState(1),
@@ -395,7 +394,7 @@ def test_a_rank_that_outlives_the_step_timeout_ends_the_run(ray_cluster):
 def test_a_sync_to_a_dead_rollout_worker_fails_closed(ray_cluster):
     model, _, _, fresh = _setup(4)
     config = ExecutorConfig(kind="ray", train_ranks=2, placement="split", sync_timeout=30)
-    with ray_executor.RayExecutor(_sleeping_step, model, engine_kwargs=ENGINE, config=config) as executor:
+    with ray_executor.RayExecutor(_sleeping_step, model, SETUP, config) as executor:
         state = executor.start(fresh())
         with executor.engine(executor.newest(0)):
             pass
@@ -472,8 +471,7 @@ def test_the_samples_do_not_depend_on_the_number_of_rollout_workers(ray_cluster)
     for workers in (2, 3):
         config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=workers, step_timeout=120,
                                 sync_timeout=60)
-        with ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=config,
-                                      make_step_fn=make_step_fn) as executor:
+        with ray_executor.RayExecutor(StepFactory(make_step_fn), model, SETUP, config) as executor:
             executor.start(fresh())
             with executor.engine(executor.newest(0)) as engine:
                 got = engine.generate(prompts, sampling, RngState(4), version=0, streams=streams)
@@ -484,8 +482,8 @@ def test_the_samples_do_not_depend_on_the_number_of_rollout_workers(ray_cluster)
 
 def _split(shared, model):
     """The shared split executor: 2 ranks running the token-budget GRPO step, a rollout worker, a generator."""
-    return shared("split", lambda: ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=SPLIT,
-                                                            make_step_fn=_make_budget_step_fn, generators=1))
+    return shared("split", lambda: ray_executor.RayExecutor(StepFactory(_make_budget_step_fn), model,
+                                                            attrs.evolve(SETUP, generators=1), SPLIT))
 
 
 class TestOneSplitExecutor:
@@ -504,8 +502,9 @@ class TestOneSplitExecutor:
         model, _, _, fresh = _setup(2)
         task = _tiny_task()
         executor = _split(shared, model) if generators == 1 else shared(f"split, {generators} generators", lambda: (
-            ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=attrs.evolve(SPLIT, rollout_workers=2),
-                                     make_step_fn=_make_budget_step_fn, generators=generators)))
+            ray_executor.RayExecutor(StepFactory(_make_budget_step_fn), model,
+                                     attrs.evolve(SETUP, generators=generators),
+                                     attrs.evolve(SPLIT, rollout_workers=2))))
         results = {}
         for mode in ("sync", "async"):
             log = MetricsLog(tmp_path / mode)
@@ -564,9 +563,9 @@ class TestOneSplitExecutor:
         batch = rollout.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4, temperature=1.0), RngState(1),
                                  version=0)
         scores = _even_tokens(batch)
-        offloading = ray_executor.RayExecutor(None, model, engine_kwargs=ENGINE, config=SPLIT, generators=1,
-                                              make_step_fn=_make_budget_step_fn,
-                                              offload=Offload(params=True, optimizer=True))
+        offloading = ray_executor.RayExecutor(
+            StepFactory(_make_budget_step_fn), model,
+            attrs.evolve(SETUP, generators=1, offload=Offload(params=True, optimizer=True)), SPLIT)
         finals = []
         with offloading:
             for executor in (_split(shared, model), offloading):
@@ -601,8 +600,8 @@ def _generator(shared, model):
 
     config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=1, placement="split")
     return shared("generator", lambda: ray_executor.RayExecutor(
-        _sleeping_step, model, engine_kwargs=ENGINE, config=config, generators=1, generate_timeout=2.0,
-        canary=Canary(model, tolerance=5e-2)))
+        _sleeping_step, Roles(model, canary=Canary(model, tolerance=5e-2)),
+        attrs.evolve(SETUP, generators=1, generate_timeout=2.0), config))
 
 
 class TestOneGeneratorExecutor:

@@ -430,6 +430,7 @@ def test_a_model_with_more_than_one_label_or_no_model_is_refused(tmp_path):
 def test_local_executor_scores_with_its_reward_model_and_passes_data_sources(tiny_lm, reward_models):
     import torch
 
+    from purerl.executors.base import Roles
     from purerl.executors.local import LocalExecutor
     from purerl.rewards.model import RewardModel
     from purerl.rollout.backends.torch import TorchEngine
@@ -443,7 +444,7 @@ def test_local_executor_scores_with_its_reward_model_and_passes_data_sources(tin
     scored = without.score(verl_reward, ["4", "4"], ["4", "4"], timeout=5.0, penalty=0.0,
                            data_sources=["src/a", "src/b"], extra_infos=[{"bonus": 1.0}, {}])
     assert scored.values == [2.0, 11.0]
-    executor = LocalExecutor(step_fn, model, engine, reward_model=str(reward_models[0]))
+    executor = LocalExecutor(step_fn, Roles(model, reward_model=str(reward_models[0])), engine)
     assert isinstance(executor.reward_model, str)  # loaded on first use
     torch.testing.assert_close(executor.score_model(PROMPTS, RESPONSES),
                                RewardModel(reward_models[0]).score(PROMPTS, RESPONSES), rtol=0, atol=0)

@@ -10,14 +10,14 @@ import attrs
 
 from purerl.assembly.stages import step_function, sync_tolerance_of
 from purerl.config.job import JobConfig
-from purerl.executors.base import Executor
+from purerl.executors.base import Executor, Roles
 from purerl.executors.local import LocalExecutor
 from purerl.models import CausalLM, Critic
 from purerl.rollout.canary import Canary
 from purerl.rollout.engine import make_engine
 from purerl.step.roles import LocalTeacher
 
-__all__ = ["make_executor"]
+__all__ = ["canary_of", "make_executor", "roles_of"]
 
 
 def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any],
@@ -26,27 +26,31 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
     which builds the step function on each rank from the config. ``teacher``: a distillation
     teacher loaded here (:func:`~purerl.assembly.models.load_teacher`)."""
     rollout, executor = config.rollout, config.executor
+    roles = roles_of(config, model, critic, teacher)
+    generators = config.asynchronous.generators if config.asynchronous.enable else 0
     if executor.kind == "local":
         engine = make_engine(rollout.engine, model, device=config.model.device, **options)
-        generators = []
-        for _ in range(config.asynchronous.generators if config.asynchronous.enable else 0):
+        own_engines = []
+        for _ in range(generators):
             own = attrs.evolve(model, module=copy.deepcopy(model.module))  # no module shared with another thread
-            generators.append(make_engine(rollout.engine, own, device=config.model.device, **options))
-        return LocalExecutor(step_function(config), model, engine, generator_engines=generators, critic=critic,
-                             reward_model=config.reward.model, teacher=teacher, canary=canary_of(config, model))
-    from purerl.executors.ray import RayExecutor
-
-    ray_init = {"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir else None
+            own_engines.append(make_engine(rollout.engine, own, device=config.model.device, **options))
+        return LocalExecutor(step_function(config), roles, engine, own_engines)
     from purerl.executors.fsdp import Offload
+    from purerl.executors.ray import RayExecutor, RaySetup, StepFactory
 
-    ray_executor = RayExecutor(None, model, engine_kwargs=options, config=executor, engine=rollout.engine,
-                               reward_model=config.reward.model, ray_init=ray_init, critic=critic,
-                               make_step_fn=functools.partial(step_function, config),
-                               offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
-                               generators=config.asynchronous.generators if config.asynchronous.enable else 0,
-                               generate_timeout=config.asynchronous.generate_timeout, teacher=teacher,
-                               canary=canary_of(config, model))
-    return ray_executor
+    setup = RaySetup(engine_kwargs=options, engine=rollout.engine, generators=generators,
+                     generate_timeout=config.asynchronous.generate_timeout,
+                     offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
+                     ray_init={"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir
+                     else None)
+    return RayExecutor(StepFactory(functools.partial(step_function, config)), roles, setup, executor)
+
+
+def roles_of(config: JobConfig, model: CausalLM, critic: Critic | None, teacher: LocalTeacher | None) -> Roles:
+    """The run's roles: the policy, the critic and the teacher loaded for it, the reward model's
+    folder (``reward.model``) and the weight-sync canary (:func:`canary_of`)."""
+    return Roles(model, critic=critic, teacher=teacher, reward_model=config.reward.model,
+                 canary=canary_of(config, model))
 
 
 def canary_of(config: JobConfig, model: CausalLM) -> Canary | None:

@@ -14,30 +14,74 @@ Weights have one path, owned by the executor: it *publishes* the policy of each 
 or steps as a numbered version (:meth:`Executor.publish`), a loop asks for the newest version at
 or past the one it needs (:meth:`Executor.newest`) and for an engine holding it
 (:meth:`Executor.engine`); it never passes params to an engine itself.
+
+What an executor computes with besides its engines comes as one record, :class:`Roles`, built by
+the assembly (:func:`purerl.assembly.executor.make_executor`): the models of the run's roles and
+the weight-sync check. A bare policy stands for the roles of a run with nothing else
+(:meth:`Roles.of`), so a script's executor stays ``LocalExecutor(step_fn, policy, engine)``.
 """
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence, Set
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import attrs
 import torch
 
 from purerl.batch import Rewards, Rollout
+from purerl.models import CausalLM, Critic
 from purerl.rewards import RewardFn, Scores
+from purerl.rewards.model import RewardModel
+from purerl.rollout.canary import Canary
 from purerl.rollout.engine import RolloutEngine
 from purerl.rollout.queue import Weights
 from purerl.state import TrainState
+from purerl.step.roles import LocalTeacher
 
-__all__ = ["EngineSlot", "Executor", "ExecutorError"]
+__all__ = ["EngineSlot", "Executor", "ExecutorError", "Roles"]
 
 
 class ExecutorError(RuntimeError):
     """A worker died, timed out or failed: the run cannot go on (the message names role and rank)."""
 
 
+@attrs.frozen(eq=False)
+class Roles:
+    """The models a run computes with and the checks on them: one record, built once by the
+    assembly, that every executor takes. Models are skeletons: their params live in the state
+    (a teacher's, frozen, in its role). Which executor places each where is its own business
+    (the Ray executor shards them on the pools its placement names)."""
+
+    policy: CausalLM
+    """The policy's model; the step computes with it as ``policy=``."""
+    critic: Critic | None = attrs.field(default=None, kw_only=True)
+    """PPO's critic model, passed to the step as ``critic=`` (None: no critic)."""
+    teacher: LocalTeacher | None = attrs.field(default=None, kw_only=True)
+    """A distillation teacher (:func:`~purerl.assembly.models.load_teacher`), passed to the step as
+    ``teacher=`` (None: no distillation)."""
+    reward_model: str | Path | RewardModel | None = attrs.field(default=None, kw_only=True)
+    """A local HF reward-model folder for :meth:`Executor.score_model`, loaded where the executor
+    scores (the local executor: on first use, on its engine's device; it also takes a loaded
+    :class:`~purerl.rewards.model.RewardModel`). None: ``score_model`` raises."""
+    canary: Canary | None = attrs.field(default=None, kw_only=True)
+    """The weight-sync check run after each load of a version into an asynchronous generator's
+    engine (:mod:`purerl.rollout.canary`; None: unchecked). Every other sync is checked by the step
+    itself, free (:attr:`~purerl.step.settings.ActorLoss.sync_tolerance`)."""
+
+    @classmethod
+    def of(cls, roles: "Roles | CausalLM") -> "Roles":
+        """``roles`` itself, or a bare policy's: a run with no other role."""
+        return roles if isinstance(roles, Roles) else cls(roles)
+
+
 @runtime_checkable
 class Executor(Protocol):
+    broken: Set[int]
+    """Asynchronous generators whose engines failed and wait for :meth:`restart_generator`
+    (an evaluation takes another's engine); always empty where engines cannot fail apart."""
+
     def start(self, state: TrainState) -> TrainState:
         """Take ownership of ``state`` and publish its policy; returns the state the driver holds
         from now on. Each start begins a run: a second one, on the same workers, forgets the
@@ -80,6 +124,10 @@ class Executor(Protocol):
     def score_model(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
         """The executor's reward model (:meth:`~purerl.rewards.model.RewardModel.score`) on each
         prompt + response: float32 ``[n]`` in order; a :class:`ValueError` when it has none."""
+
+    def worker_pids(self) -> dict[str, int]:
+        """The process id of each worker process by its label (``{"train rank 0": pid, …}``), once
+        started; empty for an executor that runs in this process."""
 
     def close(self) -> None:
         """Release workers and processes (idempotent)."""

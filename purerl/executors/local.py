@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from purerl.batch import Rewards, Rollout
-from purerl.executors.base import EngineSlot
-from purerl.models import CausalLM, Critic
+from purerl.executors.base import EngineSlot, Roles
+from purerl.models import CausalLM
 from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
@@ -36,35 +36,31 @@ def _loader(canary: Canary | None) -> Callable[[RolloutEngine, Weights], None]:
 
 
 class LocalExecutor:
-    """Everything in this process: the state holds the params, gradients are the pure
-    ``value_and_grad``, and ``engine`` shares the trainer's params (loading a version is a
-    copy-free tag).
+    """Everything in this process: the state holds the params, gradients are ``value_and_grad``
+    (the pure one), and ``engine`` shares the trainer's params (loading a version is a copy-free
+    tag). ``roles`` (:class:`~purerl.executors.base.Roles`, or a bare policy) are computed here:
+    the critic and the teacher are passed to the step, the reward model is loaded on first use.
 
     ``generator_engines``: engines of their own (other model copies), one per asynchronous
     generator; the published versions are then snapshots (one per version, shared by them), so the
-    trainer can go on updating in place while they sample. Without them, ``engine`` does
-    everything. ``reward_model``: a local HF reward-model
-    folder (or a loaded :class:`~purerl.rewards.model.RewardModel`) for :meth:`score_model`,
-    loaded on first use in this process on ``reward_model_device`` (default: the engine's device,
-    else the CPU). ``teacher``: a distillation teacher's role (:mod:`purerl.step.roles`), passed to
-    the step. ``canary``: the weight-sync check run after every load of a version into a generator
-    engine (:mod:`purerl.rollout.canary`; None: unchecked); ``engine``'s syncs are checked by the step
+    trainer can go on updating in place while they sample, and the roles' canary checks every load
+    into them. Without them, ``engine`` does everything. ``engine``'s syncs are checked by the step
     itself, free (:attr:`~purerl.step.settings.ActorLoss.sync_tolerance`), and by the canary once per
     version it evaluates."""
 
-    def __init__(self, step_fn: StepFn, policy: CausalLM, engine: RolloutEngine, *,
-                 generator_engines: Sequence[RolloutEngine] = (), critic: Critic | None = None,
-                 value_and_grad: Callable = pure_value_and_grad, reward_model: str | Path | RewardModel | None = None,
-                 reward_model_device: str | None = None, reward_batch_size: int = 16, teacher: Any = None,
-                 canary: Canary | None = None) -> None:
-        self.step_fn, self.policy, self.value_and_grad = step_fn, policy, value_and_grad
-        self.reward_model, self.reward_batch_size = reward_model, reward_batch_size
-        self.reward_model_device = reward_model_device
-        self.effects = {"policy": policy, "value_and_grad": value_and_grad}
-        if critic is not None:
-            self.effects["critic"] = critic
-        if teacher is not None:
-            self.effects["teacher"] = teacher
+    broken: frozenset[int] = frozenset()  # in-process engines keep nothing broken between calls
+
+    def __init__(self, step_fn: StepFn, roles: Roles | CausalLM, engine: RolloutEngine,
+                 generator_engines: Sequence[RolloutEngine] = (), value_and_grad: Callable = pure_value_and_grad
+                 ) -> None:
+        self.step_fn, self.roles = step_fn, Roles.of(roles)
+        self.reward_model = self.roles.reward_model  # a folder until first use, then the loaded model
+        self.effects = {"policy": self.roles.policy, "value_and_grad": value_and_grad}
+        if self.roles.critic is not None:
+            self.effects["critic"] = self.roles.critic
+        if self.roles.teacher is not None:
+            self.effects["teacher"] = self.roles.teacher
+        canary = self.roles.canary
         # the evaluator's syncs are checked by the step (ActorLoss.sync_tolerance), its evaluations by _evaluator
         self.evaluator = EngineSlot(engine, _loader(None))
         self.generators = [EngineSlot(e, _loader(canary)) for e in generator_engines] or [self.evaluator]
@@ -131,11 +127,14 @@ class LocalExecutor:
 
     def score_model(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
         if self.reward_model is None:
-            raise ValueError("LocalExecutor.score_model: no reward model (give LocalExecutor(reward_model=path))")
+            raise ValueError("LocalExecutor.score_model: no reward model (give Roles(policy, reward_model=path))")
         if isinstance(self.reward_model, (str, Path)):
-            device = self.reward_model_device or str(getattr(self.evaluator.engine, "device", "cpu"))
-            self.reward_model = RewardModel(self.reward_model, device=device)
-        return self.reward_model.score(prompts, responses, batch_size=self.reward_batch_size)
+            self.reward_model = RewardModel(self.reward_model, device=str(getattr(self.evaluator.engine, "device",
+                                                                                  "cpu")))
+        return self.reward_model.score(prompts, responses)
+
+    def worker_pids(self) -> dict[str, int]:
+        return {}
 
     def close(self) -> None:
         for slot in {id(s): s for s in [*self.generators, self.evaluator]}.values():

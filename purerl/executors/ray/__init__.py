@@ -18,7 +18,8 @@ Worker groups live on resource pools (Ray placement groups, one bundle per worke
   a reward model, each holding the learned reward model (loaded once, at start) for
   ``score_model`` (none: the driver loads it on first use and scores on its CPU).
 
-Modules: :mod:`~.actors` (the actor classes), :mod:`~.roles` (the roles on other pools, as the ranks see them),
+Modules: :mod:`~.config` (what the workers are built from: :class:`RaySetup`, :class:`StepFactory`),
+:mod:`~.actors` (the actor classes), :mod:`~.roles` (the roles on other pools, as the ranks see them),
 :mod:`~.pools` (starting Ray, pools, waiting that fails closed), :mod:`~.weights` (publishing weight versions through
 the object store), :mod:`~.executor` (:class:`RayExecutor`).
 
@@ -29,6 +30,7 @@ an exception in a worker or a call that outlives its timeout raises
 killed (so no rank is left blocked in a collective). Imports Ray only when an executor starts.
 """
 
+from purerl.executors.ray.config import RaySetup, StepFactory
 from purerl.executors.ray.executor import RayExecutor
 
-__all__ = ["RayExecutor"]
+__all__ = ["RayExecutor", "RaySetup", "StepFactory"]

@@ -7,21 +7,22 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
 from purerl.batch import Rewards, Rollout
 from purerl.config.execution import ExecutorConfig
-from purerl.executors.base import EngineSlot, ExecutorError
+from purerl.executors.base import EngineSlot, ExecutorError, Roles
 from purerl.executors.ray.actors import ShippedRewardFn
+from purerl.executors.ray.config import RaySetup, StepFactory
 from purerl.executors.ray.pools import WorkerGroups
 from purerl.executors.ray.weights import load_published, publish, sync_colocated
 from purerl.executors.wire import from_wire, to_wire
-from purerl.models import CausalLM, Critic
+from purerl.models import CausalLM
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
 from purerl.rewards.scoring import check_score_inputs
-from purerl.rollout.canary import Canary
 from purerl.rollout.engines import ENGINES
 from purerl.rollout.merge import concat_rollouts, prompt_shards
 from purerl.rollout.queue import Published, Weights
@@ -30,7 +31,7 @@ from purerl.state import RngState, TrainState, with_params, without_params
 from purerl.step.recipes import StepFn
 from purerl.tree import replace
 
-__all__ = ["RayExecutor"]
+__all__ = ["RayExecutor", "RaySetup", "StepFactory"]
 
 
 _CALLS = itertools.count()
@@ -112,25 +113,18 @@ class RemoteEngine:
 class RayExecutor:
     """Runs a step function on FSDP2 training ranks and generates on rollout workers, over Ray.
 
-    ``engine_kwargs`` are the keyword arguments of the rollout workers' engine (``engine``, built
-    by :func:`~purerl.rollout.engine.make_engine`: ``eos_token_ids``, ``pad_token_id``, ``decode``,
-    backend options); everything passed in must pickle. ``config``: the job's ``executor``
-    section (worker counts, placement, resources, timeouts); ``reward_model``: a local HF
-    reward-model folder each reward worker loads once (with none, the driver loads it on first use).
-    ``step_fn`` may be ``None`` with ``make_step_fn`` given instead: a picklable zero-argument
-    function that builds the step function on each rank (for step functions that close over
-    objects that do not pickle, e.g. under jaxtyping's import hook in the test suite). With a
-    ``critic`` (PPO), a state with critic params gets a sharded critic, passed to the step
-    function as ``critic=``. ``offload``: an :class:`~purerl.executors.fsdp.Offload` (what the
-    ranks keep in host memory between uses). ``generators``: asynchronous generators, each
-    driving its own share of the rollout workers (restarted when they fail, or when a generate
-    call outlasts ``generate_timeout`` seconds; default ``config.step_timeout``); evaluation takes
-    turns with the first generator whose workers are not waiting for a restart. ``teacher``: a
-    distillation teacher (:class:`~purerl.step.roles.LocalTeacher`), sharded where the placement
-    puts it (the training ranks, or the reference's pool) and passed to the step as ``teacher=``.
-    ``canary``: the weight-sync canary (:class:`~purerl.rollout.canary.Canary`) each asynchronous
-    generator's rollout workers run after every load
-    (:func:`~purerl.executors.ray.weights.load_published`; synchronous syncs are checked by the step).
+    ``step_fn``: the step function, or a :class:`StepFactory` that builds it on each rank.
+    ``roles`` (:class:`~purerl.executors.base.Roles`, or a bare policy): the policy is sharded on
+    the training ranks; a critic (PPO) shards like it once a state with critic params starts and is
+    passed to the step as ``critic=``; a distillation teacher is sharded where the placement puts
+    it (the training ranks, or the reference's pool) and passed to the step as ``teacher=``; the
+    reward model (a folder) is loaded once by each worker of the pool the placement gives it (with
+    no such workers, by the driver on first use); the canary is run by each asynchronous
+    generator's rollout workers after every load (:func:`~purerl.executors.ray.weights.load_published`;
+    synchronous syncs are checked by the step). ``setup``: the workers' engine, the generators,
+    offload (:class:`RaySetup`). ``config``: the job's ``executor`` section (worker counts,
+    placement, resources, timeouts); evaluation takes turns with the first generator whose workers
+    are not waiting for a restart.
 
     The driver keeps the small part of the state (:func:`~purerl.state.without_params`); params
     and optimizer states stay on the ranks. Its engine generates on the rollout workers; in
@@ -138,21 +132,20 @@ class RayExecutor:
     (:func:`purerl.loop.async_train.train_async`), pulling versions made by :meth:`publish`.
     """
 
-    def __init__(self, step_fn: StepFn | None, policy: CausalLM, *, engine_kwargs: dict[str, Any],
-                 config: ExecutorConfig = ExecutorConfig(kind="ray"), engine: str = "torch",
-                 reward_model: str | None = None, ray_init: dict[str, Any] | None = None,
-                 make_step_fn: Callable[[], StepFn] | None = None, critic: Critic | None = None,
-                 offload: Any = None, generators: int = 0, generate_timeout: float | None = None,
-                 teacher: Any = None, canary: Canary | None = None) -> None:
-        if (step_fn is None) == (make_step_fn is None):
-            raise ValueError("RayExecutor: give exactly one of step_fn and make_step_fn")
-        self.config, self.reward_model, self.engine_kind, self.teacher = config, reward_model, ENGINES[engine], teacher
-        self.canary = canary if generators >= 1 else None  # synchronous syncs: the step checks them
-        self.generate_timeout, self.policy, self.critic = generate_timeout, policy, critic
-        self.groups = WorkerGroups(config, policy, critic, step_fn or make_step_fn, step_fn is None, engine_kwargs,
-                                   ray_init, engine=engine, reward_model=reward_model, offload=offload)
+    def __init__(self, step_fn: StepFn | StepFactory, roles: Roles | CausalLM, setup: RaySetup,
+                 config: ExecutorConfig = ExecutorConfig(kind="ray")) -> None:
+        roles = Roles.of(roles)
+        if isinstance(roles.reward_model, RewardModel):
+            raise TypeError("RayExecutor: the reward model must be a folder its workers load, not a loaded RewardModel")
+        if roles.reward_model is not None:
+            roles = attrs.evolve(roles, reward_model=str(roles.reward_model))
+        self.config, self.roles, self.engine_kind = config, roles, ENGINES[setup.engine]
+        self.reward_model = roles.reward_model
+        self.canary = roles.canary if setup.generators >= 1 else None  # synchronous syncs: the step checks them
+        self.generate_timeout = setup.generate_timeout
+        self.groups = WorkerGroups(config, roles, step_fn, setup)
         self.train, self.rollout, self.reward = self.groups.train, self.groups.rollout, self.groups.reward
-        pad = engine_kwargs["pad_token_id"]
+        pad, generators = setup.engine_kwargs["pad_token_id"], setup.generators
         if generators > len(self.rollout):
             self.close()
             raise ValueError(f"RayExecutor: {generators} generators need as many rollout workers, it has "
@@ -207,11 +200,11 @@ class RayExecutor:
         if roles["reference"] == "reference" and state.reference:
             parts["reference"] = {"reference": state.reference}
             state = replace(state, reference=None)
-        teacher_pool = roles["teacher"] if self.teacher is not None else None
+        teacher_pool = roles["teacher"] if self.roles.teacher is not None else None
         rm_pool = roles["reward_model"] if self.reward_model is not None else None
         for pool in ("critic", "reference"):
             if (pool in parts or pool in (rm_pool, teacher_pool)) and pool not in self.groups.role_ranks:
-                ranks = self.groups.start_role_pool(pool, self.policy, self.critic)
+                ranks = self.groups.start_role_pool(pool, self.roles.policy, self.roles.critic)
                 if rm_pool == pool:
                     self.groups.host_reward_model(ranks, f"{pool} rank", self.reward_model)
         for pool, part in parts.items():
@@ -238,8 +231,8 @@ class RayExecutor:
         """The teacher's skeleton and frozen params to ``ranks``, which shard them (once per run)."""
         import ray
 
-        skeleton, params = ray.put(self.teacher.model), ray.put(to_wire(self.teacher.params))
-        vocab = self.teacher.vocab
+        teacher = self.roles.teacher
+        skeleton, params, vocab = ray.put(teacher.model), ray.put(to_wire(teacher.params)), teacher.vocab
         self.wait([(w.host_teacher.remote(skeleton, params, vocab), f"{label} {r}") for r, w in enumerate(ranks)],
                   self.config.start_timeout, "host teacher")
 
@@ -274,7 +267,7 @@ class RayExecutor:
         ``weights``: evaluation takes turns with the first generator whose workers are not
         waiting for a restart."""
         if not 0 <= generator < len(self.slots):
-            raise ValueError(f"RayExecutor: generator {generator}, but it has {len(self.slots)} (generators=)")
+            raise ValueError(f"RayExecutor: generator {generator}, but it has {len(self.slots)} (RaySetup.generators)")
         if purpose != "generate":
             generator = min(set(range(len(self.slots))) - self.broken, default=0)
         return self.slots[generator].use(weights)
@@ -335,7 +328,7 @@ class RayExecutor:
         of the pool the placement gives it (the reward workers by default, each holding the model);
         with no reward workers, on the driver's CPU (loaded on first use)."""
         if self.reward_model is None:
-            raise ValueError("RayExecutor.score_model: no reward model (RayExecutor(reward_model=path))")
+            raise ValueError("RayExecutor.score_model: no reward model (give Roles(policy, reward_model=path))")
         if len(prompts) != len(responses):
             raise ValueError(f"score_model: {len(prompts)} prompts but {len(responses)} responses")
         pool = self.config.roles["reward_model"]

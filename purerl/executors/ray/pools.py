@@ -17,15 +17,17 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from purerl.config.execution import ExecutorConfig
-from purerl.executors.base import ExecutorError
+from purerl.executors.base import ExecutorError, Roles
 from purerl.executors.ray.actors import RewardWorker, RoleRank, RolloutWorker, TrainRank
+from purerl.executors.ray.config import RaySetup, StepFactory
 from purerl.models import CausalLM, Critic
 from purerl.rollout.engines import ENGINES
+from purerl.step.recipes import StepFn
 
 __all__ = ["WorkerGroups", "join_ray", "start_local_ray"]
 
@@ -116,15 +118,16 @@ def join_ray(address: str, **init_kwargs: Any) -> None:
 class WorkerGroups:
     """Starts (or joins) Ray, reserves the pools and starts the actors: ``train`` ranks,
     ``rollout`` workers (the training ranks themselves when colocated) and ``reward`` workers;
-    ``actors`` lists them all with their labels ("train rank 0", "rollout worker 1", …)."""
+    ``actors`` lists them all with their labels ("train rank 0", "rollout worker 1", …).
+    ``roles.reward_model`` is a folder (or None)."""
 
-    def __init__(self, config: ExecutorConfig, policy: CausalLM, critic: Critic | None, step_fn: Callable,
-                 build_step_fn: bool, engine_kwargs: dict[str, Any], ray_init: dict[str, Any] | None, *,
-                 engine: str = "torch", reward_model: str | None = None, offload: Any = None) -> None:
+    def __init__(self, config: ExecutorConfig, roles: Roles, step_fn: StepFn | StepFactory, setup: RaySetup) -> None:
         import ray
         from ray.util.placement_group import placement_group
 
-        self.config, self.offload = config, offload
+        policy, critic, reward_model = roles.policy, roles.critic, roles.reward_model
+        engine, engine_kwargs, ray_init = setup.engine, setup.engine_kwargs, setup.ray_init
+        self.config, self.offload = config, setup.offload
         self.actors: list[tuple[Any, str]] = []
         self.pools: dict[str, Any] = {}
         self.failure: str | None = None
@@ -160,14 +163,15 @@ class WorkerGroups:
                                         "resources in the cluster")
 
             self._bundle = bundle
+            built = (step_fn.build, True) if isinstance(step_fn, StepFactory) else (step_fn, False)
             on = self._on
             device, threads = config.device, config.threads_per_worker
             concurrency = ENGINES[engine].worker_concurrency  # 2: ``interrupt`` reaches a worker while it generates
             self._new_rollout_worker = lambda i: ray.remote(RolloutWorker).options(
                 **on("rollout", i), max_concurrency=concurrency).remote(policy, engine_kwargs, threads, device, engine)
             self.train = [ray.remote(TrainRank).options(**on("train", r)).remote(
-                r, config.train_ranks, policy, critic, step_fn, build_step_fn, threads,
-                engine_kwargs if colocated else None, device, engine, offload) for r in range(config.train_ranks)]
+                r, config.train_ranks, policy, critic, *built, threads, engine_kwargs if colocated else None,
+                device, engine, setup.offload) for r in range(config.train_ranks)]
             self.actors += [(a, f"train rank {r}") for r, a in enumerate(self.train)]
             if colocated:
                 self.rollout = self.train

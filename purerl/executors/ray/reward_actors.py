@@ -28,7 +28,7 @@ class RewardModelHost:
         """Load the reward model (once; a no-op after)."""
         if self.reward_model is None:
             if self.reward_model_path is None:
-                raise ValueError("this worker was given no reward model (RayExecutor(reward_model=...))")
+                raise ValueError("this worker was given no reward model (Roles(policy, reward_model=...))")
             self.reward_model = RewardModel(self.reward_model_path, device=self.reward_device)
 
     def score_model(self, prompts: list[str], responses: list[str]) -> np.ndarray:
