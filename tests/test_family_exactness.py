@@ -21,7 +21,7 @@ import attrs
 import jaxtyping
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
 
 from purerl.models import response_logits, response_logprobs
 from purerl.models.families import FAMILIES, computed_by
@@ -56,7 +56,20 @@ def _qwen3(kv_heads: int, tied: bool, bias: bool) -> Any:
                        head_dim=32 if kv_heads < 4 else 16)
 
 
-CONFIGS: dict[str, Callable[[int, bool, bool], Any]] = {"llama": _llama, "qwen3": _qwen3}
+def _gemma3(kv_heads: int, tied: bool, bias: bool) -> Any:
+    # a window of 4 positions, shorter than every prompt + response here, on layers 0 and 2; a logit
+    # soft-cap that bites where multi-head; with biases, the larger Gemmas' linear rope on the full layer
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 3}, num_key_value_heads=kv_heads,
+                            tie_word_embeddings=tied, attention_bias=bias, head_dim=32 if kv_heads < 4 else 16,
+                            query_pre_attn_scalar=24, sliding_window=4,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            final_logit_softcapping=2.0 if kv_heads == 4 else None,
+                            **({"rope_parameters": rope} if bias else {}))
+
+
+CONFIGS: dict[str, Callable[[int, bool, bool], Any]] = {"llama": _llama, "qwen3": _qwen3, "gemma3": _gemma3}
 """For each registered family, a tiny config of its architecture from a :data:`SHAPES` entry."""
 
 CASES = [pytest.param(family, shape, id=f"{family}, {shape}") for family in FAMILIES.names() for shape in SHAPES]
@@ -180,6 +193,8 @@ UNSUPPORTED = {  # what a family does not implement: the model runs its HF modul
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}),
         "qwen3: rope_type 'yarn'"),
     "gelu": (LlamaConfig(**COMMON, num_key_value_heads=2, hidden_act="gelu"), "llama: hidden_act 'gelu'"),
+    "attention soft-cap": (Gemma3TextConfig(**COMMON, num_key_value_heads=2, head_dim=16, attn_logit_softcapping=50.0),
+                           "gemma3: attn_logit_softcapping"),
 }
 
 

@@ -122,7 +122,7 @@ def make_trainable(base: CausalLM, base_params: Params, lora: LoraSettings | Non
         raise ValueError("lora_config.train_unembed: this model has no lm_head weight to adapt")
     if head != "lm_head.weight" and not model.lean:
         raise ValueError("lora_config.train_unembed: a tied output layer can be adapted only through a lean model "
-                         "family (Llama, Qwen2, Qwen3); pass train_unembed=False for this model")
+                         "family (Llama, Qwen2, Qwen3, Gemma 3); pass train_unembed=False for this model")
     weight = base_params[head]
     generator = torch.Generator().manual_seed(lora.seed + 1)
     bound = 1.0 / math.sqrt(weight.shape[1])  # nn.Linear's and PEFT's init of lora_A

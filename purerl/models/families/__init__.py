@@ -8,7 +8,8 @@ and why (:func:`computed_by`).
 
 Registered: ``llama`` (Llama, Qwen2, SmolLM2) and ``qwen3`` (Qwen3 dense: Llama's block with q/k
 norms per head), both :mod:`.llama`'s forward (:class:`.llama.Variant`), :mod:`.llama_packed` and
-:mod:`.llama_decode`. ``tests/test_family_exactness.py`` runs every registered family through the
+:mod:`.llama_decode`; ``gemma3`` (Gemma 3 text: :mod:`.gemma`, and :mod:`.llama_decode`'s decoding
+with :mod:`.gemma_decode`'s steps). ``tests/test_family_exactness.py`` runs every registered family through the
 same checks against its HF module.
 A new family registers a :class:`Family` under its name: ``FAMILIES.register("name")(Family(...))``.
 """
@@ -23,7 +24,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from purerl.models.families import llama, llama_decode, llama_packed
+from purerl.models.families import gemma, gemma_decode, llama, llama_decode, llama_packed
 from purerl.registry import Registry
 
 if TYPE_CHECKING:
@@ -125,5 +126,32 @@ def _lean(variant: llama.Variant) -> Family:
                   variant.unsupported)
 
 
+def _gemma_response_logits(model: CausalLM, params: Params, seqs: "Sequences",
+                           shared: tuple[Tensor, Tensor] | None) -> Tensor:
+    if model.compiled and not model.packed:
+        forward = _compiled_gemma_forward()
+    else:
+        forward = functools.partial(_gemma_forward, gemma.packed_response_logits if model.packed
+                                    else gemma.response_logits)
+    return forward(model, params, seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
+                   shared)
+
+
+def _gemma_forward(forward: Callable[..., Tensor], model: CausalLM, params: Params, ids: Tensor, valid: Tensor,
+                   positions: Tensor, response_length: int, shared: tuple[Tensor, Tensor] | None) -> Tensor:
+    return forward(model.computed(params), gemma.inv_freqs(model), gemma.layout_of(model.config), ids, valid,
+                   positions, response_length, shared, None if model.lora is None else model.lora.scale)
+
+
+@functools.cache
+def _compiled_gemma_forward() -> Callable[..., Tensor]:
+    """:func:`.gemma.response_logits`, the cast to the compute dtype included, compiled by
+    ``torch.compile`` (as :func:`_compiled_llama_forward`)."""
+    return torch.compile(functools.partial(_gemma_forward, gemma.response_logits))
+
+
 FAMILIES.register("llama")(_lean(llama.LLAMA))
 FAMILIES.register("qwen3")(_lean(llama.QWEN3))
+FAMILIES.register("gemma3")(Family(gemma.supports, _gemma_response_logits,
+                                   functools.partial(llama_decode.decoding, maths=gemma_decode.MATHS),
+                                   gemma_decode.decoder_weights, gemma.unsupported))

@@ -15,7 +15,7 @@ Shapes: ``b`` rows, ``s`` new positions, ``t`` cache capacity (prompt width + ma
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -44,8 +44,18 @@ from purerl.models.families.llama import (
 )
 from purerl.models.families.onednn import OneDNNLinear, onednn_runs
 
-__all__ = ["StaticCache", "SharedPrefix", "decoder_weights", "decoding", "forward_last", "decode_step_static",
-           "decode_and_sample", "one_query_attention", "shared_prefix_attention"]
+__all__ = ["StaticCache", "SharedPrefix", "CacheShape", "DecodeMaths", "LLAMA_MATHS", "decoder_weights", "decoding",
+           "forward_last", "decode_step_static", "decode_and_sample", "one_query_attention", "shared_prefix_attention"]
+
+
+@runtime_checkable
+class CacheShape(Protocol):
+    """The sizes a cache is made of (a :class:`~purerl.models.families.llama.LlamaLayout`, or
+    another family's layout)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
 
 
 @attrs.frozen
@@ -77,7 +87,7 @@ class StaticCache:
     shared: SharedPrefix | None = None
 
     @classmethod
-    def empty(cls, layout: LlamaLayout, rows: int, capacity: int, *, dtype: torch.dtype,
+    def empty(cls, layout: CacheShape, rows: int, capacity: int, *, dtype: torch.dtype,
               device: torch.device) -> "StaticCache":
         shape = (rows, layout.kv_heads, capacity, layout.head_dim)
         # zeros, not empty: masked slots still enter the products (and NaN · 0 is NaN)
@@ -266,11 +276,44 @@ def _compiled_step() -> Callable[..., tuple[Tensor, ...]]:
     return torch.compile(decode_and_sample)
 
 
+class DecodeMaths(NamedTuple):
+    """What :func:`decoding` computes a family's model with (Llama's: :data:`LLAMA_MATHS`).
+
+    - ``prepare(model, params, capacity, device) -> (weights, rotary, layout)``: what the steps read
+      (``params``: the tree, or what the family's ``decoder_weights`` made of it);
+    - ``dtype_of(weights)``: the cache's dtype;
+    - ``forward_last(weights, rotary, layout, ids, attend, positions, cache) -> logits [b, v]``
+      (:func:`forward_last`);
+    - ``step``: :func:`decode_and_sample`'s signature and result, every shape fixed;
+      ``compiled_step()``: it compiled.
+    """
+
+    prepare: Callable[[Any, Any, int, torch.device], tuple[Any, Any, Any]]
+    dtype_of: Callable[[Any], torch.dtype]
+    forward_last: Callable[..., Tensor]
+    step: Callable[..., tuple[Tensor, ...]]
+    compiled_step: Callable[[], Callable[..., tuple[Tensor, ...]]]
+
+
+def _prepare(model: Any, params: dict[str, Tensor] | FusedWeights, capacity: int,
+             device: torch.device) -> tuple[FusedWeights, RotaryTable, LlamaLayout]:
+    layout = layout_of(model.config)
+    weights = params if isinstance(params, FusedWeights) else fused_weights(params, layout)
+    rotary = RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], capacity, dtype=weights.embed.dtype,
+                               device=device)
+    return weights, rotary, layout
+
+
+LLAMA_MATHS = DecodeMaths(_prepare, lambda weights: weights.embed.dtype, forward_last, decode_and_sample,
+                          _compiled_step)
+
+
 @contextlib.contextmanager
-def decoding(model: Any, params: dict[str, Tensor] | FusedWeights, ids: Int[Tensor, "g P"], mask: Bool[Tensor, "g P"],
+def decoding(model: Any, params: dict[str, Tensor] | Any, ids: Int[Tensor, "g P"], mask: Bool[Tensor, "g P"],
              positions: Int[Tensor, "g P"], n: int, capacity: int, *, cuda_graphs: bool = True,
              sampler: RowSampler | None = None, compile: bool = False, graphs: GraphPolicy = GraphPolicy(),
-             past: StaticCache | None = None, keep_cache: Callable[[StaticCache], None] | None = None) -> Iterator[Any]:
+             past: StaticCache | None = None, keep_cache: Callable[[StaticCache], None] | None = None,
+             maths: DecodeMaths = LLAMA_MATHS) -> Iterator[Any]:
     """Decode ``n`` samples of each left-padded prompt with a static cache of ``capacity`` positions
     (see :data:`purerl.models.families.Decoding`). Each prompt is prefilled once and its cache repeated
     ``n`` times.
@@ -287,16 +330,16 @@ def decoding(model: Any, params: dict[str, Tensor] | FusedWeights, ids: Int[Tens
     ``past``: an earlier call's cache (one row per prompt) that ``ids`` continue: only they are
     prefilled, at ``positions``, after its written slots (``capacity`` counts those too).
     ``keep_cache`` receives the cache of the batch's rows when decoding ends (for the next turn).
-    ``params``: the params tree, or what :func:`decoder_weights` made of it."""
-    layout = layout_of(model.config)
-    weights = params if isinstance(params, FusedWeights) else fused_weights(params, layout)
-    dtype, device = weights.embed.dtype, ids.device
-    rotary = RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], capacity, dtype=dtype, device=device)
+    ``params``: the params tree, or what the family's ``decoder_weights`` (Llama's:
+    :func:`decoder_weights`) made of it. ``maths``: the family's maths (default Llama's)."""
+    device = ids.device
+    weights, rotary, layout = maths.prepare(model, params, capacity, device)
+    dtype = maths.dtype_of(weights)
     if past is None:
         cache = StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=device)
     else:
         cache = past.grown(capacity)
-    first = forward_last(weights, rotary, layout, ids, mask, positions, cache)
+    first = maths.forward_last(weights, rotary, layout, ids, mask, positions, cache)
     if n > 1:
         cache, first = cache.repeat_rows(n), first.repeat_interleave(n, 0)
     rows, steps = cache.valid.shape[0], capacity - cache.length
@@ -306,7 +349,7 @@ def decoding(model: Any, params: dict[str, Tensor] | FusedWeights, ids: Int[Tens
         capture, graphs, bucket = run_eagerly, EXACT, rows
     if capture is not None and bucket is not None:
         sample = None if sampler is None else sampler.sample
-        fused = functools.partial(_compiled_step() if compile else decode_and_sample, weights, rotary, layout, sample)
+        fused = functools.partial(maths.compiled_step() if compile else maths.step, weights, rotary, layout, sample)
         decoder = BucketedDecoder(fused, cache, None if sampler is None else sampler.keys,
                                   step=0 if sampler is None else sampler.start + 1, steps=steps, policy=graphs,
                                   capture=capture, bucket=bucket)
@@ -320,7 +363,7 @@ def decoding(model: Any, params: dict[str, Tensor] | FusedWeights, ids: Int[Tens
         return
 
     def advance(token: Tensor, position: Tensor) -> Tensor:
-        return forward_last(weights, rotary, layout, token[:, None], None, position, cache)
+        return maths.forward_last(weights, rotary, layout, token[:, None], None, position, cache)
 
     def keep(rows: Tensor) -> None:
         nonlocal cache

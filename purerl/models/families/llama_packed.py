@@ -2,6 +2,8 @@
 micro-batch's valid tokens run as one packed stream, attention kept inside each row. The same
 logits as :func:`purerl.models.families.llama.response_logits`, to float rounding."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
@@ -19,13 +21,15 @@ from purerl.models.families.llama import (
 __all__ = ["packed_response_logits"]
 
 
-def _segments_attention(lengths: list[int], scale: float, gqa: bool,
-                        prefixes: list[list[tuple[Tensor, Tensor]]] | None = None,
-                        kept: list[list[tuple[Tensor, Tensor]]] | None = None) -> Attention:
+def segments_attention(lengths: list[int], scale: float, gqa: bool,
+                       prefixes: list[list[tuple[Tensor, Tensor]]] | None = None,
+                       kept: list[list[tuple[Tensor, Tensor]]] | None = None,
+                       window: Callable[[int], int | None] | None = None) -> Attention:
     """Attention over one packed stream of segments of ``lengths`` tokens: each segment attends
     causally to itself (and, with ``prefixes[layer][segment]``, first to those keys and values),
     never to another segment. ``kept``, when given, receives each layer's per-segment keys and
-    values (for a later stream to continue from)."""
+    values (for a later stream to continue from). ``window(layer)``: a sliding layer's window (a
+    query sees the keys less than that many positions back; None: every earlier key)."""
 
     def attention(i: int, q: Tensor, k: Tensor, v: Tensor, queries: slice | None) -> Tensor:
         outs, layer = [], []
@@ -37,11 +41,14 @@ def _segments_attention(lengths: list[int], scale: float, gqa: bool,
             if qs.shape[2] == 0:
                 outs.append(qs)
                 continue
-            if ks.shape[2] == qs.shape[2]:
+            sliding = None if window is None else window(i)
+            if ks.shape[2] == qs.shape[2] and sliding is None:
                 outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa))
             else:  # queries are the last of the keys: each sees the prefix and the segment up to itself
                 n, m = qs.shape[2], ks.shape[2]
                 mask = torch.ones((n, m), dtype=torch.bool, device=qs.device).tril(m - n)
+                if sliding is not None:
+                    mask = mask & ~torch.ones_like(mask).tril(m - n - sliding)
                 outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa))
         if kept is not None:
             kept.append(layer)
@@ -72,18 +79,31 @@ def packed_response_logits(
     its prompt's keys and values first (the prompt reuse of the padded forward, kept)."""
     weights = fused_weights(params, layout, lora_scale)
     scale, gqa = layout.head_dim ** -0.5, layout.heads != layout.kv_heads
-    b, s = input_ids.shape
-    t = response_length
-    p = s - t
 
     def run(ids: Tensor, at: Tensor, mask: Tensor, prefixes: list | None = None, kept: list | None = None) -> Tensor:
         """The decoder on the valid tokens of ``ids`` (``mask``) packed row after row; hidden ``[T, h]``."""
         lengths = mask.sum(1).tolist()
         flat = mask.reshape(-1)
         rope = RotaryTable.of(inv_freq, at.reshape(-1)[flat][None], dtype=weights.embed.dtype)
-        attention = _segments_attention(lengths, scale, gqa, prefixes, kept)
+        attention = segments_attention(lengths, scale, gqa, prefixes, kept)
         stream = ids.reshape(-1)[flat][None]
         return decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, stream, attention)[0]
+
+    return packed_logits(run, lambda hidden: logits_of(weights, layout, hidden), input_ids, valid, positions,
+                         response_length, shared)
+
+
+def packed_logits(run: Callable[..., Tensor], head: Callable[[Tensor], Tensor], input_ids: Int[Tensor, "b s"],
+                  valid: Bool[Tensor, "b s"], positions: Int[Tensor, "b s"], response_length: int,
+                  shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None) -> Float[Tensor, "b t v"]:
+    """The packing around a family's decoder: ``run(ids, at, mask, prefixes=None, kept=None)`` runs
+    it on ``mask``'s valid tokens as one stream (hidden ``[T, h]``; ``prefixes``/``kept`` as
+    :func:`segments_attention`), ``head`` turns hidden states into logits. Returns the logits
+    predicting the last ``response_length`` tokens (0 where the predicting input is padding), shared
+    prompts run once (``shared``, as :func:`packed_response_logits`)."""
+    b, s = input_ids.shape
+    t = response_length
+    p = s - t
 
     def slots(mask: Tensor) -> Tensor:
         """Each cell's index in the packed stream of ``mask``'s valid cells (meaningless where invalid)."""
@@ -104,6 +124,6 @@ def packed_response_logits(
         grid[:, 0] = last
         grid[:, 1:][cells[:, 1:]] = response_hidden[slots(response_mask)[:, :t - 1][cells[:, 1:]]]
         picked = grid[cells]
-    logits = logits_of(weights, layout, picked)
+    logits = head(picked)
     rows, cols = cells.nonzero(as_tuple=True)
     return logits.new_zeros((b, t, logits.shape[-1])).index_put((rows, cols), logits)

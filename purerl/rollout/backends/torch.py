@@ -34,7 +34,7 @@ class TorchEngine:
     they hold (a LoRA policy's adapters are merged into a copy of the base once per version
     instead: decoding then costs what the base's does). ``decode`` (token ids → text) is needed
     only for stop strings. Models of a family with a lean decoder (``model.family``: Llama, Qwen2,
-    SmolLM2, Qwen3) decode through it (a static KV cache, no module dispatch); ``lean=False`` forces the
+    SmolLM2, Qwen3, Gemma 3) decode through it (a static KV cache, no module dispatch); ``lean=False`` forces the
     HF module path, which every other model takes. On CUDA the lean decoding step and the sampler
     after it are captured as one CUDA graph per generate call and bucket of rows, and replayed
     once per token (``cuda_graphs=False`` turns that off; ``graphs``: the buckets, and when a call
