@@ -95,6 +95,8 @@ def replay(run_dir: str | Path, *, from_step: int = 0, to_step: int | None = Non
 
 def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | None, settings: dict[str, Any],
             out: Any, *, exact: bool = True) -> dict[str, Any]:
+    folder = RunLayout(run_dir).replay(_label(settings) + (f",from-step={from_step}" if from_step else "")
+                                       + (f",to-step={to_step}" if to_step is not None else ""))
     to_step = _steps_recorded(run_dir, from_step, to_step)
     model, params, tokenizer = load_policy(config)
     critic, critic_params = load_critic(config, model, params)
@@ -110,7 +112,7 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
     effects = {"policy": model, "value_and_grad": value_and_grad, **({"critic": critic} if critic else {}),
                **({"teacher": teacher} if teacher else {})}
     recorded = _recorded_metrics(run_dir)
-    log = None if not settings else MetricsLog(RunLayout(run_dir).replay(_label(settings)))
+    log = None if not settings else MetricsLog(folder)  # a range of its own: another range never overwrites it
     if log is not None:
         log.clear()
     results: dict[str, Any] = {"steps": [], "metrics": [], "mismatches": [], "state_equal": None, "unchecked": []}

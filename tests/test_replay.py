@@ -2,6 +2,7 @@
 start and from a checkpoint, GRPO and PPO with a critic), a counterfactual that equals the step
 called directly, and the refusals (a damaged or missing record, a setting that changes sampling)."""
 
+import json
 from pathlib import Path
 
 import attrs
@@ -69,7 +70,7 @@ def test_a_counterfactual_estimator_gives_the_update_of_its_step_called_on_the_r
     state = attrs.evolve(initial_state(config, params, critic_params), data=cursor)
     _, metrics = step_function(config)(state, rollout, rewards, policy=model, value_and_grad=value_and_grad)
     assert result["metrics"][0] == metrics
-    assert (out / "replays" / "algorithm.adv_estimator=rloo" / "metrics.jsonl").exists()
+    assert (out / "replays" / "algorithm.adv_estimator=rloo,to-step=1" / "metrics.jsonl").exists()
 
 
 def test_a_damaged_or_missing_record_is_refused_naming_the_file_and_the_step(grpo_run, tmp_path):
@@ -222,6 +223,10 @@ def test_counterfactuals_refuse_what_they_cannot_honour_and_say_what_changed(grp
     assert main([str(out), "--to-step", "2", "actor.clip_high=0.2"]) == 0
     printed = capsys.readouterr().out
     assert "actor/pg_loss:" in printed and "in the run" in printed and "replayed" in printed
+    assert main([str(out), "--to-step", "3", "actor.clip_high=0.2"]) == 0  # another range: a folder of its own
+    two, three = (out / "replays" / f"actor.clip_high=0.2,to-step={n}" / "metrics.jsonl" for n in (2, 3))
+    assert [json.loads(line)["step"] for line in two.read_text().splitlines()] == [1, 2]
+    assert [json.loads(line)["step"] for line in three.read_text().splitlines()] == [1, 2, 3]
 
 
 @pytest.mark.slow
