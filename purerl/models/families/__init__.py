@@ -95,63 +95,65 @@ def computed_by(model: CausalLM) -> str:
     return f"{kind}: no lean family supports it{f' ({reasons})' if reasons else ''}; it runs through its HF module"
 
 
-def _llama_response_logits(model: CausalLM, params: Params, seqs: "Sequences",
-                           shared: tuple[Tensor, Tensor] | None) -> Tensor:
+@attrs.frozen
+class _Forwards:
+    """A lean family's training forwards, ``padded`` and ``packed`` (the signature of
+    :func:`.llama.response_logits`), over what ``tables(model)`` reads from the model: its RoPE
+    frequencies and its layout."""
+
+    padded: Callable[..., Tensor]
+    packed: Callable[..., Tensor]
+    tables: Callable[[CausalLM], tuple[Any, Any]]
+
+
+def _llama_tables(model: CausalLM) -> tuple[Tensor, llama.LlamaLayout]:
+    return model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(model.config)
+
+
+def _gemma_tables(model: CausalLM) -> tuple[tuple[Tensor, Tensor], gemma.GemmaLayout]:
+    return gemma.inv_freqs(model), gemma.layout_of(model.config)
+
+
+_LLAMA = _Forwards(llama.response_logits, llama_packed.packed_response_logits, _llama_tables)
+_GEMMA = _Forwards(gemma.response_logits, gemma.packed_response_logits, _gemma_tables)
+
+
+def _response_logits(forwards: _Forwards, model: CausalLM, params: Params, seqs: "Sequences",
+                     shared: tuple[Tensor, Tensor] | None) -> Tensor:
+    """:attr:`Family.response_logits` of a family computed by ``forwards``: packed where the model
+    asks, else padded, compiled where it asks."""
     if model.compiled and not model.packed:
-        forward = _compiled_llama_forward()
+        forward = _compiled_forward(forwards)
     else:
-        forward = functools.partial(_llama_forward, llama_packed.packed_response_logits if model.packed
-                                    else llama.response_logits)
+        forward = functools.partial(_forward, forwards.packed if model.packed else forwards.padded, forwards.tables)
     return forward(model, params, seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
                    shared)
 
 
-def _llama_forward(forward: Callable[..., Tensor], model: CausalLM, params: Params, ids: Tensor, valid: Tensor,
-                   positions: Tensor, response_length: int, shared: tuple[Tensor, Tensor] | None) -> Tensor:
-    return forward(model.computed(params), model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(model.config),
-                   ids, valid, positions, response_length, shared, None if model.lora is None else model.lora.scale)
+def _forward(forward: Callable[..., Tensor], tables: Callable[[CausalLM], tuple[Any, Any]], model: CausalLM,
+             params: Params, ids: Tensor, valid: Tensor, positions: Tensor, response_length: int,
+             shared: tuple[Tensor, Tensor] | None) -> Tensor:
+    inv_freq, layout = tables(model)
+    return forward(model.computed(params), inv_freq, layout, ids, valid, positions, response_length, shared,
+                   None if model.lora is None else model.lora.scale)
 
 
 @functools.cache
-def _compiled_llama_forward() -> Callable[..., Tensor]:
-    """The padded lean forward, the cast to the compute dtype included, as one graph compiled by
-    ``torch.compile`` (inductor fuses the norms, rotary, SwiGLU and the casts; built on first use;
-    shapes go dynamic after the first recompile)."""
-    return torch.compile(functools.partial(_llama_forward, llama.response_logits))
+def _compiled_forward(forwards: _Forwards) -> Callable[..., Tensor]:
+    """A family's padded lean forward, the cast to the compute dtype included, as one graph compiled
+    by ``torch.compile`` (inductor fuses the norms, rotary, the MLP and the casts; built on first use,
+    once per family; shapes go dynamic after the first recompile)."""
+    return torch.compile(functools.partial(_forward, forwards.padded, forwards.tables))
 
 
 def _lean(variant: llama.Variant) -> Family:
     """A family that :mod:`.llama`'s forward computes as ``variant``."""
-    return Family(variant.supports, _llama_response_logits, llama_decode.decoding, llama_decode.decoder_weights,
-                  variant.unsupported)
-
-
-def _gemma_response_logits(model: CausalLM, params: Params, seqs: "Sequences",
-                           shared: tuple[Tensor, Tensor] | None) -> Tensor:
-    if model.compiled and not model.packed:
-        forward = _compiled_gemma_forward()
-    else:
-        forward = functools.partial(_gemma_forward, gemma.packed_response_logits if model.packed
-                                    else gemma.response_logits)
-    return forward(model, params, seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
-                   shared)
-
-
-def _gemma_forward(forward: Callable[..., Tensor], model: CausalLM, params: Params, ids: Tensor, valid: Tensor,
-                   positions: Tensor, response_length: int, shared: tuple[Tensor, Tensor] | None) -> Tensor:
-    return forward(model.computed(params), gemma.inv_freqs(model), gemma.layout_of(model.config), ids, valid,
-                   positions, response_length, shared, None if model.lora is None else model.lora.scale)
-
-
-@functools.cache
-def _compiled_gemma_forward() -> Callable[..., Tensor]:
-    """:func:`.gemma.response_logits`, the cast to the compute dtype included, compiled by
-    ``torch.compile`` (as :func:`_compiled_llama_forward`)."""
-    return torch.compile(functools.partial(_gemma_forward, gemma.response_logits))
+    return Family(variant.supports, functools.partial(_response_logits, _LLAMA), llama_decode.decoding,
+                  llama_decode.decoder_weights, variant.unsupported)
 
 
 FAMILIES.register("llama")(_lean(llama.LLAMA))
 FAMILIES.register("qwen3")(_lean(llama.QWEN3))
-FAMILIES.register("gemma3")(Family(gemma.supports, _gemma_response_logits,
+FAMILIES.register("gemma3")(Family(gemma.supports, functools.partial(_response_logits, _GEMMA),
                                    functools.partial(llama_decode.decoding, maths=gemma_decode.MATHS),
                                    gemma_decode.decoder_weights, gemma.unsupported))
