@@ -5,12 +5,13 @@ holds no model."""
 import subprocess
 import sys
 
+import attrs
 import pytest
 import torch
 from transformers import LlamaConfig
 
 from purerl.models.check import main, training_bytes
-from purerl.models.families import llama
+from purerl.models.families import FAMILIES
 from purerl.models.hf import export_hf
 from purerl.tiny import tiny_causal_lm
 from tests.test_family_exactness import COMMON, CONFIGS
@@ -62,8 +63,9 @@ def test_a_path_holding_no_model_exits_2_with_one_line(tmp_path, capsys):
 
 def test_a_lean_forward_that_differs_from_the_module_exits_1(tmp_path, capsys, monkeypatch):
     folder = _saved(CONFIGS["llama"](2, True, False), tmp_path / "llama")
-    exact = llama.response_logits
-    monkeypatch.setattr(llama, "response_logits", lambda *args, **kwargs: exact(*args, **kwargs) + 1e-3)
+    family = FAMILIES["llama"]
+    off = attrs.evolve(family, response_logits=lambda *args: family.response_logits(*args) + 1e-3)
+    monkeypatch.setitem(FAMILIES._entries, "llama", off)
     status, lines, _ = _run([folder, "--tokens", "4"], capsys)
     assert status == 1
     assert [line for line in lines if line.startswith("logits:")][0].endswith("MISMATCH")
