@@ -21,7 +21,7 @@ import attrs
 import jaxtyping
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from purerl.models import response_logits, response_logprobs
 from purerl.models.families import FAMILIES, computed_by
@@ -69,7 +69,19 @@ def _gemma3(kv_heads: int, tied: bool, bias: bool) -> Any:
                             **({"rope_parameters": rope} if bias else {}))
 
 
-CONFIGS: dict[str, Callable[[int, bool, bool], Any]] = {"llama": _llama, "qwen3": _qwen3, "gemma3": _gemma3}
+def _qwen3_moe(kv_heads: int, tied: bool, bias: bool) -> Any:
+    # top-2 of 4 experts, renormalised, every layer sparse; of 8, not renormalised, every second layer
+    # sparse (decoder_sparse_step); with biases, layer 0 dense (mlp_only_layers)
+    experts = 4 if kv_heads < 4 else 8
+    return Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 3}, num_key_value_heads=kv_heads,
+                          tie_word_embeddings=tied, attention_bias=bias, head_dim=32 if kv_heads < 4 else 16,
+                          moe_intermediate_size=32, num_experts=experts, num_experts_per_tok=2,
+                          norm_topk_prob=experts == 4, decoder_sparse_step=2 if experts == 8 else 1,
+                          mlp_only_layers=[0] if bias else [])
+
+
+CONFIGS: dict[str, Callable[[int, bool, bool], Any]] = {
+    "llama": _llama, "qwen3": _qwen3, "gemma3": _gemma3, "qwen3_moe": _qwen3_moe}
 """For each registered family, a tiny config of its architecture from a :data:`SHAPES` entry."""
 
 CASES = [pytest.param(family, shape, id=f"{family}, {shape}") for family in FAMILIES.names() for shape in SHAPES]

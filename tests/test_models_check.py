@@ -30,7 +30,7 @@ def _run(argv, capsys):
     return status, out.splitlines(), err.strip().splitlines()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_a_saved_model_of_a_family_passes_and_prints_one_line_per_fact(family, tmp_path, capsys):
     folder = _saved(CONFIGS[family](2, False, True), tmp_path / family)
     status, lines, _ = _run([folder, "--tokens", "16"], capsys)

@@ -109,6 +109,8 @@ def _source(entry: Any) -> Callable[..., Any] | None:
 
 def entry_doc(entry: Any) -> str:
     """``entry``'s documentation ("" when it has none)."""
+    if isinstance(entry, Family) and entry.description:
+        return entry.description
     if isinstance(entry, Family):  # documented by the module that implements it
         return (sys.modules[entry.supports.__module__].__doc__ or "").split("\n\n")[0].strip()
     if isinstance(entry, EnvironmentKind) and entry.description:

@@ -6,11 +6,11 @@ training and scoring forward (``response_logits``) and KV-cache decoding for the
 that none supports runs its HF module (same values, more overhead per call), and the log says so
 and why (:func:`computed_by`).
 
-Registered: ``llama`` (Llama, Qwen2, SmolLM2) and ``qwen3`` (Qwen3 dense: Llama's block with q/k
-norms per head), both :mod:`.llama`'s forward (:class:`.llama.Variant`), :mod:`.llama_packed` and
-:mod:`.llama_decode`; ``gemma3`` (Gemma 3 text: :mod:`.gemma`, and :mod:`.llama_decode`'s decoding
-with :mod:`.gemma_decode`'s steps). ``tests/test_family_exactness.py`` runs every registered family through the
-same checks against its HF module.
+Registered: ``llama`` (Llama, Qwen2, SmolLM2), ``qwen3`` (Qwen3 dense: Llama's block with q/k
+norms per head) and ``qwen3_moe`` (Qwen3's block with :mod:`.moe`'s sparse MLPs), all :mod:`.llama`'s
+forward (:class:`.llama.Variant`), :mod:`.llama_packed` and :mod:`.llama_decode`; ``gemma3``
+(Gemma 3 text: :mod:`.gemma`, and :mod:`.llama_decode`'s decoding with :mod:`.gemma_decode`'s steps).
+``tests/test_family_exactness.py`` runs every registered family through the same checks against its HF module.
 A new family registers a :class:`Family` under its name: ``FAMILIES.register("name")(Family(...))``.
 """
 
@@ -63,6 +63,7 @@ class Family:
       default: the params themselves).
     - ``unsupported(model) -> str | None``: for a model of the family's architectures that
       ``supports`` refuses, why (a phrase for the log); None otherwise.
+    - ``description``: what it covers, for the reference (default: its module's first paragraph).
     """
 
     supports: Callable[[CausalLM], bool]
@@ -70,6 +71,7 @@ class Family:
     decoding: Callable[..., AbstractContextManager[Decoding]]
     decoder_weights: Callable[..., Any] = lambda model, params, **options: params
     unsupported: Callable[[CausalLM], str | None] = lambda model: None
+    description: str = ""
 
 
 FAMILIES: Registry[Any] = Registry("model family")
@@ -146,14 +148,25 @@ def _compiled_forward(forwards: _Forwards) -> Callable[..., Tensor]:
     return torch.compile(functools.partial(_forward, forwards.padded, forwards.tables))
 
 
-def _lean(variant: llama.Variant) -> Family:
+def _lean(variant: llama.Variant, description: str) -> Family:
     """A family that :mod:`.llama`'s forward computes as ``variant``."""
     return Family(variant.supports, functools.partial(_response_logits, _LLAMA), llama_decode.decoding,
-                  llama_decode.decoder_weights, variant.unsupported)
+                  llama_decode.decoder_weights, variant.unsupported, description)
 
 
-FAMILIES.register("llama")(_lean(llama.LLAMA))
-FAMILIES.register("qwen3")(_lean(llama.QWEN3))
+_LEAN = ":mod:`purerl.models.families.llama`"
+FAMILIES.register("llama")(_lean(llama.LLAMA, (
+    f"Llama, Qwen2 and SmolLM2 ({_LEAN}): RMSNorm, rotary embeddings (default, linear and llama3 scaling), "
+    "grouped-query attention with optional q/k/v/o biases, a SwiGLU MLP; q/k/v and gate/up each one fused "
+    "matrix product.")))
+FAMILIES.register("qwen3")(_lean(llama.QWEN3, (
+    f"Qwen3 dense ({_LEAN}): Llama's block with q and k RMS-normalised per head before the rotation, and "
+    "``head_dim`` apart from hidden/heads.")))
+FAMILIES.register("qwen3_moe")(_lean(llama.QWEN3_MOE, (
+    f"Qwen3-MoE ({_LEAN} with :mod:`purerl.models.families.moe`): Qwen3's block with sparse MLPs, a top-k "
+    "softmax router (``norm_topk_prob``) and one matrix product per expert over its tokens, where "
+    "``mlp_only_layers`` and ``decoder_sparse_step`` put them; dense MLPs elsewhere. Decoding runs eager "
+    "steps (no CUDA graph).")))
 FAMILIES.register("gemma3")(Family(gemma.supports, functools.partial(_response_logits, _GEMMA),
                                    functools.partial(llama_decode.decoding, maths=gemma_decode.MATHS),
                                    gemma_decode.decoder_weights, gemma.unsupported))

@@ -28,11 +28,13 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from purerl.models.families.moe import Experts, Route, experts_of, sparse_mlp, top_k
 from purerl.models.families.onednn import OneDNNLinear
 
 __all__ = [
     "LLAMA",
     "QWEN3",
+    "QWEN3_MOE",
     "Variant",
     "LlamaLayout",
     "RotaryTable",
@@ -96,6 +98,9 @@ class Variant(NamedTuple):
 
 LLAMA = Variant(("llama", "qwen2"))
 QWEN3 = Variant(("qwen3",), qk_norm=True)
+QWEN3_MOE = Variant(("qwen3_moe",), qk_norm=True)
+"""Qwen3's block with sparse MLPs (:mod:`.moe`) where the params hold a router, dense ones elsewhere
+(``mlp_only_layers``, ``decoder_sparse_step``)."""
 
 
 def supports(model: Any, variant: Variant = LLAMA) -> bool:
@@ -112,13 +117,17 @@ class LlamaLayout(NamedTuple):
     head_dim: int
     eps: float
     padding_idx: int | None = None  # the embedding row that takes no gradient (HF's nn.Embedding padding_idx)
+    experts_per_token: int = 0  # a sparse MLP's k (num_experts_per_tok)
+    norm_topk_prob: bool = False  # whether a sparse MLP renormalises its k gate weights
 
 
 def layout_of(config: Any) -> LlamaLayout:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     pad = getattr(config, "pad_token_id", None)
     return LlamaLayout(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-                       head_dim, float(config.rms_norm_eps), pad if isinstance(pad, int) else None)
+                       head_dim, float(config.rms_norm_eps), pad if isinstance(pad, int) else None,
+                       int(getattr(config, "num_experts_per_tok", 0) or 0),
+                       bool(getattr(config, "norm_topk_prob", False)))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -171,7 +180,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class LayerWeights(NamedTuple):
     """One decoder layer with its projections fused: q, k, v in one matrix, gate and up in another.
-    Matrices are transposed views, ``[in, out]``, as the products take them."""
+    Matrices are transposed views, ``[in, out]``, as the products take them. A sparse layer has
+    ``experts`` in place of ``gate_up`` and ``down`` (None)."""
 
     input_norm: Tensor
     qkv: Tensor
@@ -179,13 +189,14 @@ class LayerWeights(NamedTuple):
     out: Tensor
     out_bias: Tensor | None
     post_norm: Tensor
-    gate_up: Tensor
-    down: Tensor
+    gate_up: Tensor | None
+    down: Tensor | None
     qkv_lora: "Lora | None" = None
     out_lora: "Lora | None" = None
     gate_up_lora: "Lora | None" = None
     down_lora: "Lora | None" = None
     qk_norm: Tensor | None = None  # [H + K, D]: each query head's q_norm weight, then each key head's k_norm
+    experts: Experts | None = None
 
 
 class Lora(NamedTuple):
@@ -243,15 +254,19 @@ def fused_weights(params: dict[str, Tensor], layout: LlamaLayout, lora_scale: fl
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         if params.get(f"{m}.gate_proj.bias") is not None or params.get(f"{m}.down_proj.bias") is not None:
             raise ValueError("fused_weights: MLP biases are not supported")
+        experts = experts_of(params, m)
+        dense = experts is None
         layers.append(LayerWeights(
             params[f"model.layers.{i}.input_layernorm.weight"],
             cat(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight").t(),
             cat(f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"),
             t(f"{a}.o_proj.weight"), params.get(f"{a}.o_proj.bias"),
             params[f"model.layers.{i}.post_attention_layernorm.weight"],
-            cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight").t(), t(f"{m}.down_proj.weight"),
+            cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight").t() if dense else None,
+            t(f"{m}.down_proj.weight") if dense else None,
             lora(f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"), lora(f"{a}.o_proj"),
-            lora(f"{m}.gate_proj", f"{m}.up_proj"), lora(f"{m}.down_proj"), head_norms(a)))
+            lora(f"{m}.gate_proj", f"{m}.up_proj") if dense else None, lora(f"{m}.down_proj") if dense else None,
+            head_norms(a), experts))
     embed = params["model.embed_tokens.weight"]
     return FusedWeights(embed, layers, params["model.norm.weight"],
                         params.get("lm_head.weight", embed).t(),  # tied: only the embedding is in the tree
@@ -260,14 +275,15 @@ def fused_weights(params: dict[str, Tensor], layout: LlamaLayout, lora_scale: fl
 
 def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: LlamaLayout,
                   ids: Int[Tensor, "b s"], attention: Attention, keep: slice | None = None,
-                  ) -> Float[Tensor, "b n hidden"]:
+                  route: Route = top_k) -> Float[Tensor, "b n hidden"]:
     """The decoder layers on ``ids`` at the positions ``rope`` was taken at (``cos``, ``sin``,
     ``[b, 1, s, D]``); ``attention`` stores keys and values where it needs to and returns the
     attention output. Hidden states after the last layer, before the final norm, at the
     positions ``keep`` (a slice of the ``s``; None: all): the last layer computes its queries'
     attention, output projection and MLP only there, as no later layer reads the others (every
     position's keys and values are still computed). The hidden state stays ``[b·s, hidden]`` so
-    every projection is one matrix product, with the residual added inside it (``addmm``)."""
+    every projection is one matrix product, with the residual added inside it (``addmm``). A sparse
+    layer sends its tokens (the ``b·n`` rows, in order) to the experts ``route`` picks (:mod:`.moe`)."""
     b, s = ids.shape
     heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
     cos, sin = rope
@@ -290,6 +306,10 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
         attn = attention(i, q, qk[:, heads:], qkv[:, :, qk_heads:].transpose(1, 2), queries)
         attn = attn.transpose(1, 2).reshape(b * n, -1)
         h = project(attn, w.out, w.out_bias, residual=h, lora=w.out_lora)
+        if w.experts is not None:
+            h = h + sparse_mlp(rms_norm(h, w.post_norm, layout.eps), w.experts, i, layout.experts_per_token,
+                               layout.norm_topk_prob, route)
+            continue
         gate, up = project(rms_norm(h, w.post_norm, layout.eps), w.gate_up, lora=w.gate_up_lora).chunk(2, dim=-1)
         h = project(F.silu(gate) * up, w.down, residual=h, lora=w.down_lora)
     return h.view(b, n, -1)

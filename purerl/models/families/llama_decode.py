@@ -252,7 +252,8 @@ def decoder_weights(model: Any, params: dict[str, Tensor], *, onednn: bool = Tru
         return params
     w = fused_weights(params, layout_of(model.config))
     layers = [x._replace(qkv=OneDNNLinear.of(x.qkv), out=OneDNNLinear.of(x.out),
-                      gate_up=OneDNNLinear.of(x.gate_up), down=OneDNNLinear.of(x.down)) for x in w.layers]
+                      **({} if x.experts is not None else
+                         {"gate_up": OneDNNLinear.of(x.gate_up), "down": OneDNNLinear.of(x.down)})) for x in w.layers]
     return w._replace(layers=layers, head=OneDNNLinear.of(w.head))
 
 
@@ -334,6 +335,8 @@ def decoding(model: Any, params: dict[str, Tensor] | Any, ids: Int[Tensor, "g P"
     :func:`decoder_weights`) made of it. ``maths``: the family's maths (default Llama's)."""
     device = ids.device
     weights, rotary, layout = maths.prepare(model, params, capacity, device)
+    if any(getattr(layer, "experts", None) is not None for layer in getattr(weights, "layers", ())):
+        cuda_graphs = compile = False  # each step reads its experts' token counts on the host: eager steps
     dtype = maths.dtype_of(weights)
     if past is None:
         cache = StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=device)
