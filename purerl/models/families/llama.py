@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from purerl.models.families.moe import Experts, Route, experts_of, sparse_mlp, top_k
+from purerl.models.families.moe import Experts, Routing, experts_of, sparse_mlp
 from purerl.models.families.onednn import OneDNNLinear
 
 __all__ = [
@@ -275,7 +275,7 @@ def fused_weights(params: dict[str, Tensor], layout: LlamaLayout, lora_scale: fl
 
 def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: LlamaLayout,
                   ids: Int[Tensor, "b s"], attention: Attention, keep: slice | None = None,
-                  route: Route = top_k) -> Float[Tensor, "b n hidden"]:
+                  routing: Routing | None = None) -> Float[Tensor, "b n hidden"]:
     """The decoder layers on ``ids`` at the positions ``rope`` was taken at (``cos``, ``sin``,
     ``[b, 1, s, D]``); ``attention`` stores keys and values where it needs to and returns the
     attention output. Hidden states after the last layer, before the final norm, at the
@@ -283,7 +283,8 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
     attention, output projection and MLP only there, as no later layer reads the others (every
     position's keys and values are still computed). The hidden state stays ``[b·s, hidden]`` so
     every projection is one matrix product, with the residual added inside it (``addmm``). A sparse
-    layer sends its tokens (the ``b·n`` rows, in order) to the experts ``route`` picks (:mod:`.moe`)."""
+    layer sends its tokens to its router's experts, or to ``routing``'s (replay), and records where
+    they went in ``routing`` (:class:`.moe.Routing`)."""
     b, s = ids.shape
     heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
     cos, sin = rope
@@ -307,8 +308,13 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
         attn = attn.transpose(1, 2).reshape(b * n, -1)
         h = project(attn, w.out, w.out_bias, residual=h, lora=w.out_lora)
         if w.experts is not None:
-            h = h + sparse_mlp(rms_norm(h, w.post_norm, layout.eps), w.experts, i, layout.experts_per_token,
-                               layout.norm_topk_prob, route)
+            top, cols = layout.experts_per_token, slice(None) if queries is None else queries
+            forced = None if routing is None or routing.replay is None else routing.replay[:, cols, i]
+            out, chosen = sparse_mlp(rms_norm(h, w.post_norm, layout.eps), w.experts, top, layout.norm_topk_prob,
+                                     None if forced is None else forced.reshape(-1, top))
+            if routing is not None and routing.record is not None:
+                routing.record[:, cols, i] = chosen.view(b, n, top).to(routing.record.dtype)
+            h = h + out
             continue
         gate, up = project(rms_norm(h, w.post_norm, layout.eps), w.gate_up, lora=w.gate_up_lora).chunk(2, dim=-1)
         h = project(F.silu(gate) * up, w.down, residual=h, lora=w.down_lora)
@@ -363,6 +369,7 @@ def response_logits(
     response_length: int,
     shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None,
     lora_scale: float | None = None,
+    routing: Routing | None = None,
 ) -> Float[Tensor, "b t v"]:
     """Logits predicting the last ``t = response_length`` tokens: positions ``s-t-1 … s-2``.
     Differentiable in ``params``; ``valid`` is the attention mask (False on padding).
@@ -372,14 +379,15 @@ def response_logits(
     once, their keys and values are indexed out to every row and the responses run against them.
     Same values (to float rounding), and the same gradients: autograd adds those of a shared
     prompt's keys and values over its rows. ``lora_scale``: the scale of the LoRA adapters in
-    ``params`` (see :func:`fused_weights`).
+    ``params`` (see :func:`fused_weights`). ``routing``: a sparse model's routing replay and record
+    over ``input_ids`` (:class:`.moe.Routing`).
     """
     weights = fused_weights(params, layout, lora_scale)
     scale = layout.head_dim ** -0.5
     gqa = layout.heads != layout.kv_heads
 
     def run(ids: Tensor, at: Tensor, mask: Tensor, keep: slice, past: list[tuple[Tensor, Tensor]] | None = None,
-            ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+            routes: Routing | None = routing) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         kv: list[tuple[Tensor, Tensor]] = []
 
         def attention(i: int, q: Tensor, k: Tensor, v: Tensor, queries: slice | None) -> Tensor:
@@ -390,7 +398,8 @@ def response_logits(
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=gqa)
 
         rope = RotaryTable.of(inv_freq, at, dtype=weights.embed.dtype)
-        return decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, ids, attention, keep), kv
+        return decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, ids, attention, keep,
+                             routes), kv
 
     s, t = input_ids.shape[1], response_length
     if shared is None:
@@ -398,10 +407,21 @@ def response_logits(
         return logits_of(weights, layout, hidden)
     first, inverse = shared
     p = s - t
-    prompt, kv = run(input_ids[first, :p], positions[first, :p], attention_mask(valid[first, :p], 0), slice(p - 1, p))
+    # a shared prompt runs once, as row first[j]: it replays that row's routing, and its record is every row's
+    prompt_routes = response_routes = None
+    if routing is not None:
+        prompt_routes = Routing(None if routing.replay is None else routing.replay[first, :p],
+                                None if routing.record is None else routing.record[first, :p].clone())
+        response_routes = Routing(None if routing.replay is None else routing.replay[:, p:],
+                                  None if routing.record is None else routing.record[:, p:])
+    prompt, kv = run(input_ids[first, :p], positions[first, :p], attention_mask(valid[first, :p], 0), slice(p - 1, p),
+                     routes=prompt_routes)
+    if routing is not None and routing.record is not None:
+        routing.record[:, :p] = prompt_routes.record.index_select(0, inverse)
     # one copy of each prompt's keys and values per row; index_select, not x[inverse]: its backward adds
     # the rows' gradients in row order, where indexing's (index_put_ accumulating) adds them with atomics
     # on a CPU's threads, in an order that changes from process to process
     past = [(k.index_select(0, inverse), v.index_select(0, inverse)) for k, v in kv]
-    response, _ = run(input_ids[:, p:], positions[:, p:], attention_mask(valid, p), slice(0, t - 1), past)
+    response, _ = run(input_ids[:, p:], positions[:, p:], attention_mask(valid, p), slice(0, t - 1), past,
+                      response_routes)
     return logits_of(weights, layout, torch.cat((prompt.index_select(0, inverse), response), 1))

@@ -7,15 +7,13 @@ softmax, the top ``k`` experts (``torch.topk``, so ties break as the module's do
 probabilities renormalised where ``norm_topk_prob`` is set, then each expert's SwiGLU on its tokens,
 weighted, and added into the output in expert order (as the module's ``index_add_``).
 
-Routing is a function (:data:`Route`): which ``k`` experts each token goes to, given the router's
-probabilities. The default is the router's own choice (:func:`top_k`); routing replay hands the
-forward a route that returns the experts the engine recorded instead (:func:`replayed`), and the
-gate weights still come from this forward's router, renormalised over those experts.
+Routing replay: a forward given the experts another forward chose (the engine's, recorded as
+:class:`Routing`) sends each token there instead of where its own router would, and takes the gate
+weights from its own router, renormalised over those experts where ``norm_topk_prob`` is set.
 
 Shapes: ``N`` tokens, ``E`` experts, ``k`` experts per token, ``I`` an expert's hidden size.
 """
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -23,10 +21,19 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-__all__ = ["Experts", "Route", "experts_of", "recording", "replayed", "sparse_mlp", "top_k"]
+__all__ = ["Experts", "Routing", "experts_of", "routing_mismatch", "sparse_mlp"]
 
-Route = Callable[[int, Tensor, int], Tensor]
-"""``route(layer, probs [N, E] float32, k) -> experts [N, k]`` (int64): where layer ``layer``'s tokens go."""
+
+class Routing(NamedTuple):
+    """Routing replay and recording for a forward over ``ids`` ``[b, s]``, one entry per position and
+    decoder layer (a dense layer's entries are unused):
+
+    - ``replay`` ``[b, s, layers, k]``: the experts each token goes to (``-1``: its router's own choice);
+    - ``record`` ``[b, s, layers, k]`` (an integer tensor, filled with ``-1`` by the caller): each
+      sparse layer writes there the experts its tokens went to (the positions it computes only)."""
+
+    replay: Tensor | None = None
+    record: Tensor | None = None
 
 
 class Experts(NamedTuple):
@@ -47,44 +54,24 @@ def experts_of(params: dict[str, Tensor], mlp: str) -> Experts | None:
                    params[f"{mlp}.experts.down_proj"].transpose(1, 2))
 
 
-def top_k(layer: int, probs: Float[Tensor, "N E"], k: int) -> Int[Tensor, "N k"]:
-    """The router's own choice: each token's ``k`` most probable experts."""
-    return torch.topk(probs, k, dim=-1).indices
+def routing_mismatch(a: Int[Tensor, "... k"], b: Int[Tensor, "... k"]) -> Tensor:
+    """The share of the tokens (over the entries both recorded, ``≥ 0``) whose sets of experts differ
+    between two recordings: a float scalar, 0 where none was recorded by both."""
+    both = (a >= 0).all(-1) & (b >= 0).all(-1)
+    differ = (a.sort(-1).values != b.sort(-1).values).any(-1) & both
+    return differ.sum() / both.sum().clamp_min(1)
 
 
-def replayed(experts: dict[int, Int[Tensor, "N k"]]) -> Route:
-    """A route that sends each token to the experts recorded for it (``experts[layer]``, the rows of
-    this forward's tokens); a row of ``-1`` (a token with no record) keeps the router's own choice."""
-
-    def route(layer: int, probs: Tensor, k: int) -> Tensor:
-        own = top_k(layer, probs, k)
-        recorded = experts.get(layer)
-        if recorded is None:
-            return own
-        recorded = recorded.to(own.device)
-        return torch.where(recorded >= 0, recorded, own)
-
-    return route
-
-
-def recording(into: dict[int, list[Tensor]], route: Route = top_k) -> Route:
-    """``route``, appending each layer's choice ``[N, k]`` to ``into[layer]`` (one entry per call)."""
-
-    def record(layer: int, probs: Tensor, k: int) -> Tensor:
-        chosen = route(layer, probs, k)
-        into.setdefault(layer, []).append(chosen)
-        return chosen
-
-    return record
-
-
-def sparse_mlp(x: Float[Tensor, "N hidden"], w: Experts, layer: int, k: int, normalise: bool,
-               route: Route = top_k) -> Float[Tensor, "N hidden"]:
-    """The sparse MLP's output for ``x`` (already normalised), with layer ``layer``'s tokens sent
-    where ``route`` says; ``normalise``: the config's ``norm_topk_prob``."""
+def sparse_mlp(x: Float[Tensor, "N hidden"], w: Experts, k: int, normalise: bool,
+               forced: Int[Tensor, "N k"] | None = None) -> tuple[Float[Tensor, "N hidden"], Int[Tensor, "N k"]]:
+    """The sparse MLP's output for ``x`` (already normalised), and the experts each token went to:
+    its router's top ``k``, or ``forced``'s where a row of it is ``≥ 0`` (routing replay);
+    ``normalise``: the config's ``norm_topk_prob``."""
     logits = torch.mm(x, w.router)
     probs = F.softmax(logits, dim=-1, dtype=torch.float)
-    chosen = route(layer, probs, k)
+    chosen = torch.topk(probs, k, dim=-1).indices
+    if forced is not None:
+        chosen = torch.where(forced >= 0, forced.to(chosen), chosen)
     gates = probs.gather(1, chosen)
     if normalise:
         gates = gates / gates.sum(dim=-1, keepdim=True)
@@ -99,4 +86,4 @@ def sparse_mlp(x: Float[Tensor, "N hidden"], w: Experts, layer: int, k: int, nor
             gate, up = torch.mm(part, w.gate_up[e]).chunk(2, dim=-1)
             outs.append(torch.mm(F.silu(gate) * up, w.down[e]))
     weighted = torch.cat(outs) * gates.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add(0, rows, weighted.to(x.dtype))
+    return torch.zeros_like(x).index_add(0, rows, weighted.to(x.dtype)), chosen

@@ -1,0 +1,101 @@
+"""Routing replay in the lean Qwen3-MoE forward (:mod:`purerl.models.families.moe`): a forward given
+another forward's recorded experts sends each token there, with gate weights from its own router.
+
+The engine stands in as a forward whose router is perturbed (as a bfloat16 engine or another kernel
+would perturb it): without replay the trainer's experts differ from the engine's and the two
+forwards' log-probs drift apart; with replay the experts are the engine's, token for token, and the
+gap falls."""
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+
+from purerl.batch import Sequences
+from purerl.models.base import shared_prompts
+from purerl.models.families import llama
+from purerl.models.families.moe import Routing, routing_mismatch
+from purerl.tiny import random_sequences, tiny_causal_lm
+from tests.test_family_exactness import COMMON, VOCAB
+from tests.test_llama import grouped
+
+TOP = 2
+
+
+@pytest.fixture(scope="module")
+def moe():
+    config = Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=32,
+                            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=TOP, norm_topk_prob=True,
+                            mlp_only_layers=[1])
+    model, params = tiny_causal_lm(config, seed=0)
+    g = torch.Generator().manual_seed(1)
+    return model, {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in params.items()}
+
+
+def _forward(model, params, seqs: Sequences, routing=None, shared=None):
+    """The lean forward's response log-probs of the sampled tokens ``[b, t]``."""
+    logits = llama.response_logits(model.computed(params), model.buffers["model.rotary_emb.inv_freq"],
+                                   llama.layout_of(model.config), seqs.input_ids, seqs.attention_mask,
+                                   seqs.position_ids(), seqs.response_length, shared, None, routing)
+    return logits.log_softmax(-1).gather(-1, seqs.responses()[..., None])[..., 0]
+
+
+def _blank(seqs: Sequences, layers: int = 3) -> torch.Tensor:
+    return torch.full((*seqs.input_ids.shape, layers, TOP), -1, dtype=torch.int16)
+
+
+def _perturbed(params, scale: float):
+    g = torch.Generator().manual_seed(7)
+    return {k: v + scale * v.abs().mean() * torch.randn(v.shape, generator=g) if k.endswith("mlp.gate.weight") else v
+            for k, v in params.items()}
+
+
+def test_replaying_a_forwards_own_routing_computes_it_bit_for_bit(moe):
+    model, params = moe
+    seqs = random_sequences(6, 7, 6, VOCAB, seed=3)
+    record = _blank(seqs)
+    own = _forward(model, params, seqs, Routing(record=record))
+    s, t = seqs.input_ids.shape[1], seqs.response_length
+    assert (record[:, :, 0] >= 0).all() and (record[:, :, 1] == -1).all()  # layer 1 is dense
+    # the last layer computes the positions whose logits are read only: s-t-1 … s-2
+    assert (record[:, s - t - 1:s - 1, 2] >= 0).all() and (record[:, :s - t - 1, 2] == -1).all()
+    assert torch.equal(_forward(model, params, seqs, Routing(replay=record)), own)
+    assert torch.equal(_forward(model, params, seqs, Routing(replay=_blank(seqs))), own)  # -1: the router's choice
+
+
+def test_a_perturbed_engines_routing_replayed_matches_its_experts_and_narrows_the_log_prob_gap(moe):
+    model, params = moe
+    seqs = random_sequences(8, 7, 8, VOCAB, seed=4)
+    engine = _blank(seqs)
+    behaviour = _forward(model, _perturbed(params, 0.5), seqs, Routing(record=engine))
+    mask = seqs.response_mask
+    gaps, mismatch = {}, {}
+    for replay in (False, True):
+        trainer = _blank(seqs)
+        logprobs = _forward(model, params, seqs, Routing(replay=engine if replay else None, record=trainer))
+        gaps[replay] = (logprobs - behaviour)[mask].abs().mean().item()
+        mismatch[replay] = routing_mismatch(engine[:, :, [0, 2]], trainer[:, :, [0, 2]]).item()
+    assert mismatch[False] > 0.05, mismatch
+    assert mismatch[True] == 0.0
+    assert gaps[True] < 0.5 * gaps[False], gaps
+
+
+def test_shared_prompts_replay_and_record_as_every_row_does(moe):
+    model, params = moe
+    seqs = grouped(random_sequences(8, 6, 5, VOCAB, seed=5), 4)
+    shared = shared_prompts(seqs)
+    assert shared is not None and len(shared[0]) == 2
+    engine = _blank(seqs)
+    _forward(model, _perturbed(params, 0.5), seqs, Routing(record=engine))
+    records = [_blank(seqs), _blank(seqs)]
+    rows = _forward(model, params, seqs, Routing(replay=engine, record=records[0]))
+    once = _forward(model, params, seqs, Routing(replay=engine, record=records[1]), shared=shared)
+    torch.testing.assert_close(once[seqs.response_mask], rows[seqs.response_mask], rtol=0, atol=1e-5)
+    attended = seqs.attention_mask
+    assert torch.equal(records[1][attended], records[0][attended])
+
+
+def test_the_mismatch_share_compares_sets_of_experts_over_the_tokens_both_recorded():
+    a = torch.tensor([[0, 1], [2, 3], [4, 5], [-1, -1]])
+    b = torch.tensor([[1, 0], [2, 4], [4, 5], [6, 7]])
+    assert routing_mismatch(a, b).item() == pytest.approx(1 / 3)
+    assert routing_mismatch(a[3:], b[3:]).item() == 0.0
