@@ -104,6 +104,17 @@ def test_overlong_prompts_are_skipped_or_truncated_and_counted():
     assert tokenizer.decode(truncated.ids[1]).endswith("assistant: ")
 
 
+def test_a_base_models_tokenizer_refuses_chat_prompts_naming_the_setting_and_renders_them_plain():
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = None  # a base model's, as Gemma 3 270M's GGUF
+    records = [PromptRecord(({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}), "4")]
+    with pytest.raises(DataError, match=r"no chat template .*data\.prompt_format=plain \(--prompt-format plain\)"):
+        encode_prompts(records, tokenizer, max_prompt_tokens=60)
+    (ids,) = encode_prompts(records, tokenizer, max_prompt_tokens=60, prompt_format="plain").ids
+    assert ids == tokenizer.encode("system: Be brief.\nuser: 2+2?\nassistant:", add_special_tokens=True)
+    assert tokenizer.decode(ids, skip_special_tokens=True).endswith("user: 2+2?\nassistant:")
+
+
 def test_cursor_walks_epochs_and_is_deterministic():
     cursor = DataCursor(seed=4)
     seen = []

@@ -81,7 +81,8 @@ def load_tasks(config: JobConfig, train_records: list[PromptRecord], eval_record
     counts, tasks = {}, []
     decode = decoder_of(tokenizer)
     for name, records in (("train", train_records), ("eval", eval_records)):
-        encoded = encode_prompts(records, tokenizer, max_prompt_tokens=config.data.max_prompt_tokens)
+        encoded = encode_prompts(records, tokenizer, max_prompt_tokens=config.data.max_prompt_tokens,
+                                 prompt_format=config.data.prompt_format)
         if not encoded.ids:
             raise DataError(f"every {name} prompt is longer than data.max_prompt_tokens "
                             f"{config.data.max_prompt_tokens}")

@@ -37,6 +37,8 @@ FLAGS: list[tuple[str, str, dict]] = [
                                                      "--seed draws the rest")),
     ("--difficulty", "data.difficulty", dict(type=int, nargs="+", help="procedural difficulty levels")),
     ("--max-prompt-tokens", "data.max_prompt_tokens", dict(type=int)),
+    ("--prompt-format", "data.prompt_format", dict(choices=["chat", "plain"], help="chat: the tokenizer's chat "
+                                                   "template; plain: role: content lines, for a base model")),
     ("--prompts-per-step", "data.prompts_per_step", dict(type=int)),
     ("--samples-per-prompt", "rollout.n", dict(type=int)),
     ("--max-new-tokens", "rollout.max_new_tokens", dict(type=int)),

@@ -68,6 +68,11 @@ class DataConfig:
     """The procedural problems' difficulty levels (:data:`~purerl.data.math_problems.DIFFICULTIES`)."""
     max_prompt_tokens: int = attrs.field(default=160, validator=at_least(1))
     """Prompts longer than this many tokens are skipped (and counted in the run's summary)."""
+    prompt_format: str = attrs.field(default="chat", validator=one_of(("chat", "plain"), "prompt format"))
+    """How a prompt's chat messages become text: ``chat``, the tokenizer's chat template with its
+    generation prompt; ``plain``, for a base model without one, a ``role: content`` line per message
+    then ``assistant:``, tokenised with the tokenizer's own special tokens (Gemma's BOS)
+    (:func:`~purerl.data.records.plain_text`)."""
     prompts_per_step: int = attrs.field(default=8, validator=at_least(1))
     """Prompts a step samples, each ``rollout.n`` times (one group per prompt)."""
     seed: int = 0

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["PromptRecord", "DataError", "load_records", "encode_prompts", "EncodedPrompts"]
+__all__ = ["PromptRecord", "DataError", "load_records", "encode_prompts", "EncodedPrompts", "plain_text"]
 
 
 class DataError(ValueError):
@@ -151,9 +151,17 @@ class EncodedPrompts:
     skipped: int
 
 
+def plain_text(messages: Sequence[dict[str, Any]]) -> str:
+    """Chat messages as plain text, for a model without a chat template: a ``role: content`` line
+    per message, then ``assistant:`` (where the response starts)."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
 def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, *, max_prompt_tokens: int,
-                   overlong: str = "skip") -> EncodedPrompts:
-    """Apply the tokenizer's chat template (with the generation prompt) and tokenise.
+                   overlong: str = "skip", prompt_format: str = "chat") -> EncodedPrompts:
+    """Apply the tokenizer's chat template (with the generation prompt) and tokenise; with
+    ``prompt_format="plain"``, :func:`plain_text` tokenised with the tokenizer's special tokens.
+    A tokenizer without a chat template refuses ``chat`` (``DataError`` naming the setting).
 
     Prompts longer than ``max_prompt_tokens`` are skipped (``overlong="skip"``) or keep their
     last ``max_prompt_tokens`` tokens (``"truncate"``, which keeps the generation prompt); both
@@ -161,10 +169,16 @@ def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, *, max_promp
     """
     if overlong not in ("skip", "truncate"):
         raise ValueError(f"encode_prompts: overlong must be 'skip' or 'truncate', got {overlong!r}")
+    if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise DataError("the model's tokenizer has no chat template (a base model?): set data.prompt_format=plain "
+                        "(--prompt-format plain) to render the prompts' messages as plain text")
     ids, index, truncated, skipped = [], [], 0, 0
     for i, record in enumerate(records):
-        text = tokenizer.apply_chat_template(list(record.messages), tokenize=False, add_generation_prompt=True)
-        tokens = tokenizer.encode(text, add_special_tokens=False)
+        if prompt_format == "plain":
+            tokens = tokenizer.encode(plain_text(record.messages), add_special_tokens=True)
+        else:
+            text = tokenizer.apply_chat_template(list(record.messages), tokenize=False, add_generation_prompt=True)
+            tokens = tokenizer.encode(text, add_special_tokens=False)
         if len(tokens) > max_prompt_tokens:
             if overlong == "skip":
                 skipped += 1
