@@ -5,9 +5,10 @@ architectures, built from transformers' own config classes (:data:`CONFIGS`: gro
 multi-head attention, tied and untied embeddings): the training forward's logits and gradients
 equal the module's (float32, 1e-5), packed equals padded, a LoRA policy equals its merged weights
 and the module with its adapters, the embedded engine's greedy decoding is ``generate``'s token
-for token, its sampled log-probs are the trainer's (the ``actor/sync_gap`` check), and the
-compiled forward (``actor.compile``) is the eager one. A family registered without configs here
-fails :func:`test_every_registered_family_has_configs`.
+for token, its sampled log-probs are the trainer's (the ``actor/sync_gap`` check), the
+compiled forward (``actor.compile``) is the eager one, and the model sharded over two FSDP2 gloo
+ranks computes the single process's loss and gradients (``tests/fsdp_ranks.py``). A family
+registered without configs here fails :func:`test_every_registered_family_has_configs`.
 """
 
 import json
@@ -196,6 +197,38 @@ def test_the_compiled_forward_computes_the_eager_one(family, _untyped):
     eager = response_logprobs(model, params, seqs, temperature=0.7)
     compiled = response_logprobs(attrs.evolve(model, compiled=True), params, seqs, temperature=0.7)
     assert (compiled - eager)[seqs.response_mask].abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_two_fsdp2_gloo_ranks_compute_the_one_rank_loss_and_gradients(tmp_path):
+    """Every family's model sharded over 2 gloo ranks (FSDP2, the Ray executor's training ranks):
+    the data-parallel loss and full gradients are the single-process lean step's."""
+    from purerl.models import value_and_grad
+    from tests.fsdp_ranks import batch, loss_of
+
+    port, out = _free_port(), tmp_path / "ranks.pt"
+    ranks = [processes.Popen([sys.executable, "-m", "tests.fsdp_ranks", str(r), "2", str(port), str(out)])
+             for r in range(2)]
+    for rank in ranks:
+        _, err = rank.communicate(timeout=300)
+        assert rank.returncode == 0, err[-3000:]
+    sharded = torch.load(out)
+    assert set(sharded) == {(family, shape) for family in FAMILIES.names() for shape in SHAPES}
+    for (family, shape), (loss, grads) in sharded.items():
+        model, params, _ = _family(family, shape)
+        expected, _, expected_grads = value_and_grad(loss_of(model))(params, batch())
+        assert loss == pytest.approx(expected.value().item(), rel=1e-5, abs=1e-6), (family, shape)
+        assert set(grads) == set(expected_grads), (family, shape)
+        for name, grad in expected_grads.items():
+            assert (grads[name] - grad).norm() <= 1e-5 * grad.norm() + 1e-7, (family, shape, name)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 UNSUPPORTED = {  # what a family does not implement: the model runs its HF module, and the log says why
