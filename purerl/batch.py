@@ -31,11 +31,17 @@ class Sequences:
 
     Invariants: ``input_ids`` and ``attention_mask`` are ``[b, s]``; ``response_mask`` is
     ``[b, t]`` with ``t ≤ s``; response positions where ``response_mask`` is True attend.
+
+    ``routing`` (a mixture-of-experts model's rollouts): the experts the engine sent each position to,
+    per decoder layer and slot, ``[b, s, layers, k]`` (int16, ``-1`` where it recorded none: a dense
+    layer, padding, the last response token); the trainer's forwards replay it under
+    ``actor.routing_replay`` (:class:`purerl.models.families.moe.Routing`).
     """
 
     input_ids: Int[Tensor, "b s"]
     attention_mask: Bool[Tensor, "b s"]
     response_mask: Bool[Tensor, "b t"]
+    routing: Int[Tensor, "b s l k"] | None = None
 
     def __attrs_post_init__(self) -> None:
         check_rank("Sequences", 2, input_ids=self.input_ids, attention_mask=self.attention_mask,
@@ -52,6 +58,9 @@ class Sequences:
                 f"Sequences: response_mask has shape {(b, t)}, which does not fit input_ids "
                 f"{tuple(self.input_ids.shape)}"
             )
+        if self.routing is not None and (self.routing.dim() != 4 or self.routing.shape[:2] != self.input_ids.shape):
+            raise ValueError(f"Sequences: routing has shape {tuple(self.routing.shape)}, expected "
+                             f"{tuple(self.input_ids.shape)} + (layers, k)")
 
     @property
     def response_length(self) -> int:
@@ -70,7 +79,8 @@ class Sequences:
 
     def rows(self, index: Tensor | slice) -> "Sequences":
         """The sub-batch of the given rows (a view for slices)."""
-        return Sequences(self.input_ids[index], self.attention_mask[index], self.response_mask[index])
+        return Sequences(self.input_ids[index], self.attention_mask[index], self.response_mask[index],
+                         None if self.routing is None else self.routing[index])
 
 
 @pytree
@@ -137,11 +147,14 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tenso
 
 def rollout_of(prompt_ids: Int[Tensor, "g p"], prompt_mask: Bool[Tensor, "g p"], responses: Int[Tensor, "b t"],
                logprobs: Float[Tensor, "b t"], alive: Bool[Tensor, "b t"], finish_reasons: Int[Tensor, " b"],
-               n: int, version: int, temperature: float) -> Rollout:
+               n: int, version: int, temperature: float,
+               routing: tuple[Tensor, Tensor] | None = None) -> Rollout:
     """The :class:`Rollout` of ``n`` responses per left-padded prompt (``b = g·n``, prompt-major):
     each prompt row repeated ``n`` times ahead of its responses, ``alive`` the response mask,
-    ``logprobs`` at ``temperature``."""
+    ``logprobs`` at ``temperature``; ``routing``: the prompts' ``[g, p, l, k]`` and the responses'
+    ``[b, t, l, k]`` experts (:attr:`Sequences.routing`)."""
+    routes = None if routing is None else torch.cat([routing[0].repeat_interleave(n, 0), routing[1]], 1)
     sequences = Sequences(torch.cat([prompt_ids.repeat_interleave(n, 0), responses], 1),
-                          torch.cat([prompt_mask.repeat_interleave(n, 0), alive], 1), alive)
+                          torch.cat([prompt_mask.repeat_interleave(n, 0), alive], 1), alive, routes)
     group = torch.arange(len(prompt_ids), device=responses.device).repeat_interleave(n)
     return Rollout(sequences, logprobs, finish_reasons, group, version, temperature)

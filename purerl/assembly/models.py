@@ -23,6 +23,7 @@ from purerl.models import (
     smollm2_gguf,
 )
 from purerl.models.families import computed_by
+from purerl.models.families.moe import has_experts
 from purerl.models.gguf_cache import gguf_as_folder
 from purerl.models.lora import LoraSpec, apply_lora
 from purerl.rewards.judge import Judge, JudgeSettings
@@ -153,8 +154,11 @@ def _adapted(config: JobConfig, model: CausalLM, params: Params) -> tuple[Causal
     ``actor.lora_rank``, the LoRA policy on that base (held in the compute dtype: it is never
     updated) and its float32 adapters."""
     actor = config.actor
+    if actor.routing_replay and not (model.lean and has_experts(model.config)):
+        raise DataError(f"actor.routing_replay: {computed_by(model)}; routing replay needs a mixture-of-experts "
+                        "model computed by a lean family (qwen3_moe)")
     model = attrs.evolve(model, packed=actor.packed_forwards, compute_dtype=compute_dtype(config),
-                         compiled=actor.compile)
+                         compiled=actor.compile, routing_replay=actor.routing_replay)
     if not actor.lora_rank:
         return model, params
     try:

@@ -180,6 +180,16 @@ def _executor_problems(config: JobConfig) -> list[str]:
     if executor.kind == "ray" and executor.roles["reference"] != "train" and config.actor.lora_rank:
         found.append(f"executor.placement={executor.placement} puts the reference on a pool of its own, but a LoRA "
                      "policy's reference is its own base (adapters off): it lives with the actor")
+    if config.actor.routing_replay:
+        if not engine.records_routing:
+            able = ", ".join(name for name in ENGINES.names() if ENGINES[name].records_routing)
+            found.append(f"actor.routing_replay: rollout.engine={engine.name} does not record the experts it routes "
+                         f"each token to (these engines do: {able})")
+        if executor.kind == "ray":
+            found.append("actor.routing_replay: the Ray executor's FSDP2 ranks run the HF module, which cannot replay "
+                         "routing (executor.kind=local)")
+        if config.env.multi_turn:
+            found.append("actor.routing_replay: episodes (env.multi_turn) do not record routing yet")
     generators = config.asynchronous.generators
     if config.asynchronous.interruptible:
         if not engine.interruptible:

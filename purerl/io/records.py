@@ -47,7 +47,7 @@ def save_record(run_dir: str | Path, step: int, rollout: Rollout, rewards: Rewar
                 keep: int | None = None) -> Path:
     """Write step ``step``'s batch (see the module note); keep the newest ``keep`` records (None: all)."""
     rollout = Rollout(Sequences(rollout.sequences.input_ids.to(torch.int32), rollout.sequences.attention_mask,
-                                rollout.sequences.response_mask),
+                                rollout.sequences.response_mask, rollout.sequences.routing),
                       rollout.behaviour_logprobs, rollout.finish_reasons, rollout.group, rollout.version,
                       rollout.temperature)
     tree = {"rollout": rollout, "rewards": Rewards.of(rewards), "data": data}
@@ -71,7 +71,7 @@ def load_record(run_dir: str | Path, step: int) -> tuple[Rollout, Rewards, DataC
     except (CheckpointError, KeyError, TypeError, ValueError) as err:
         raise RecordError(f"step {step}: {err}" if str(path) in str(err) else f"{path}: step {step}: {err}") from None
     sequences = Sequences(rollout.sequences.input_ids.long(), rollout.sequences.attention_mask,
-                          rollout.sequences.response_mask)
+                          rollout.sequences.response_mask, rollout.sequences.routing)
     return (Rollout(sequences, rollout.behaviour_logprobs, rollout.finish_reasons, rollout.group, rollout.version,
                     float(temperature)), tree["rewards"], tree["data"])
 
@@ -132,7 +132,8 @@ def _template(entries: list[dict[str, Any]]) -> dict[str, Any]:
         return leaf(path) if path in leaves else None
 
     fields = [Sequences(*(leaf(f"['rollout'].sequences.{name}") for name in ("input_ids", "attention_mask",
-                                                                               "response_mask"))),
+                                                                               "response_mask")),
+                        optional("['rollout'].sequences.routing")),
               *(leaf(f"['rollout'].{name}") for name in ("behaviour_logprobs", "finish_reasons", "group", "version"))]
     tempered = "['rollout'].temperature" in leaves
     rollout = Rollout(*fields, leaf("['rollout'].temperature")) if tempered else _UntemperedRollout(*fields)

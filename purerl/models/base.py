@@ -100,7 +100,8 @@ class CausalLM:
     ``compiled`` (``actor.compile``): a lean family's padded training and scoring forward, the cast
     to ``compute_dtype`` included, runs as one graph compiled by ``torch.compile``, and the log-probs
     through compiled kernels (:func:`purerl.algo.logprobs.logprobs_from_logits`); the same values to
-    float rounding. The packed forward and the HF module run eagerly.
+    float rounding. The packed forward and the HF module run eagerly. ``routing_replay``
+    (``actor.routing_replay``): a lean family with experts replays :attr:`~purerl.batch.Sequences.routing`.
     """
 
     module: nn.Module
@@ -117,6 +118,7 @@ class CausalLM:
     packed: bool = False
     compute_dtype: torch.dtype | None = None
     compiled: bool = False
+    routing_replay: bool = False
 
     def full(self, params: Params) -> Params:
         """The frozen base weights (a LoRA policy's) overlaid with ``params``."""

@@ -44,6 +44,8 @@ class EngineKind:
       when told and continue later (:mod:`purerl.rollout.partial`).
     - ``exact_logprobs``: in float32 its behaviour log-probs are the trainer's own, to rounding, so a
       synchronous step may skip recomputing them (``actor.recompute_old_logprobs``).
+    - ``records_routing``: a mixture-of-experts model's rollouts carry the experts each token went
+      to (:attr:`purerl.batch.Sequences.routing`), which ``actor.routing_replay`` replays.
     - ``colocates``: it may run inside the training ranks (Ray's colocated placements; vLLM sets
       up a process group of its own, which clashes with the ranks' FSDP group).
     - ``sync_tolerance``: the weight-sync canary's tolerance in float32, nats per token (in lower
@@ -59,6 +61,7 @@ class EngineKind:
     description: str = ""
     interruptible: bool = False
     exact_logprobs: bool = False
+    records_routing: bool = False
     colocates: bool = False
     sync_tolerance: float = 0.5
     worker_concurrency: int = attrs.field(default=1, validator=attrs.validators.ge(1))
@@ -97,7 +100,7 @@ def register(kind: EngineKind) -> EngineKind:
 register(EngineKind(
     "torch", "purerl.rollout.backends.torch:TorchEngine",
     "The embedded engine: batched prefill and KV-cache decoding with the policy's own weights",
-    interruptible=True, exact_logprobs=True, colocates=True,
+    interruptible=True, exact_logprobs=True, records_routing=True, colocates=True,
     # float32 agrees with the trainer to ~1e-6 on average, ~1e-3 on its worst token (SmolLM2); a run
     # under 1e-3 on the worst token was stopped by kernel noise
     sync_tolerance=5e-2, worker_concurrency=2))

@@ -45,7 +45,8 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int, *, mixed_ver
         return rollouts[0]
     widths = [r.sequences.input_ids.shape[1] - r.sequences.response_length for r in rollouts]
     prompt_width, response_width = max(widths), max(r.sequences.response_length for r in rollouts)
-    ids, attention, response_mask, logprobs, groups = [], [], [], [], []
+    ids, attention, response_mask, logprobs, groups, routing = [], [], [], [], [], []
+    routed = all(r.sequences.routing is not None for r in rollouts)  # else the joined rollout carries none
     offset = 0
     for r, width in zip(rollouts, widths):
         s = r.sequences
@@ -56,10 +57,14 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int, *, mixed_ver
         attention.append(torch.cat([pad(s.attention_mask[:, :width], False, (left, 0)),
                                     pad(s.attention_mask[:, width:], False, (0, right))], 1))
         response_mask.append(pad(s.response_mask, False, (0, right)))
+        if routed:  # [b, s, l, k]: padded on the positions' dim
+            routing.append(torch.cat([pad(s.routing[:, :width], -1, (0, 0, 0, 0, left, 0)),
+                                      pad(s.routing[:, width:], -1, (0, 0, 0, 0, 0, right))], 1))
         logprobs.append(pad(r.behaviour_logprobs, 0.0, (0, right)))
         groups.append(r.group + offset)
         offset += int(r.group.max()) + 1 if len(r.group) else 0
-    return Rollout(Sequences(torch.cat(ids), torch.cat(attention), torch.cat(response_mask)),
+    return Rollout(Sequences(torch.cat(ids), torch.cat(attention), torch.cat(response_mask),
+                             torch.cat(routing) if routed else None),
                    torch.cat(logprobs), torch.cat([r.finish_reasons for r in rollouts]), torch.cat(groups),
                    versions.pop(), temperatures.pop())
 

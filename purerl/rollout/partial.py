@@ -94,8 +94,9 @@ class Interruptible:
 def spliced(rollout: Rollout, rows: Sequence[int], more: Rollout, pad_token_id: int) -> Rollout:
     """``rollout`` with rows ``rows`` (interrupted: their ``k`` response tokens all alive) continued
     by ``more``'s rows (one each, in order, their prompts those rows' prompt + response): each
-    continuation goes right after its row's ``k`` tokens, with its log-probs, mask and finish
-    reason; the version is the oldest of the two."""
+    continuation goes right after its row's ``k`` tokens, with its log-probs, mask, finish reason
+    and routing (the continuation's prefill also routed the row's ``k``-th token, which the
+    interrupted call sampled but never ran); the version is the oldest of the two."""
     seqs, extra = rollout.sequences, more.sequences
     t, w = seqs.response_length, extra.response_length
     done = seqs.response_mask.sum(-1).tolist()
@@ -104,11 +105,16 @@ def spliced(rollout: Rollout, rows: Sequence[int], more: Rollout, pad_token_id: 
     tokens, alive = pad(seqs.responses(), pad_token_id), pad(seqs.response_mask, False)
     logprobs, reasons = pad(rollout.behaviour_logprobs, 0.0), rollout.finish_reasons.clone()
     continued = extra.responses()
+    prompt, extra_prompt = seqs.input_ids.shape[1] - t, extra.input_ids.shape[1] - w
+    routing = None
+    if seqs.routing is not None and extra.routing is not None:
+        routing = torch.nn.functional.pad(seqs.routing, (0, 0, 0, 0, 0, width - t), value=-1)
     for i, r in enumerate(rows):
         k = done[r]
         tokens[r, k:k + w], alive[r, k:k + w] = continued[i], extra.response_mask[i]
         logprobs[r, k:k + w], reasons[r] = more.behaviour_logprobs[i], more.finish_reasons[i]
-    prompt = seqs.input_ids.shape[1] - t
+        if routing is not None:
+            routing[r, prompt + k - 1:prompt + k + w] = extra.routing[i, extra_prompt - 1:]
     return Rollout(Sequences(torch.cat([seqs.input_ids[:, :prompt], tokens], 1),
-                             torch.cat([seqs.attention_mask[:, :prompt], alive], 1), alive),
+                             torch.cat([seqs.attention_mask[:, :prompt], alive], 1), alive, routing),
                    logprobs, reasons, rollout.group, min(rollout.version, more.version), rollout.temperature)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from purerl.algo.logprobs import logprobs_from_logits, sum_pi_squared_from_logits
 from purerl.batch import Rewards, Rollout, Sequences
-from purerl.models import CausalLM, Critic, Params, response_logits, response_values
+from purerl.models import CausalLM, Critic, Params, response_logits, response_values, shared_prompts
 from purerl.state import TrainState
 from purerl.step.micro_batches import chunks, token_budget_rows, trimmed_sequences
 from purerl.step.settings import Batching, ExperienceSettings
@@ -45,7 +45,10 @@ class Experience:
     ``teacher``: a distillation teacher's scores (:class:`TeacherScores`), with a teacher.
     ``temperature``: the rollout's sampling temperature, which every log-prob here is at;
     ``on_policy``: the weights the update starts from sampled the rollout (its version is the
-    state's step), so the engine's ``behaviour_logprobs`` can check the weight sync."""
+    state's step), so the engine's ``behaviour_logprobs`` can check the weight sync.
+    ``routing_disagreement`` (a rollout with the engine's experts, :attr:`Sequences.routing`, of a lean
+    policy): per response position, in how many sparse layers the trainer's router chose other experts
+    than the engine's, and in how many both chose (``[b, t, 2]``)."""
 
     sequences: Sequences
     group: Int[Tensor, " b"]
@@ -59,6 +62,7 @@ class Experience:
     sum_pi_squared: Float[Tensor, "b t"] | None = None
     token_rewards: Float[Tensor, "b t"] | None = None
     teacher: TeacherScores | None = None
+    routing_disagreement: Float[Tensor, "b t 2"] | None = None
     temperature: float = static_field(kw_only=True)
     on_policy: bool = static_field(kw_only=True)
 
@@ -178,6 +182,25 @@ class TeacherScoring(Protocol):
                top_k: int | None) -> TeacherScores: ...
 
 
+def _routing_fn(model: CausalLM, params: Params, temperature: float) -> Callable[[Sequences], Tensor]:
+    """From one forward (routing as the update routes it): the log-probs, then per response
+    position the sparse layers where the trainer's router disagrees with the engine's recorded
+    experts and those where both recorded a choice, stacked on the last axis (``[rows, t, 3]``)."""
+
+    def routed(part: Sequences) -> Tensor:
+        record = torch.full_like(part.routing, -1)
+        logits = model.family.response_logits(model, params, part, shared_prompts(part) if model.shares_prompts
+                                              else None, record)
+        t = part.response_length
+        engine, trainer = part.routing[:, -t:], record[:, -t:]
+        both = (engine >= 0).all(-1) & (trainer >= 0).all(-1)
+        differ = (engine.sort(-1).values != trainer.sort(-1).values).any(-1) & both
+        return torch.stack([logprobs_from_logits(logits, part.responses(), temperature=temperature),
+                            differ.sum(-1).to(torch.float32), both.sum(-1).to(torch.float32)], -1)
+
+    return routed
+
+
 def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, " b"] | Rewards, *,
                     policy: CausalLM, settings: ExperienceSettings = ExperienceSettings(),
                     critic: Critic | CriticValues | None = None,
@@ -206,7 +229,13 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
         sum_pi_squared = both[..., 1]
         if recompute:
             old = both[..., 0]
-    elif recompute:
+    routing = None
+    if seqs.routing is not None and policy.lean:  # the trainer's routers against the engine's record
+        routed = _batched(policy, _routing_fn(policy, state.policy, temperature), seqs, rows, budget)
+        routing = routed[..., 1:]
+        if recompute and not settings.sum_pi_squared:
+            old, recompute = routed[..., 0], False
+    if recompute and not settings.sum_pi_squared:
         old = _batched(policy, _logprobs_fn(policy, state.policy, temperature), seqs, rows, budget)
     ref = None
     if reference is not None:
@@ -224,4 +253,4 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
     return Experience(seqs, rollout.group, rewards.scores.to(torch.float32), old, rollout.behaviour_logprobs, ref,
                       values, rewards.baselines, rewards.components, sum_pi_squared,
                       None if rewards.token_rewards is None else rewards.token_rewards.to(torch.float32), scored,
-                      temperature=temperature, on_policy=rollout.version == state.step)
+                      routing, temperature=temperature, on_policy=rollout.version == state.step)

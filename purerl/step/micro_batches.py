@@ -45,8 +45,9 @@ def trimmed_sequences(seqs: Sequences) -> tuple[Sequences, int]:
     keep_t = max(1, int(response.max())) if len(seqs) else t
     start = p - int(prompt.max()) if len(seqs) else 0
     stop = p + keep_t
+    routing = None if seqs.routing is None else seqs.routing[:, start:stop]
     return Sequences(seqs.input_ids[:, start:stop], seqs.attention_mask[:, start:stop],
-                     seqs.response_mask[:, :keep_t]), keep_t
+                     seqs.response_mask[:, :keep_t], routing), keep_t
 
 
 def trimmed(batch):

@@ -98,6 +98,9 @@ def shape_rewards(experience: Experience, kl_state: Any, kl_controller: Any, *,
     })
     metrics.update({f"rollout_corr/{name}": float(value.value()) for name, value in correction.items()})
     metrics.update(_logprob_gap_metrics(experience))
+    if experience.routing_disagreement is not None:
+        differ, both = experience.routing_disagreement.sum(dim=(0, 1)).tolist()
+        metrics["rollout/routing_mismatch"] = differ / both if both else 0.0
     batch = TrainBatch(experience.sequences, experience.old_logprobs, experience.ref_logprobs,
                        advantages, returns, experience.values, is_weights, experience.teacher,
                        experience.behaviour_logprobs if experience.on_policy else None,

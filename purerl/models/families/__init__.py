@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from purerl.models.families import gemma, gemma_decode, llama, llama_decode, llama_packed
+from purerl.models.families.moe import Routing
 from purerl.registry import Registry
 
 if TYPE_CHECKING:
@@ -51,8 +52,10 @@ class Family:
     """A lean implementation of one family of architectures.
 
     - ``supports(model) -> bool``: whether it computes exactly what ``model``'s HF module does.
-    - ``response_logits(model, params, seqs, shared) -> [b, t, v]``: as
-      :func:`purerl.models.response_logits` (``shared``: its ``(first, inverse)`` rows sharing a prompt).
+    - ``response_logits(model, params, seqs, shared, record=None) -> [b, t, v]``: as
+      :func:`purerl.models.response_logits` (``shared``: its ``(first, inverse)`` rows sharing a prompt);
+      a family with experts replays ``seqs.routing`` where ``model.routing_replay`` says and writes
+      its routers' choices into ``record`` (:class:`.moe.Routing`).
     - ``decoding(model, params, ids, mask, positions, n, capacity, cuda_graphs=…, sampler=…)``: a
       context manager yielding :data:`Decoding` for ``[g, P]`` left-padded prompts on their device,
       ``capacity`` positions per row; with a ``sampler`` (a
@@ -121,23 +124,25 @@ _GEMMA = _Forwards(gemma.response_logits, gemma.packed_response_logits, _gemma_t
 
 
 def _response_logits(forwards: _Forwards, model: CausalLM, params: Params, seqs: "Sequences",
-                     shared: tuple[Tensor, Tensor] | None) -> Tensor:
+                     shared: tuple[Tensor, Tensor] | None, record: Tensor | None = None) -> Tensor:
     """:attr:`Family.response_logits` of a family computed by ``forwards``: packed where the model
-    asks, else padded, compiled where it asks."""
-    if model.compiled and not model.packed:
+    asks, else padded, compiled where it asks (eager where it routes by a record or records)."""
+    replay = seqs.routing if model.routing_replay else None
+    routing = None if replay is None and record is None else Routing(replay, record)
+    if model.compiled and not model.packed and routing is None:
         forward = _compiled_forward(forwards)
     else:
         forward = functools.partial(_forward, forwards.packed if model.packed else forwards.padded, forwards.tables)
     return forward(model, params, seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
-                   shared)
+                   shared, **({} if routing is None else {"routing": routing}))
 
 
 def _forward(forward: Callable[..., Tensor], tables: Callable[[CausalLM], tuple[Any, Any]], model: CausalLM,
              params: Params, ids: Tensor, valid: Tensor, positions: Tensor, response_length: int,
-             shared: tuple[Tensor, Tensor] | None) -> Tensor:
+             shared: tuple[Tensor, Tensor] | None, **routing: Any) -> Tensor:
     inv_freq, layout = tables(model)
     return forward(model.computed(params), inv_freq, layout, ids, valid, positions, response_length, shared,
-                   None if model.lora is None else model.lora.scale)
+                   None if model.lora is None else model.lora.scale, **routing)
 
 
 @functools.cache

@@ -167,8 +167,8 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
     attention, output projection and MLP only there, as no later layer reads the others (every
     position's keys and values are still computed). The hidden state stays ``[b·s, hidden]`` so
     every projection is one matrix product, with the residual added inside it (``addmm``). A sparse
-    layer sends its tokens to its router's experts, or to ``routing``'s (replay), and records where
-    they went in ``routing`` (:class:`.moe.Routing`)."""
+    layer sends its tokens to its router's experts, or to ``routing``'s (replay), and records its
+    router's choice in ``routing`` (:class:`.moe.Routing`)."""
     b, s = ids.shape
     heads, kv_heads, head_dim = layout.heads, layout.kv_heads, layout.head_dim
     cos, sin = rope
@@ -194,10 +194,10 @@ def decoder_stack(weights: FusedWeights, rope: tuple[Tensor, Tensor], layout: Ll
         if w.experts is not None:
             top, cols = layout.experts_per_token, slice(None) if queries is None else queries
             forced = None if routing is None or routing.replay is None else routing.replay[:, cols, i]
-            out, chosen = sparse_mlp(rms_norm(h, w.post_norm, layout.eps), w.experts, top, layout.norm_topk_prob,
-                                     None if forced is None else forced.reshape(-1, top))
+            out, own = sparse_mlp(rms_norm(h, w.post_norm, layout.eps), w.experts, top, layout.norm_topk_prob,
+                                  None if forced is None else forced.reshape(-1, top))
             if routing is not None and routing.record is not None:
-                routing.record[:, cols, i] = chosen.view(b, n, top).to(routing.record.dtype)
+                routing.record[:, cols, i] = own.view(b, n, top).to(routing.record.dtype)
             h = h + out
             continue
         gate, up = project(rms_norm(h, w.post_norm, layout.eps), w.gate_up, lora=w.gate_up_lora).chunk(2, dim=-1)

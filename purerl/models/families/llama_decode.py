@@ -42,6 +42,7 @@ from purerl.models.families.llama import (
     layout_of,
     logits_of,
 )
+from purerl.models.families.moe import Routing
 from purerl.models.families.onednn import OneDNNLinear, onednn_runs
 
 __all__ = ["StaticCache", "SharedPrefix", "CacheShape", "DecodeMaths", "LLAMA_MATHS", "decoder_weights", "decoding",
@@ -174,10 +175,12 @@ def forward_last(
     attend: Bool[Tensor, "b s"] | None,
     positions: Int[Tensor, "b s"],
     cache: StaticCache,
+    record: Callable[[Tensor], None] | None = None,
 ) -> Float[Tensor, "b v"]:
     """Run ``ids`` (new tokens at ``positions``; ``attend`` False for padding, None when every new
     position is a real token) through the model, appending their keys and values to ``cache``, and
-    return the logits at the last position.
+    return the logits at the last position. ``record``: given a sparse model's routing of ``ids``,
+    ``[b, s, layers, k]`` (:class:`.moe.Routing`'s record).
 
     Each new position attends to the valid cached positions and the valid new positions up to
     itself (:func:`purerl.models.families.llama.attention_mask`).
@@ -206,7 +209,12 @@ def forward_last(
         m = mask if queries is None else mask[:, :, queries]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=m, scale=scale, enable_gqa=gqa)
 
-    hidden = decoder_stack(weights, rotary.at(positions), layout, ids, attention, None if s == 1 else slice(s - 1, s))
+    routing = None if record is None else Routing(record=torch.full(
+        (b, s, layout.layers, layout.experts_per_token), -1, dtype=torch.int16, device=ids.device))
+    hidden = decoder_stack(weights, rotary.at(positions), layout, ids, attention, None if s == 1 else slice(s - 1, s),
+                           routing)
+    if record is not None:
+        record(routing.record)
     return logits_of(weights, layout, hidden[:, -1])
 
 
@@ -314,7 +322,7 @@ def decoding(model: Any, params: dict[str, Tensor] | Any, ids: Int[Tensor, "g P"
              positions: Int[Tensor, "g P"], n: int, capacity: int, *, cuda_graphs: bool = True,
              sampler: RowSampler | None = None, compile: bool = False, graphs: GraphPolicy = GraphPolicy(),
              past: StaticCache | None = None, keep_cache: Callable[[StaticCache], None] | None = None,
-             maths: DecodeMaths = LLAMA_MATHS) -> Iterator[Any]:
+             maths: DecodeMaths = LLAMA_MATHS, routes: Callable[[Tensor], None] | None = None) -> Iterator[Any]:
     """Decode ``n`` samples of each left-padded prompt with a static cache of ``capacity`` positions
     (see :data:`purerl.models.families.Decoding`). Each prompt is prefilled once and its cache repeated
     ``n`` times.
@@ -332,17 +340,21 @@ def decoding(model: Any, params: dict[str, Tensor] | Any, ids: Int[Tensor, "g P"
     prefilled, at ``positions``, after its written slots (``capacity`` counts those too).
     ``keep_cache`` receives the cache of the batch's rows when decoding ends (for the next turn).
     ``params``: the params tree, or what the family's ``decoder_weights`` (Llama's:
-    :func:`decoder_weights`) made of it. ``maths``: the family's maths (default Llama's)."""
+    :func:`decoder_weights`) made of it. ``maths``: the family's maths (default Llama's). ``routes``
+    (a sparse model): given each forward's routing, the prefill's ``[g, P, layers, k]`` first, then
+    each step's ``[rows, 1, layers, k]`` (eager steps only)."""
     device = ids.device
     weights, rotary, layout = maths.prepare(model, params, capacity, device)
-    if any(getattr(layer, "experts", None) is not None for layer in getattr(weights, "layers", ())):
+    sparse = any(getattr(layer, "experts", None) is not None for layer in getattr(weights, "layers", ()))
+    if sparse or routes is not None:
         cuda_graphs = compile = False  # each step reads its experts' token counts on the host: eager steps
+    recorded = {} if routes is None else {"record": routes}
     dtype = maths.dtype_of(weights)
     if past is None:
         cache = StaticCache.empty(layout, ids.shape[0], capacity, dtype=dtype, device=device)
     else:
         cache = past.grown(capacity)
-    first = maths.forward_last(weights, rotary, layout, ids, mask, positions, cache)
+    first = maths.forward_last(weights, rotary, layout, ids, mask, positions, cache, **recorded)
     if n > 1:
         cache, first = cache.repeat_rows(n), first.repeat_interleave(n, 0)
     rows, steps = cache.valid.shape[0], capacity - cache.length
@@ -366,7 +378,7 @@ def decoding(model: Any, params: dict[str, Tensor] | Any, ids: Int[Tensor, "g P"
         return
 
     def advance(token: Tensor, position: Tensor) -> Tensor:
-        return maths.forward_last(weights, rotary, layout, token[:, None], None, position, cache)
+        return maths.forward_last(weights, rotary, layout, token[:, None], None, position, cache, **recorded)
 
     def keep(rows: Tensor) -> None:
         nonlocal cache

@@ -3,6 +3,7 @@ micro-batch's valid tokens run as one packed stream, attention kept inside each 
 logits as :func:`purerl.models.families.llama.response_logits`, to float rounding."""
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from purerl.models.families.llama import (
     fused_weights,
     logits_of,
 )
+from purerl.models.families.moe import Routing
 
 __all__ = ["packed_response_logits"]
 
@@ -67,6 +69,7 @@ def packed_response_logits(
     response_length: int,
     shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None,
     lora_scale: float | None = None,
+    routing: Routing | None = None,
 ) -> Float[Tensor, "b t v"]:
     """:func:`~purerl.models.families.llama.response_logits` with no compute on padding: the rows' valid tokens run
     as one packed stream (``[1, T]``, each row a segment at its own positions), attention stays inside a
@@ -76,31 +79,43 @@ def packed_response_logits(
     are the padded forward's, to float rounding.
 
     ``shared``: the distinct prompts run once, packed, and each row's response segment attends to
-    its prompt's keys and values first (the prompt reuse of the padded forward, kept)."""
+    its prompt's keys and values first (the prompt reuse of the padded forward, kept). ``routing``:
+    a sparse model's replay and record, over ``input_ids`` (:class:`.moe.Routing`)."""
     weights = fused_weights(params, layout, lora_scale)
     scale, gqa = layout.head_dim ** -0.5, layout.heads != layout.kv_heads
 
-    def run(ids: Tensor, at: Tensor, mask: Tensor, prefixes: list | None = None, kept: list | None = None) -> Tensor:
+    def run(ids: Tensor, at: Tensor, mask: Tensor, prefixes: list | None = None, kept: list | None = None,
+            routes: Routing | None = None) -> Tensor:
         """The decoder on the valid tokens of ``ids`` (``mask``) packed row after row; hidden ``[T, h]``."""
         lengths = mask.sum(1).tolist()
         flat = mask.reshape(-1)
         rope = RotaryTable.of(inv_freq, at.reshape(-1)[flat][None], dtype=weights.embed.dtype)
         attention = segments_attention(lengths, scale, gqa, prefixes, kept)
         stream = ids.reshape(-1)[flat][None]
-        return decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, stream, attention)[0]
+        packed = None if routes is None else Routing(*(None if x is None else x.flatten(0, 1)[flat][None].clone()
+                                                       for x in routes))
+        hidden = decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, stream, attention,
+                               routing=packed)[0]
+        if routes is not None and routes.record is not None:
+            record = routes.record.flatten(0, 1).clone()
+            record[flat] = packed.record[0]
+            routes.record.copy_(record.view(routes.record.shape))
+        return hidden
 
     return packed_logits(run, lambda hidden: logits_of(weights, layout, hidden), input_ids, valid, positions,
-                         response_length, shared)
+                         response_length, shared, routing)
 
 
 def packed_logits(run: Callable[..., Tensor], head: Callable[[Tensor], Tensor], input_ids: Int[Tensor, "b s"],
                   valid: Bool[Tensor, "b s"], positions: Int[Tensor, "b s"], response_length: int,
-                  shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None) -> Float[Tensor, "b t v"]:
+                  shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None,
+                  routing: Routing | None = None) -> Float[Tensor, "b t v"]:
     """The packing around a family's decoder: ``run(ids, at, mask, prefixes=None, kept=None)`` runs
     it on ``mask``'s valid tokens as one stream (hidden ``[T, h]``; ``prefixes``/``kept`` as
     :func:`segments_attention`), ``head`` turns hidden states into logits. Returns the logits
     predicting the last ``response_length`` tokens (0 where the predicting input is padding), shared
-    prompts run once (``shared``, as :func:`packed_response_logits`)."""
+    prompts run once (``shared``, as :func:`packed_response_logits`). ``routing`` (a sparse model's,
+    over ``input_ids``) goes to ``run`` as ``routes``, cut as the ids are."""
     b, s = input_ids.shape
     t = response_length
     p = s - t
@@ -110,20 +125,35 @@ def packed_logits(run: Callable[..., Tensor], head: Callable[[Tensor], Tensor], 
         return (mask.reshape(-1).cumsum(0) - 1).view(mask.shape)
 
     cells = valid[:, p - 1:s - 1]  # the positions predicting a response token, where the input is a token
+
+    def routes(rows: Any, cols: slice) -> dict[str, Routing]:
+        if routing is None:
+            return {}
+        replay, record = (None if x is None else x[rows, cols] for x in routing)
+        return {"routes": Routing(replay, None if record is None else record.clone())}
+
     if shared is None:
-        picked = run(input_ids, positions, valid)[slots(valid)[:, p - 1:s - 1][cells]]
+        where = routes(slice(None), slice(None))
+        picked = run(input_ids, positions, valid, **where)[slots(valid)[:, p - 1:s - 1][cells]]
     else:
         first, inverse = shared
         prompt_mask, kept = valid[first, :p], []
-        prompt_hidden = run(input_ids[first, :p], positions[first, :p], prompt_mask, kept=kept)
+        where = routes(first, slice(0, p)), routes(slice(None), slice(p, s))
+        prompt_hidden = run(input_ids[first, :p], positions[first, :p], prompt_mask, kept=kept, **where[0])
         prefixes = [[layer[g] for g in inverse.tolist()] for layer in kept]
         response_mask = valid[:, p:]
-        response_hidden = run(input_ids[:, p:], positions[:, p:], response_mask, prefixes)
+        response_hidden = run(input_ids[:, p:], positions[:, p:], response_mask, prefixes, **where[1])
         last = prompt_hidden[slots(prompt_mask)[:, -1]].index_select(0, inverse)  # each row's prompt's last token
         grid = last.new_zeros((b, t, last.shape[-1]))  # hidden states in the cells' layout
         grid[:, 0] = last
         grid[:, 1:][cells[:, 1:]] = response_hidden[slots(response_mask)[:, :t - 1][cells[:, 1:]]]
         picked = grid[cells]
+    if routing is not None and routing.record is not None:  # each row's prompt record is its prompt's
+        if shared is None:
+            routing.record.copy_(where["routes"].record)
+        else:
+            routing.record[:, :p] = where[0]["routes"].record.index_select(0, shared[1])
+            routing.record[:, p:] = where[1]["routes"].record
     logits = head(picked)
     rows, cols = cells.nonzero(as_tuple=True)
     return logits.new_zeros((b, t, logits.shape[-1])).index_put((rows, cols), logits)

@@ -14,14 +14,21 @@ weights from its own router, renormalised over those experts where ``norm_topk_p
 Shapes: ``N`` tokens, ``E`` experts, ``k`` experts per token, ``I`` an expert's hidden size.
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-__all__ = ["Experts", "Routing", "experts_of", "routing_mismatch", "sparse_mlp"]
+__all__ = ["Experts", "Routing", "experts_of", "has_experts", "routing_mismatch", "sparse_mlp"]
+
+
+def has_experts(config: Any) -> bool:
+    """Whether a model's HF ``config`` routes tokens to experts (Qwen3-MoE's ``num_experts``,
+    Mixtral's ``num_local_experts``, DeepSeek's ``n_routed_experts``)."""
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return any(int(getattr(config, key, 0) or 0) > 0 for key in keys)
 
 
 class Routing(NamedTuple):
@@ -30,7 +37,8 @@ class Routing(NamedTuple):
 
     - ``replay`` ``[b, s, layers, k]``: the experts each token goes to (``-1``: its router's own choice);
     - ``record`` ``[b, s, layers, k]`` (an integer tensor, filled with ``-1`` by the caller): each
-      sparse layer writes there the experts its tokens went to (the positions it computes only)."""
+      sparse layer writes there the experts its router chose, replayed or not (the positions it
+      computes only): without replay, where its tokens went; with it, where they would have gone."""
 
     replay: Tensor | None = None
     record: Tensor | None = None
@@ -64,12 +72,12 @@ def routing_mismatch(a: Int[Tensor, "... k"], b: Int[Tensor, "... k"]) -> Tensor
 
 def sparse_mlp(x: Float[Tensor, "N hidden"], w: Experts, k: int, normalise: bool,
                forced: Int[Tensor, "N k"] | None = None) -> tuple[Float[Tensor, "N hidden"], Int[Tensor, "N k"]]:
-    """The sparse MLP's output for ``x`` (already normalised), and the experts each token went to:
-    its router's top ``k``, or ``forced``'s where a row of it is ``≥ 0`` (routing replay);
-    ``normalise``: the config's ``norm_topk_prob``."""
+    """The sparse MLP's output for ``x`` (already normalised), each token sent to its router's top
+    ``k`` experts, or to ``forced``'s where a row of it is ``≥ 0`` (routing replay); and the router's
+    own top ``k``. ``normalise``: the config's ``norm_topk_prob``."""
     logits = torch.mm(x, w.router)
     probs = F.softmax(logits, dim=-1, dtype=torch.float)
-    chosen = torch.topk(probs, k, dim=-1).indices
+    own = chosen = torch.topk(probs, k, dim=-1).indices
     if forced is not None:
         chosen = torch.where(forced >= 0, forced.to(chosen), chosen)
     gates = probs.gather(1, chosen)
@@ -86,4 +94,4 @@ def sparse_mlp(x: Float[Tensor, "N hidden"], w: Experts, k: int, normalise: bool
             gate, up = torch.mm(part, w.gate_up[e]).chunk(2, dim=-1)
             outs.append(torch.mm(F.silu(gate) * up, w.down[e]))
     weighted = torch.cat(outs) * gates.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add(0, rows, weighted.to(x.dtype)), chosen
+    return torch.zeros_like(x).index_add(0, rows, weighted.to(x.dtype)), own

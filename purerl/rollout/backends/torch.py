@@ -18,6 +18,7 @@ from purerl.models import CausalLM, Params, cast_floating
 from purerl.models.families import Decoding
 from purerl.models.families.decode_graph import GraphPolicy, RowSampler, SampledDecoding, sampled
 from purerl.models.families.llama_decode import StaticCache
+from purerl.models.families.moe import has_experts
 from purerl.rollout.engine import check_weights
 from purerl.rollout.engines import ENGINES
 from purerl.rollout.sampling import SamplingParams, TokenSampler, sample_keys
@@ -77,6 +78,9 @@ class TorchEngine:
         self.version: int | None = None
         self.lean = lean and model.family is not None
         """True when decoding runs the model family's lean decoder (not the HF module)."""
+        self.records_routing = self.lean and has_experts(model.config)
+        """True when rollouts carry the experts each token went to (:attr:`purerl.batch.Sequences.routing`):
+        a mixture-of-experts model on the lean decoder."""
         self.cuda_graphs = cuda_graphs
         self.graphs = graphs
         self.compile_decode = compile_decode and self.lean
@@ -134,9 +138,10 @@ class TorchEngine:
                 decoded = self._decode(*continuing.new_ids, sampling, rng, streams, positions=continuing.positions,
                                        context=functools.partial(continuing.context, self, sampling), drop=False,
                                        samples=samples)
-        tokens, logprobs, alive, reasons = (x.clone() for x in decoded)
+        tokens, logprobs, alive, reasons = (x.clone() for x in decoded[:4])
+        routing = None if decoded[4] is None else tuple(x.clone() for x in decoded[4])
         return rollout_of(prompt_ids, prompt_mask, tokens, logprobs, alive, reasons, sampling.n, self.version,
-                          sampling.logprob_temperature)
+                          sampling.logprob_temperature, routing)
 
     def _decode(self, ids: Tensor, mask: Tensor, sampling: SamplingParams, rng: RngState, streams: Sequence[int], *,
                 positions: Tensor | None = None,
@@ -152,6 +157,9 @@ class TorchEngine:
         ``ids`` at ``positions``, which default to the attended positions). ``interrupt``: polled
         after each step; once True, the open rows end with ``FINISH_INTERRUPTED``. ``samples`` /
         ``start``: the draws of :func:`~purerl.rollout.sampling.sample_uniforms` (continued rows).
+        Returns the tokens, their log-probs, the alive mask, the finish reasons and, where the engine
+        records routing (and ``context`` is None), the prompts' ``[g, P, l, k]`` and the responses'
+        ``[rows, t, l, k]`` experts (None otherwise).
         """
         rows = ids.shape[0] * sampling.n
         # one uniform draw per output row and step, whether or not the row is still in the batch: a
@@ -176,10 +184,14 @@ class TorchEngine:
         alive = torch.zeros(shape, dtype=torch.bool, device=self.device)
         check_every = self.host_check_every or (1 if self.device.type == "cpu" else 8)
         capacity = ids.shape[1] + sampling.max_new_tokens
-        decoding = (self._model_steps(ids, mask, positions, sampling.n, capacity, sampler) if context is None
+        routed: list[Tensor] | None = [] if self.records_routing and context is None else None
+        decoding = (self._model_steps(ids, mask, positions, sampling.n, capacity, sampler, routed) if context is None
                     else context(sampler))
         with decoding as ((token, logp), advance, keep):
             position = positions[:, -1:].repeat_interleave(sampling.n, 0) + 1
+            if routed is not None:  # the prefill's; then each step's routing of the token it ran
+                prompt_routes = routed.pop()
+                routes = prompt_routes.new_full((rows, sampling.max_new_tokens, *prompt_routes.shape[2:]), -1)
             for step in range(sampling.max_new_tokens):
                 live = ~finished  # a finished row's later tokens are padding, EOS or not
                 at = (slice(None) if batch == rows else active, step)
@@ -209,6 +221,8 @@ class TorchEngine:
                         token, position = token[kept], position[kept]
                         keep(kept)
                 token, logp = advance(token, position)
+                if routed is not None:  # the step ran this step's tokens: their routing
+                    routes[slice(None) if batch == rows else active, step] = routed.pop()[:, 0]
                 position = position + 1
         ended[active] = finished
         reasons = torch.where(stopped, FINISH_STOP, torch.where(ended, FINISH_EOS, FINISH_LENGTH))
@@ -216,16 +230,20 @@ class TorchEngine:
             reasons = torch.where(ended, reasons, FINISH_INTERRUPTED)
         # the steps some row was still open at (between host reads, all rows may have finished earlier)
         taken = int(alive[:, : step + 1].any(0).sum())
-        return tokens[:, :taken], logps[:, :taken], alive[:, :taken], reasons
+        routing = None if routed is None else (prompt_routes, routes[:, :taken])
+        return tokens[:, :taken], logps[:, :taken], alive[:, :taken], reasons, routing
 
     def _model_steps(self, ids: Tensor, mask: Tensor, positions: Tensor, n: int, capacity: int,
-                     sampler: RowSampler) -> contextlib.AbstractContextManager[SampledDecoding]:
+                     sampler: RowSampler, routed: list[Tensor] | None = None,
+                     ) -> contextlib.AbstractContextManager[SampledDecoding]:
         """Prefill the ``[g, P]`` prompts and decode ``n`` rows from each, sampled by ``sampler``
         (:data:`~purerl.models.families.decode_graph.SampledDecoding`): the family's lean decoder,
-        or the HF module with its dynamic cache."""
+        or the HF module with its dynamic cache. ``routed``: where each forward's routing is appended."""
         if self.lean:
-            return self.model.family.decoding(self.model, self._decoder, ids, mask, positions, n, capacity,
-                                              **self._decoding_options(sampler))
+            options = self._decoding_options(sampler)
+            if routed is not None:
+                options["routes"] = routed.append
+            return self.model.family.decoding(self.model, self._decoder, ids, mask, positions, n, capacity, **options)
         return sampled(_module_decoding(self.model, self._params, ids, mask, positions, n), sampler)
 
     def _decoding_options(self, sampler: RowSampler) -> dict[str, Any]:

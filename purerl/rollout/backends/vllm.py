@@ -43,6 +43,7 @@ import torch
 
 from purerl.batch import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Rollout, left_pad, rollout_of
 from purerl.models import CausalLM, Params
+from purerl.models.families.moe import has_experts
 from purerl.rollout.engine import check_weights
 from purerl.rollout.engines import ENGINES, INSTALL_HINT
 from purerl.rollout.sampling import SamplingParams, sample_seeds, stop_length
@@ -141,7 +142,7 @@ class VllmEngine:
         if self.adapter_sync:
             self._load_adapter(synced, version)
         self.version = version
-        if self.model.lora is not None or _has_experts(self.model):
+        if self.model.lora is not None or has_experts(self.model.config):
             self._probe(synced, version)
 
     def _load_adapter(self, adapters: Params, version: int) -> None:
@@ -290,11 +291,3 @@ class VllmEngine:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
         self.version = None
-
-
-def _has_experts(model: Any) -> bool:
-    """Whether ``model``'s config routes tokens to experts (Qwen3-MoE's ``num_experts``, Mixtral's
-    ``num_local_experts``, DeepSeek's ``n_routed_experts``)."""
-    config = model.config
-    keys = ("num_experts", "num_local_experts", "n_routed_experts")
-    return any(int(getattr(config, key, 0) or 0) > 0 for key in keys)
