@@ -6,6 +6,7 @@ would perturb it): its router disagrees with the trainer's on some tokens, and t
 log-probs drift apart; with replay the trainer computes with the engine's experts, token for token
 (replaying a forward's own record reproduces it bit for bit), and the gap falls."""
 
+import attrs
 import pytest
 import torch
 from transformers import Qwen3MoeConfig
@@ -138,3 +139,109 @@ def test_the_engines_rollouts_carry_its_routing_and_the_step_replays_it(moe):
     off, on = (_engine_step(model, params, _perturbed(params, 0.5), replay) for replay in (False, True))
     assert off["rollout/routing_mismatch"] > 0.05 and on["rollout/routing_mismatch"] > 0.05
     assert on["actor/sync_gap"] < 0.5 * off["actor/sync_gap"], (off["actor/sync_gap"], on["actor/sync_gap"])
+
+
+def _moe_engine(moe, double: bool = True):
+    from purerl.rollout.backends.torch import TorchEngine
+
+    model, params = moe
+    if double:  # float64: prefill and decode agree to the last bit, and so do their routers
+        params = {k: v.double() for k, v in params.items()}
+    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
+    engine.sync(params, 0)
+    return model, params, engine
+
+
+def test_an_interrupted_and_continued_rollout_keeps_the_uninterrupted_routing(moe):
+    from purerl.rollout.backends.torch import TorchEngine
+    from purerl.rollout.partial import Interruptible
+    from purerl.rollout.queue import Weights
+    from purerl.rollout.sampling import SamplingParams
+    from purerl.state import RngState
+
+    model, params, engine = _moe_engine(moe)
+    sampling, prompts = SamplingParams(max_new_tokens=12, temperature=1.0, n=2), [[5, 6, 7], [8, 9], [10, 11, 12]]
+    whole = engine.generate(prompts, sampling, RngState(3), version=0)
+    polls = [0]
+
+    def newer(v):  # the same params as "newer" weights, twice
+        polls[0] += 1
+        return Weights(v + 1, params) if polls[0] in (3, 7) else None
+
+    again = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
+    again.sync(params, 0)
+    interruptible = Interruptible(again, newer, lambda w: again.sync(w.payload, w.version))
+    got = interruptible.generate(prompts, sampling, RngState(3), version=0)
+    assert interruptible.interruptions == 2 and interruptible.continued_rows > 0
+    width = whole.sequences.input_ids.shape[1]
+    assert torch.equal(got.sequences.input_ids[:, :width], whole.sequences.input_ids)
+    assert torch.equal(got.sequences.routing[:, :width], whole.sequences.routing)
+    assert (got.sequences.routing[:, width:] == -1).all()
+
+
+def test_joined_trimmed_and_recorded_rollouts_keep_each_rows_routing(moe, tmp_path):
+    from purerl.data.cursor import DataCursor
+    from purerl.io.records import load_record, save_record
+    from purerl.rollout.merge import concat_rollouts
+    from purerl.rollout.sampling import SamplingParams
+    from purerl.state import RngState
+    from purerl.step.micro_batches import trimmed_sequences
+
+    _, _, engine = _moe_engine(moe, double=False)
+    short = engine.generate([[5, 6]], SamplingParams(max_new_tokens=4, temperature=1.0, n=2), RngState(1))
+    long = engine.generate([[7, 8, 9, 10, 11]], SamplingParams(max_new_tokens=9, temperature=1.0, n=2), RngState(2))
+    joined = concat_rollouts([short, long], 0).sequences
+    for part, rows in ((short.sequences, slice(0, 2)), (long.sequences, slice(2, 4))):
+        valid = joined.attention_mask[rows]
+        assert torch.equal(joined.routing[rows][valid], part.routing[part.attention_mask])
+        assert (joined.routing[rows][~valid] == -1).all()
+    unrouted = attrs.evolve(short, sequences=attrs.evolve(short.sequences, routing=None))
+    assert concat_rollouts([unrouted, long], 0).sequences.routing is None
+
+    trimmed, _ = trimmed_sequences(joined.rows(slice(0, 2)))
+    assert torch.equal(trimmed.routing[trimmed.attention_mask], short.sequences.routing[short.sequences.attention_mask])
+
+    save_record(tmp_path, 1, long, torch.ones(2), DataCursor(0, 0, 0))
+    assert torch.equal(load_record(tmp_path, 1)[0].sequences.routing, long.sequences.routing)
+
+
+def test_routing_replay_is_refused_where_it_cannot_replay_naming_the_setting():
+    from purerl.config.job import JobConfig
+    from purerl.config.rules import problems
+
+    def found(**sections):
+        config = JobConfig()
+        changed = {name: attrs.evolve(getattr(config, name), **values) for name, values in sections.items()}
+        config = attrs.evolve(config, actor=attrs.evolve(config.actor, routing_replay=True), **changed)
+        return [p for p in problems(config) if p.startswith("actor.routing_replay")]
+
+    assert found() == []
+    assert "rollout.engine=vllm does not record the experts" in found(rollout={"engine": "vllm"})[0]
+    assert "FSDP2 ranks run the HF module" in found(executor={"kind": "ray"})[0]
+
+
+@pytest.mark.slow
+def test_the_main_job_replays_a_saved_qwen3_moes_routing_asynchronously_with_interruptions(tmp_path):
+    import json
+    import sys
+
+    from purerl.models.hf import export_hf
+    from purerl.tiny import char_tokenizer
+    from tests import processes
+    from tests.jobs import SCRIPT
+
+    tokenizer = char_tokenizer()
+    config = Qwen3MoeConfig(**{**COMMON, "vocab_size": len(tokenizer), "max_position_embeddings": 512},
+                            num_key_value_heads=2, head_dim=32, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=True)
+    model, params = tiny_causal_lm(config, seed=0)
+    folder = export_hf(model, params, tmp_path / "moe", tokenizer)
+    out = tmp_path / "run"
+    done = processes.run([sys.executable, str(SCRIPT), "--model", str(folder), "--steps", "3", "--eval-size", "4",
+                          "--threads", "1", "--no-progress", "--async", "--out-dir", str(out),
+                          "actor.routing_replay=true", "asynchronous.interruptible=true"], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(0.0 <= row["rollout/routing_mismatch"] <= 1.0 for row in rows), rows
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["actor"]["routing_replay"] is True
