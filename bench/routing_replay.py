@@ -9,6 +9,12 @@ magnitude), and the engine computing in bfloat16 (``bfloat16``). Printed per per
 of tokens whose experts differ (sparse layers, positions both forwards computed) and the mean
 ``|Δ log-prob|`` over response tokens, each replay off / on, and their ratio.
 
+Then the same through the pipeline: the embedded engine (``TorchEngine``, perturbed as above) samples
+groups of 4 for 3 prompts (12 new tokens, temperature 1), and one step of the custom-steps guide
+(``make_experience``, ``shape_rewards``, ``actor_update``) reports ``rollout/routing_mismatch`` (the
+share of token-layers where the trainer's router disagrees with the engine's record) and
+``actor/sync_gap`` (the engine's log-probs against the update's first forward), replay off / on.
+
     python3 bench/routing_replay.py [--rows 32] [--seeds 0-4]
 """
 
@@ -71,6 +77,47 @@ def measure(perturbation: str, seed: int, rows: int) -> dict[str, float]:
     return out
 
 
+def step_metrics(perturbation: str, seed: int, replay: bool) -> dict[str, float]:
+    import attrs
+
+    from purerl.algo import PolicyLossSettings
+    from purerl.algo.estimators import ADVANTAGE_ESTIMATORS
+    from purerl.algo.kl_control import make_kl_controller
+    from purerl.algo.policy_loss import POLICY_LOSSES
+    from purerl.optim import adamw
+    from purerl.rollout.backends.torch import TorchEngine
+    from purerl.rollout.sampling import SamplingParams
+    from purerl.state import RngState, TrainState
+    from purerl.step import (
+        ActorLoss,
+        Batching,
+        ExperienceSettings,
+        Shaping,
+        actor_update,
+        make_experience,
+        shape_rewards,
+    )
+
+    model, params = _model(seed)
+    engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0, dtype="bfloat16" if perturbation == "bfloat16"
+                         else None)
+    engine.sync(params if perturbation == "bfloat16" else _engine_params(params, perturbation, seed), 0)
+    rollout = engine.generate([[5, 6, 7, 8], [9, 10], [11, 12, 13]],
+                              SamplingParams(max_new_tokens=12, n=4, temperature=1.0), RngState(seed))
+    responses, mask = rollout.sequences.responses(), rollout.sequences.response_mask
+    scores = ((responses % 2 == 0) & mask).float().sum(-1) / mask.sum(-1).clamp_min(1)
+    policy = attrs.evolve(model, routing_replay=replay)
+    state = TrainState(policy=params, policy_opt=(), kl=(), rng=RngState(seed))
+    experience = make_experience(state, rollout, scores, policy=policy, settings=ExperienceSettings())
+    batch, _, metrics = shape_rewards(experience, state.kl, make_kl_controller("fixed", coef=0.0),
+                                      shaping=Shaping(ADVANTAGE_ESTIMATORS["grpo"].bound()))
+    optimizer = adamw(1e-6)
+    loss = ActorLoss(POLICY_LOSSES["cispo"].bound(PolicyLossSettings()), sync_tolerance=100.0)
+    _, _, actor = actor_update(params, optimizer.init(params), batch, policy=policy, loss=loss, batching=Batching(),
+                               optimizer=optimizer, rng=state.rng)
+    return {"mismatch": metrics["rollout/routing_mismatch"], "sync_gap": actor["actor/sync_gap"]}
+
+
 def _seeds(text: str) -> list[int]:
     lo, _, hi = text.partition("-")
     return list(range(int(lo), int(hi or lo) + 1))
@@ -89,6 +136,18 @@ def main() -> None:
         mean = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
         print(f"| {perturbation} | {mean['mismatch_off']:.1%} | {mean['mismatch_on']:.1%} | {mean['gap_off']:.2e} "
               f"| {mean['gap_on']:.2e} | {mean['gap_off'] / mean['gap_on']:.1f}× |")
+    print()
+    print("| engine perturbation | rollout/routing_mismatch, replay off | on | actor/sync_gap, replay off | on "
+          "| off/on |")
+    print("|---|---|---|---|---|---|")
+    for perturbation in ("router+0.1", "router+0.5", "bfloat16"):
+        runs = {replay: [step_metrics(perturbation, seed, replay) for seed in _seeds(args.seeds)]
+                for replay in (False, True)}
+        mean = {(replay, k): sum(r[k] for r in runs[replay]) / len(runs[replay])
+                for replay in runs for k in runs[replay][0]}
+        print(f"| {perturbation} | {mean[False, 'mismatch']:.1%} | {mean[True, 'mismatch']:.1%} "
+              f"| {mean[False, 'sync_gap']:.2e} | {mean[True, 'sync_gap']:.2e} "
+              f"| {mean[False, 'sync_gap'] / mean[True, 'sync_gap']:.1f}× |")
 
 
 if __name__ == "__main__":
