@@ -221,7 +221,8 @@ def test_routing_replay_is_refused_where_it_cannot_replay_naming_the_setting():
 
 
 @pytest.mark.slow
-def test_the_main_job_replays_a_saved_qwen3_moes_routing_asynchronously_with_interruptions(tmp_path):
+def test_the_main_job_replays_a_saved_qwen3_moes_routing_asynchronously_with_interruptions_and_from_its_records(
+        tmp_path):
     import json
     import sys
 
@@ -245,3 +246,7 @@ def test_the_main_job_replays_a_saved_qwen3_moes_routing_asynchronously_with_int
     assert len(rows) == 3 and all(0.0 <= row["rollout/routing_mismatch"] <= 1.0 for row in rows), rows
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["actor"]["routing_replay"] is True
+    # the records keep the routing: the run replays from them bit for bit, routing mismatch included
+    replayed = processes.run([sys.executable, "-m", "purerl.replay", str(out)], timeout=300)
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    assert "every metric and the state bit for bit" in replayed.stdout, replayed.stdout[-3000:]
