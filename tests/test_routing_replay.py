@@ -96,6 +96,27 @@ def test_shared_prompts_replay_and_record_as_every_row_does(moe):
     assert torch.equal(records[1][attended], records[0][attended])
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["every row", "shared prompts"])
+def test_the_packed_forward_replays_and_records_as_the_padded_one(moe, shared):
+    from purerl.models.base import shared_prompts as shares
+
+    model, params = moe
+    seqs = random_sequences(8, 7, 8, VOCAB, seed=4)
+    seqs = grouped(seqs, 4) if shared else seqs
+    engine = _blank(seqs)
+    model.family.response_logits(model, _perturbed(params, 0.5), seqs, None, engine)
+    routed = attrs.evolve(seqs, routing=engine)
+    out = {}
+    for packed in (False, True):
+        policy = attrs.evolve(model, packed=packed, routing_replay=True)
+        record = _blank(seqs)
+        logits = policy.family.response_logits(policy, params, routed, shares(routed) if shared else None, record)
+        out[packed] = logits[seqs.response_mask], record
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=1e-5)
+    both = (out[False][1] >= 0) & (out[True][1] >= 0)
+    assert both.any() and torch.equal(out[True][1][both], out[False][1][both])
+
+
 def test_the_mismatch_share_compares_sets_of_experts_over_the_tokens_both_recorded():
     a = torch.tensor([[0, 1], [2, 3], [4, 5], [-1, -1]])
     b = torch.tensor([[1, 0], [2, 4], [4, 5], [6, 7]])

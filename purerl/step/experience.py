@@ -16,6 +16,7 @@ from torch import Tensor
 from purerl.algo.logprobs import logprobs_from_logits, sum_pi_squared_from_logits
 from purerl.batch import Rewards, Rollout, Sequences
 from purerl.models import CausalLM, Critic, Params, response_logits, response_values, shared_prompts
+from purerl.models.families.moe import disagreement
 from purerl.state import TrainState
 from purerl.step.micro_batches import chunks, token_budget_rows, trimmed_sequences
 from purerl.step.settings import Batching, ExperienceSettings
@@ -192,10 +193,9 @@ def _routing_fn(model: CausalLM, params: Params, temperature: float) -> Callable
         logits = model.family.response_logits(model, params, part, shared_prompts(part) if model.shares_prompts
                                               else None, record)
         t = part.response_length
-        engine, trainer = part.routing[:, -t:], record[:, -t:]
-        both = (engine >= 0).all(-1) & (trainer >= 0).all(-1)
-        differ = (engine.sort(-1).values != trainer.sort(-1).values).any(-1) & both
-        return torch.stack([logprobs_from_logits(logits, part.responses(), temperature=temperature),
+        differ, both = disagreement(part.routing[:, -t:], record[:, -t:])
+        return torch.stack([logprobs_from_logits(logits, part.responses(), temperature=temperature,
+                                                 compiled=model.compiled),
                             differ.sum(-1).to(torch.float32), both.sum(-1).to(torch.float32)], -1)
 
     return routed
@@ -228,14 +228,14 @@ def make_experience(state: TrainState, rollout: Rollout, rewards: Float[Tensor, 
                         budget)
         sum_pi_squared = both[..., 1]
         if recompute:
-            old = both[..., 0]
+            old, recompute = both[..., 0], False
     routing = None
     if seqs.routing is not None and policy.lean:  # the trainer's routers against the engine's record
         routed = _batched(policy, _routing_fn(policy, state.policy, temperature), seqs, rows, budget)
         routing = routed[..., 1:]
-        if recompute and not settings.sum_pi_squared:
+        if recompute:
             old, recompute = routed[..., 0], False
-    if recompute and not settings.sum_pi_squared:
+    if recompute:
         old = _batched(policy, _logprobs_fn(policy, state.policy, temperature), seqs, rows, budget)
     ref = None
     if reference is not None:

@@ -295,7 +295,7 @@ def response_logits(
     prompt_routes = response_routes = None
     if routing is not None:
         prompt_routes = Routing(None if routing.replay is None else routing.replay[first, :p],
-                                None if routing.record is None else routing.record[first, :p].clone())
+                                None if routing.record is None else routing.record[first, :p])  # a copy
         response_routes = Routing(None if routing.replay is None else routing.replay[:, p:],
                                   None if routing.record is None else routing.record[:, p:])
     prompt, kv = run(input_ids[first, :p], positions[first, :p], attention_mask(valid[first, :p], 0), slice(p - 1, p),

@@ -92,14 +92,12 @@ def packed_response_logits(
         rope = RotaryTable.of(inv_freq, at.reshape(-1)[flat][None], dtype=weights.embed.dtype)
         attention = segments_attention(lengths, scale, gqa, prefixes, kept)
         stream = ids.reshape(-1)[flat][None]
-        packed = None if routes is None else Routing(*(None if x is None else x.flatten(0, 1)[flat][None].clone()
-                                                       for x in routes))
+        packed = None if routes is None else Routing(*(None if x is None else x.flatten(0, 1)[flat][None]
+                                                       for x in routes))  # a mask's indexing copies
         hidden = decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, stream, attention,
                                routing=packed)[0]
-        if routes is not None and routes.record is not None:
-            record = routes.record.flatten(0, 1).clone()
-            record[flat] = packed.record[0]
-            routes.record.copy_(record.view(routes.record.shape))
+        if routes is not None and routes.record is not None:  # packed_logits' own contiguous copy: a view
+            routes.record.flatten(0, 1)[flat] = packed.record[0]
         return hidden
 
     return packed_logits(run, lambda hidden: logits_of(weights, layout, hidden), input_ids, valid, positions,

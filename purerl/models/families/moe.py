@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-__all__ = ["Experts", "Routing", "experts_of", "has_experts", "routing_mismatch", "sparse_mlp"]
+__all__ = ["Experts", "Routing", "disagreement", "experts_of", "has_experts", "routing_mismatch", "sparse_mlp"]
 
 
 def has_experts(config: Any) -> bool:
@@ -62,11 +62,17 @@ def experts_of(params: dict[str, Tensor], mlp: str) -> Experts | None:
                    params[f"{mlp}.experts.down_proj"].transpose(1, 2))
 
 
+def disagreement(a: Int[Tensor, "... k"], b: Int[Tensor, "... k"]) -> tuple[Tensor, Tensor]:
+    """Two recordings compared entry by entry (``[...]`` bool each): where their sets of experts
+    differ, and where both recorded one (``≥ 0``); ``differ`` implies ``both``."""
+    both = (a >= 0).all(-1) & (b >= 0).all(-1)
+    return (a.sort(-1).values != b.sort(-1).values).any(-1) & both, both
+
+
 def routing_mismatch(a: Int[Tensor, "... k"], b: Int[Tensor, "... k"]) -> Tensor:
     """The share of the tokens (over the entries both recorded, ``≥ 0``) whose sets of experts differ
     between two recordings: a float scalar, 0 where none was recorded by both."""
-    both = (a >= 0).all(-1) & (b >= 0).all(-1)
-    differ = (a.sort(-1).values != b.sort(-1).values).any(-1) & both
+    differ, both = disagreement(a, b)
     return differ.sum() / both.sum().clamp_min(1)
 
 
