@@ -8,7 +8,9 @@ its own data exactly as a user's task would (``--data``/``--eval-data``):
 - ``sums``: two numbers of 1–2 digits added (``What is 23 + 45?``), the default reward;
 - ``count``: the items of a short list counted (``How many items are in this list: …``), the default reward;
 - ``reverse``: a few words in reverse order (a string task), scored by :func:`reverse_reward`;
-- ``ages``: a one-step word problem about ages and years, unlike the main job's objects, the default reward.
+- ``ages``: a one-step word problem about ages and years, unlike the main job's objects, the default reward;
+- ``young_ages``: the same problems about children (ages 2–9, 1–5 years), which SmolLM2-135M starts
+  inside the 2–30 % band (7.8 % held out), where ``ages`` starts at 0 %.
 
 The numeric tasks end with the main job's instruction (``#### <number>``), which the default reward
 (``lenient``: the last number) reads; ``reverse`` asks for ``#### <words>``.
@@ -42,12 +44,16 @@ def _reverse(r: random.Random) -> tuple[str, str]:
     return f"Write these words in reverse order: {' '.join(words)}. {_WORDS}", " ".join(reversed(words))
 
 
-def _ages(r: random.Random) -> tuple[str, str]:
-    name, age, years = r.choice(_NAMES), r.randint(3, 40), r.randint(1, 20)
+def _ages(r: random.Random, ages: tuple[int, int] = (3, 40), spans: tuple[int, int] = (1, 20)) -> tuple[str, str]:
+    name, age, years = r.choice(_NAMES), r.randint(*ages), r.randint(*spans)
     if r.random() < 0.5:
         return f"{name} is {age} years old. How old will {name} be in {years} years? {_NUMBER}", str(age + years)
     age += years
     return f"{name} is {age} years old. How old was {name} {years} years ago? {_NUMBER}", str(age - years)
+
+
+def _young_ages(r: random.Random) -> tuple[str, str]:
+    return _ages(r, ages=(2, 9), spans=(1, 5))
 
 
 TASKS: dict[str, tuple[Callable[[random.Random], tuple[str, str]], str | None]] = {
@@ -55,6 +61,7 @@ TASKS: dict[str, tuple[Callable[[random.Random], tuple[str, str]], str | None]] 
     "count": (_count, None),
     "reverse": (_reverse, "reverse_reward"),
     "ages": (_ages, None),
+    "young_ages": (_young_ages, None),
 }
 """Each task's generator and its reward function in this file (None: the job's default reward)."""
 

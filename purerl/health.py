@@ -69,6 +69,14 @@ class HealthLimits:
     steps (:data:`OPENING_STEPS`)."""
     guess_tokens: float = attrs.field(default=8.0, validator=positive)
     """``guessing``: the mean response length at most this many tokens (a bare answer)."""
+    stall_steps: int = attrs.field(default=10, validator=at_least(2))
+    """``stalled``: over the last this many steps, on average, the task's reward above 0 for under
+    ``stall_rise`` more of the samples than over the first steps (and under half), under ``stall_no_signal``
+    of groups alike, and ``actor/entropy`` within ``stall_entropy`` of the first steps' (a policy that learns,
+    or collapses, moves it further within ten steps on every run of the task panel, BENCHMARKS.md)."""
+    stall_rise: float = attrs.field(default=0.05, validator=in_range(0, 1))
+    stall_entropy: float = attrs.field(default=0.15, validator=in_range(0, 1))
+    stall_no_signal: float = attrs.field(default=0.5, validator=in_range(0, 1))
 
 
 @attrs.frozen
@@ -89,7 +97,9 @@ OPENING_STEPS = 3
 class HealthState:
     """Per symptom, the steps in a row its condition held (``held``) or did not (``absent``); the
     symptoms active now and every one seen; the best held-out accuracy so far; the mean response length
-    of each of the run's first :data:`OPENING_STEPS` steps (``opening``)."""
+    of each of the run's first :data:`OPENING_STEPS` steps (``opening``); the task's reward (share of
+    samples above 0) and the entropy of each of those steps (``opening_learning``); and the last
+    ``stall_steps`` steps' ``(reward, groups alike, entropy)`` (``recent``)."""
 
     held: Mapping[str, int] = attrs.field(factory=dict)
     absent: Mapping[str, int] = attrs.field(factory=dict)
@@ -97,6 +107,8 @@ class HealthState:
     seen: frozenset[str] = frozenset()
     best_accuracy: float | None = None
     opening: tuple[float, ...] = ()
+    opening_learning: tuple[tuple[float, float], ...] = ()
+    recent: tuple[tuple[float, float, float], ...] = ()
 
 
 @attrs.frozen
@@ -153,6 +165,47 @@ def _guessing(row: Row, limits: HealthLimits, context: Context, past: HealthStat
     short = min(limits.guess_tokens, limits.guess_length * _opening_length(past))
     return (row["health/rule_positive_frac"] <= limits.guess_reward
             and row["health/no_signal_frac"] > limits.guess_no_signal and row["response_length/mean"] <= short)
+
+
+_LEARNING = ("health/rule_positive_frac", "health/no_signal_frac", "actor/entropy")
+"""The signals ``stalled`` reads: the task's reward, the groups alike, the policy's entropy."""
+
+
+def _stall_window(row: Row, limits: HealthLimits, past: HealthState) -> tuple[float, float, float] | None:
+    """The means of the task's reward, the groups alike and the entropy over the last ``stall_steps`` steps,
+    this one included (None before there are as many, or before the first steps' are known)."""
+    if len(past.opening_learning) < OPENING_STEPS or not _has(row, *_LEARNING):
+        return None
+    window = (*past.recent, tuple(float(row[k]) for k in _LEARNING))[-limits.stall_steps:]
+    if len(window) < limits.stall_steps:
+        return None
+    return tuple(sum(step[i] for step in window) / len(window) for i in range(3))
+
+
+def _opening_learning(state: HealthState) -> tuple[float, float]:
+    """The task's reward and the entropy, each averaged over the run's first steps."""
+    n = len(state.opening_learning)
+    return tuple(sum(step[i] for step in state.opening_learning) / n for i in range(2))
+
+
+def _stalled(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
+    """Updates too small to learn: the reward flat, its groups telling samples apart, the entropy unmoved."""
+    if (window := _stall_window(row, limits, past)) is None:
+        return None
+    reward, alike, entropy = window
+    first_reward, first_entropy = _opening_learning(past)
+    return (reward < min(first_reward + limits.stall_rise, 0.5) and alike < limits.stall_no_signal
+            and abs(entropy - first_entropy) <= limits.stall_entropy * first_entropy)
+
+
+def _stalled_line(row: Row, limits: HealthLimits, context: Context, past: HealthState, steps: int) -> str:
+    reward, alike, entropy = _stall_window(row, limits, past)
+    first_reward, first_entropy = _opening_learning(past)
+    return (f"the task rewarded {reward:.0%} of samples over the last {limits.stall_steps} steps ({first_reward:.0%} "
+            f"over the first steps) though {1 - alike:.0%} of groups told their samples apart, and the entropy stayed "
+            f"at {entropy:.2f} nats per token (from {first_entropy:.2f}), for {steps} steps: the updates are too small "
+            f"to move the policy in this run's length; raise actor.lr (--lr), train LoRA at a larger one "
+            f"(--lora-rank 32 --lr 5e-4), or run more steps (--steps); read {context.samples}")
 
 
 def _opening_length(state: HealthState) -> float:
@@ -258,6 +311,7 @@ SYMPTOMS: dict[str, Symptom] = {
     "constant_reward": Symptom(_constant, _constant_line),
     "dead_reward": Symptom(_dead_reward, _dead_reward_line),
     "guessing": Symptom(_guessing, _guessing_line),
+    "stalled": Symptom(_stalled, _stalled_line),
     "entropy_collapse": Symptom(_entropy, lambda row, limits, context, past, steps: (
         f"entropy {row['actor/entropy']:.3g} nats per token (under {limits.entropy_floor:g} for {steps} steps): "
         "the policy has collapsed onto single answers; lower actor.lr, or add actor.entropy_coeff")),
@@ -320,8 +374,14 @@ class Monitor:
         opening = state.opening
         if len(opening) < OPENING_STEPS and _has(row, "response_length/mean"):
             opening = (*opening, float(row["response_length/mean"]))
+        learning, recent = state.opening_learning, state.recent
+        if _has(row, *_LEARNING):
+            step_learning = tuple(float(row[k]) for k in _LEARNING)
+            if len(learning) < OPENING_STEPS:
+                learning = (*learning, (step_learning[0], step_learning[2]))
+            recent = (*recent, step_learning)[-(self.limits.stall_steps - 1):]
         return HealthState(held, absent, frozenset(active), state.seen | {e.symptom for e in events if e.started},
-                           best, opening), events
+                           best, opening, learning, recent), events
 
     def fold(self, rows: Iterable[Mapping[str, Any]]) -> tuple[HealthState, list[Event]]:
         """The state after ``rows`` (a run's ``metrics.jsonl``, in order) and every event on the way."""

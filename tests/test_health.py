@@ -31,7 +31,7 @@ def _rows(*changes: dict) -> list[dict]:
 
 
 def test_every_symptom_has_a_provocation_here():
-    assert set(SICK) | {"heldout_drop"} == set(SYMPTOMS)
+    assert set(SICK) | {"heldout_drop", "stalled"} == set(SYMPTOMS)
 
 
 @pytest.mark.parametrize("symptom", sorted(SICK))
@@ -172,6 +172,35 @@ def test_a_resumed_monitor_measures_the_collapse_against_the_runs_first_steps():
     state, events = MONITOR.fold(rows[:4])
     _, later = MONITOR.observe(state, rows[4])
     assert [e.symptom for e in later] == ["guessing"]
+
+
+# stalled: the updates too small to move the policy (TRL's lr of 1e-6 on the task panel's sums)
+FLAT = {"health/rule_positive_frac": 0.04, "health/no_signal_frac": 0.05, "actor/entropy": 2.4}
+
+
+def test_a_flat_reward_with_signal_and_an_unmoved_entropy_is_stalled_naming_the_learning_rate():
+    state, events = MONITOR.fold(_rows(*[FLAT] * 12))
+    assert [(e.step, e.symptom) for e in events] == [(11, "stalled")]  # 10 steps' window, then patience 2
+    line = events[0].line
+    assert "4% of samples over the last 10 steps (4% over the first steps)" in line and "95% of groups" in line
+    assert "2.40 nats per token (from 2.40)" in line and "actor.lr (--lr)" in line and "--lora-rank" in line
+    learning = [{**FLAT, "health/rule_positive_frac": 0.04 + 0.03 * i} for i in range(12)]
+    _, cleared = MONITOR.fold(_rows(*[FLAT] * 12, *learning[4:]))
+    assert [(e.symptom, e.started) for e in cleared] == [("stalled", True), ("stalled", False)]
+
+
+@pytest.mark.parametrize("change", [{"actor/entropy": 1.8},  # the policy sharpens: it is learning
+                                    {"health/rule_positive_frac": 0.2},  # the reward rose from the first steps'
+                                    {"health/no_signal_frac": 0.9}])  # groups alike: no_signal's or guessing's
+def test_a_moving_entropy_a_rising_reward_or_alike_groups_are_not_stalled(change):
+    assert MONITOR.fold(_rows(*[FLAT] * 3, *[{**FLAT, **change}] * 12))[1] == []
+
+
+def test_a_resumed_monitor_measures_a_stall_against_the_runs_first_steps():
+    rows = _rows(*[FLAT] * 3, *[{**FLAT, "actor/entropy": 2.6}] * 8)  # within 15% of the first steps' 2.4
+    state, events = MONITOR.fold(rows[:10])
+    assert events == [] and state.opening_learning == ((0.04, 2.4),) * 3 and len(state.recent) == 9
+    assert [e.symptom for e in MONITOR.observe(state, rows[10])[1]] == ["stalled"]
 
 
 # tiny runs: the job as the command line runs it, each symptom provoked

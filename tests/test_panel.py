@@ -38,6 +38,13 @@ def test_the_numeric_answers_are_computed_right():
     for row in panel_tasks.task_records("count", 50, 5)[0]:
         items = re.search(r"list: (.*)\? Give", row["prompt"][0]["content"]).group(1).split(", ")
         assert row["reward_model"]["ground_truth"] == str(len(items))
+    for task, ages, spans in (("ages", (3, 60), (1, 20)), ("young_ages", (2, 14), (1, 5))):
+        for row in panel_tasks.task_records(task, 50, 5)[0]:
+            question = row["prompt"][0]["content"]
+            age, years = map(int, re.search(r"is (\d+) years old\. How old .* (\d+) years", question).groups())
+            answer = age + years if "will" in question else age - years
+            assert row["reward_model"]["ground_truth"] == str(answer)
+            assert ages[0] <= age <= ages[1] and spans[0] <= years <= spans[1] and answer >= 2
 
 
 def test_the_reverse_reward_reads_the_final_answer_only():
