@@ -69,6 +69,9 @@ class HealthLimits:
     steps (:data:`OPENING_STEPS`)."""
     guess_tokens: float = attrs.field(default=8.0, validator=positive)
     """``guessing``: the mean response length at most this many tokens (a bare answer)."""
+    blame_share: float = attrs.field(default=0.1, validator=in_range(0, 1))
+    """``dead_reward`` and ``guessing`` point at ``reward.fn`` when at least this share of responses contain
+    their reference answer and most of those scored 0."""
     stall_steps: int = attrs.field(default=10, validator=at_least(2))
     """``stalled``: over the last this many steps, on average, the task's reward above 0 for under
     ``stall_rise`` more of the samples than over the first steps (and under half), under ``stall_no_signal``
@@ -90,7 +93,7 @@ class Context:
 
 
 OPENING_STEPS = 3
-"""The run's first steps (those with a response length): ``guessing`` measures a collapse against them."""
+"""The run's first steps: ``guessing`` measures a collapse against them, ``stalled`` a stall."""
 
 
 @attrs.frozen
@@ -167,32 +170,28 @@ def _guessing(row: Row, limits: HealthLimits, context: Context, past: HealthStat
             and row["health/no_signal_frac"] > limits.guess_no_signal and row["response_length/mean"] <= short)
 
 
-_LEARNING = ("health/rule_positive_frac", "health/no_signal_frac", "actor/entropy")
-"""The signals ``stalled`` reads: the task's reward, the groups alike, the policy's entropy."""
+_LEARNING = ("health/rule_positive_frac", "health/no_signal_frac", "actor/entropy")  # what ``stalled`` reads
 
 
 def _stall_window(row: Row, limits: HealthLimits, past: HealthState) -> tuple[float, float, float] | None:
-    """The means of the task's reward, the groups alike and the entropy over the last ``stall_steps`` steps,
-    this one included (None before there are as many, or before the first steps' are known)."""
-    if len(past.opening_learning) < OPENING_STEPS or not _has(row, *_LEARNING):
-        return None
-    window = (*past.recent, tuple(float(row[k]) for k in _LEARNING))[-limits.stall_steps:]
-    if len(window) < limits.stall_steps:
+    """The means of the task's reward, the groups alike and the entropy over the last ``stall_steps`` steps
+    (this one included; None before as many, or before the first steps', are known)."""
+    now = (tuple(float(row[k]) for k in _LEARNING),) if _has(row, *_LEARNING) else ()
+    window = (*past.recent, *now)[-limits.stall_steps:] if now else ()
+    if len(past.opening_learning) < OPENING_STEPS or len(window) < limits.stall_steps:
         return None
     return tuple(sum(step[i] for step in window) / len(window) for i in range(3))
 
 
-def _opening_learning(state: HealthState) -> tuple[float, float]:
-    """The task's reward and the entropy, each averaged over the run's first steps."""
-    n = len(state.opening_learning)
-    return tuple(sum(step[i] for step in state.opening_learning) / n for i in range(2))
+def _opening_learning(state: HealthState) -> tuple[float, float]:  # the first steps' reward and entropy
+    return tuple(sum(step[i] for step in state.opening_learning) / len(state.opening_learning) for i in range(2))
 
 
 def _stalled(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
     """Updates too small to learn: the reward flat, its groups telling samples apart, the entropy unmoved."""
     if (window := _stall_window(row, limits, past)) is None:
         return None
-    reward, alike, entropy = window
+    (reward, alike, entropy) = window
     first_reward, first_entropy = _opening_learning(past)
     return (reward < min(first_reward + limits.stall_rise, 0.5) and alike < limits.stall_no_signal
             and abs(entropy - first_entropy) <= limits.stall_entropy * first_entropy)
@@ -213,12 +212,13 @@ def _opening_length(state: HealthState) -> float:
     return sum(state.opening) / len(state.opening) if state.opening else 0.0
 
 
-def _reference_unrewarded(row: Row) -> bool | None:
-    """Whether the samples point at ``reward.fn``: most responses that contain their reference answer scored
-    0 or less (False where none contains it; None where the row does not say)."""
+def _reference_unrewarded(row: Row, limits: HealthLimits) -> bool | None:
+    """Whether the samples point at ``reward.fn``: at least ``blame_share`` of the responses contain their
+    reference answer and most of those scored 0 or less (None where the row does not say). Fewer is chance:
+    a short number of the question echoed (``Raj is 3 years old.``) holds a reference of 3."""
     if not _has(row, "health/reference_held_frac", "health/reference_unrewarded_frac"):
         return None
-    return row["health/reference_held_frac"] > 0 and row["health/reference_unrewarded_frac"] > 0.5
+    return row["health/reference_held_frac"] >= limits.blame_share and row["health/reference_unrewarded_frac"] > 0.5
 
 
 def _entropy(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
@@ -275,13 +275,15 @@ def _constant_line(row: Row, limits: HealthLimits, context: Context, past: Healt
 
 def _dead_reward_line(row: Row, limits: HealthLimits, context: Context, past: HealthState, steps: int) -> str:
     seen = f"the task's reward gave no sample more than 0 for {steps} steps"
-    suspect = _reference_unrewarded(row)
+    suspect = _reference_unrewarded(row, limits)
+    held = row.get("health/reference_held_frac")
     if suspect:
-        return (f"{seen}, though {row['health/reference_held_frac']:.0%} of responses contain their reference answer: "
+        return (f"{seen}, though {held:.0%} of responses contain their reference answer: "
                 f"check reward.fn against what the model writes in {context.samples}")
     if suspect is False:
-        return (f"{seen} and no response contains its reference answer: the model cannot solve the task yet "
-                f"(reward.fn is not to blame); try {_HARDER}; read {context.samples}")
+        return (f"{seen} and {f'only {held:.0%} of responses contain their' if held else 'no response contains its'} "
+                f"reference answer: the model cannot solve the task yet (reward.fn is not to blame); try {_HARDER}; "
+                f"read {context.samples}")
     return (f"{seen}: read {context.samples} (each response, its reward and the reference): if responses that "
             f"contain their reference score 0, check reward.fn; if none does, the model cannot solve the task yet: "
             f"try {_HARDER}")
@@ -292,7 +294,7 @@ def _guessing_line(row: Row, limits: HealthLimits, context: Context, past: Healt
             f"over the first steps) while the task rewarded {row['health/rule_positive_frac']:.0%} of samples and "
             f"{row['health/no_signal_frac']:.0%} of groups scored alike, for {steps} steps: the model answers with "
             f"bare guesses, whose alike groups teach nothing; try {_HARDER}")
-    if _reference_unrewarded(row):
+    if _reference_unrewarded(row, limits):
         return (f"{seen}; but {row['health/reference_unrewarded_frac']:.0%} of the responses that contain their "
                 f"reference answer scored 0: check reward.fn against them in {context.samples}")
     return f"{seen}; read {context.samples}"

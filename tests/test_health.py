@@ -153,6 +153,15 @@ def test_a_dead_reward_with_no_response_holding_its_reference_does_not_blame_rew
     assert all("check reward.fn" in e.line for e in events)
 
 
+def test_a_reference_echoed_by_chance_in_a_few_responses_does_not_blame_reward_fn():
+    # young_ages on the panel: "In 3 years, Raj will be 8 years old." holds the reference 3 and scores 0
+    echoed = {"health/rule_positive_frac": 0.0, "health/reference_held_frac": 1 / 32,
+              "health/reference_unrewarded_frac": 1.0}
+    (event,) = MONITOR.fold(_rows(echoed, echoed))[1]
+    assert "only 3% of responses contain their reference answer" in event.line
+    assert "reward.fn is not to blame" in event.line and "check reward.fn" not in event.line
+
+
 @pytest.mark.parametrize("change", [{"response_length/mean": 15.0},  # answers as long as at the start
                                     {"health/rule_positive_frac": 0.4},  # learning
                                     {"health/no_signal_frac": 0.5}])  # groups still differ
