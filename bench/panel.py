@@ -12,14 +12,17 @@ an interrupted panel). The settings (:data:`SETTINGS`):
   a step, LoRA rank 32 at 5e-4, 16 new tokens (BENCHMARKS.md, issue 61);
 - ``trl``: TRL 1.16 ``GRPOConfig``'s defaults as the main job runs them: groups of 8, lr 1e-6 (constant
   after no warm-up, where TRL decays linearly), temperature 1, no KL, clip 0.2 both sides, token-mean
-  ("dapo") loss.
+  ("dapo") loss;
+- the candidate defaults, each the main job with one change (not run unless named): ``groups_of_8``
+  (``--samples-per-prompt 8``: 64 samples a step), ``lora`` (the cookbook's LoRA, rank 32 at 5e-4),
+  ``dynamic_sampling`` (DAPO's, at most 4 rounds of prompts a step).
 
 Then it writes one row per task × setting (the seeds' held-out gains, their mean, standard deviation
 and standard error, the starting accuracy, the health symptoms each run ended with, the machines)
 as a table, ``--json`` and a ``--plot`` (mean gain ± standard error per task, one bar per setting).
 A row whose runs computed on different machines says so: the same seed samples differently there.
 
-    python3 bench/panel.py --out runs/panel --seeds 0-2                       # every task and setting
+    python3 bench/panel.py --out runs/panel --seeds 0-2                       # every task, the defaults and peers
     python3 bench/panel.py --out runs/panel --tasks sums --settings defaults --seeds 0 -- --steps 20
     python3 bench/panel.py --out runs/panel --seeds 0-2 --no-run --json docs/results/panel.json \\
         --plot docs/results/panel.png                                         # the table of finished runs
@@ -47,8 +50,13 @@ SETTINGS: dict[str, list[str]] = {
                  "--max-new-tokens", "16"],
     "trl": ["--samples-per-prompt", "8", "--lr", "1e-6", "--warmup-steps", "0", "--temperature", "1.0",
             "--clip-high", "0.2", "--kl-coef", "0"],
+    "groups_of_8": ["--samples-per-prompt", "8"],
+    "lora": ["--lora-rank", "32", "--lr", "5e-4"],
+    "dynamic_sampling": ["algorithm.dynamic_sampling=true"],
 }
 """Each setting's job flags (module docstring)."""
+PEERS = ("defaults", "cookbook", "trl")
+"""The settings a panel runs unless told: the defaults and the two peers'."""
 
 
 def task_data(out: Path, task: str) -> tuple[Path, Path]:
@@ -132,7 +140,8 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "panel", help="data and one folder per run go here")
     ap.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
-    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(PEERS),
+                    help=f"default: {' '.join(PEERS)}")
     ap.add_argument("--seeds", type=seeds.seed_list, default=seeds.seed_list("0-2"), help="e.g. 0-2 or 0,3")
     ap.add_argument("--lanes", type=int, default=2, help="runs at a time, one thread each")
     ap.add_argument("--no-run", action="store_true", help="only read the finished runs")
