@@ -13,7 +13,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from purerl.assembly.models import (
 from purerl.assembly.stages import actor_batching_of, actor_optimizer, batch_plan_of, health_monitor_of
 from purerl.config.job import JobConfig
 from purerl.config.loading import to_dict
+from purerl.config.rules import cold_start
 from purerl.data.records import DataError
 from purerl.environments import demonstrating_kinds
 from purerl.executors.base import Executor, ExecutorError
@@ -97,6 +98,10 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     claimed."""
     run_dir, layout = folder.path, folder.layout
     folder.check(resume=resume, overwrite=overwrite)
+    if resume and layout.baseline.exists():  # the start's choice again, from the run's own step 0
+        config, line = cold_start(config, _read_baseline(layout.baseline), _baseline_problems(layout.baseline))
+        if line:
+            print(line, flush=True)
     recorded = to_dict(config)
     if resume and not check_resume_config(run_dir, recorded, MAY_CHANGE_ON_RESUME):
         print(f"--resume: {run_dir} records no settings ({layout.config.name}) in this layout to check against",
@@ -130,9 +135,24 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     if config.env.sft_steps and not (resume and latest_checkpoint(layout.checkpoints) is not None):
         with _timed(phases, "sft"):
             state, sft = _warm_up(config, state, model, options, train_task, eval_task)
-    with make_executor(config, model, critic, options, teacher) as executor:
-        summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop, phases)
-        state = summary.pop("_state")
+    with contextlib.ExitStack() as executors:
+        executor = executors.enter_context(make_executor(config, model, critic, options, teacher))
+
+        def choose(accuracy: float) -> tuple[JobConfig, Executor] | None:
+            """The start's choice (:func:`~purerl.config.rules.cold_start`): a new config, recorded, and its
+            executor in place of the first (closed), or None where the config stands."""
+            chosen, line = cold_start(config, accuracy, len(eval_task.records))
+            if line is None:
+                return None
+            print(line, flush=True)
+            executors.pop_all().close()
+            save_run_config(run_dir, to_dict(chosen))
+            return chosen, executors.enter_context(make_executor(chosen, model, critic, options, teacher))
+
+        summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop, phases,
+                                      choose)
+        config, executor, state = summary.pop("_config"), summary.pop("_executor"), summary.pop("_state")
+        recorded = to_dict(config)
         with _timed(phases, "export"):
             policy = executor.full_state(state).policy
             export = export_hf(model, policy, layout.export, tokenizer)
@@ -198,12 +218,20 @@ def _read_baseline(path: Path) -> float | None:
                         "to resume without a step-0 accuracy") from None
 
 
+def _baseline_problems(path: Path) -> int:
+    """The held-out problems behind ``baseline.json`` (0 where it does not say: a run before the start's choice)."""
+    problems = json.loads(path.read_text()).get("problems", 0)
+    return problems if isinstance(problems, int) else 0
+
+
 def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor: Executor, state: TrainState,
                         train_task: Task, eval_task: Task, stop: threading.Event | None,
-                        phases: dict[str, float]) -> dict[str, Any]:
-    """Baseline evaluation (or resume), training, final evaluation; the summary, with the final
-    (driver's) state under ``_state``. Adds the seconds of the executor's start, the evaluations and
-    the training (evaluations left out) to ``phases``."""
+                        phases: dict[str, float],
+                        choose: Callable[[float], tuple[JobConfig, Executor] | None]) -> dict[str, Any]:
+    """Baseline evaluation (or resume), the start's choice (``choose``: a config and executor to train with
+    instead, given the step-0 accuracy), training, final evaluation; the summary, with the final (driver's)
+    state, the config trained with and its executor under ``_state``, ``_config`` and ``_executor``. Adds the
+    seconds of the executor's start, the evaluations and the training (evaluations left out) to ``phases``."""
     log = MetricsLog(run_dir, tuple(config.trainer.log), config=to_dict(config))
 
     def evaluate_on_engine(state: TrainState) -> dict[str, Any]:
@@ -243,16 +271,22 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
               flush=True)
     else:
         log.clear()
+        unstarted = state
         with _timed(phases, "start"):
             state = executor.start(state)
         _write_workers(executor, run_dir)
         first = evaluate_fn(state)
         record_reward_errors(run_dir, 0, first)
         log.write_samples(0, first)
-        baseline.write_text(json.dumps(first))
+        baseline.write_text(json.dumps({**first, "problems": len(eval_task.records)}))
         before = first["val/accuracy"]
         print(f"step 0 held-out greedy accuracy {before:.3f} (strict {first['val/strict_accuracy']:.3f}) on "
               f"{len(eval_task.records)} problems", flush=True)
+        if (chosen := choose(before)) is not None:  # the same step-0 weights: the baseline stands
+            config, executor = chosen
+            with _timed(phases, "start"):
+                state = executor.start(unstarted)
+            _write_workers(executor, run_dir)
 
     report = None
     health = health_monitor_of(config, str(log.samples_path))
@@ -290,4 +324,4 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
             "health": {"mode": "off"} if config.trainer.health == "off" else health_report(
                 *health.fold(records), config.trainer.health),
             "records": records,
-            "_state": state}
+            "_state": state, "_config": config, "_executor": executor}

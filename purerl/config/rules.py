@@ -15,7 +15,10 @@ from purerl.config.job import CriticConfig, JobConfig
 from purerl.data.math_problems import DIFFICULTIES
 from purerl.rollout.engines import ENGINES
 
-__all__ = ["problems", "resolve"]
+__all__ = ["COLD_MIN_PROBLEMS", "cold_start", "problems", "resolve"]
+
+COLD_MIN_PROBLEMS = 32
+"""Held-out problems below which a step-0 accuracy says too little to change ``rollout.n`` on."""
 
 
 def resolve(config: JobConfig) -> JobConfig:
@@ -206,3 +209,18 @@ def _executor_problems(config: JobConfig) -> list[str]:
     if generators > 1 and not config.asynchronous.enable:
         found.append(f"asynchronous.generators={generators} needs asynchronous training (--async)")
     return found
+
+
+def cold_start(config: JobConfig, accuracy: float | None, problems: int) -> tuple[JobConfig, str | None]:
+    """The config a run trains with after its step-0 held-out greedy ``accuracy`` on ``problems`` problems,
+    and the line that says what changed (None: nothing). A task the model cannot solve yet (accuracy under
+    ``rollout.cold_below``) is sampled ``rollout.cold_n`` times per prompt where ``rollout.n`` is smaller;
+    a ``--tiny`` model (random, for plumbing) and fewer than :data:`COLD_MIN_PROBLEMS` problems keep it."""
+    rollout = config.rollout
+    if (accuracy is None or config.model.tiny or problems < COLD_MIN_PROBLEMS or rollout.n >= rollout.cold_n
+            or accuracy >= rollout.cold_below):
+        return config, None
+    line = (f"rollout.n {rollout.n} -> {rollout.cold_n}: the held-out greedy accuracy at step 0 is {accuracy:.1%}, "
+            f"under rollout.cold_below={rollout.cold_below:g}: the model cannot solve this task yet, and groups of "
+            f"{rollout.n} would mostly score alike (set rollout.cold_n=0 to keep rollout.n)")
+    return attrs.evolve(config, rollout=attrs.evolve(rollout, n=rollout.cold_n)), line

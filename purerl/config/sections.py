@@ -92,6 +92,14 @@ class RolloutConfig(SamplingParams):
     prefill and KV-cache decoding) or ``vllm`` (needs vLLM installed)."""
     engine_options: dict[str, Any] = attrs.field(factory=dict)
     """The backend's keyword arguments (e.g. ``gpu_memory_utilization`` for vllm, ``cuda_graphs`` for torch)."""
+    cold_n: int = attrs.field(default=8, validator=at_least(0))
+    """Samples per prompt on a task the model cannot solve yet: where the held-out greedy accuracy at step 0 is
+    under ``cold_below`` (on at least 32 held-out problems, a model not ``--tiny``), a run with a smaller ``n``
+    samples ``cold_n`` per prompt instead, and says so in a line at its start (0: never). Groups of 4 mostly
+    score alike there and teach nothing; the task panel's ``young_ages`` gained +7.8 points at 4 and +23.4 at 8
+    (BENCHMARKS.md). The main job starts at 21.9 %: it keeps ``n``."""
+    cold_below: float = attrs.field(default=0.05, validator=in_range(0, 1))
+    """The step-0 held-out accuracy under which ``cold_n`` applies."""
 
 
 @section
