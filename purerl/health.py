@@ -70,16 +70,16 @@ class HealthLimits:
     guess_tokens: float = attrs.field(default=8.0, validator=positive)
     """``guessing``: the mean response length at most this many tokens (a bare answer)."""
     blame_share: float = attrs.field(default=0.1, validator=in_range(0, 1))
-    """``dead_reward`` and ``guessing`` point at ``reward.fn`` when at least this share of responses contain
-    their reference answer and most of those scored 0."""
+    """``dead_reward``, ``guessing``: blame ``reward.fn`` if this share of responses hold their answer, most at 0."""
     stall_steps: int = attrs.field(default=10, validator=at_least(2))
-    """``stalled``: over the last this many steps, on average, the task's reward above 0 for under
-    ``stall_rise`` more of the samples than over the first steps (and under half), under ``stall_no_signal``
-    of groups alike, and ``actor/entropy`` within ``stall_entropy`` of the first steps' (a policy that learns,
-    or collapses, moves it further within ten steps on every run of the task panel, BENCHMARKS.md)."""
+    """``stalled``: the steps averaged, compared with the run's first steps."""
     stall_rise: float = attrs.field(default=0.05, validator=in_range(0, 1))
+    """``stalled``: the task's reward above 0 for under this share more of the samples (and under half)."""
     stall_entropy: float = attrs.field(default=0.15, validator=in_range(0, 1))
+    """``stalled``: ``actor/entropy`` within this fraction of the first steps' (every panel run that learned
+    or collapsed moved it further within ten steps, BENCHMARKS.md)."""
     stall_no_signal: float = attrs.field(default=0.5, validator=in_range(0, 1))
+    """``stalled``: under this share of groups alike (the task's reward told samples apart)."""
 
 
 @attrs.frozen
