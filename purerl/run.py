@@ -34,7 +34,7 @@ from purerl.assembly.models import (
 from purerl.assembly.stages import actor_batching_of, actor_optimizer, batch_plan_of, health_monitor_of
 from purerl.config.job import JobConfig
 from purerl.config.loading import to_dict
-from purerl.config.rules import cold_start
+from purerl.config.rules import cold_start, may_start_cold
 from purerl.data.records import DataError
 from purerl.environments import demonstrating_kinds
 from purerl.executors.base import Executor, ExecutorError
@@ -98,7 +98,7 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     claimed."""
     run_dir, layout = folder.path, folder.layout
     folder.check(resume=resume, overwrite=overwrite)
-    if resume and layout.baseline.exists():  # the start's choice again, from the run's own step 0
+    if resume and may_start_cold(config) and layout.baseline.exists():  # the start's choice again, from its step 0
         config, line = cold_start(config, _read_baseline(layout.baseline), _baseline_problems(layout.baseline))
         if line:
             print(line, flush=True)

@@ -15,7 +15,7 @@ from purerl.config.job import CriticConfig, JobConfig
 from purerl.data.math_problems import DIFFICULTIES
 from purerl.rollout.engines import ENGINES
 
-__all__ = ["COLD_MIN_PROBLEMS", "cold_start", "problems", "resolve"]
+__all__ = ["COLD_MIN_PROBLEMS", "cold_start", "may_start_cold", "problems", "resolve"]
 
 COLD_MIN_PROBLEMS = 32
 """Held-out problems below which a step-0 accuracy says too little to change ``rollout.n`` on."""
@@ -217,10 +217,14 @@ def cold_start(config: JobConfig, accuracy: float | None, problems: int) -> tupl
     ``rollout.cold_below``) is sampled ``rollout.cold_n`` times per prompt where ``rollout.n`` is smaller;
     a ``--tiny`` model (random, for plumbing) and fewer than :data:`COLD_MIN_PROBLEMS` problems keep it."""
     rollout = config.rollout
-    if (accuracy is None or config.model.tiny or problems < COLD_MIN_PROBLEMS or rollout.n >= rollout.cold_n
-            or accuracy >= rollout.cold_below):
+    if not may_start_cold(config) or accuracy is None or problems < COLD_MIN_PROBLEMS or accuracy >= rollout.cold_below:
         return config, None
     line = (f"rollout.n {rollout.n} -> {rollout.cold_n}: the held-out greedy accuracy at step 0 is {accuracy:.1%}, "
             f"under rollout.cold_below={rollout.cold_below:g}: the model cannot solve this task yet, and groups of "
             f"{rollout.n} would mostly score alike (set rollout.cold_n=0 to keep rollout.n)")
     return attrs.evolve(config, rollout=attrs.evolve(rollout, n=rollout.cold_n)), line
+
+
+def may_start_cold(config: JobConfig) -> bool:
+    """Whether :func:`cold_start` can change ``config`` at all, whatever the step-0 accuracy."""
+    return not config.model.tiny and config.rollout.n < config.rollout.cold_n
