@@ -170,17 +170,18 @@ def _guessing(row: Row, limits: HealthLimits, context: Context, past: HealthStat
             and row["health/no_signal_frac"] > limits.guess_no_signal and row["response_length/mean"] <= short)
 
 
-_LEARNING = ("health/rule_positive_frac", "health/no_signal_frac", "actor/entropy")  # what ``stalled`` reads
-
-
 def _stall_window(row: Row, limits: HealthLimits, past: HealthState) -> tuple[float, float, float] | None:
-    """The means of the task's reward, the groups alike and the entropy over the last ``stall_steps`` steps
-    (this one included; None before as many, or before the first steps', are known)."""
-    now = (tuple(float(row[k]) for k in _LEARNING),) if _has(row, *_LEARNING) else ()
-    window = (*past.recent, *now)[-limits.stall_steps:] if now else ()
+    """The last ``stall_steps`` steps' mean reward, groups alike and entropy (None before as many are known)."""
+    now = _learning(row)
+    window = (*past.recent, now)[-limits.stall_steps:] if now else ()
     if len(past.opening_learning) < OPENING_STEPS or len(window) < limits.stall_steps:
         return None
     return tuple(sum(step[i] for step in window) / len(window) for i in range(3))
+
+
+def _learning(row: Row) -> tuple[float, float, float] | None:  # what ``stalled`` reads; None where the row lacks it
+    keys = ("health/rule_positive_frac", "health/no_signal_frac", "actor/entropy")
+    return tuple(float(row[k]) for k in keys) if _has(row, *keys) else None
 
 
 def _opening_learning(state: HealthState) -> tuple[float, float]:  # the first steps' reward and entropy
@@ -191,7 +192,7 @@ def _stalled(row: Row, limits: HealthLimits, context: Context, past: HealthState
     """Updates too small to learn: the reward flat, its groups telling samples apart, the entropy unmoved."""
     if (window := _stall_window(row, limits, past)) is None:
         return None
-    (reward, alike, entropy) = window
+    reward, alike, entropy = window
     first_reward, first_entropy = _opening_learning(past)
     return (reward < min(first_reward + limits.stall_rise, 0.5) and alike < limits.stall_no_signal
             and abs(entropy - first_entropy) <= limits.stall_entropy * first_entropy)
@@ -377,8 +378,7 @@ class Monitor:
         if len(opening) < OPENING_STEPS and _has(row, "response_length/mean"):
             opening = (*opening, float(row["response_length/mean"]))
         learning, recent = state.opening_learning, state.recent
-        if _has(row, *_LEARNING):
-            step_learning = tuple(float(row[k]) for k in _LEARNING)
+        if (step_learning := _learning(row)) is not None:
             if len(learning) < OPENING_STEPS:
                 learning = (*learning, (step_learning[0], step_learning[2]))
             recent = (*recent, step_learning)[-(self.limits.stall_steps - 1):]
