@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from purerl.assembly.data import check_context, episodes_of, load_records_of, load_tasks, reward_of
-from purerl.assembly.executor import make_executor
+from purerl.assembly.executor import make_executor, step_of
 from purerl.assembly.models import (
     driver_device,
     engine_options,
@@ -135,23 +135,24 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     if config.env.sft_steps and not (resume and latest_checkpoint(layout.checkpoints) is not None):
         with _timed(phases, "sft"):
             state, sft = _warm_up(config, state, model, options, train_task, eval_task)
-    with contextlib.ExitStack() as executors:
-        executor = executors.enter_context(make_executor(config, model, critic, options, teacher))
+    with _timed(phases, "start"):
+        executor = make_executor(config, model, critic, options, teacher)
+    with executor:
 
-        def choose(accuracy: float) -> tuple[JobConfig, Executor] | None:
-            """The start's choice (:func:`~purerl.config.rules.cold_start`): a new config, recorded, and its
-            executor in place of the first (closed), or None where the config stands."""
+        def choose(accuracy: float) -> JobConfig | None:
+            """The start's choice (:func:`~purerl.config.rules.cold_start`): a new config, recorded, whose step
+            the executor runs from now on (its workers stay), or None where the config stands."""
             chosen, line = cold_start(config, accuracy, len(eval_task.records))
             if line is None:
                 return None
             print(line, flush=True)
-            executors.pop_all().close()
+            executor.rebind(step_of(chosen))
             save_run_config(run_dir, to_dict(chosen))
-            return chosen, executors.enter_context(make_executor(chosen, model, critic, options, teacher))
+            return chosen
 
         summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop, phases,
                                       choose)
-        config, executor, state = summary.pop("_config"), summary.pop("_executor"), summary.pop("_state")
+        config, state = summary.pop("_config"), summary.pop("_state")
         recorded = to_dict(config)
         with _timed(phases, "export"):
             policy = executor.full_state(state).policy
@@ -227,10 +228,10 @@ def _baseline_problems(path: Path) -> int:
 def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor: Executor, state: TrainState,
                         train_task: Task, eval_task: Task, stop: threading.Event | None,
                         phases: dict[str, float],
-                        choose: Callable[[float], tuple[JobConfig, Executor] | None]) -> dict[str, Any]:
-    """Baseline evaluation (or resume), the start's choice (``choose``: a config and executor to train with
-    instead, given the step-0 accuracy), training, final evaluation; the summary, with the final (driver's)
-    state, the config trained with and its executor under ``_state``, ``_config`` and ``_executor``. Adds the
+                        choose: Callable[[float], JobConfig | None]) -> dict[str, Any]:
+    """Baseline evaluation (or resume), the start's choice (``choose``: a config to train with instead, given
+    the step-0 accuracy), training, final evaluation; the summary, with the final (driver's) state and the
+    config trained with under ``_state`` and ``_config``. Adds the
     seconds of the executor's start, the evaluations and the training (evaluations left out) to ``phases``."""
     log = MetricsLog(run_dir, tuple(config.trainer.log), config=to_dict(config))
 
@@ -271,7 +272,6 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
               flush=True)
     else:
         log.clear()
-        unstarted = state
         with _timed(phases, "start"):
             state = executor.start(state)
         _write_workers(executor, run_dir)
@@ -283,10 +283,8 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
         print(f"step 0 held-out greedy accuracy {before:.3f} (strict {first['val/strict_accuracy']:.3f}) on "
               f"{len(eval_task.records)} problems", flush=True)
         if (chosen := choose(before)) is not None:  # the same step-0 weights: the baseline stands
-            config, executor = chosen
-            with _timed(phases, "start"):
-                state = executor.start(unstarted)
-            _write_workers(executor, run_dir)
+            config = chosen
+            log.update_config(to_dict(config))
 
     report = None
     health = health_monitor_of(config, str(log.samples_path))
@@ -324,4 +322,4 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
             "health": {"mode": "off"} if config.trainer.health == "off" else health_report(
                 *health.fold(records), config.trainer.health),
             "records": records,
-            "_state": state, "_config": config, "_executor": executor}
+            "_state": state, "_config": config}

@@ -17,7 +17,7 @@ from purerl.rollout.canary import Canary
 from purerl.rollout.engine import make_engine
 from purerl.step.roles import LocalTeacher
 
-__all__ = ["canary_of", "make_executor", "roles_of"]
+__all__ = ["canary_of", "make_executor", "roles_of", "step_of"]
 
 
 def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any],
@@ -34,16 +34,27 @@ def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, opt
         for _ in range(generators):
             own = attrs.evolve(model, module=copy.deepcopy(model.module))  # no module shared with another thread
             own_engines.append(make_engine(rollout.engine, own, device=config.model.device, **options))
-        return LocalExecutor(step_function(config), roles, engine, own_engines)
+        return LocalExecutor(step_of(config), roles, engine, own_engines)
     from purerl.executors.fsdp import Offload
-    from purerl.executors.ray import RayExecutor, RaySetup, StepFactory
+    from purerl.executors.ray import RayExecutor, RaySetup
 
     setup = RaySetup(engine_kwargs=options, engine=rollout.engine, generators=generators,
                      generate_timeout=config.asynchronous.generate_timeout,
                      offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
                      ray_init={"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir
                      else None)
-    return RayExecutor(StepFactory(functools.partial(step_function, config)), roles, setup, executor)
+    return RayExecutor(step_of(config), roles, setup, executor)
+
+
+def step_of(config: JobConfig) -> Any:
+    """The job's step function as its executor takes it (:meth:`~purerl.executors.base.Executor.rebind`):
+    the function itself for the local executor, a :class:`~purerl.executors.ray.StepFactory` that each Ray
+    training rank builds from the config."""
+    if config.executor.kind == "local":
+        return step_function(config)
+    from purerl.executors.ray import StepFactory
+
+    return StepFactory(functools.partial(step_function, config))
 
 
 def roles_of(config: JobConfig, model: CausalLM, critic: Critic | None, teacher: LocalTeacher | None) -> Roles:

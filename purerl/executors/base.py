@@ -25,7 +25,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence, Set
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -90,6 +90,12 @@ class Executor(Protocol):
     def step(self, state: TrainState, rollout: Rollout, rewards: torch.Tensor | Rewards
              ) -> tuple[TrainState, dict[str, float]]:
         """One step of the step function (donates ``state``); the new state's policy is published."""
+
+    def rebind(self, step_fn: Any) -> None:
+        """Run ``step_fn`` from the next :meth:`step` on (the local executor's is a step function; the Ray
+        executor's a :class:`~purerl.executors.ray.StepFactory`, which each training rank builds for itself).
+        The workers, the state they hold and the versions published stay: a run whose settings change
+        between its start and its first step (the start's choice) keeps the workers it started."""
 
     def publish(self, state: TrainState) -> None:
         """Make the policy of ``state`` the newest version, ``state.step``, for the engines to load

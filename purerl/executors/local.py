@@ -82,6 +82,9 @@ class LocalExecutor:
         self.publish(state)
         return state, metrics
 
+    def rebind(self, step_fn: StepFn) -> None:
+        self.step_fn = step_fn
+
     def publish(self, state: TrainState) -> None:
         """The policy as version ``state.step``: the params themselves, or (with a generator engine
         of its own) a copy, independent of what any later step does to the trainer's."""

@@ -44,6 +44,12 @@ class MetricsLog:
             else:
                 raise ValueError(f"MetricsLog: unknown backend {backend!r} (use tensorboard, wandb)")
 
+    def update_config(self, config: dict[str, Any]) -> None:
+        """Record ``config`` as the run's settings in the sinks that keep them (Weights & Biases), in place of
+        the ones given at construction: the start's choice changes a setting after the log is open."""
+        if self._wandb is not None:
+            self._wandb.config.update(config, allow_val_change=True)
+
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self.write_samples(step, metrics)
         record = {"step": step, "time": time.time(),

@@ -140,6 +140,10 @@ class TrainRank(Rank):
         self.remote_roles: dict[str, Any] = {}
         self.teacher = None  # a distillation teacher these ranks hold (host_teacher)
 
+    def rebind(self, step_fn: Callable, build: bool) -> None:
+        """The step function from the next step on (``build``: ``step_fn`` builds it)."""
+        self.step_fn = step_fn() if build else step_fn
+
     def attach_roles(self, pools: dict[str, list[Any]], timeout_s: float) -> None:
         """The critic, the reference and/or a distillation teacher live on ``pools`` (``{role: [rank
         handles], …}``): the step function gets roles that run their stages there (rank 0 calls,

@@ -251,6 +251,11 @@ class RayExecutor:
         self.publish(new)
         return without_params(new), metrics
 
+    def rebind(self, step_fn: StepFn | StepFactory) -> None:
+        built = (step_fn.build, True) if isinstance(step_fn, StepFactory) else (step_fn, False)
+        self.wait([(w.rebind.remote(*built), f"train rank {r}") for r, w in enumerate(self.train)],
+                  self.config.start_timeout, "rebind")
+
     def publish(self, state: TrainState) -> None:
         """The policy at ``state.step``: with split placement, gathered from the shards into Ray's
         object store (the driver holds only a reference) for the rollout workers to load, while the
