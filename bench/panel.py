@@ -19,7 +19,8 @@ an interrupted panel). The settings (:data:`SETTINGS`):
 
 Then it writes one row per task × setting (the seeds' held-out gains, their mean, standard deviation
 and standard error, the starting accuracy, the health symptoms each run ended with, the machines)
-as a table, ``--json`` and a ``--plot`` (mean gain ± standard error per task, one bar per setting).
+as a table, ``--json`` and a ``--plot`` (mean gain ± standard error per task, one bar per setting), and
+per task whether the defaults reach the better peer's mean gain less its standard error (``verdicts``).
 A row whose runs computed on different machines says so: the same seed samples differently there.
 
     python3 bench/panel.py --out runs/panel --seeds 0-2                       # every task, the defaults and peers
@@ -111,6 +112,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def verdicts(rows: list[dict]) -> list[dict]:
+    """Per task with a ``defaults`` row and a peer's (:data:`PEERS`): the defaults' mean gain against the bar
+    of the better peer (the higher mean gain), its mean less its standard error; ``holds`` where the
+    defaults reach it."""
+    found = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        mine = {r["setting"]: r for r in rows if r["task"] == task}
+        peers = [mine[s] for s in PEERS if s != "defaults" and s in mine]
+        if "defaults" not in mine or not peers:
+            continue
+        best, defaults = max(peers, key=lambda r: r["mean_gain"]), mine["defaults"]
+        bar = best["mean_gain"] - best["se_gain"]
+        found.append({"task": task, "defaults": defaults["mean_gain"], "defaults_seeds": len(defaults["seeds"]),
+                      "better_peer": best["setting"], "peer_seeds": len(best["seeds"]), "bar": bar,
+                      "holds": defaults["mean_gain"] >= bar})
+    return found
+
+
+def verdict_lines(found: list[dict]) -> str:
+    return "\n".join(f"{v['task']}: defaults {v['defaults']:+.1f} ({v['defaults_seeds']} seeds) "
+                     f"{'≥' if v['holds'] else '<'} {v['better_peer']}'s mean less its SE, {v['bar']:+.1f} "
+                     f"({v['peer_seeds']} seeds)" + ("" if v["holds"] else ": the defaults trail") for v in found)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -163,11 +188,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = [row for t, s in cells if (row := cell(t, s, _folder(args.out, t, s), args.seeds)) is not None]
     if not rows:
         raise SystemExit(f"panel: no finished run under {args.out}")
-    print(table(rows))
+    found = verdicts(rows)
+    print(table(rows) + ("\n\n" + verdict_lines(found) if found else ""))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"command": " ".join(["python3 bench/panel.py", *(argv or sys.argv[1:])]),
-                                         "job_args": job_args, "settings": SETTINGS, "rows": rows}, indent=1) + "\n")
+                                         "job_args": job_args, "settings": SETTINGS, "rows": rows,
+                                         "verdicts": found}, indent=1) + "\n")
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(rows, args.plot)

@@ -67,3 +67,24 @@ def test_the_panel_command_runs_a_task_and_writes_its_row_table_and_plot(tmp_pat
     assert "| reverse | defaults | 1 |" in done.stdout and (tmp_path / "p.png").stat().st_size > 0
     config = json.loads((out / "reverse" / "defaults" / "seed_0" / "config.json").read_text())
     assert config["reward"]["fn"].endswith("panel_tasks.py:reverse_reward")
+
+
+def test_the_verdict_holds_where_the_defaults_reach_the_better_peers_mean_less_its_standard_error():
+    panel = _panel()
+    row = lambda task, setting, mean, se, seeds=3: {"task": task, "setting": setting, "mean_gain": mean,  # noqa: E731
+                                                    "se_gain": se, "seeds": list(range(seeds))}
+    rows = [row("a", "defaults", 10.0, 1.0), row("a", "cookbook", 14.0, 4.0), row("a", "trl", 12.0, 0.0, 1),
+            row("b", "defaults", 10.0, 1.0), row("b", "cookbook", 14.0, 3.0), row("c", "defaults", 5.0, 0.0)]
+    found = panel.verdicts(rows)
+    assert [(v["task"], v["better_peer"], v["bar"], v["holds"]) for v in found] == [
+        ("a", "cookbook", 10.0, True), ("b", "cookbook", 11.0, False)]  # c: no peer to compare with
+    lines = panel.verdict_lines(found).splitlines()
+    assert lines[0] == "a: defaults +10.0 (3 seeds) ≥ cookbook's mean less its SE, +10.0 (3 seeds)"
+    assert lines[1].endswith("< cookbook's mean less its SE, +11.0 (3 seeds): the defaults trail")
+
+
+def _panel():
+    spec = importlib.util.spec_from_file_location("panel", BENCH / "panel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
