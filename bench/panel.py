@@ -131,6 +131,7 @@ def verdicts(rows: list[dict]) -> list[dict]:
 
 
 def verdict_lines(found: list[dict]) -> str:
+    """One line per verdict of :func:`verdicts`, as the panel prints them under its table."""
     return "\n".join(f"{v['task']}: defaults {v['defaults']:+.1f} ({v['defaults_seeds']} seeds) "
                      f"{'≥' if v['holds'] else '<'} {v['better_peer']}'s mean less its SE, {v['bar']:+.1f} "
                      f"({v['peer_seeds']} seeds)" + ("" if v["holds"] else ": the defaults trail") for v in found)

@@ -13,9 +13,17 @@ from tests.processes import run
 
 BENCH = Path(__file__).parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
-_SPEC = importlib.util.spec_from_file_location("panel_tasks", BENCH / "panel_tasks.py")
-panel_tasks = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(panel_tasks)
+
+
+def _load(name: str):
+    """``bench/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+panel_tasks = _load("panel_tasks")
 
 
 @pytest.mark.parametrize("task", sorted(panel_tasks.TASKS))
@@ -70,7 +78,7 @@ def test_the_panel_command_runs_a_task_and_writes_its_row_table_and_plot(tmp_pat
 
 
 def test_the_verdict_holds_where_the_defaults_reach_the_better_peers_mean_less_its_standard_error():
-    panel = _panel()
+    panel = _load("panel")
     row = lambda task, setting, mean, se, seeds=3: {"task": task, "setting": setting, "mean_gain": mean,  # noqa: E731
                                                     "se_gain": se, "seeds": list(range(seeds))}
     rows = [row("a", "defaults", 10.0, 1.0), row("a", "cookbook", 14.0, 4.0), row("a", "trl", 12.0, 0.0, 1),
@@ -82,9 +90,3 @@ def test_the_verdict_holds_where_the_defaults_reach_the_better_peers_mean_less_i
     assert lines[0] == "a: defaults +10.0 (3 seeds) ≥ cookbook's mean less its SE, +10.0 (3 seeds)"
     assert lines[1].endswith("< cookbook's mean less its SE, +11.0 (3 seeds): the defaults trail")
 
-
-def _panel():
-    spec = importlib.util.spec_from_file_location("panel", BENCH / "panel.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

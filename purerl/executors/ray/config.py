@@ -10,7 +10,7 @@ import attrs
 from purerl.executors.fsdp import Offload
 from purerl.step.recipes import StepFn
 
-__all__ = ["RaySetup", "StepFactory"]
+__all__ = ["RaySetup", "StepFactory", "rank_step"]
 
 
 @attrs.frozen
@@ -20,6 +20,12 @@ class StepFactory:
     the test suite); ``build`` itself must pickle."""
 
     build: Callable[[], StepFn]
+
+
+def rank_step(step_fn: StepFn | StepFactory) -> tuple[Callable, bool]:
+    """What a training rank is sent for ``step_fn``: the callable, and whether the rank calls it to build its
+    step (:class:`StepFactory`) or runs it as is."""
+    return (step_fn.build, True) if isinstance(step_fn, StepFactory) else (step_fn, False)
 
 
 @attrs.frozen(kw_only=True)

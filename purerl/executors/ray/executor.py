@@ -15,7 +15,7 @@ from purerl.batch import Rewards, Rollout
 from purerl.config.execution import ExecutorConfig
 from purerl.executors.base import EngineSlot, ExecutorError, Roles
 from purerl.executors.ray.actors import ShippedRewardFn
-from purerl.executors.ray.config import RaySetup, StepFactory
+from purerl.executors.ray.config import RaySetup, StepFactory, rank_step
 from purerl.executors.ray.pools import WorkerGroups
 from purerl.executors.ray.weights import load_published, publish, sync_colocated
 from purerl.executors.wire import from_wire, to_wire
@@ -252,8 +252,7 @@ class RayExecutor:
         return without_params(new), metrics
 
     def rebind(self, step_fn: StepFn | StepFactory) -> None:
-        built = (step_fn.build, True) if isinstance(step_fn, StepFactory) else (step_fn, False)
-        self.wait([(w.rebind.remote(*built), f"train rank {r}") for r, w in enumerate(self.train)],
+        self.wait([(w.rebind.remote(*rank_step(step_fn)), f"train rank {r}") for r, w in enumerate(self.train)],
                   self.config.start_timeout, "rebind")
 
     def publish(self, state: TrainState) -> None:

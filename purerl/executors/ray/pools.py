@@ -24,7 +24,7 @@ from typing import Any
 from purerl.config.execution import ExecutorConfig
 from purerl.executors.base import ExecutorError, Roles
 from purerl.executors.ray.actors import RewardWorker, RoleRank, RolloutWorker, TrainRank
-from purerl.executors.ray.config import RaySetup, StepFactory
+from purerl.executors.ray.config import RaySetup, StepFactory, rank_step
 from purerl.models import CausalLM, Critic
 from purerl.rollout.engines import ENGINES
 from purerl.step.recipes import StepFn
@@ -163,7 +163,7 @@ class WorkerGroups:
                                         "resources in the cluster")
 
             self._bundle = bundle
-            built = (step_fn.build, True) if isinstance(step_fn, StepFactory) else (step_fn, False)
+            built = rank_step(step_fn)
             on = self._on
             device, threads = config.device, config.threads_per_worker
             concurrency = ENGINES[engine].worker_concurrency  # 2: ``interrupt`` reaches a worker while it generates
