@@ -34,7 +34,7 @@ from purerl.assembly.models import (
 from purerl.assembly.stages import actor_batching_of, actor_optimizer, batch_plan_of, health_monitor_of
 from purerl.config.job import JobConfig
 from purerl.config.loading import to_dict
-from purerl.config.rules import cold_start, may_start_cold
+from purerl.config.rules import cold_start, cold_start_skipped, may_start_cold
 from purerl.data.records import DataError
 from purerl.environments import demonstrating_kinds
 from purerl.executors.base import Executor, ExecutorError
@@ -102,6 +102,8 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
         config, line = cold_start(config, _read_baseline(layout.baseline), _baseline_problems(layout.baseline))
         if line:
             print(line, flush=True)
+    if (skipped := cold_start_skipped(config)) is not None:
+        print(skipped, flush=True)
     recorded = to_dict(config)
     if resume and not check_resume_config(run_dir, recorded, MAY_CHANGE_ON_RESUME):
         print(f"--resume: {run_dir} records no settings ({layout.config.name}) in this layout to check against",

@@ -88,5 +88,6 @@ def test_the_command_line_names_the_failure_in_one_line(tmp_path, monkeypatch, c
              default_out_dir=str(tmp_path), title=lambda config: "canary")
     message = str(stopped.value.code)
     assert message.startswith("grpo_math: weight sync check failed: step 2's rollout, sampled by weights version 1")
+    assert "over the step's ActorLoss(sync_tolerance=" in message and "executor.sync_canary sets it" in message
     assert "\n" not in message
     assert torch.get_num_threads() >= 1

@@ -12,7 +12,7 @@ import torch
 
 from purerl.config.job import JobConfig
 from purerl.config.loading import build
-from purerl.config.rules import COLD_MIN_PROBLEMS, cold_start
+from purerl.config.rules import COLD_MIN_PROBLEMS, cold_start, cold_start_skipped
 from purerl.io.records import load_record
 from purerl.models.hf import export_hf
 from purerl.tiny import char_tokenizer, tiny_causal_lm
@@ -40,6 +40,15 @@ def test_a_task_the_model_cannot_solve_yet_is_sampled_in_groups_of_cold_n_and_a_
 def test_the_config_stands_where_the_model_can_solve_the_task_or_nothing_can_be_said(settings, accuracy, problems):
     config = build(JobConfig, settings)
     assert cold_start(config, accuracy, problems) == (config, None)
+
+
+def test_a_tiny_run_says_at_its_start_that_the_choice_is_off_for_it(tmp_path, capsys):
+    assert cold_start_skipped(DEFAULTS) is None  # a real model: the choice applies, nothing to say
+    assert cold_start_skipped(build(JobConfig, {"model": {"tiny": True}, "rollout": {"n": 8}})) is None
+    run_job(["--tiny", "--steps", "1", "--eval-size", "4", "--prompts-per-step", "2", "--max-new-tokens", "4",
+             "--no-progress", "--out-dir", str(tmp_path / "run")])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("--tiny: the start's choice is off") and "rollout.cold_n=8" in first
 
 
 @pytest.mark.slow

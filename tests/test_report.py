@@ -81,14 +81,36 @@ def test_the_page_is_self_contained_and_shows_the_samples_escaped(tmp_path):
 
 
 def test_the_settings_that_differ_from_the_defaults_are_listed_with_both_values(tmp_path):
-    page = _page(_run_folder(tmp_path / "run"))
+    """The settings the run was given, with the defaults; apart from them, those it resolved from automatic
+    defaults (as every run records them: the README's first command resolves five)."""
+    from purerl.config.rules import resolve
+
+    run = _run_folder(tmp_path / "run")
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps(to_dict(resolve(build(JobConfig, config)))))
+    page = _page(run)
     settings = page.split("Settings that differ from the defaults", 1)[1].split("<h2>", 1)[0]
-    keys = re.findall(r"<tr><td><code>([\w.]+)</code></td><td><code>(.*?)</code></td><td><code>(.*?)</code>",
-                      settings)
+    given, resolved = settings.split("Resolved when the run started")
+    row = r"<tr><td><code>([\w.]+)</code></td><td><code>(.*?)</code></td><td><code>(.*?)</code>"
     defaults = JobConfig()
-    assert keys == [("actor.lr", "0.001", json.dumps(defaults.actor.lr)), ("rollout.n", "8",
-                    json.dumps(defaults.rollout.n)), ("trainer.steps", "4", json.dumps(defaults.trainer.steps))]
+    assert re.findall(row, given) == [("actor.lr", "0.001", json.dumps(defaults.actor.lr)), ("rollout.n", "8",
+                                      json.dumps(defaults.rollout.n)),
+                                      ("trainer.steps", "4", json.dumps(defaults.trainer.steps))]
     assert "actor.clip_low" not in settings  # a default setting is not listed
+    automatic = dict((key, auto) for key, _, auto in re.findall(row, resolved))
+    assert automatic["model.device"] == "&quot;auto&quot;" and automatic["trainer.threads"] == "0"
+    assert automatic["reward.overlong_buffer"] == automatic["algorithm.rollout_correction"] == "null"
+
+
+def test_resolving_a_config_changes_only_the_settings_the_report_shows_as_resolved():
+    from purerl.config.loading import flatten
+    from purerl.config.rules import RESOLVED, resolve
+
+    for given in ({}, {"asynchronous": {"enable": True}, "executor": {"kind": "ray"}},
+                  {"algorithm": {"adv_estimator": "gae"}, "actor": {"max_tokens_per_micro_batch": 512}}):
+        config = build(JobConfig, given)
+        before, after = flatten(to_dict(config)), flatten(to_dict(resolve(config)))
+        assert {key for key in before if before[key] != after[key]} <= set(RESOLVED), given
 
 
 def test_one_curve_per_metric_the_run_has(tmp_path):
@@ -166,7 +188,7 @@ def test_a_folder_that_is_not_a_run_fails_in_one_line_naming_the_file(tmp_path, 
     assert main([str(tmp_path / "missing")]) == 1
     assert str(tmp_path / "missing") in capsys.readouterr().err
     (tmp_path / "file").write_text("")
-    with pytest.raises(ReportError, match=re.escape(f"{tmp_path / 'file'}: no such folder")):
+    with pytest.raises(ReportError, match=re.escape(f"{tmp_path / 'file'}: a file, not a folder")):
         write_report(tmp_path / "file")
 
 

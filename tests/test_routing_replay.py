@@ -271,3 +271,39 @@ def test_the_main_job_replays_a_saved_qwen3_moes_routing_asynchronously_with_int
     replayed = processes.run([sys.executable, "-m", "purerl.replay", str(out)], timeout=300)
     assert replayed.returncode == 0, replayed.stderr[-3000:]
     assert "every metric and the state bit for bit" in replayed.stdout, replayed.stdout[-3000:]
+
+
+def test_the_routing_mismatch_counts_response_tokens_only_on_ragged_rows(moe):
+    """``rollout/routing_mismatch`` is over the response tokens: an engine that routed a ragged row's
+    padding elsewhere (its batch decoding on after the row ended) agrees with the trainer on every
+    real token (0); changed on some real tokens, the share is exactly theirs."""
+    from purerl.batch import Rollout
+    from purerl.state import RngState, TrainState
+    from purerl.step.experience import make_experience
+
+    model, params = moe
+    seqs = random_sequences(6, 7, 6, VOCAB, seed=3)
+    t, mask = seqs.response_length, seqs.response_mask
+    assert (~mask).any(1).sum() >= 2  # ragged: rows that end before the batch does
+    trainer = _blank(seqs)
+    model.family.response_logits(model, params, seqs, None, trainer)
+    recorded = (trainer[:, -t:] >= 0).all(-1)  # [b, t, layers]
+    padding = recorded & ~mask[..., None]
+    assert padding.any()  # the forward routes padding too: a comparison without the mask counts it
+
+    def share(engine):
+        rollout = Rollout(attrs.evolve(seqs, routing=engine), torch.zeros(mask.shape), torch.zeros(len(seqs)).long(),
+                          torch.arange(len(seqs)), 0, 1.0)
+        state = TrainState(policy=params, policy_opt=(), kl=(), rng=RngState(0))
+        differ, both = make_experience(state, rollout, torch.zeros(len(seqs)), policy=model).routing_disagreement \
+            .sum(dim=(0, 1)).tolist()
+        return differ, both
+
+    elsewhere = trainer.clone()
+    response = elsewhere[:, -t:]
+    response[padding] = (response[padding] + 1) % 8  # other experts on the padding only
+    real = recorded & mask[..., None]
+    assert share(elsewhere) == (0, real.sum().item())
+    rows, positions, layers = real.nonzero()[:5].T
+    response[rows, positions, layers] = (response[rows, positions, layers] + 1) % 8
+    assert share(elsewhere) == (5, real.sum().item())

@@ -15,10 +15,17 @@ from purerl.config.job import CriticConfig, JobConfig
 from purerl.data.math_problems import DIFFICULTIES
 from purerl.rollout.engines import ENGINES
 
-__all__ = ["COLD_MIN_PROBLEMS", "cold_start", "may_start_cold", "problems", "resolve"]
+__all__ = ["COLD_MIN_PROBLEMS", "RESOLVED", "cold_start", "cold_start_skipped", "may_start_cold", "problems", "resolve"]
 
 COLD_MIN_PROBLEMS = 32
 """Held-out problems below which a step-0 accuracy says too little to change ``rollout.n`` on."""
+
+
+RESOLVED = ("model.device", "algorithm.rollout_correction", "actor.recompute_old_logprobs", "executor.rollout_workers",
+            "reward.overlong_buffer", "trainer.threads", "critic.max_tokens_per_micro_batch")
+"""The settings :func:`resolve` may change: an automatic default made explicit (``executor.rollout_workers``:
+raised to the generators' count). A run records them resolved; its report shows them apart from the
+settings it was given."""
 
 
 def resolve(config: JobConfig) -> JobConfig:
@@ -228,3 +235,15 @@ def cold_start(config: JobConfig, accuracy: float | None, problems: int) -> tupl
 def may_start_cold(config: JobConfig) -> bool:
     """Whether :func:`cold_start` can change ``config`` at all, whatever the step-0 accuracy."""
     return not config.model.tiny and config.rollout.n < config.rollout.cold_n
+
+
+def cold_start_skipped(config: JobConfig) -> str | None:
+    """The line a ``--tiny`` run prints at its start where the start's choice (:func:`cold_start`) would apply
+    to a real model and does not to this one (None elsewhere): a user who tries a job tiny first learns the
+    rule exists."""
+    rollout = config.rollout
+    if not config.model.tiny or rollout.n >= rollout.cold_n:
+        return None
+    return (f"--tiny: the start's choice is off (a real model that scores under rollout.cold_below="
+            f"{rollout.cold_below:g} held out at step 0 is sampled in groups of rollout.cold_n={rollout.cold_n}, "
+            f"not rollout.n={rollout.n}; a tiny random model always would)")

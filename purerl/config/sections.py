@@ -210,8 +210,8 @@ class ActorConfig(PolicyLossSettings):
     """A mixture-of-experts policy (a lean family with experts: ``qwen3_moe``): the trainer's forwards send
     each token to the experts the engine sent it to (its rollouts' record), with gate weights from the
     trainer's own router (:mod:`purerl.models.families.moe`). Off: each forward routes by its own router.
-    Either way ``rollout/routing_mismatch`` reports the share of tokens whose experts the trainer's router
-    would choose otherwise than the engine's."""
+    Either way ``rollout/routing_mismatch`` reports the share of response tokens whose experts the trainer's
+    router would choose otherwise than the engine's."""
     compile: bool = attrs.field(default=False, validator=boolean)
     """The policy's padded lean forward and its log-probs run compiled by ``torch.compile`` (fused kernels; a
     GPU's choice for models of ~0.5 B and up, see BENCHMARKS). The first steps pay the compilation: three

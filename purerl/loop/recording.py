@@ -3,6 +3,7 @@ requests (Ctrl-C, SIGTERM) that end a run after the step in flight, checkpointed
 
 import contextlib
 import json
+import math
 import re
 import signal
 import threading
@@ -239,9 +240,10 @@ class StepRecorder:
         if metrics.get("actor/sync_failed"):
             raise CanaryError(f"weight sync check failed: step {step}'s rollout, sampled by weights version "
                               f"{step - 1}: the engine's log-probs differ from the trainer's by "
-                              f"{metrics['actor/sync_gap']:.3g} nats per token on average (over executor.sync_canary's "
-                              "tolerance): the weights did not arrive intact at the engine; nothing of this step was "
-                              f"saved{self._newest_checkpoint()}")
+                              f"{metrics['actor/sync_gap']:.3g} nats per token on average, over the step's "
+                              f"ActorLoss(sync_tolerance={metrics.get('actor/sync_tolerance', math.nan):.3g}) (the "
+                              "main job's executor.sync_canary sets it): the weights did not arrive intact at the "
+                              f"engine; nothing of this step was saved{self._newest_checkpoint()}")
         diverged = [key for key in metrics if key.endswith("/diverged")]
         if diverged:
             changes = {k: metrics[k] for k in metrics if k.endswith("/param_norm_change")}

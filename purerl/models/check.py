@@ -83,18 +83,41 @@ def parser() -> argparse.ArgumentParser:
 
 
 class _Unloadable(Exception):
-    """The path holds no model this command can load (exit 2)."""
+    """A flag this command cannot honour, or a path holding no model it can load (exit 2)."""
 
 
-def _load(path: Path, device: str) -> tuple[Any, dict[str, Tensor]]:
+def _folder(path: Path) -> Path:
+    """The HF folder holding the model at ``path``: the folder itself, or a GGUF's converted one."""
     from purerl.models.gguf_cache import gguf_as_folder
-    from purerl.models.hf import load_causal_lm
 
     gguf = path.is_file() and path.suffix == ".gguf"
     if not (gguf or path.is_dir() and (path / "config.json").is_file()):
         raise _Unloadable(f"{path} is neither a Hugging Face model folder (with a config.json) nor a .gguf file")
     try:
-        return load_causal_lm((gguf_as_folder(path) or path) if gguf else path, device=device)
+        return (gguf_as_folder(path) or path) if gguf else path
+    except (OSError, ValueError) as err:
+        raise _Unloadable(f"{path}: not a model this can load ({err})") from None
+
+
+def _context(folder: Path) -> int | None:
+    """The model's context (``max_position_embeddings``) by its config, without loading its weights (None for a
+    GGUF read without a cache, or a config that does not say)."""
+    from transformers import AutoConfig
+
+    if not folder.is_dir():
+        return None
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        raise _Unloadable(f"{folder}: not a model this can load ({err})") from None
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def _load(path: Path, device: str) -> tuple[Any, dict[str, Tensor]]:
+    from purerl.models.hf import load_causal_lm
+
+    try:
+        return load_causal_lm(path, device=device)
     except (OSError, ValueError, KeyError) as err:  # (a config.json that is not JSON is a ValueError)
         raise _Unloadable(f"{path}: not a model this can load ({err})") from None
 
@@ -189,7 +212,13 @@ def check(path: str | Path, *, device: str = "cpu", dtype: str = "float32", toke
     from purerl.models.families import computed_by
 
     compute = getattr(torch, dtype)
-    model, params = _load(Path(path), device)
+    folder = _folder(Path(path))
+    context = _context(folder)
+    if context is not None and max(PROMPTS) + tokens > context:
+        raise _Unloadable(f"--tokens {tokens}: the greedy check's prompts of up to {max(PROMPTS)} tokens and "
+                          f"{tokens} new tokens exceed the model's context of {context} positions "
+                          f"(max_position_embeddings); at most {context - max(PROMPTS)}")
+    model, params = _load(folder, device)
     where = torch.device(device)
     model = attrs.evolve(model, compute_dtype=None if compute == torch.float32 else compute)
     out(f"model: {path} ({type(model.module).__name__}), computing in {dtype} on {where}")
@@ -227,10 +256,14 @@ def check(path: str | Path, *, device: str = "cpu", dtype: str = "float32", toke
 
 
 def main(argv: list[str] | None = None) -> int:
+    from purerl.machine import device_problem
+
     args = parser().parse_args(argv)
-    if args.tokens < 1:
-        parser().error("--tokens must be at least 1")
     try:
+        if args.tokens < 1:
+            raise _Unloadable(f"--tokens {args.tokens}: must be at least 1")
+        if (problem := device_problem(args.device)) is not None:
+            raise _Unloadable(f"--device {args.device}: {problem}")
         return check(args.path, device=args.device, dtype=args.dtype, tokens=args.tokens,
                      out=lambda line: print(line, flush=True))
     except _Unloadable as err:

@@ -14,13 +14,10 @@ the file's path, size and modification time and the transformers version that co
 an edited file or another transformers reconverts.
 """
 
-import contextlib
 import hashlib
 import os
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 __all__ = ["cache_root", "gguf_as_folder"]
 
@@ -68,9 +65,11 @@ def _convert(path: Path, folder: Path) -> None:
     from transformers import AutoTokenizer
 
     from purerl.models.hf import export_hf, load_causal_lm
+    from purerl.models.weight_files import check_weight_files, parsed_once
 
-    print(f"converting {path.name} once into {folder} (later loads read it)", flush=True)
-    with _parsed_once():
+    with parsed_once():
+        check_weight_files(path)  # a damaged file: one line naming it, and no folder written
+        print(f"converting {path.name} once into {folder} (later loads read it)", flush=True)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model, params = load_causal_lm(path, gguf_file=None)
     staged = folder.with_name(f".{folder.name}.{os.getpid()}")
@@ -84,26 +83,3 @@ def _convert(path: Path, folder: Path) -> None:
         import shutil
 
         shutil.rmtree(staged, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _parsed_once() -> Iterator[None]:
-    """Within the block, each GGUF file is parsed by one ``gguf.GGUFReader`` that every load shares
-    (transformers makes a new reader for the tokenizer, the config and the weights; a reader only
-    reads the file, so sharing it changes no value)."""
-    import gguf
-
-    original = gguf.GGUFReader
-    readers: dict[tuple[str, str], Any] = {}
-
-    def shared(path: Any, mode: str = "r") -> Any:
-        key = (str(Path(path).resolve()), mode)
-        if key not in readers:
-            readers[key] = original(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original

@@ -16,14 +16,15 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torch import nn
+from torch import Tensor, nn
 
 from purerl.files import make_readable, whole_folder
 from purerl.models.base import CausalLM, Critic, Params, ValueModel, cast_floating, full_state_dict
 from purerl.models.checkpointing import checkpoint_layers
+from purerl.models.weight_files import check_weight_files, parsed_once
 
 __all__ = ["causal_lm_from_config", "check_attends_causally", "check_causal", "critic_from_causal_lm", "export_hf",
-           "gemma3_270m_gguf", "load_causal_lm", "smollm2_gguf"]
+           "gemma3_270m_gguf", "later_token_influence", "load_causal_lm", "smollm2_gguf"]
 
 
 def _tie_aliases(module: nn.Module) -> dict[str, str]:
@@ -106,30 +107,68 @@ def load_causal_lm(
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
     if gguf_file is None:
         check_causal(path)
-    try:
-        module = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
-    except (ValueError, KeyError, OSError) as err:
-        raise ValueError(f"{target} does not hold a causal LM that transformers can load: {err}") from err
+    with parsed_once():  # a GGUF's header and tensor table read once, by the check and by transformers
+        check_weight_files(target)
+        try:
+            module = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)
+        except (ValueError, KeyError, OSError) as err:
+            raise ValueError(f"{target} does not hold a causal LM that transformers can load: {err}") from err
     model, params = _adapt(module.to(device), activation_checkpointing)
     check_attends_causally(model, params, target)
     return model, params
 
 
 def check_attends_causally(model: CausalLM, params: Params, where: str | Path) -> None:
-    """Refuse (``ValueError`` naming ``where``) a model whose logits at a position change when a
-    later token does: whatever its config says (a BERT ``LMHeadModel`` with ``is_decoder`` false,
-    or no ``architectures`` at all), it would train attending to the tokens it predicts."""
+    """Refuse (``ValueError`` naming ``where``) a model whose logits at a position depend on a later
+    token: whatever its config says (a BERT ``LMHeadModel`` with ``is_decoder`` false, or no
+    ``architectures`` at all), it would train attending to the tokens it predicts.
+
+    The test is the gradient of a random projection of the logits at positions ``0 … n−2`` with
+    respect to the input embedding at position ``n−1`` (:func:`later_token_influence`). In a causal
+    model it is exactly zero, whatever the rounding: the later token reaches those logits only
+    through attention weights that are exactly 0 after the softmax, and an MoE's routing is a
+    discrete choice without a gradient. Comparing the logits of two inputs instead cannot tell
+    rounding from attention: in an MoE, a later token changes how many tokens each expert
+    multiplies, and so the rounding of the earlier rows (by 2–5e-6 at logits of ~8). A model that
+    attends both ways gives 1e-5 to 1 of the other positions' gradients (a BERT at
+    ``initializer_range`` 0.002 to a trained one); the refusal starts at :data:`_LATER_TOKEN_LIMIT`.
+    """
+    later, earlier = later_token_influence(model, params)
+    if later > _LATER_TOKEN_LIMIT * earlier:
+        raise ValueError(f"{where}: the model's logits at a position change with a later token "
+                         f"(their gradient there is {later / earlier:.1e} of the earlier tokens'): it attends both "
+                         "ways (an encoder, or a decoder configured with is_decoder false), not as a causal LM a "
+                         "policy must")
+
+
+_LATER_TOKEN_LIMIT = 1e-8
+"""The largest gradient from a later token, relative to the earlier tokens', a causal model may show
+(it shows exactly 0; a model that attends both ways, 1e-5 or more)."""
+
+
+def later_token_influence(model: CausalLM, params: Params, length: int = 8) -> tuple[float, float]:
+    """``(later, earlier)``: the largest gradient of a fixed random projection of the logits at
+    positions ``0 … length−2`` with respect to the input embedding at position ``length−1``, and at
+    the positions before it, for a fixed sequence of ``length`` token ids."""
     vocab = model.config.vocab_size
-    some = next(iter(params.values()))
-    ids = (torch.arange(3, 11, device=some.device) * 7919 % (vocab - 1) + 1)[None]
-    changed = ids.clone()
-    changed[0, -1] = ids[0, -1] % (vocab - 1) + 1
-    with torch.no_grad():
-        logits = [model(params, input_ids=x, use_cache=False).logits[0, :-1].float() for x in (ids, changed)]
-    if not torch.allclose(*logits, rtol=1e-5, atol=1e-6):  # a causal model computes those rows from the same inputs
-        raise ValueError(f"{where}: the model's logits at a position change with a later token: it attends both ways "
-                         "(an encoder, or a decoder configured with is_decoder false), "
-                         "not as a causal LM a policy must")
+    device = next(iter(params.values())).device
+    ids = (torch.arange(3, 3 + length, device=device) * 7919 % (vocab - 1) + 1)[None]
+    embedded: list[Tensor] = []
+
+    def leaf(module: nn.Module, args: Any, out: Tensor) -> Tensor:  # the embedding's output, as a leaf
+        embedded.append(out.detach().requires_grad_(True))
+        return embedded[-1]
+
+    hook = model.module.get_input_embeddings().register_forward_hook(leaf)
+    try:
+        with torch.enable_grad():
+            logits = model(params, input_ids=ids, use_cache=False).logits[0, :-1].float()
+            weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0)).to(logits.device)
+            (grad,) = torch.autograd.grad((logits * weights).sum(), embedded[0])
+    finally:
+        hook.remove()
+    per_position = grad[0].float().abs().amax(-1)
+    return float(per_position[-1]), float(per_position[:-1].max())
 
 
 def check_causal(path: str | Path) -> None:

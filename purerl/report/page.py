@@ -204,18 +204,25 @@ def _health(files: RunFiles, notes: list[str]) -> str:
 
 
 def _config(files: RunFiles) -> str:
-    """The recorded settings that differ from ``JobConfig()``'s, with both values."""
+    """The recorded settings that differ from ``JobConfig()``'s, with both values: those the run was given,
+    then those it resolved from their automatic defaults."""
     recorded = RunLayout(files.path).config.name
     if files.config is None:
         return f"<p>The run recorded no {recorded}.</p>"
-    changed, newer = config_changes(files.config)
+    given, resolved, newer = config_changes(files.config)
     note = (f'<p class="quiet">{newer} settings newer than the run are not in its {recorded} (not compared).</p>'
             if newer else "")
-    if not changed:
-        return "<p>Every setting is the default.</p>" + note
-    cells = "".join(f"<tr><td><code>{_esc(key)}</code></td><td>{_value(value)}</td><td>{_value(default)}</td></tr>"
-                    for key, value, default in changed)
-    return f"<table><tr><th>setting</th><th>this run</th><th>default</th></tr>{cells}</table>" + note
+
+    def table(rows: list[tuple[str, Any, Any]], default: str) -> str:
+        cells = "".join(f"<tr><td><code>{_esc(key)}</code></td><td>{_value(value)}</td><td>{_value(auto)}</td></tr>"
+                        for key, value, auto in rows)
+        return f"<table><tr><th>setting</th><th>this run</th><th>{default}</th></tr>{cells}</table>"
+
+    shown = table(given, "default") if given else "<p>Every setting the run was given is the default.</p>"
+    if resolved:
+        shown += ('<h3>Resolved when the run started</h3><p class="quiet">Settings whose default is automatic, '
+                  "as the run resolved them on its machine.</p>" + table(resolved, "automatic default"))
+    return shown + note
 
 
 def _value(value: Any) -> str:

@@ -85,6 +85,8 @@ def read_run(run_dir: str | Path, *, max_sample_chars: int = MAX_SAMPLE_CHARS) -
     """The files of the run in ``run_dir`` (see the module note), the samples within ``max_sample_chars`` of page
     text; a :class:`ReportError` for a folder that holds no ``metrics.jsonl`` or a file that cannot be read."""
     path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise ReportError(f"{path}: a file, not a folder (give the folder of a run: its --out-dir)")
     if not path.is_dir():
         raise ReportError(f"{path}: no such folder (give the folder of a run: its --out-dir)")
     layout = RunLayout(path)
@@ -283,17 +285,21 @@ def kept_steps(sizes: Mapping[Any, int], max_chars: int) -> set:
     return chosen(low)
 
 
-def config_changes(config: Mapping[str, Any]) -> tuple[list[tuple[str, Any, Any]], int]:
+def config_changes(config: Mapping[str, Any]) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]], int]:
     """The settings of a recorded ``config.json`` that differ from the job's defaults, as ``(key, run's value,
-    default)`` sorted by dotted key (a key the defaults lack has the default :data:`ABSENT`), and how many
-    settings the recording lacks (settings newer than the run: not compared). Values compare as JSON."""
+    default)`` sorted by dotted key (a key the defaults lack has the default :data:`ABSENT`): those the run was
+    given, then those it resolved from an automatic default (:data:`~purerl.config.rules.RESOLVED`: the device,
+    the thread count, …); and how many settings the recording lacks (settings newer than the run: not compared).
+    Values compare as JSON."""
     from purerl.config.job import JobConfig
     from purerl.config.loading import flatten, to_dict
+    from purerl.config.rules import RESOLVED
 
     defaults, run = flatten(to_dict(JobConfig())), flatten(json.loads(json.dumps(dict(config), default=str)))
     changed = [(key, value, defaults.get(key, ABSENT)) for key, value in sorted(run.items())
                if defaults.get(key, ABSENT) != value]
-    return changed, len(set(defaults) - set(run))
+    given = [row for row in changed if row[0] not in RESOLVED]
+    return given, [row for row in changed if row[0] in RESOLVED], len(set(defaults) - set(run))
 
 
 @attrs.frozen

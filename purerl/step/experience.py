@@ -186,7 +186,9 @@ class TeacherScoring(Protocol):
 def _routing_fn(model: CausalLM, params: Params, temperature: float) -> Callable[[Sequences], Tensor]:
     """From one forward (routing as the update routes it): the log-probs, then per response
     position the sparse layers where the trainer's router disagrees with the engine's recorded
-    experts and those where both recorded a choice, stacked on the last axis (``[rows, t, 3]``)."""
+    experts and those where both recorded a choice, stacked on the last axis (``[rows, t, 3]``).
+    Response tokens only: a ragged row's positions after its end are padding, which an engine may
+    route while the batch decodes on, and which no loss reads."""
 
     def routed(part: Sequences) -> Tensor:
         record = torch.full_like(part.routing, -1)
@@ -194,6 +196,8 @@ def _routing_fn(model: CausalLM, params: Params, temperature: float) -> Callable
                                               else None, record)
         t = part.response_length
         differ, both = disagreement(part.routing[:, -t:], record[:, -t:])
+        real = part.response_mask[..., None]
+        differ, both = differ & real, both & real
         return torch.stack([logprobs_from_logits(logits, part.responses(), temperature=temperature,
                                                  compiled=model.compiled),
                             differ.sum(-1).to(torch.float32), both.sum(-1).to(torch.float32)], -1)

@@ -231,6 +231,7 @@ def actor_update(params: Params, opt_state: Any, batch: TrainBatch, *, policy: C
     gap = metrics.get(f"actor/{_SYNC_GAP}")
     if gap is not None and not gap <= loss.sync_tolerance:
         metrics["actor/sync_failed"] = 1.0
+        metrics["actor/sync_tolerance"] = loss.sync_tolerance  # for the stop's message (a failed step ends the run)
     return params, opt_state, metrics
 
 
