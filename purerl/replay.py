@@ -20,8 +20,10 @@ the run's ``algorithm.rollout_correction`` says), writes its metrics to
 ``RUN_DIR/replays/<settings>/metrics.jsonl`` and prints the headline metrics' means against the run's.
 Settings that would have changed what was sampled or scored, or the shape of the state, and settings
 equal to the run's, are refused, naming the key. A counterfactual stops where a run under its settings
-stops (an update that diverged, weights that give non-finite log-probs, ``trainer.max_rejected_steps``
-rejected updates in a row), saying in one line which step and why, and exits 1 as the run would. Steps
+stops (:mod:`purerl.stop_rule`: an update that diverged, weights that give non-finite log-probs,
+``trainer.max_rejected_steps`` rejected updates in a row, or ``trainer.max_failed_reward_steps`` steps whose
+reward calls all failed, as the run recorded them), saying in one line which step and why, and exits 1 as
+the run would. Steps
 beyond the records (``--to-step``) are refused before anything is replayed.
 """
 
@@ -47,6 +49,7 @@ from purerl.io.run_folder import RunFolderError, check_teacher, held_by, weights
 from purerl.models import value_and_grad
 from purerl.replay_settings import REPLAYABLE, WHERE, SettingsRefused, replay_config
 from purerl.run_compare import HEADLINE, CompareError, as_written, compare
+from purerl.stop_rule import StopLimits, fold, observe
 from purerl.tree import tree_equal, tree_leaves, tree_map
 
 __all__ = ["HEADLINE", "REPLAYABLE", "ReplayError", "ReplayStopped", "compare", "parser", "replay"]
@@ -60,8 +63,9 @@ class ReplayError(RuntimeError):
 
 
 class ReplayStopped(ReplayError):
-    """A counterfactual stopped where a run under its settings stops (:func:`_stop_rule`): ``step``, the
-    step whose update diverged or was one rejected update too many; the message says which and why."""
+    """A counterfactual stopped where a run under its settings stops (:mod:`purerl.stop_rule`): ``step``,
+    the step whose update diverged, was one rejected update too many, or whose reward calls all failed once
+    too often (as the run recorded them); the message says which and why."""
 
     def __init__(self, step: int, message: str) -> None:
         super().__init__(message)
@@ -116,7 +120,8 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
     if log is not None:
         log.clear()
     results: dict[str, Any] = {"steps": [], "metrics": [], "mismatches": [], "state_equal": None, "unchecked": []}
-    rejected = 0
+    limits = StopLimits(config.trainer.max_rejected_steps, config.trainer.max_failed_reward_steps)
+    streaks = fold(limits, (recorded[s] for s in sorted(recorded) if s <= from_step))  # the run's, at the start
     for step in range(from_step + 1, to_step + 1):
         rollout, rewards, cursor = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,
                                              load_record(run_dir, step))
@@ -126,18 +131,22 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
             raise ReplayError(f"replay: step {step} cannot be re-stepped under these settings: {err}") from None
         results["steps"].append(step)
         results["metrics"].append(metrics)
+        # the rule reads the step's scoring as the run recorded it (no reward call is made again)
+        scored = {k: v for k, v in recorded.get(step, {}).items() if k.startswith("reward/")}
+        streaks, verdict = observe(limits, streaks, step, {**scored, **metrics})
+        for line in verdict.lines:
+            out(line)
+        stop = verdict.stop
         if log is not None:
             log.write(step, metrics)  # a stopped step's row too: it shows what went bad, as the run's does
-            rejected, why = _stop_rule(step, metrics, rejected, config.trainer.max_rejected_steps, out)
-            if why is not None:
+            if stop is not None:
                 log.close()
-                raise ReplayStopped(step, f"replay: step {step} under {_label(settings)}: {why}; a run under "
+                raise ReplayStopped(step, f"replay: step {step} under {_label(settings)}: {stop.reason}; a run under "
                                           f"these settings stops here, so no later step is replayed (the steps "
                                           f"replayed: {log.path})")
             continue
-        rejected, why = _stop_rule(step, metrics, rejected, config.trainer.max_rejected_steps, out)
-        if why is not None:  # the run stopped here too: its records end at this step
-            out(f"step {step}: {why}: the run stopped at this step")
+        if stop is not None:  # the run stopped here too: its records end at this step
+            out(f"step {step}: {stop.reason}: the run stopped at this step")
         compared, differing = _compare(metrics, recorded.get(step, {}), exact=exact)
         results["mismatches"] += [(step, *d) for d in differing]
         if not compared:
@@ -242,36 +251,6 @@ def _span(steps: list[int]) -> str:
             runs.append([step])
     text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
     return ("steps " if len(steps) > 1 else "step ") + text
-
-
-def _stop_rule(step: int, metrics: dict[str, Any], rejected: int, max_rejected: int,
-               out: Any) -> tuple[int, str | None]:
-    """The run's stop rules (:class:`~purerl.loop.recording.StepRecorder`) applied to a replayed step:
-    how many updates in a row are now rejected, and why a run would stop at ``step`` (None: it goes on).
-    It stops where the weights the step started from give non-finite log-probs, where the update diverged
-    (non-finite weights, or their norm changed by a huge factor), or at ``max_rejected`` rejected updates in a
-    row (``trainer.max_rejected_steps``); each rejected update is printed, as the run prints it."""
-    if metrics.get("rollout/nonfinite_logprobs"):
-        return rejected, (f"the weights after step {step - 1} give non-finite log-probs "
-                          f"({int(metrics['rollout/nonfinite_logprobs'])} tokens of the batch): they diverged")
-    diverged = [key for key in metrics if key.endswith("/diverged") and metrics[key]]
-    if diverged:
-        changes = {k: metrics[k] for k in metrics if k.endswith("/param_norm_change")}
-        what = ("non-finite weights or optimizer moments" if not changes else "weights of another scale: "
-                + ", ".join(f"{k.split('/')[0]}'s norm changed ×{v:.3g} in one step" for k, v in changes.items())
-                + " (a learning rate far too large)")
-        return rejected, f"the update diverged: it left {what} ({', '.join(diverged)})"
-    flagged = [key for key in metrics if key.endswith("/rejected_updates") and metrics[key] > 0]
-    if not flagged:
-        return 0, None
-    bad = [key.rsplit("/", 1)[1].removeprefix("nonfinite_") for key in metrics
-           if key.rsplit("/", 1)[-1].startswith("nonfinite_") and metrics[key] > 0]
-    why = f"non-finite {' and '.join(bad) or 'values'}"
-    out(f"step {step}: update rejected ({', '.join(flagged)}): {why} ({rejected + 1} in a row)")
-    if rejected + 1 >= max_rejected:
-        return rejected + 1, (f"{rejected + 1} updates in a row were rejected ({why}: trainer.max_rejected_steps "
-                              f"{max_rejected})")
-    return rejected + 1, None
 
 
 def _state_at(run_dir: Path, config: JobConfig, step: int, initial: Any) -> Any:

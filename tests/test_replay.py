@@ -243,8 +243,8 @@ def test_a_ray_run_on_two_ranks_replays_here_within_a_tolerance_saying_why(ray_c
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting, why", [
-    ("actor.lr=1e30", r"the update diverged: it left weights of another scale: actor's norm changed ×inf"),
-    ("actor.entropy_coeff=1e30", r"3 updates in a row were rejected \(non-finite grad_norm: "
+    ("actor.lr=1e30", r"the update left weights of another scale: actor's norm changed ×inf"),
+    ("actor.entropy_coeff=1e30", r"3 steps in a row had their update rejected \(non-finite grad_norm: "
                                  r"trainer.max_rejected_steps 3\)")])
 def test_a_counterfactual_stops_where_a_run_under_its_settings_stops_saying_which_step_and_why(
         grpo_run, tmp_path, capsys, setting, why):
@@ -309,3 +309,32 @@ def test_compare_reads_nan_as_written_and_refuses_what_is_not_metrics_in_one_lin
         assert err.count("\n") == 1 and f"{tmp_path / name}: {message}" in err, err
     assert main(["--compare", str(run), str(run), "--plot", str(tmp_path / "no" / "such" / "plot.png")]) == 2
     assert "could not write the plot" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("why", ["diverging", "failing rewards"])
+def test_a_run_and_its_replay_stop_at_the_same_step_for_the_same_reason(tmp_path, why):
+    """One stop rule (:mod:`purerl.stop_rule`) for the run and its replay: a run whose update diverges, and a
+    run whose reward calls all fail, stop at a step; replayed from its records, the replay says the run stopped
+    at that step, for the reason the run gave (the replay reads the recorded reward failures)."""
+    import re
+
+    from purerl.loop.recording import TrainingStopped
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def failing(response, truth):\n    raise ValueError(f'no grader for {truth!r}')\n")
+    settings = {"diverging": [f"reward.fn={ROOT / 'tests' / 'golden' / 'reward.py'}:digit_fraction",
+                              "actor.lr=1e30"],
+                "failing rewards": [f"reward.fn={rewards}:failing", "trainer.max_failed_reward_steps=2"]}[why]
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped) as stopped:
+        run_job([*TINY, *settings, "--out-dir", str(out)])
+    step = int(re.match(r"step (\d+): ", str(stopped.value)).group(1))
+    printed = []
+    result = replay(out, out=printed.append)
+    assert result["steps"][-1] == step
+    said = [line for line in printed if line.startswith(f"step {step}: ") and "the run stopped at this step" in line]
+    assert len(said) == 1, printed
+    reason = said[0].removeprefix(f"step {step}: ").removesuffix(": the run stopped at this step")
+    assert str(stopped.value).startswith(f"step {step}: {reason}"), (str(stopped.value), reason)
+    assert ("the update left" if why == "diverging" else "every reward call failed") in reason

@@ -3,7 +3,6 @@ requests (Ctrl-C, SIGTERM) that end a run after the step in flight, checkpointed
 
 import contextlib
 import json
-import math
 import re
 import signal
 import threading
@@ -20,6 +19,17 @@ from purerl.io.records import save_record
 from purerl.loop_settings import TrainerSettings
 from purerl.rollout.canary import CanaryError
 from purerl.state import TrainState
+from purerl.stop_rule import (
+    DIVERGED,
+    NONFINITE,
+    REWARDS,
+    SYNC,
+    StopLimits,
+    StopState,
+    fold,
+    observe,
+    outputs_stop,
+)
 
 __all__ = ["Interrupted", "StepRecorder", "StopRequest", "TrainingStopped", "record_reward_errors",
            "reward_failure"]
@@ -125,12 +135,13 @@ class StepRecorder:
         self.log, self.evaluate_fn = log, evaluate_fn
         self.stop, self.saved, self.first_step = stop, None, state.step
         self.health = None if trainer.health == "off" else health
-        self.health_state = HealthState()
-        if self.health is not None and log.path.exists():
-            logged = MetricsLog.read(log.path)
-            self.health_state, _ = self.health.fold(row for row in logged if row["step"] <= state.step)
+        self.health_state, self.stop_state = HealthState(), StopState()
+        self.limits = StopLimits(trainer.max_rejected_steps, trainer.max_failed_reward_steps)
+        logged = [row for row in MetricsLog.read(log.path) if row["step"] <= state.step] if log.path.exists() else []
+        if self.health is not None:  # a resumed run's monitor and stop streaks go on from the rows it logged
+            self.health_state, _ = self.health.fold(logged)
+        self.stop_state = fold(self.limits, logged)
         self.writer = CheckpointWriter()
-        self.rejected_in_a_row = self.failed_rewards_in_a_row = 0
         self.reward_fn, self.reward_errors = reward_fn, []
         self.bar = tqdm(total=trainer.steps, initial=state.step, disable=not trainer.progress, unit="step",
                         dynamic_ncols=True)
@@ -221,64 +232,31 @@ class StepRecorder:
 
     def check_outputs(self, step: int, metrics: dict[str, Any]) -> None:
         """Raise :class:`TrainingStopped` when weights gave non-finite log-probs: the weights a
-        step started from (``rollout/nonfinite_logprobs``: those of step ``step - 1``) or the
-        weights an evaluation read (``val/nonfinite_logprobs``: those of ``step``). Huge but
+        step started from or those an evaluation read (:func:`~purerl.stop_rule.outputs_stop`). Huge but
         finite weights pass the update's own check and show here first."""
-        for key, bad in (("rollout/nonfinite_logprobs", step - 1), ("val/nonfinite_logprobs", step)):
-            if metrics.get(key):
-                where = "the rollout of step" if key.startswith("rollout/") else "the held-out evaluation after step"
-                raise TrainingStopped(f"step {step}: the weights after step {bad} give non-finite log-probs "
-                                      f"({int(metrics[key])} tokens in {where} {step}): they diverged although "
-                                      f"finite; no checkpoint keeps them; {self._last_good(bad)}")
+        stop = outputs_stop(step, metrics)
+        if stop is not None:
+            raise TrainingStopped(f"step {step}: {stop.reason}; no checkpoint keeps them; "
+                                  f"{self._last_good(stop.bad_from)}")
 
     def _guard(self, state: TrainState, metrics: dict[str, Any]) -> None:
-        """Raise :class:`TrainingStopped` when the step diverged (its update, or the weights it
-        started from: :meth:`check_outputs`), or when updates or rewards have failed
-        ``trainer.max_*`` steps in a row; print each rejected update."""
-        trainer, step = self.trainer, state.step
-        self.check_outputs(step, metrics)
-        if metrics.get("actor/sync_failed"):
-            raise CanaryError(f"weight sync check failed: step {step}'s rollout, sampled by weights version "
-                              f"{step - 1}: the engine's log-probs differ from the trainer's by "
-                              f"{metrics['actor/sync_gap']:.3g} nats per token on average, over the step's "
-                              f"ActorLoss(sync_tolerance={metrics.get('actor/sync_tolerance', math.nan):.3g}) (the "
-                              "main job's executor.sync_canary sets it): the weights did not arrive intact at the "
-                              f"engine; nothing of this step was saved{self._newest_checkpoint()}")
-        diverged = [key for key in metrics if key.endswith("/diverged")]
-        if diverged:
-            changes = {k: metrics[k] for k in metrics if k.endswith("/param_norm_change")}
-            what = ("non-finite weights or optimizer moments" if not changes else "weights of another scale: "
-                    + ", ".join(f"{k.split('/')[0]}'s norm changed ×{v:.3g} in one step" for k, v in changes.items())
-                    + " (a learning rate far too large)")
-            raise TrainingStopped(f"step {step}: the update left {what} ({', '.join(diverged)}); nothing of it was "
-                                  f"saved; {self._last_good(step)}")
-        rejected = [key for key in metrics if key.endswith("/rejected_updates") and metrics[key] > 0]
-        if rejected:
-            self.rejected_in_a_row += 1
-            bad = [key.rsplit("/", 1)[1].removeprefix("nonfinite_") for key in metrics
-                   if key.rsplit("/", 1)[-1].startswith("nonfinite_") and metrics[key] > 0]
-            print(f"step {step}: update rejected ({', '.join(rejected)}): non-finite {' and '.join(bad) or 'values'}"
-                  f" ({self.rejected_in_a_row} in a row)", flush=True)
-            if self.rejected_in_a_row >= trainer.max_rejected_steps:
-                raise TrainingStopped(f"step {step}: {self.rejected_in_a_row} steps in a row had their update rejected "
-                                      f"(non-finite {' and '.join(bad) or 'values'}: trainer.max_rejected_steps "
-                                      f"{trainer.max_rejected_steps}); {self._last_good(step)}")
-        else:
-            self.rejected_in_a_row = 0
-        if metrics.get("reward/all_failed"):
-            self.failed_rewards_in_a_row += 1
-            print(f"step {step}: warning: every reward call failed or timed out "
-                  f"({self.failed_rewards_in_a_row} step(s) in a row)", flush=True)
-            if self.failed_rewards_in_a_row >= trainer.max_failed_reward_steps:
-                # the weights are sound (the updates had no reward to follow): no learning-rate advice
-                raise TrainingStopped(f"step {step}: every reward call failed or timed out in "
-                                      f"{self.failed_rewards_in_a_row} steps in a row (trainer.max_failed_reward_steps "
-                                      f"{trainer.max_failed_reward_steps}): "
-                                      f"{reward_failure(self.reward_errors, self.reward_fn)} "
-                                      f"(every call in {self.layout.reward_errors}); fix it, then "
-                                      f"{self._resume_hint()}")
-        else:
-            self.failed_rewards_in_a_row = 0
+        """Raise :class:`TrainingStopped` (a failed weight sync: :class:`CanaryError`) where the stop rule
+        (:mod:`purerl.stop_rule`) stops the run at this step, naming what to resume from; print the
+        lines it prints on the way (rejected updates, failed reward calls)."""
+        step = state.step
+        self.stop_state, verdict = observe(self.limits, self.stop_state, step, metrics)
+        for line in verdict.lines:
+            print(line, flush=True)
+        stop = verdict.stop
+        if stop is None:
+            return
+        if stop.kind == SYNC:
+            raise CanaryError(f"{stop.reason}; nothing of this step was saved{self._newest_checkpoint()}")
+        if stop.kind == REWARDS:  # the weights are sound (the updates had no reward to follow): no learning-rate advice
+            raise TrainingStopped(f"step {step}: {stop.reason}: {reward_failure(self.reward_errors, self.reward_fn)} "
+                                  f"(every call in {self.layout.reward_errors}); fix it, then {self._resume_hint()}")
+        lost = {NONFINITE: "no checkpoint keeps them; ", DIVERGED: "nothing of it was saved; "}.get(stop.kind, "")
+        raise TrainingStopped(f"step {step}: {stop.reason}; {lost}{self._last_good(stop.bad_from)}")
 
     def _watch(self, step: int, metrics: dict[str, Any]) -> list[str]:
         """Feed step ``step``'s row to the health monitor: print each event's line, mark the row;

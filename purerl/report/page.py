@@ -26,6 +26,7 @@ from purerl.report.run_files import (
     health_lines,
     kept_steps,
 )
+from purerl.stop_rule import flagged
 
 __all__ = ["MAX_SAMPLE_CHARS", "PHASES", "ROW_CHARS", "kept_samples", "render", "right"]
 
@@ -150,8 +151,7 @@ def _state(files: RunFiles) -> str:
     if holder is not None:
         return f"live (run process {holder}; no summary.json yet)"
     last = files.metrics[-1] if files.metrics else {}
-    flags = [key for key, value in last.items() if key.endswith(("/diverged", "/rejected_updates", "/sync_failed"))
-             and isinstance(value, (int, float)) and value > 0]
+    flags = flagged(last)
     return "stopped or killed before its summary (no summary.json, and no process holds the folder)" + (
         f"; its last step, {last['step']}, flags {', '.join(flags)}" if flags else "")
 
