@@ -73,7 +73,7 @@ def replay_config(run_dir: Path, settings: dict[str, Any]) -> tuple[JobConfig, l
         config = attrs.evolve(config, model=attrs.evolve(config.model, device="cpu"))
     if config.model.device != run.model.device:
         why.append(f"on {config.model.device} where the run computed on {run.model.device} (other kernels)")
-    if run.executor.kind == "ray" and run.executor.train_ranks > 1:
+    if run.executor.of_kind.shards_updates and run.executor.train_ranks > 1:
         why.append(f"the run's updates were sharded over {run.executor.train_ranks} FSDP2 ranks (their sums add in "
                    "another order)")
     return config, why

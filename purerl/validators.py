@@ -89,4 +89,5 @@ def one_of(names: Iterable[str] | Any, what: str) -> Any:
             raise SettingError(f"{attribute.name}: unknown {what} {value!r}{hint} "
                                f"(known: {', '.join(map(str, known))})")
 
+    check.choices = names_now  # the command line's choices for the setting (one spelling of each value)
     return check

@@ -96,9 +96,9 @@ def test_parquet_rows_load(tmp_path):
 def test_overlong_prompts_are_skipped_or_truncated_and_counted():
     tokenizer = char_tokenizer()
     records = [PromptRecord(({"role": "user", "content": "x" * n},), "1") for n in (5, 50, 6)]
-    skipped = encode_prompts(records, tokenizer, max_prompt_tokens=30)
+    skipped = encode_prompts(records, tokenizer, max_prompt_tokens=30, prompt_format="chat")
     assert skipped.record_index == [0, 2] and skipped.skipped == 1 and skipped.truncated == 0
-    truncated = encode_prompts(records, tokenizer, max_prompt_tokens=30, overlong="truncate")
+    truncated = encode_prompts(records, tokenizer, max_prompt_tokens=30, prompt_format="chat", overlong="truncate")
     assert truncated.record_index == [0, 1, 2] and truncated.truncated == 1
     assert len(truncated.ids[1]) == 30
     assert tokenizer.decode(truncated.ids[1]).endswith("assistant: ")
@@ -109,7 +109,7 @@ def test_a_base_models_tokenizer_refuses_chat_prompts_naming_the_setting_and_ren
     tokenizer.chat_template = None  # a base model's, as Gemma 3 270M's GGUF
     records = [PromptRecord(({"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}), "4")]
     with pytest.raises(DataError, match=r"no chat template .*data\.prompt_format=plain \(--prompt-format plain\)"):
-        encode_prompts(records, tokenizer, max_prompt_tokens=60)
+        encode_prompts(records, tokenizer, max_prompt_tokens=60, prompt_format="chat")
     (ids,) = encode_prompts(records, tokenizer, max_prompt_tokens=60, prompt_format="plain").ids
     assert ids == tokenizer.encode("system: Be brief.\nuser: 2+2?\nassistant:", add_special_tokens=True)
     assert tokenizer.decode(ids, skip_special_tokens=True).endswith("user: 2+2?\nassistant:")

@@ -65,8 +65,11 @@ def test_every_declared_algorithm_name_is_registered_by_its_module_and_no_other(
     """The names the registries declare (light) are exactly those their modules register."""
     done = _fresh("""
         from purerl.algo import registries
+        from purerl.registry import Registry
         for name in registries.__all__:
             registry = getattr(registries, name)
+            if not isinstance(registry, Registry):  # the protocols of their entries
+                continue
             declared = registry.names()
             registered = sorted(n for names, _ in registry.entries() for n in names)
             assert registered == declared, (name, declared, registered)

@@ -96,10 +96,11 @@ def _text_content(content: Any) -> Any:
         raise ValueError("an empty list of content parts")
     texts = []
     for k, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            what = (f"of type {kind!r}" if kind not in (None, "text") else "a text part without a string 'text'"
-                    if kind == "text" else "not a content part ({'type': 'text', 'text': ...})")
+        part_type = part.get("type") if isinstance(part, dict) else None
+        if part_type != "text" or not isinstance(part.get("text"), str):
+            what = (f"of type {part_type!r}" if part_type not in (None, "text") else
+                    "a text part without a string 'text'" if part_type == "text" else
+                    "not a content part ({'type': 'text', 'text': ...})")
             raise ValueError(f"content[{k}] is {what}; this endpoint takes text parts only")
         texts.append(part["text"])
     return "\n".join(texts)

@@ -271,23 +271,23 @@ def _episode(record: AgentEpisode, result: tuple[str, Any], codec: ChatCodec, ta
         prompt = codec.initial_ids(task.messages, **(template_kwargs or {}))
         episode = Episode(list(prompt), len(prompt))
     episode.counts = {"new_segments": float(record.new_segments), "agent_calls": float(record.calls)}
-    kind, value = result
-    if kind == "score" and not episode.turn_ends:
-        kind, value = "error", "the agent made no call to the endpoint"
-    if kind == "score":
+    outcome, value = result
+    if outcome == "score" and not episode.turn_ends:
+        outcome, value = "error", "the agent made no call to the endpoint"
+    if outcome == "score":
         try:
             if value is None:
                 value = reward_value(env.answer_fn, call_form(env.answer_fn), episode.actions[-1],
                                      task.ground_truth, task.data_source, task.extra)
             reward = checked_reward(value)
         except ValueError as err:
-            kind, value = "error", f"it returned a bad score: {err}"
+            outcome, value = "error", f"it returned a bad score: {err}"
         else:
             episode.finish = record.finish or "answer"
             episode.reward = reward
             episode.turn_rewards = [0.0] * (len(episode.turn_ends) - 1) + [reward]
             return episode
-    if kind == "error" and record.finish in ("max_turns", "context"):  # the agent failed at a limit
+    if outcome == "error" and record.finish in ("max_turns", "context"):  # the agent failed at a limit
         episode.finish = record.finish
         episode.turn_rewards = [0.0] * len(episode.turn_ends)
         return episode

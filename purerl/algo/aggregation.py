@@ -38,8 +38,9 @@ verl, which makes the loss depend on padding; pass a fixed norm (the maximum res
 make it padding-invariant, as Dr.GRPO intends.
 """
 
-from typing import Protocol
+from collections.abc import Callable
 
+import attrs
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
@@ -51,7 +52,8 @@ from purerl.registry import Registry
 from purerl.tree import pytree
 
 __all__ = [
-    "SumCount", "aggregate_loss", "loss_denominator", "LOSS_AGGREGATIONS", "token_mean", "token_sum", "row_mean",
+    "Aggregation", "SumCount", "aggregate_loss", "loss_denominator", "LOSS_AGGREGATIONS", "token_mean", "token_sum",
+    "row_mean",
 ]
 
 
@@ -78,13 +80,38 @@ class SumCount:
         return SumCount(self.total.detach(), self.count.detach())
 
 
-class Aggregation(Protocol):
-    def __call__(
-        self, loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None
-    ) -> SumCount: ...
+AggregationFn = Callable[[Tensor, Tensor, float | None], SumCount]
+
+
+@attrs.frozen
+class Aggregation:
+    """A registered aggregation mode: ``fn(loss [b, t], mask [b, t], norm) -> SumCount``, and whether it is a
+    ``plain_sum`` (count 0, divided by 1: ``token-sum``)."""
+
+    fn: AggregationFn
+    plain_sum: bool = False
+
+    def __call__(self, loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None) -> SumCount:
+        return self.fn(loss, mask, norm)
+
+    def denominator(self, mask: Bool[Tensor, "b t"]) -> Float[Tensor, ""]:
+        """The divisor of this mode's total for ``mask`` (float32): its count for ``mask``, computed on a zero loss
+        (1 for a plain sum)."""
+        count = self.fn(torch.zeros(mask.shape, dtype=torch.float32, device=mask.device), mask, None).count
+        return torch.ones_like(count) if self.plain_sum else count
 
 
 LOSS_AGGREGATIONS: Registry[Aggregation] = registries.LOSS_AGGREGATIONS
+
+
+def _mode(name: str, *, plain_sum: bool = False) -> Callable[[AggregationFn], AggregationFn]:
+    """Register the decorated function as the mode ``name`` (:class:`Aggregation`); the function stays itself."""
+
+    def add(fn: AggregationFn) -> AggregationFn:
+        LOSS_AGGREGATIONS.register(name)(Aggregation(fn, plain_sum))
+        return fn
+
+    return add
 
 
 def _row_sums(loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -94,14 +121,14 @@ def _row_sums(loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return sums, lengths, (lengths > 0).sum().to(loss.dtype)
 
 
-@LOSS_AGGREGATIONS.register("token-mean")
+@_mode("token-mean")
 def token_mean(loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None) -> SumCount:
     """Every valid token weighs the same: ``Σ L·m / Σ m``."""
     del norm
     return SumCount(masked_sum(loss, mask), mask.sum().to(loss.dtype))
 
 
-@LOSS_AGGREGATIONS.register("token-sum")
+@_mode("token-sum", plain_sum=True)
 def token_sum(loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None) -> SumCount:
     """The plain token sum ``Σ L·m`` (verl 0.9.1), with count 0: ``value()`` is the total.
 
@@ -111,7 +138,7 @@ def token_sum(loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float
     return SumCount(masked_sum(loss, mask), torch.zeros((), dtype=loss.dtype, device=loss.device))
 
 
-@LOSS_AGGREGATIONS.register("seq-mean-token-sum")
+@_mode("seq-mean-token-sum")
 def seq_mean_token_sum(
     loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None
 ) -> SumCount:
@@ -121,7 +148,7 @@ def seq_mean_token_sum(
     return SumCount(sums.sum(), rows)
 
 
-@LOSS_AGGREGATIONS.register("seq-mean-token-mean")
+@_mode("seq-mean-token-mean")
 def seq_mean_token_mean(
     loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None
 ) -> SumCount:
@@ -131,7 +158,7 @@ def seq_mean_token_mean(
     return SumCount((sums / (lengths + 1e-8)).sum(), rows)
 
 
-@LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
+@_mode("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(
     loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None
 ) -> SumCount:
@@ -146,7 +173,7 @@ def seq_mean_token_sum_norm(
     return SumCount(sums.sum() / scale, rows)
 
 
-@LOSS_AGGREGATIONS.register("row-mean")
+@_mode("row-mean")
 def row_mean(loss: Float[Tensor, "b t"], mask: Bool[Tensor, "b t"], norm: float | None = None) -> SumCount:
     """Mean over all rows, empty ones included (count ``B``), of each row's token mean.
 
@@ -175,19 +202,10 @@ def aggregate_loss(
 def loss_denominator(mask: Bool[Tensor, "b t"], mode: str = "token-mean") -> Float[Tensor, ""]:
     """The divisor of the named mode's total for ``mask``, computed from the mask alone (float32).
 
-    It is the ``count`` the mode gives for ``mask``, except for ``token-sum`` (count 0, a plain
-    sum), where it is 1. Compute it once over a whole mini-batch and backpropagate
-    ``part.total / denominator`` for every micro-batch (clamp it to ≥ 1 for empty batches).
+    It is the ``count`` the mode gives for ``mask``, except for a plain sum (``token-sum``, count 0),
+    where it is 1 (:meth:`Aggregation.denominator`). Compute it once over a whole mini-batch and
+    backpropagate ``part.total / denominator`` for every micro-batch (clamp it to ≥ 1 for empty batches).
+    A mode registered as a bare function counts as its count.
     """
-    if mode not in LOSS_AGGREGATIONS:
-        LOSS_AGGREGATIONS[mode]  # raises the ValueError naming the known modes
-    if mode == "token-mean":
-        return mask.sum().to(torch.float32)
-    if mode == "token-sum":
-        return torch.ones((), dtype=torch.float32, device=mask.device)
-    if mode == "row-mean":
-        return torch.full((), mask.shape[0], dtype=torch.float32, device=mask.device)
-    if mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        return (mask.sum(-1) > 0).sum().to(torch.float32)
-    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    return LOSS_AGGREGATIONS[mode](zeros, mask, None).count  # a mode registered elsewhere
+    entry = LOSS_AGGREGATIONS[mode]
+    return entry.denominator(mask) if isinstance(entry, Aggregation) else Aggregation(entry).denominator(mask)

@@ -1,5 +1,5 @@
-"""A job's executor: the local one (an engine per generator when asynchronous) or Ray's, which
-builds the step function on each rank from the config."""
+"""A job's executor, built by its kind (:mod:`purerl.executor_kinds`): the local one (an engine per
+generator when asynchronous) or Ray's, which builds the step function on each rank from the config."""
 
 import copy
 import functools
@@ -17,40 +17,49 @@ from purerl.rollout.canary import Canary
 from purerl.rollout.engine import make_engine
 from purerl.step.roles import LocalTeacher
 
-__all__ = ["canary_of", "make_executor", "roles_of", "step_of"]
+__all__ = ["canary_of", "local_executor", "make_executor", "ray_executor", "roles_of", "step_of"]
 
 
 def make_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any],
                   teacher: LocalTeacher | None = None) -> Executor:
-    """The local executor (with an engine per generator when asynchronous), or the Ray one,
-    which builds the step function on each rank from the config. ``teacher``: a distillation
-    teacher loaded here (:func:`~purerl.assembly.models.load_teacher`)."""
-    rollout, executor = config.rollout, config.executor
-    roles = roles_of(config, model, critic, teacher)
+    """The executor ``executor.kind`` names, built by its kind (:data:`~purerl.executor_kinds.EXECUTORS`).
+    ``teacher``: a distillation teacher loaded here (:func:`~purerl.assembly.models.load_teacher`)."""
+    return config.executor.of_kind.builder()(config, model, critic, options, teacher)
+
+
+def local_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any],
+                   teacher: LocalTeacher | None) -> Executor:
+    """The local executor: one process, with an engine of its own per asynchronous generator."""
     generators = config.asynchronous.generators if config.asynchronous.enable else 0
-    if executor.kind == "local":
-        engine = make_engine(rollout.engine, model, device=config.model.device, **options)
-        own_engines = []
-        for _ in range(generators):
-            own = attrs.evolve(model, module=copy.deepcopy(model.module))  # no module shared with another thread
-            own_engines.append(make_engine(rollout.engine, own, device=config.model.device, **options))
-        return LocalExecutor(step_of(config), roles, engine, own_engines)
+    engine = make_engine(config.rollout.engine, model, device=config.model.device, **options)
+    own_engines = []
+    for _ in range(generators):
+        own = attrs.evolve(model, module=copy.deepcopy(model.module))  # no module shared with another thread
+        own_engines.append(make_engine(config.rollout.engine, own, device=config.model.device, **options))
+    return LocalExecutor(step_of(config), roles_of(config, model, critic, teacher), engine, own_engines)
+
+
+def ray_executor(config: JobConfig, model: CausalLM, critic: Critic | None, options: dict[str, Any],
+                 teacher: LocalTeacher | None) -> Executor:
+    """The Ray executor, which builds the step function on each rank from the config."""
     from purerl.executors.fsdp import Offload
     from purerl.executors.ray import RayExecutor, RaySetup
 
-    setup = RaySetup(engine_kwargs=options, engine=rollout.engine, generators=generators,
+    executor = config.executor
+    setup = RaySetup(engine_kwargs=options, engine=config.rollout.engine,
+                     generators=config.asynchronous.generators if config.asynchronous.enable else 0,
                      generate_timeout=config.asynchronous.generate_timeout,
                      offload=Offload(config.actor.offload_params, config.actor.offload_optimizer),
                      ray_init={"_temp_dir": str(Path(executor.ray_temp_dir).resolve())} if executor.ray_temp_dir
                      else None)
-    return RayExecutor(step_of(config), roles, setup, executor)
+    return RayExecutor(step_of(config), roles_of(config, model, critic, teacher), setup, executor)
 
 
 def step_of(config: JobConfig) -> Any:
     """The job's step function as its executor takes it (:meth:`~purerl.executors.base.Executor.rebind`):
-    the function itself for the local executor, a :class:`~purerl.executors.ray.StepFactory` that each Ray
-    training rank builds from the config."""
-    if config.executor.kind == "local":
+    the function itself, or a :class:`~purerl.executors.ray.StepFactory` that each training rank builds from
+    the config (an executor that builds its step on its ranks)."""
+    if not config.executor.of_kind.builds_step_on_ranks:
         return step_function(config)
     from purerl.executors.ray import StepFactory
 

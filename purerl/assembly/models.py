@@ -38,9 +38,10 @@ __all__ = ["compute_dtype", "driver_device", "engine_options", "initial_state", 
 
 
 def driver_device(config: JobConfig) -> str:
-    """Where this process keeps the weights: ``model.device`` for the local executor; the CPU under
-    Ray, whose workers take GPUs through ``executor.gpus_per_worker`` (the driver only ships them)."""
-    return config.model.device if config.executor.kind == "local" else "cpu"
+    """Where this process keeps the weights: ``model.device`` where it computes the model (the local
+    executor); else the CPU, and workers take GPUs (Ray's through ``executor.gpus_per_worker``; the driver
+    only ships the weights)."""
+    return config.model.device if config.executor.of_kind.computes_on_driver else "cpu"
 
 
 def load_policy(config: JobConfig) -> tuple[CausalLM, Params, Any]:

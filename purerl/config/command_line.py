@@ -13,20 +13,19 @@ from typing import Any
 
 import attrs
 
-from purerl.algo.registries import IS_CORRECTIONS
-from purerl.config.job import PLACEMENTS, JobConfig
+from purerl.config.job import JobConfig
 from purerl.config.loading import ConfigError, build, load_file, merge, nest, overrides, to_dict
 from purerl.config.rules import problems, resolve
-from purerl.rollout.engines import ENGINES
 
 __all__ = ["FLAGS", "Invocation", "job_parser", "parse_command_line"]
 
-# the flags of the command line: shorthands for config keys (``--lr 1e-6`` is ``actor.lr=1e-6``)
+# the flags of the command line: shorthands for config keys (``--lr 1e-6`` is ``actor.lr=1e-6``); a flag offers the
+# values its setting's validator names (``choices=None``: none listed, the config's check names the close ones)
 FLAGS: list[tuple[str, str, dict]] = [
     ("--model", "model.path", dict(help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)")),
     ("--tiny", "model.tiny", dict(action="store_const", const=True, help="a tiny random model, character tokenizer")),
     ("--device", "model.device", dict(help="cpu, cuda, cuda:1, … (auto: the GPU when there is one)")),
-    ("--dtype", "model.dtype", dict(choices=["float32", "bfloat16"])),
+    ("--dtype", "model.dtype", dict()),
     ("--data", "data.train_files", dict(nargs="*", help="verl-format training files (.parquet/.jsonl); default "
                                                         "procedural problems")),
     ("--eval-data", "data.eval_files", dict(nargs="*", help="verl-format held-out files; default: procedural, or with "
@@ -37,23 +36,24 @@ FLAGS: list[tuple[str, str, dict]] = [
                                                      "--seed draws the rest")),
     ("--difficulty", "data.difficulty", dict(type=int, nargs="+", help="procedural difficulty levels")),
     ("--max-prompt-tokens", "data.max_prompt_tokens", dict(type=int)),
-    ("--prompt-format", "data.prompt_format", dict(choices=["chat", "plain"], help="chat: the tokenizer's chat "
+    ("--prompt-format", "data.prompt_format", dict(help="chat: the tokenizer's chat "
                                                    "template; plain: role: content lines, for a base model")),
     ("--prompts-per-step", "data.prompts_per_step", dict(type=int)),
     ("--samples-per-prompt", "rollout.n", dict(type=int)),
     ("--max-new-tokens", "rollout.max_new_tokens", dict(type=int)),
     ("--temperature", "rollout.temperature", dict(type=float)),
     ("--top-p", "rollout.top_p", dict(type=float)),
-    ("--engine", "rollout.engine", dict(choices=ENGINES.names(), help="rollout engine: torch (embedded) "
+    ("--engine", "rollout.engine", dict(help="rollout engine: torch (embedded) "
                                                                      "or vllm (needs vLLM; README: vLLM)")),
-    ("--adv-estimator", "algorithm.adv_estimator", dict(help="advantage estimator (grpo; gae trains a critic: PPO)")),
+    ("--adv-estimator", "algorithm.adv_estimator", dict(choices=None, help="advantage estimator (grpo; gae trains "
+                                                                           "a critic: PPO)")),
     ("--rollout-correction", "algorithm.rollout_correction",
-     dict(choices=IS_CORRECTIONS.names(), help="importance weights from the engine's log-probs to the trainer's "
+     dict(help="importance weights from the engine's log-probs to the trainer's "
                                                "(default token-tis with --async, else none)")),
     ("--correction-cap", "algorithm.correction_cap", dict(type=float, help="largest importance weight (> 0)")),
     ("--lr", "actor.lr", dict(type=float)),
     ("--warmup-steps", "actor.warmup_steps", dict(type=int)),
-    ("--policy-loss", "actor.policy_loss", dict(help="policy loss (vanilla: PPO clip)")),
+    ("--policy-loss", "actor.policy_loss", dict(choices=None, help="policy loss (vanilla: PPO clip)")),
     ("--teacher", "distill.teacher", dict(help="distil from this teacher (HF folder or .gguf sharing the tokenizer): "
                                                "its per-token reverse KL as the advantage (README: Distillation)")),
     ("--kl-coef", "actor.kl_loss_coef", dict(type=float, help="KL-to-reference loss coefficient (0: no reference)")),
@@ -71,13 +71,13 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--eval-every", "trainer.eval_every", dict(type=int)),
     ("--checkpoint-every", "trainer.checkpoint_every", dict(type=int)),
     ("--seed", "trainer.seed", dict(type=int)),
-    ("--log", "trainer.log", dict(nargs="*", choices=["tensorboard", "wandb"])),
+    ("--log", "trainer.log", dict(nargs="*")),
     ("--threads", "trainer.threads", dict(type=int, help="torch CPU threads (0: torch's default)")),
     ("--no-progress", "trainer.progress", dict(action="store_const", const=False)),
-    ("--executor", "executor.kind", dict(choices=["local", "ray"], help="local: one process; ray: FSDP2 "
+    ("--executor", "executor.kind", dict(help="local: one process; ray: FSDP2 "
                                                                        "training ranks + rollout workers")),
     ("--ray-address", "executor.ray_address", dict(help="join this Ray cluster ('auto' or host:port)")),
-    ("--placement", "executor.placement", dict(choices=list(PLACEMENTS), help="where each role lives (Ray): split, "
+    ("--placement", "executor.placement", dict(help="where each role lives (Ray): split, "
                                                                              "colocated = hybrid_engine, "
                                                                              "fully_collocated, split_collocate, "
                                                                              "standalone")),
@@ -93,7 +93,7 @@ FLAGS: list[tuple[str, str, dict]] = [
                                             help="a generator samples with published weights while the trainer "
                                                  "updates")),
     ("--max-staleness", "asynchronous.max_staleness", dict(type=int)),
-    ("--stale-policy", "asynchronous.stale_policy", dict(choices=["wait", "drop"])),
+    ("--stale-policy", "asynchronous.stale_policy", dict()),
     ("--queue-batches", "asynchronous.queue_batches", dict(type=int)),
     ("--generators", "asynchronous.generators", dict(type=int, help="independent generator loops (--async)")),
     ("--interruptible", "asynchronous.interruptible", dict(action="store_const", const=True,
@@ -152,6 +152,8 @@ def job_parser(*, prog: str, description: str | None = None, default_out_dir: st
                     help="an option of the rollout engine, repeatable: e.g. gpu_memory_utilization=0.4")
     for flag, key, kwargs in FLAGS:
         kwargs = dict(kwargs)  # FLAGS is shared by every parse
+        if "choices" not in kwargs and "action" not in kwargs:
+            kwargs["choices"] = _choices(key)
         shown = {} if "action" in kwargs or "choices" in kwargs else {"metavar": key.rsplit(".", 1)[-1].upper()}
         text = f"{kwargs.pop('help', '')} [{key}{_default_shown(key, kwargs)}]".strip()
         ap.add_argument(flag, dest=key, default=None, help=text, **shown, **kwargs)
@@ -187,6 +189,17 @@ def parse_command_line(argv: Sequence[str] | None = None, *, prog: str, descript
         print(json.dumps(to_dict(config), indent=1))
         ap.exit(0)
     return Invocation(config, args.out_dir, args.resume, args.overwrite, args.debug)
+
+
+def _choices(key: str) -> list[str] | None:
+    """The values the setting ``key`` accepts where its validator names them (``one_of``, alone or over a
+    tuple's items): the flag offers what the config checks, spelled once."""
+    section, name = key.split(".")
+    check = attrs.fields_dict(type(getattr(JobConfig(), section)))[name].validator
+    check = getattr(check, "member_validator", check)  # attrs' deep_iterable: each item's check
+    check = getattr(check, "validator", check)  # attrs' optional: the value's check where it is not None
+    names = getattr(check, "choices", None)
+    return None if names is None else list(names())
 
 
 def _default_shown(key: str, kwargs: dict) -> str:

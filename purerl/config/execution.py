@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from purerl.config.loading import ConfigError, boolean, one_of, section
+from purerl.executor_kinds import EXECUTORS, ExecutorKind
 from purerl.validators import at_least, positive
 
 __all__ = ["PLACEMENTS", "POOLS", "AsyncConfig", "ExecutorConfig"]
@@ -46,8 +47,9 @@ class ExecutorConfig:
     of several workers shards its role with FSDP2 like the ranks). A worker silent longer than its
     timeout ends the run, naming it."""
 
-    kind: str = attrs.field(default="local", validator=one_of(("local", "ray"), "executor"))
-    """``local``: one process; ``ray``: FSDP2 training ranks and workers as Ray actors."""
+    kind: str = attrs.field(default="local", validator=one_of(EXECUTORS, "executor"))
+    """The executor (:data:`~purerl.executor_kinds.EXECUTORS`): ``local``, one process; ``ray``, FSDP2 training
+    ranks and workers as Ray actors."""
     ray_address: str | None = None
     """Join this Ray cluster (``auto`` or ``host:port``; None: start a private local Ray instance)."""
     placement: str = attrs.field(default="split", validator=one_of(tuple(PLACEMENTS), "placement"))
@@ -95,6 +97,11 @@ class ExecutorConfig:
     """Custom Ray resources that each worker of a pool (``train``, ``rollout``, ``reward``, ``critic``,
     ``reference``) asks for besides its CPUs and GPUs, to pin roles to nodes: start the generating nodes with
     ``ray start --resources='{"rollout_node": 8}'`` and set ``pool_resources.rollout.rollout_node = 1``."""
+
+    @property
+    def of_kind(self) -> ExecutorKind:
+        """The registered kind ``kind`` names: what it can do (:class:`~purerl.executor_kinds.ExecutorKind`)."""
+        return EXECUTORS[self.kind]
 
     @property
     def device(self) -> str:

@@ -13,6 +13,7 @@ import attrs
 
 from purerl.config.job import CriticConfig, JobConfig
 from purerl.data.math_problems import DIFFICULTIES
+from purerl.executor_kinds import EXECUTORS
 from purerl.rollout.engines import ENGINES
 
 __all__ = ["COLD_MIN_PROBLEMS", "RESOLVED", "cold_start", "cold_start_skipped", "may_start_cold", "problems", "resolve"]
@@ -76,15 +77,18 @@ def problems(config: JobConfig) -> list[str]:
                                                   config.trainer)
     estimator = algorithm.estimator
     found = []
-    if (actor.offload_params or actor.offload_optimizer) and config.executor.kind != "ray":
+    executor = config.executor.of_kind
+    if (actor.offload_params or actor.offload_optimizer) and not executor.offloads:
+        able = ", ".join(name for name in EXECUTORS.names() if EXECUTORS[name].offloads)
         found.append("actor.offload_params/offload_optimizer: offloading moves FSDP2's shards to host memory, so it "
-                     "needs executor.kind ray (the local executor keeps every tensor on model.device)")
+                     f"needs an executor that shards them (executor.kind {able}; the {executor.name} executor keeps "
+                     "every tensor on model.device)")
     if estimator.grouped and rollout.n < 2:
         found.append(f"rollout.n {rollout.n}: {algorithm.adv_estimator} compares samples of a prompt, so it needs "
                      "≥ 2 (with 1, every advantage is 0 and nothing is learned)")
     device = config.model.device
-    if device != "auto" and config.executor.kind != "ray" and (problem := _device_problem(device)) is not None:
-        # the Ray executor's workers may have the GPUs a driver lacks: they check there
+    if device != "auto" and executor.computes_on_driver and (problem := _device_problem(device)) is not None:
+        # an executor's workers may have the GPUs a driver lacks: they check there
         found.append(f"model.device {device}: {problem}")
     if not rollout.temperature > 0:
         found.append(f"rollout.temperature {rollout.temperature}: training needs sampling (> 0); greedy samples "
@@ -176,10 +180,10 @@ def _model_path_problems(key: str, path: Path, gguf: bool = True) -> list[str]:
 def _executor_problems(config: JobConfig) -> list[str]:
     found = []
     executor = config.executor
-    engine = ENGINES[config.rollout.engine]
+    kind, engine = executor.of_kind, ENGINES[config.rollout.engine]
     if not engine.installed():
         found.append(f"rollout.engine={engine.name}: {engine.install_hint}")
-    if executor.kind == "ray" and executor.colocated:
+    if kind.placements and executor.colocated:
         if config.asynchronous.enable:
             found.append(f"asynchronous training on the Ray executor needs rollout workers apart (executor.placement="
                          f"{executor.placement}: the ranks cannot generate while they train; split, split_collocate "
@@ -187,7 +191,7 @@ def _executor_problems(config: JobConfig) -> list[str]:
         if not engine.colocates:
             found.append(f"rollout.engine={engine.name} runs on rollout workers: executor.placement=split "
                          f"(not {executor.placement})")
-    if executor.kind == "ray" and executor.roles["reference"] != "train" and config.actor.lora_rank:
+    if kind.placements and executor.roles["reference"] != "train" and config.actor.lora_rank:
         found.append(f"executor.placement={executor.placement} puts the reference on a pool of its own, but a LoRA "
                      "policy's reference is its own base (adapters off): it lives with the actor")
     if config.actor.routing_replay:
@@ -195,9 +199,10 @@ def _executor_problems(config: JobConfig) -> list[str]:
             able = ", ".join(name for name in ENGINES.names() if ENGINES[name].records_routing)
             found.append(f"actor.routing_replay: rollout.engine={engine.name} does not record the experts it routes "
                          f"each token to (these engines do: {able})")
-        if executor.kind == "ray":
-            found.append("actor.routing_replay: the Ray executor's FSDP2 ranks run the HF module, which cannot replay "
-                         "routing (executor.kind=local)")
+        if not kind.replays_routing:
+            able = ", ".join(name for name in EXECUTORS.names() if EXECUTORS[name].replays_routing)
+            found.append(f"actor.routing_replay: the {kind.name} executor's FSDP2 ranks run the HF module, which "
+                         f"cannot replay routing (executor.kind {able})")
         if config.env.multi_turn:
             found.append("actor.routing_replay: episodes (env.multi_turn) do not record routing yet")
     generators = config.asynchronous.generators

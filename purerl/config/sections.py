@@ -18,6 +18,7 @@ from purerl.algo.registries import (
     POLICY_LOSSES,
 )
 from purerl.config.loading import ConfigError, boolean, one_of, section
+from purerl.data.records import PROMPT_FORMATS
 from purerl.environments import builtin_kind, is_episodic
 from purerl.episodes.limits import EpisodeLimits
 from purerl.health import HealthLimits
@@ -68,7 +69,7 @@ class DataConfig:
     """The procedural problems' difficulty levels (:data:`~purerl.data.math_problems.DIFFICULTIES`)."""
     max_prompt_tokens: int = attrs.field(default=160, validator=at_least(1))
     """Prompts longer than this many tokens are skipped (and counted in the run's summary)."""
-    prompt_format: str = attrs.field(default="chat", validator=one_of(("chat", "plain"), "prompt format"))
+    prompt_format: str = attrs.field(default="chat", validator=one_of(PROMPT_FORMATS, "prompt format"))
     """How a prompt's chat messages become text: ``chat``, the tokenizer's chat template with its
     generation prompt; ``plain``, for a base model without one, a ``role: content`` line per message
     then ``assistant:``, tokenised with the tokenizer's own special tokens (Gemma's BOS)

@@ -157,10 +157,15 @@ def plain_text(messages: Sequence[dict[str, Any]]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
+PROMPT_FORMATS = ("chat", "plain")
+"""How a prompt's messages become its tokens (``data.prompt_format``): ``chat``, the tokenizer's chat
+template with the generation prompt; ``plain``, :func:`plain_text` (a base model's)."""
+
+
 def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, *, max_prompt_tokens: int,
-                   overlong: str = "skip", prompt_format: str = "chat") -> EncodedPrompts:
-    """Apply the tokenizer's chat template (with the generation prompt) and tokenise; with
-    ``prompt_format="plain"``, :func:`plain_text` tokenised with the tokenizer's special tokens.
+                   prompt_format: str, overlong: str = "skip") -> EncodedPrompts:
+    """Tokenise the prompts rendered as ``prompt_format`` says (:data:`PROMPT_FORMATS`): the tokenizer's chat
+    template (with the generation prompt), or :func:`plain_text` tokenised with the tokenizer's special tokens.
     A tokenizer without a chat template refuses ``chat`` (``DataError`` naming the setting).
 
     Prompts longer than ``max_prompt_tokens`` are skipped (``overlong="skip"``) or keep their
@@ -169,6 +174,9 @@ def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, *, max_promp
     """
     if overlong not in ("skip", "truncate"):
         raise ValueError(f"encode_prompts: overlong must be 'skip' or 'truncate', got {overlong!r}")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"encode_prompts: prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got "
+                         f"{prompt_format!r}")
     if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise DataError("the model's tokenizer has no chat template (a base model?): set data.prompt_format=plain "
                         "(--prompt-format plain) to render the prompts' messages as plain text")

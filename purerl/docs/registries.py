@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from purerl.algo.aggregation import LOSS_AGGREGATIONS
+from purerl.algo.aggregation import LOSS_AGGREGATIONS, Aggregation
 from purerl.algo.correction import IS_CORRECTIONS
 from purerl.algo.estimators import ADVANTAGE_ESTIMATORS, AdvantageSettings, Estimator
 from purerl.algo.kl import KL_ESTIMATORS
@@ -31,6 +31,7 @@ from purerl.algo.policy_loss import POLICY_LOSSES
 from purerl.config.job import JobConfig
 from purerl.config.loading import keys_of
 from purerl.environments import ENVIRONMENTS, EnvironmentKind
+from purerl.executor_kinds import EXECUTORS, ExecutorKind
 from purerl.models.families import FAMILIES, Family
 from purerl.optim.base import GRADIENT_TRANSFORMS, OPTIMIZERS
 from purerl.optim.schedules import SCHEDULES
@@ -67,6 +68,7 @@ DOCUMENTED = (
             "trainer's.", ("algorithm.rollout_correction",)),
     Listing("Rollout engines", ENGINES, "What samples the responses: each kind says what it can do and what it "
             "needs installed.", ("rollout.engine",)),
+    Listing("Executors", EXECUTORS, "What runs a job's steps: each kind says what it can do.", ("executor.kind",)),
     Listing("Environments", ENVIRONMENTS, "Kinds of environment: the built-ins by name, the others recognised in "
             "what a ``module:name`` names.", ("env.name",)),
     Listing("Model families", FAMILIES, "Architectures with a lean forward (the others run their HF module)."),
@@ -104,6 +106,8 @@ def _source(entry: Any) -> Callable[..., Any] | None:
         return entry.make
     if isinstance(entry, Family):
         return entry.supports
+    if isinstance(entry, Aggregation):
+        return entry.fn
     return entry if callable(entry) else None
 
 
@@ -117,6 +121,8 @@ def entry_doc(entry: Any) -> str:
         return entry.description[0].upper() + entry.description[1:] + "."
     if isinstance(entry, EngineKind):
         return _engine_doc(entry)
+    if isinstance(entry, ExecutorKind):
+        return _executor_doc(entry)
     source = _source(entry)
     return (inspect.getdoc(source) if source is not None else None) or ""
 
@@ -134,6 +140,19 @@ def _engine_doc(kind: EngineKind) -> str:
     if kind.requires:
         lines.append(kind.install_hint[0].upper() + kind.install_hint[1:] + ".")
     return " ".join(line for line in lines if line)
+
+
+def _executor_doc(kind: ExecutorKind) -> str:
+    """A kind of executor's description, then what it can do."""
+    can = [fact for fact, holds in (
+        ("the driver computes on ``model.device``", kind.computes_on_driver),
+        ("roles live on resource pools (``executor.placement``)", kind.placements),
+        ("updates shard over ``executor.train_ranks`` ranks", kind.shards_updates),
+        ("parameters and optimizer state can wait in host memory (``actor.offload_params``)", kind.offloads),
+        ("MoE routing replays (``actor.routing_replay``)", kind.replays_routing)) if holds]
+    text = kind.description[0].upper() + kind.description[1:] + "." if kind.description else ""
+    return " ".join(part for part in (text, "; ".join(can)[:1].upper() + "; ".join(can)[1:] + "." if can else "")
+                    if part)
 
 
 def entry_reads(entry: Any) -> tuple[str, ...]:

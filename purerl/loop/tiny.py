@@ -23,8 +23,8 @@ def tiny_math(problems: int = 32, *, seed: int = 0) -> SimpleNamespace:
     tokenizer = char_tokenizer()
     model, params = causal_lm_from_config(tiny_llama_config(vocab_size=len(tokenizer)), seed=seed)
     records = math_problems(problems, seed=seed)
-    task = Task(encode_prompts(records, tokenizer, max_prompt_tokens=160).ids, records, lenient_math_reward,
-                tokenizer.decode)
+    prompts = encode_prompts(records, tokenizer, max_prompt_tokens=160, prompt_format="chat").ids
+    task = Task(prompts, records, lenient_math_reward, tokenizer.decode)
     engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
     plan = BatchPlan(SamplingParams(max_new_tokens=8, temperature=1.0), prompts_per_step=4)
     return SimpleNamespace(model=model, params=params, tokenizer=tokenizer, engine=engine, task=task, plan=plan)
