@@ -19,9 +19,10 @@ from tinker import types  # noqa: E402
 
 from purerl.algo.policy_loss import cispo_policy_loss, dro_policy_loss, ppo_clip_loss  # noqa: E402
 from purerl.batch import Sequences  # noqa: E402
+from purerl.loopback import is_loopback  # noqa: E402
 from purerl.models import load_causal_lm, response_logprobs  # noqa: E402
 from purerl.tinker.launch import service_of, write_tiny_model  # noqa: E402
-from purerl.tinker.server import TinkerServer, is_loopback  # noqa: E402
+from purerl.tinker.server import TinkerServer  # noqa: E402
 
 # the sockets of the SDK's one-off client-config pool, which it never closes
 pytestmark = pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")

@@ -2,9 +2,9 @@
 
 ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and ``/v1/models/{model}`` (FastAPI, served by uvicorn on
 a thread of its own at ``127.0.0.1``, a free port). Every request must come from a loopback
-address and carry ``Authorization: Bearer <token>``, a random token made per endpoint and handed
-to the agents' clients: the endpoint samples from the policy being trained, so nothing else on
-the machine may use it.
+address and carry ``Authorization: Bearer <token>`` (:class:`purerl.loopback.Door`, the Tinker
+server's door too), a random token made per endpoint and handed to the agents' clients: the
+endpoint samples from the policy being trained, so nothing else on the machine may use it.
 
 A chat request is rendered by the chat template (``tools``: JSON schemas, through the template),
 continued by the engine at the weights version being trained (:mod:`purerl.agents.batching`:
@@ -53,7 +53,7 @@ from purerl.agents.traces import EPISODE_HEADER, Call, EpisodeTraces
 from purerl.agents.traces import Choice as TraceChoice
 from purerl.batch import FINISH_LENGTH
 from purerl.episodes.tools import hermes_calls
-from purerl.loopback import LoopbackServer, is_loopback
+from purerl.loopback import Door, LoopbackServer
 from purerl.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -124,9 +124,9 @@ class Endpoint:
         self.close()
 
     def _app(self) -> Any:
-        """The FastAPI app: a guard at the door (loopback, bearer token), then the routes. A request
-        is parsed and its context opened before anything is sampled; every refusal is a 400
-        naming its field (:func:`~purerl.agents.openai_responses.refusal`)."""
+        """The FastAPI app: a door (:class:`~purerl.loopback.Door`: loopback, bearer token), then the
+        routes. A request is parsed and its context opened before anything is sampled; every refusal
+        is a 400 naming its field (:func:`~purerl.agents.openai_responses.refusal`)."""
         from fastapi import FastAPI
         from fastapi import Request as HttpRequest
         from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -136,17 +136,13 @@ class Endpoint:
 
         app = FastAPI(title="purerl agents' endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
-        @app.middleware("http")
-        async def guard(request: HttpRequest, call_next: Any) -> Any:
-            host = request.client.host if request.client else ""
-            if not is_loopback(host):
-                self.refused += 1
-                return error_response(403, f"the endpoint serves loopback only, not {host}", "forbidden")
-            if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {self.token}"):
-                self.refused += 1
-                return error_response(401, "a bearer token is required: the one the job handed to the agent",
-                                      "unauthorized")
-            return await call_next(request)
+        def refuse(status: int, message: str) -> Any:
+            self.refused += 1
+            return error_response(status, message, "forbidden" if status == 403 else "unauthorized")
+
+        no_token = "a bearer token is required: the one the job handed to the agent"
+        Door("authorization", f"Bearer {self.token}", outsider="the endpoint serves loopback only, not {host}",
+             missing=no_token, wrong=no_token).guard(app, refuse)
 
         @app.exception_handler(StarletteHTTPException)
         async def no_route(request: HttpRequest, err: StarletteHTTPException) -> Any:
