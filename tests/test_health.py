@@ -208,7 +208,8 @@ def test_a_moving_entropy_a_rising_reward_or_alike_groups_are_not_stalled(change
 def test_a_resumed_monitor_measures_a_stall_against_the_runs_first_steps():
     rows = _rows(*[FLAT] * 3, *[{**FLAT, "actor/entropy": 2.6}] * 8)  # within 15% of the first steps' 2.4
     state, events = MONITOR.fold(rows[:10])
-    assert events == [] and state.opening_learning == ((0.04, 2.4),) * 3 and len(state.recent) == 9
+    assert events == [] and [(step.reward, step.entropy) for step in state.opening_learning] == [(0.04, 2.4)] * 3
+    assert len(state.recent) == 9
     assert [e.symptom for e in MONITOR.observe(state, rows[10])[1]] == ["stalled"]
 
 

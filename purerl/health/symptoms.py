@@ -1,12 +1,4 @@
-"""The run-health monitor: the symptoms of a run going wrong, read from each step's metrics row.
-
-Pure: :meth:`Monitor.observe` takes the monitor's :class:`HealthState` and one row of
-``metrics.jsonl`` (what the step and, every ``trainer.eval_every`` steps, its evaluation reported)
-and returns the next state and the :class:`Event` of each symptom that started or cleared at that
-step. A symptom starts when its condition has held for ``patience`` steps in a row, and clears
-when it has not held for as many (held-out accuracy: at the next evaluation). The loops print each
-event's line, write ``health/<symptom>`` (1 started, 0 cleared) into that step's row, and the
-summary folds the rows again (:meth:`Monitor.fold`), so a resumed run reports its whole history.
+"""The symptoms the health monitor knows (:data:`SYMPTOMS`), each a :class:`Symptom` record.
 
 Each symptom is a :class:`Symptom` record in :data:`SYMPTOMS`: the signal it reads, when it holds,
 and its line, which names the step, what was seen and the setting or file to look at. A row that
@@ -21,97 +13,15 @@ shaping), ``health/reference_held_frac`` (responses that contain their reference
 A symptom that reads one of these last three does without it where the row lacks it.
 """
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
-from purerl.validators import at_least, in_range, positive
+from purerl.health.limits import OPENING_STEPS, Context, HealthLimits
+from purerl.health.state import HealthState, Learning
 
-__all__ = ["OPENING_STEPS", "SYMPTOMS", "Context", "Event", "HealthLimits", "HealthState", "Monitor", "Symptom",
-           "report"]
-
-
-@attrs.frozen
-class HealthLimits:
-    """When a symptom is reported (defaults chosen from the main job's seeds, BENCHMARKS.md "Learns on
-    every seed"). Groups alike because the task is solved are no symptom (a learned main job has most of
-    its groups all right), and clipping alone is none either (the main job's gradient norm is 2–5× its
-    clip of 1.0 on nearly every healthy step). Symptoms without a threshold: the task's reward the same for
-    every sample whatever the shaping adds, or above 0 for every one (``constant_reward``), above 0 for no
-    sample (``dead_reward``), a gradient norm of 0 while some rows had an advantage (``zero_gradient``)."""
-
-    patience: int = attrs.field(default=3, validator=at_least(1))
-    """Steps in a row a condition must hold for its symptom to start, and be absent for it to clear (a
-    held-out drop starts at once)."""
-    cut_share: float = attrs.field(default=0.5, validator=in_range(0, 1))
-    """``cut_responses``: more than this share of a step's responses cut at ``rollout.max_new_tokens``."""
-    no_signal_share: float = attrs.field(default=0.9, validator=in_range(0, 1))
-    """``no_signal``: more than this share of groups score alike while most samples fail."""
-    entropy_floor: float = attrs.field(default=0.05, validator=at_least(0))
-    """``entropy_collapse``: ``actor/entropy`` below this many nats per token."""
-    logprob_gap: float = attrs.field(default=0.1, validator=positive)
-    """``logprob_drift``: the engine's log-probs more than this many nats per token (mean) from the
-    trainer's."""
-    grad_norm_factor: float = attrs.field(default=10.0, validator=positive)
-    """``grad_norm_high``: a gradient norm over this many times ``actor.grad_clip``."""
-    eval_drop: float = attrs.field(default=0.15, validator=in_range(0, 1))
-    """``heldout_drop``: held-out accuracy more than this fraction (0.15 is 15 points) below the run's best
-    evaluation."""
-    guess_reward: float = attrs.field(default=0.25, validator=in_range(0, 1))
-    """``guessing``: the task's reward above 0 for at most this share of samples, while most groups score
-    alike (``guess_no_signal``) and responses have shrunk to a few tokens (``guess_length``, ``guess_tokens``)."""
-    guess_no_signal: float = attrs.field(default=0.75, validator=in_range(0, 1))
-    """``guessing``: more than this share of groups score alike (with the task's reward near 0, a random
-    group of 4 is alike about half the time: this asks for more)."""
-    guess_length: float = attrs.field(default=0.5, validator=in_range(0, 1))
-    """``guessing``: the mean response length at most this fraction of its mean over the run's first
-    steps (:data:`OPENING_STEPS`)."""
-    guess_tokens: float = attrs.field(default=8.0, validator=positive)
-    """``guessing``: the mean response length at most this many tokens (a bare answer)."""
-    blame_share: float = attrs.field(default=0.1, validator=in_range(0, 1))
-    """``dead_reward``, ``guessing``: blame ``reward.fn`` if this share of responses hold their answer, most at 0."""
-    stall_steps: int = attrs.field(default=10, validator=at_least(2))
-    """``stalled``: the steps averaged, compared with the run's first steps."""
-    stall_rise: float = attrs.field(default=0.05, validator=in_range(0, 1))
-    """``stalled``: the task's reward above 0 for under this share more of the samples (and under half)."""
-    stall_entropy: float = attrs.field(default=0.15, validator=in_range(0, 1))
-    """``stalled``: ``actor/entropy`` within this fraction of the first steps' (every panel run that learned
-    or collapsed moved it further within ten steps, BENCHMARKS.md)."""
-    stall_no_signal: float = attrs.field(default=0.5, validator=in_range(0, 1))
-    """``stalled``: under this share of groups alike (the task's reward told samples apart)."""
-
-
-@attrs.frozen
-class Context:
-    """What the lines name: the response budget, the gradient clip and the samples file (the run's
-    :attr:`~purerl.io.layout.RunLayout.samples`; this module sits below :mod:`purerl.io`, so the caller names it)."""
-
-    max_new_tokens: int = 0
-    grad_clip: float = float("inf")
-    samples: str = "the run's samples.jsonl"
-
-
-OPENING_STEPS = 3
-"""The run's first steps: ``guessing`` measures a collapse against them, ``stalled`` a stall."""
-
-
-@attrs.frozen
-class HealthState:
-    """Per symptom, the steps in a row its condition held (``held``) or did not (``absent``); the
-    symptoms active now and every one seen; the best held-out accuracy so far; the mean response length
-    of each of the run's first :data:`OPENING_STEPS` steps (``opening``); the task's reward (share of
-    samples above 0) and the entropy of each of those steps (``opening_learning``); and the last
-    ``stall_steps`` steps' ``(reward, groups alike, entropy)`` (``recent``)."""
-
-    held: Mapping[str, int] = attrs.field(factory=dict)
-    absent: Mapping[str, int] = attrs.field(factory=dict)
-    active: frozenset[str] = frozenset()
-    seen: frozenset[str] = frozenset()
-    best_accuracy: float | None = None
-    opening: tuple[float, ...] = ()
-    opening_learning: tuple[tuple[float, float], ...] = ()
-    recent: tuple[tuple[float, float, float], ...] = ()
+__all__ = ["SYMPTOMS", "Row", "Symptom", "has", "learning_of"]
 
 
 @attrs.frozen
@@ -130,16 +40,17 @@ Row = Mapping[str, Any]
 """One row of ``metrics.jsonl``: a step's metrics (and its evaluation's, at evaluation steps)."""
 
 
-def _has(row: Row, *keys: str) -> bool:
+def has(row: Row, *keys: str) -> bool:
+    """Whether ``row`` holds a number under each of ``keys``."""
     return all(isinstance(row.get(k), (int, float)) for k in keys)
 
 
 def _cut(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
-    return row["response_length/clip_ratio"] > limits.cut_share if _has(row, "response_length/clip_ratio") else None
+    return row["response_length/clip_ratio"] > limits.cut_share if has(row, "response_length/clip_ratio") else None
 
 
 def _no_signal(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
-    if not _has(row, "health/no_signal_frac", "health/rule_positive_frac"):
+    if not has(row, "health/no_signal_frac", "health/rule_positive_frac"):
         return None
     return 0 < row["health/rule_positive_frac"] < 0.5 and row["health/no_signal_frac"] > limits.no_signal_share
 
@@ -148,62 +59,58 @@ def _constant(row: Row, limits: HealthLimits, context: Context, past: HealthStat
     """Nothing tells samples apart: the step's rewards all equal, or the task's own reward the same for every
     sample whatever the shaping (``reward.overlong_*``) adds: ``health/rule_spread`` 0 where the row has it,
     else every sample scored above 0. A reward above 0 for no sample is ``dead_reward``'s."""
-    if not _has(row, "health/reward_spread", "health/rule_positive_frac"):
+    if not has(row, "health/reward_spread", "health/rule_positive_frac"):
         return None
     positive = row["health/rule_positive_frac"]
-    rule_alike = row["health/rule_spread"] == 0 if _has(row, "health/rule_spread") else positive == 1
+    rule_alike = row["health/rule_spread"] == 0 if has(row, "health/rule_spread") else positive == 1
     return positive > 0 and (row["health/reward_spread"] == 0 or rule_alike)
 
 
 def _dead_reward(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
-    return row["health/rule_positive_frac"] == 0 if _has(row, "health/rule_positive_frac") else None
+    return row["health/rule_positive_frac"] == 0 if has(row, "health/rule_positive_frac") else None
 
 
 def _guessing(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
     """Bare guesses: the task's reward above 0 for at most ``guess_reward`` of the samples, over
     ``guess_no_signal`` of the groups alike, and the mean response at most ``guess_tokens`` tokens and
     ``guess_length`` of its mean over the run's first steps (None before the first step's length is known)."""
-    if not past.opening or not _has(row, "response_length/mean", "health/no_signal_frac", "health/rule_positive_frac"):
+    if not past.opening or not has(row, "response_length/mean", "health/no_signal_frac", "health/rule_positive_frac"):
         return None
     short = min(limits.guess_tokens, limits.guess_length * _opening_length(past))
     return (row["health/rule_positive_frac"] <= limits.guess_reward
             and row["health/no_signal_frac"] > limits.guess_no_signal and row["response_length/mean"] <= short)
 
 
-def _stall_window(row: Row, limits: HealthLimits, past: HealthState) -> tuple[float, float, float] | None:
-    """The last ``stall_steps`` steps' mean reward, groups alike and entropy (None before as many are known)."""
-    now = _learning(row)
+def _stall_window(row: Row, limits: HealthLimits, past: HealthState) -> Learning | None:
+    """What the last ``stall_steps`` steps learned, on average (None before as many are known)."""
+    now = learning_of(row)
     window = (*past.recent, now)[-limits.stall_steps:] if now else ()
     if len(past.opening_learning) < OPENING_STEPS or len(window) < limits.stall_steps:
         return None
-    return tuple(sum(step[i] for step in window) / len(window) for i in range(3))
+    return Learning.mean(window)
 
 
-def _learning(row: Row) -> tuple[float, float, float] | None:  # what ``stalled`` reads; None where the row lacks it
+def learning_of(row: Row) -> Learning | None:
+    """What ``stalled`` reads of the step ``row`` (None where the row lacks it)."""
     keys = ("health/rule_positive_frac", "health/no_signal_frac", "actor/entropy")
-    return tuple(float(row[k]) for k in keys) if _has(row, *keys) else None
-
-
-def _opening_learning(state: HealthState) -> tuple[float, float]:  # the first steps' reward and entropy
-    return tuple(sum(step[i] for step in state.opening_learning) / len(state.opening_learning) for i in range(2))
+    return Learning(*(float(row[k]) for k in keys)) if has(row, *keys) else None
 
 
 def _stalled(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
     """Updates too small to learn: the reward flat, its groups telling samples apart, the entropy unmoved."""
     if (window := _stall_window(row, limits, past)) is None:
         return None
-    reward, alike, entropy = window
-    first_reward, first_entropy = _opening_learning(past)
-    return (reward < min(first_reward + limits.stall_rise, 0.5) and alike < limits.stall_no_signal
-            and abs(entropy - first_entropy) <= limits.stall_entropy * first_entropy)
+    first = Learning.mean(past.opening_learning)
+    return (window.reward < min(first.reward + limits.stall_rise, 0.5) and window.alike < limits.stall_no_signal
+            and abs(window.entropy - first.entropy) <= limits.stall_entropy * first.entropy)
 
 
 def _stalled_line(row: Row, limits: HealthLimits, context: Context, past: HealthState, steps: int) -> str:
-    reward, alike, entropy = _stall_window(row, limits, past)
-    first_reward, first_entropy = _opening_learning(past)
-    return (f"the task rewarded {reward:.0%} of samples over the last {limits.stall_steps} steps ({first_reward:.0%} "
-            f"over the first steps) though {1 - alike:.0%} of groups told their samples apart, and the entropy stayed "
-            f"at {entropy:.2f} nats per token (from {first_entropy:.2f}), for {steps} steps: the updates are too small "
+    now, first = _stall_window(row, limits, past), Learning.mean(past.opening_learning)
+    return (f"the task rewarded {now.reward:.0%} of samples over the last {limits.stall_steps} steps "
+            f"({first.reward:.0%} over the first steps) though {1 - now.alike:.0%} of groups told their samples apart, "
+            f"and the entropy stayed at {now.entropy:.2f} nats per token (from {first.entropy:.2f}), for {steps} "
+            f"steps: the updates are too small "
             f"to move the policy in this run's length; raise actor.lr (--lr), train LoRA at a larger one "
             f"(--lora-rank 32 --lr 5e-4), or run more steps (--steps); read {context.samples}")
 
@@ -217,27 +124,27 @@ def _reference_unrewarded(row: Row, limits: HealthLimits) -> bool | None:
     """Whether the samples point at ``reward.fn``: at least ``blame_share`` of the responses contain their
     reference answer and most of those scored 0 or less (None where the row does not say). Fewer is chance:
     a short number of the question echoed (``Raj is 3 years old.``) holds a reference of 3."""
-    if not _has(row, "health/reference_held_frac", "health/reference_unrewarded_frac"):
+    if not has(row, "health/reference_held_frac", "health/reference_unrewarded_frac"):
         return None
     return row["health/reference_held_frac"] >= limits.blame_share and row["health/reference_unrewarded_frac"] > 0.5
 
 
 def _entropy(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
-    return row["actor/entropy"] < limits.entropy_floor if _has(row, "actor/entropy") else None
+    return row["actor/entropy"] < limits.entropy_floor if has(row, "actor/entropy") else None
 
 
 def _drift(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
-    return row["rollout/logprob_gap_mean"] > limits.logprob_gap if _has(row, "rollout/logprob_gap_mean") else None
+    return row["rollout/logprob_gap_mean"] > limits.logprob_gap if has(row, "rollout/logprob_gap_mean") else None
 
 
 def _grad_norm(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
-    if not _has(row, "actor/grad_norm"):
+    if not has(row, "actor/grad_norm"):
         return None
     return row["actor/grad_norm"] > limits.grad_norm_factor * context.grad_clip
 
 
 def _zero_gradient(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
-    if not _has(row, "actor/grad_norm"):
+    if not has(row, "actor/grad_norm"):
         return None
     return row["actor/grad_norm"] == 0 and _some_advantage(row)
 
@@ -246,13 +153,13 @@ def _some_advantage(row: Row) -> bool:
     """Whether a row of the step had a nonzero advantage: read from the advantages' extremes where the row
     has them, since a step whose groups are all alike still forwards one row, with advantage 0, to check the
     weight sync (so ``actor/skipped_rows_frac`` is under 1 there and says nothing)."""
-    if _has(row, "critic/advantages/max", "critic/advantages/min"):
+    if has(row, "critic/advantages/max", "critic/advantages/min"):
         return row["critic/advantages/max"] != 0 or row["critic/advantages/min"] != 0
     return row.get("actor/skipped_rows_frac", 0.0) < 1
 
 
 def _dropped(row: Row, limits: HealthLimits, context: Context, past: HealthState) -> bool | None:
-    if not _has(row, "val/accuracy") or past.best_accuracy is None:
+    if not has(row, "val/accuracy") or past.best_accuracy is None:
         return None
     return past.best_accuracy - row["val/accuracy"] > limits.eval_drop
 
@@ -265,7 +172,7 @@ _HARDER = ("more samples per prompt (rollout.n, --samples-per-prompt), algorithm
 def _constant_line(row: Row, limits: HealthLimits, context: Context, past: HealthState, steps: int) -> str:
     if row["health/reward_spread"] == 0:
         seen = "every sample of the step got the same reward"
-    elif _has(row, "health/rule_spread"):
+    elif has(row, "health/rule_spread"):
         seen = (f"the task's reward gave every sample the same score (the rewards' spread of "
                 f"{row['health/reward_spread']:.3g} is the shaping's)")
     else:
@@ -335,66 +242,3 @@ SYMPTOMS: dict[str, Symptom] = {
         patience=lambda limits: 1),
 }
 """Every symptom the monitor knows, by the name its lines and ``health/*`` keys use."""
-
-
-@attrs.frozen
-class Event:
-    """Symptom ``symptom`` started (``started``) or cleared at ``step``; ``line`` is what the console shows."""
-
-    step: int
-    symptom: str
-    started: bool
-    line: str
-
-
-@attrs.frozen
-class Monitor:
-    """The monitor bound to its limits and to what its lines name."""
-
-    limits: HealthLimits = HealthLimits()
-    context: Context = Context()
-
-    def observe(self, state: HealthState, row: Mapping[str, Any]) -> tuple[HealthState, list[Event]]:
-        """The state after step ``row["step"]``'s row, and the symptoms that started or cleared there."""
-        step = int(row.get("step", 0))
-        held, absent, active, events = dict(state.held), dict(state.absent), set(state.active), []
-        for name, symptom in SYMPTOMS.items():
-            holds = symptom.holds(row, self.limits, self.context, state)
-            if holds is None:
-                continue
-            held[name], absent[name] = (held.get(name, 0) + 1, 0) if holds else (0, absent.get(name, 0) + 1)
-            patience = symptom.patience(self.limits)
-            if name not in active and held[name] >= patience:
-                active.add(name)
-                events.append(Event(step, name, True, f"health: step {step}: {name}: "
-                                    + symptom.line(row, self.limits, self.context, state, held[name])))
-            elif name in active and absent[name] >= patience:
-                active.discard(name)
-                events.append(Event(step, name, False, f"health: step {step}: {name} cleared"))
-        best = state.best_accuracy
-        if _has(row, "val/accuracy"):
-            best = row["val/accuracy"] if best is None else max(best, row["val/accuracy"])
-        opening = state.opening
-        if len(opening) < OPENING_STEPS and _has(row, "response_length/mean"):
-            opening = (*opening, float(row["response_length/mean"]))
-        learning, recent = state.opening_learning, state.recent
-        if (step_learning := _learning(row)) is not None:
-            if len(learning) < OPENING_STEPS:
-                learning = (*learning, (step_learning[0], step_learning[2]))
-            recent = (*recent, step_learning)[-(self.limits.stall_steps - 1):]
-        return HealthState(held, absent, frozenset(active), state.seen | {e.symptom for e in events if e.started},
-                           best, opening, learning, recent), events
-
-    def fold(self, rows: Iterable[Mapping[str, Any]]) -> tuple[HealthState, list[Event]]:
-        """The state after ``rows`` (a run's ``metrics.jsonl``, in order) and every event on the way."""
-        state, events = HealthState(), []
-        for row in rows:
-            state, new = self.observe(state, row)
-            events.extend(new)
-        return state, events
-
-
-def report(state: HealthState, events: list[Event], mode: str) -> dict[str, Any]:
-    """The summary's ``health``: the mode, the symptoms active at the end and every one seen, and each event."""
-    return {"mode": mode, "active": sorted(state.active), "seen": sorted(state.seen),
-            "events": [attrs.asdict(e) for e in events]}
