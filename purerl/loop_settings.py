@@ -3,6 +3,7 @@ one record, one default and one check per field. The job's ``trainer`` section i
 
 import attrs
 
+from purerl.setting_facts import MAY_CHANGE, WHERE, facts
 from purerl.validators import at_least, one_of
 
 __all__ = ["TrainerSettings"]
@@ -14,12 +15,12 @@ class TrainerSettings:
     once (exit status 1, naming the step and the last good checkpoint) when an update leaves non-finite
     weights."""
 
-    steps: int = attrs.field(default=45, validator=at_least(1))
+    steps: int = attrs.field(default=45, validator=at_least(1), metadata=facts(resume=MAY_CHANGE))
     """Training steps of the run (each samples ``data.prompts_per_step`` prompts and updates once or more)."""
-    eval_every: int = attrs.field(default=15, validator=at_least(0))
+    eval_every: int = attrs.field(default=15, validator=at_least(0), metadata=facts(resume=MAY_CHANGE))
     """Evaluate the held-out problems (greedy) after every this many steps; also before the first step and
     after the last (0: only then)."""
-    checkpoint_every: int = attrs.field(default=10, validator=at_least(0))
+    checkpoint_every: int = attrs.field(default=10, validator=at_least(0), metadata=facts(resume=MAY_CHANGE))
     """Checkpoint after every this many steps; the last step is always checkpointed (0: only then)."""
     keep_checkpoints: int = attrs.field(default=2, validator=at_least(1))
     """How many of the newest checkpoints stay on disk."""
@@ -33,22 +34,23 @@ class TrainerSettings:
     critic_warmup: int = attrs.field(default=0, validator=at_least(0))
     """The first steps train only the critic (PPO)."""
     log: tuple[str, ...] = attrs.field(default=(), validator=attrs.validators.deep_iterable(
-        one_of(("tensorboard", "wandb"), "logger")))
+        one_of(("tensorboard", "wandb"), "logger")), metadata=facts(resume=MAY_CHANGE))
     """Loggers besides ``metrics.jsonl``: ``tensorboard``, ``wandb``."""
-    threads: int = attrs.field(default=0, validator=at_least(0))
+    threads: int = attrs.field(default=0, validator=at_least(0), metadata=facts(resume=MAY_CHANGE, replay=WHERE))
     """torch's CPU threads (0: torch's default, recorded as resolved so a replay computes as the run did)."""
-    progress: bool = True
+    progress: bool = attrs.field(default=True, metadata=facts(resume=MAY_CHANGE))
     """Show a progress bar."""
-    samples_per_step: int = attrs.field(default=4, validator=at_least(0))
+    samples_per_step: int = attrs.field(default=4, validator=at_least(0), metadata=facts(resume=MAY_CHANGE))
     """Training samples a step writes to ``samples.jsonl`` (every held-out answer is written too)."""
-    sample_chars: int = attrs.field(default=1000, validator=at_least(1))
+    sample_chars: int = attrs.field(default=1000, validator=at_least(1), metadata=facts(resume=MAY_CHANGE))
     """Texts in ``samples.jsonl`` are cut to their last this many characters."""
-    records: bool = True
+    records: bool = attrs.field(default=True, metadata=facts(resume=MAY_CHANGE))
     """Write each step's batch (what its update consumed) to ``records/step_*`` (:mod:`purerl.io.records`;
     what ``python3 -m purerl.replay`` re-runs)."""
-    keep_records: int = attrs.field(default=0, validator=at_least(0))
+    keep_records: int = attrs.field(default=0, validator=at_least(0), metadata=facts(resume=MAY_CHANGE))
     """How many of the newest step records stay on disk (0: all)."""
-    health: str = attrs.field(default="warn", validator=one_of(("warn", "stop", "off"), "trainer.health"))
+    health: str = attrs.field(default="warn", validator=one_of(("warn", "stop", "off"), "trainer.health"),
+                              metadata=facts(resume=MAY_CHANGE))
     """What the run-health monitor does with a symptom (its thresholds: the ``health`` section): ``warn``
     prints one line when a symptom starts and one when it clears (and writes ``health/*`` into
     ``metrics.jsonl`` and ``summary.json``), ``stop`` also ends the run at the first one (exit status 1,

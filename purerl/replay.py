@@ -52,7 +52,7 @@ from purerl.run_compare import HEADLINE, CompareError, as_written, compare
 from purerl.stop_rule import StopLimits, fold, observe
 from purerl.tree import tree_equal, tree_leaves, tree_map
 
-__all__ = ["HEADLINE", "REPLAYABLE", "ReplayError", "ReplayStopped", "compare", "parser", "replay"]
+__all__ = ["HEADLINE", "REPLAYABLE", "ReplayError", "ReplayStopped", "Replayed", "compare", "parser", "replay"]
 
 RTOL, ATOL = 1e-3, 1e-6
 _NOT_COMPARED = re.compile(r"^(timing|perf)/")
@@ -72,11 +72,25 @@ class ReplayStopped(ReplayError):
         self.step = step
 
 
+@attrs.define
+class Replayed:
+    """What a replay found: the ``steps`` replayed and each one's ``metrics``; ``mismatches``, each ``(step, key,
+    replayed, recorded)``; ``state_equal``, whether the state after the last step equals the run's checkpoint
+    of it (None: not compared); ``unchecked``, the steps the run's metrics lack; ``why``, why the comparison
+    is within a tolerance (empty: bit for bit)."""
+
+    steps: list[int] = attrs.field(factory=list)
+    metrics: list[dict[str, Any]] = attrs.field(factory=list)
+    mismatches: list[tuple[int, str, Any, Any]] = attrs.field(factory=list)
+    state_equal: bool | None = None
+    unchecked: list[int] = attrs.field(factory=list)
+    why: list[str] = attrs.field(factory=list)
+
+
 def replay(run_dir: str | Path, *, from_step: int = 0, to_step: int | None = None,
-           settings: dict[str, Any] | None = None, out: Any = print) -> dict[str, Any]:
+           settings: dict[str, Any] | None = None, out: Any = print) -> Replayed:
     """Re-run steps ``from_step + 1 … to_step`` (default: the last recorded) of the run in ``run_dir``
-    on its records, under ``settings`` (flat ``section.key`` values; none: check against the run).
-    Returns ``{"steps": [...], "metrics": [...], "mismatches": [...], "state_equal": bool | None}``."""
+    on its records, under ``settings`` (flat ``section.key`` values; none: check against the run)."""
     run_dir, settings = Path(run_dir), dict(settings or {})
     holder = held_by(run_dir)
     if holder is not None:
@@ -92,13 +106,13 @@ def replay(run_dir: str | Path, *, from_step: int = 0, to_step: int | None = Non
     if config.trainer.threads:  # as the run computed: a CPU's sums split by thread count
         torch.set_num_threads(config.trainer.threads)
     try:
-        return {**_replay(run_dir, config, from_step, to_step, counterfactual, out, exact=not why), "why": why}
+        return attrs.evolve(_replay(run_dir, config, from_step, to_step, counterfactual, out, exact=not why), why=why)
     finally:
         torch.set_num_threads(threads)
 
 
 def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | None, settings: dict[str, Any],
-            out: Any, *, exact: bool = True) -> dict[str, Any]:
+            out: Any, *, exact: bool = True) -> Replayed:
     folder = RunLayout(run_dir).replay(_label(settings) + (f",from-step={from_step}" if from_step else "")
                                        + (f",to-step={to_step}" if to_step is not None else ""))
     to_step = _steps_recorded(run_dir, from_step, to_step)
@@ -119,7 +133,7 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
     log = None if not settings else MetricsLog(folder)  # a range of its own: another range never overwrites it
     if log is not None:
         log.clear()
-    results: dict[str, Any] = {"steps": [], "metrics": [], "mismatches": [], "state_equal": None, "unchecked": []}
+    results = Replayed()
     limits = StopLimits(config.trainer.max_rejected_steps, config.trainer.max_failed_reward_steps)
     streaks = fold(limits, (recorded[s] for s in sorted(recorded) if s <= from_step))  # the run's, at the start
     for step in range(from_step + 1, to_step + 1):
@@ -129,8 +143,8 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
             state, metrics = step_fn(attrs.evolve(state, data=cursor), rollout, rewards, **effects)
         except ValueError as err:
             raise ReplayError(f"replay: step {step} cannot be re-stepped under these settings: {err}") from None
-        results["steps"].append(step)
-        results["metrics"].append(metrics)
+        results.steps.append(step)
+        results.metrics.append(metrics)
         # the rule reads the step's scoring as the run recorded it (no reward call is made again)
         scored = {k: v for k, v in recorded.get(step, {}).items() if k.startswith("reward/")}
         streaks, verdict = observe(limits, streaks, step, {**scored, **metrics})
@@ -148,9 +162,9 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
         if stop is not None:  # the run stopped here too: its records end at this step
             out(f"step {step}: {stop.reason}: the run stopped at this step")
         compared, differing = _compare(metrics, recorded.get(step, {}), exact=exact)
-        results["mismatches"] += [(step, *d) for d in differing]
+        results.mismatches += [(step, *d) for d in differing]
         if not compared:
-            results["unchecked"].append(step)
+            results.unchecked.append(step)
             out(f"step {step}: NOT CHECKED: {RunLayout(run_dir).metrics} has no metrics of this step (the run "
                 "ended, or its file was cut, before it)")
             continue
@@ -171,8 +185,8 @@ def _replay(run_dir: Path, config: JobConfig, from_step: int, to_step: int | Non
             saved = load_checkpoint(checkpoint, state, verify_hash=False)
         except CheckpointError as err:
             raise ReplayError(f"replay: {err}") from None
-        results["state_equal"] = tree_equal(state, saved) if exact else _tree_close(state, saved)
-        out(f"the state after step {to_step} {'equals' if results['state_equal'] else 'DIFFERS FROM'} "
+        results.state_equal = tree_equal(state, saved) if exact else _tree_close(state, saved)
+        out(f"the state after step {to_step} {'equals' if results.state_equal else 'DIFFERS FROM'} "
             f"{checkpoint} " + ("bit for bit" if exact else f"within rtol {RTOL:g}"))
     else:
         out(f"the state after step {to_step} was not compared: the run kept no checkpoint of that step")
@@ -204,11 +218,11 @@ def _tree_close(a: Any, b: Any) -> bool:
     return True
 
 
-def _print_effect(results: dict[str, Any], recorded: dict[int, dict[str, Any]], out: Any) -> None:
+def _print_effect(results: Replayed, recorded: dict[int, dict[str, Any]], out: Any) -> None:
     """What a counterfactual changed: each headline metric's mean over the replayed steps, run → replay."""
-    steps = results["steps"]
+    steps = results.steps
     for key in HEADLINE:
-        pairs = [(recorded[s][key], m[key]) for s, m in zip(steps, results["metrics"])
+        pairs = [(recorded[s][key], m[key]) for s, m in zip(steps, results.metrics)
                  if key in m and isinstance(recorded.get(s, {}).get(key), (int, float))]
         if pairs:
             run, new = (sum(p[i] for p in pairs) / len(pairs) for i in (0, 1))
@@ -327,18 +341,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if any(k not in WHERE for k in settings):
         return 0
-    bad = len(result["mismatches"]) + (result["state_equal"] is False) + len(result["unchecked"])
-    span = f"replayed steps {result['steps'][0]}-{result['steps'][-1]}: "
+    bad = len(result.mismatches) + (result.state_equal is False) + len(result.unchecked)
+    span = f"replayed steps {result.steps[0]}-{result.steps[-1]}: "
     if bad:
         print(span + ", ".join(filter(None, [
-            f"{len(result['mismatches'])} metrics differ" if result["mismatches"] else "",
-            "the state differs" if result["state_equal"] is False else "",
-            f"{len(result['unchecked'])} steps had no recorded metrics" if result["unchecked"] else ""])))
+            f"{len(result.mismatches)} metrics differ" if result.mismatches else "",
+            "the state differs" if result.state_equal is False else "",
+            f"{len(result.unchecked)} steps had no recorded metrics" if result.unchecked else ""])))
         return 1
-    exact = not result["why"]
+    exact = not result.why
     what = "bit for bit" if exact else "within tolerance"
-    print(span + (f"every metric and the state {what}" if result["state_equal"] else
-                  f"every metric {what}; the state was not compared (no checkpoint of step {result['steps'][-1]})"))
+    print(span + (f"every metric and the state {what}" if result.state_equal else
+                  f"every metric {what}; the state was not compared (no checkpoint of step {result.steps[-1]})"))
     return 0
 
 

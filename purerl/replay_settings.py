@@ -16,15 +16,15 @@ from purerl.config.job import JobConfig
 from purerl.config.loading import ConfigError, build, flatten, merge, nest
 from purerl.config.rules import resolve
 from purerl.io.layout import RunLayout
+from purerl.setting_facts import COUNTERFACTUAL, SAMPLES, STATE, fact_of, keys_where, sections_where
+from purerl.setting_facts import WHERE as WHERE_FACT
 
 __all__ = ["REPLAYABLE", "WHERE", "SettingsRefused", "replay_config", "same_setting"]
 
-REPLAYABLE = ("algorithm.", "actor.", "critic.", "distill.")
-"""Settings a counterfactual may change: how the batch is turned into an update."""
-_SHAPES_STATE = ("actor.lora_rank", "actor.lora_alpha", "actor.lora_targets", "distill.teacher")
-_SAMPLES = ("algorithm.dynamic_sampling", "algorithm.max_sampling_rounds")
-"""Algorithm settings that decide what is sampled, not how it is learned from."""
-WHERE = ("trainer.threads", "model.device")
+REPLAYABLE = tuple(f"{name}." for name in sections_where(JobConfig, "replay", COUNTERFACTUAL))
+"""The sections a counterfactual may change (how the batch is turned into an update), each key of them but
+those that say otherwise (:mod:`purerl.setting_facts`)."""
+WHERE = tuple(keys_where(JobConfig, "replay", WHERE_FACT))
 """Settings of where a check replays, not of what: bits may then differ, so it compares within a tolerance."""
 
 
@@ -46,11 +46,11 @@ def replay_config(run_dir: Path, settings: dict[str, Any]) -> tuple[JobConfig, l
     for key, value in settings.items():
         if key in WHERE:
             continue
-        if not key.startswith(REPLAYABLE) or key in _SHAPES_STATE or key in _SAMPLES:
+        if fact_of(JobConfig, key, "replay") != COUNTERFACTUAL:
+            refused = keys_where(JobConfig, "replay", SAMPLES) + keys_where(JobConfig, "replay", STATE)
             raise SettingsRefused(f"replay: {key} would change what the run sampled, scored or holds; a replay "
                                   f"re-steps the recorded batches and may change only "
-                                  f"{', '.join(k + '*' for k in REPLAYABLE)} "
-                                  f"(except {', '.join((*_SHAPES_STATE, *_SAMPLES))})")
+                                  f"{', '.join(k + '*' for k in REPLAYABLE)} (except {', '.join(refused)})")
         if key in flat and same_setting(flat[key], value):
             raise SettingsRefused(f"replay: {key}={value} is the run's own setting: nothing would change")
     try:

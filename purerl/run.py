@@ -55,18 +55,13 @@ from purerl.models import CausalLM, smollm2_gguf
 from purerl.models.hf import export_hf
 from purerl.models.lora import export_peft
 from purerl.rollout.engine import make_engine
+from purerl.setting_facts import MAY_CHANGE, keys_where
 from purerl.state import TrainState
 
 __all__ = ["MAY_CHANGE_ON_RESUME", "run"]
 
-MAY_CHANGE_ON_RESUME = {"trainer.steps", "trainer.eval_every", "trainer.checkpoint_every", "trainer.log",
-                        "trainer.progress", "trainer.threads", "trainer.samples_per_step", "trainer.sample_chars",
-                        "trainer.records", "trainer.keep_records", "trainer.health", "health",
-                        "actor.lr", "actor.warmup_steps", "actor.min_lr_ratio", "critic.lr",
-                        "model.device", "actor.micro_batch_rows",
-                        "actor.offload_params", "actor.offload_optimizer",
-                        "rollout.engine_options", "executor"}
-"""Settings a resumed run may change (a section name covers its keys); all others must equal the
+MAY_CHANGE_ON_RESUME = frozenset(keys_where(JobConfig, "resume", MAY_CHANGE))
+"""Settings a resumed run may change (each says so: :mod:`purerl.setting_facts`); all others must equal the
 run's ``config.json``."""
 
 
@@ -152,17 +147,16 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
             save_run_config(run_dir, to_dict(chosen))
             return chosen
 
-        summary = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop, phases,
+        trained = _train_and_evaluate(config, run_dir, resume, executor, state, train_task, eval_task, stop, phases,
                                       choose)
-        config, state = summary.pop("_config"), summary.pop("_state")
+        config, summary = trained.config, trained.summary
         recorded = to_dict(config)
         with _timed(phases, "export"):
-            policy = executor.full_state(state).policy
+            policy = executor.full_state(trained.state).policy
             export = export_hf(model, policy, layout.export, tokenizer)
             adapter = {}
             if model.lora is not None:
-                base = str(config.model.path or ("tiny" if config.model.tiny else smollm2_gguf()))
-                adapter = {"adapter": str(export_peft(model, policy, layout.adapter, base_model=base))}
+                adapter = {"adapter": str(export_peft(model, policy, layout.adapter, base_model=model_name(config)))}
     wall = time.time() - wall_start
     phases["other"] = wall - sum(phases.values())
     print("wall " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + f": {wall:.1f} s", flush=True)
@@ -227,14 +221,28 @@ def _baseline_problems(path: Path) -> int:
     return problems if isinstance(problems, int) else 0
 
 
+def model_name(config: JobConfig) -> str:
+    """The policy as the summary and a LoRA adapter's card name it: ``tiny``, its path, or the default GGUF's."""
+    return "tiny" if config.model.tiny else str(config.model.path or smollm2_gguf())
+
+
+@attrs.frozen(eq=False)
+class Trained:
+    """What training gives the run: the final (driver's) ``state``, the ``config`` it trained with (the start's
+    choice may have changed it) and the ``summary`` so far (the metrics' records under ``records``)."""
+
+    state: TrainState
+    config: JobConfig
+    summary: dict[str, Any]
+
+
 def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor: Executor, state: TrainState,
                         train_task: Task, eval_task: Task, stop: threading.Event | None,
                         phases: dict[str, float],
-                        choose: Callable[[float], JobConfig | None]) -> dict[str, Any]:
+                        choose: Callable[[float], JobConfig | None]) -> Trained:
     """Baseline evaluation (or resume), the start's choice (``choose``: a config to train with instead, given
-    the step-0 accuracy), training, final evaluation; the summary, with the final (driver's) state and the
-    config trained with under ``_state`` and ``_config``. Adds the
-    seconds of the executor's start, the evaluations and the training (evaluations left out) to ``phases``."""
+    the step-0 accuracy), training, final evaluation. Adds the seconds of the executor's start, the evaluations
+    and the training (evaluations left out) to ``phases``."""
     log = MetricsLog(run_dir, tuple(config.trainer.log), config=to_dict(config))
 
     def evaluate_on_engine(state: TrainState) -> dict[str, Any]:
@@ -315,13 +323,13 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
     if report is not None:
         histogram = {str(k): v for k, v in report["staleness_histogram"].items()}
         async_report = {"async": {**report, "staleness_histogram": histogram}}
-    return {"model": "tiny" if config.model.tiny else str(config.model.path or smollm2_gguf()),
-            "algorithm": config.algorithm.adv_estimator, "policy_loss": config.actor.policy_loss,
-            "steps": state.step, "eval_problems": len(eval_task.records), "accuracy_before": before,
-            "accuracy_after": after, "accuracy_gain_points": gain,
-            "strict_accuracy_after": final.get("val/strict_accuracy"),
-            "final_evaluation": {k: v for k, v in final.items() if k.startswith("val/")}, **async_report,
-            "health": {"mode": "off"} if config.trainer.health == "off" else health_report(
-                *health.fold(records), config.trainer.health),
-            "records": records,
-            "_state": state, "_config": config}
+    return Trained(state, config, {
+        "model": model_name(config),
+        "algorithm": config.algorithm.adv_estimator, "policy_loss": config.actor.policy_loss,
+        "steps": state.step, "eval_problems": len(eval_task.records), "accuracy_before": before,
+        "accuracy_after": after, "accuracy_gain_points": gain,
+        "strict_accuracy_after": final.get("val/strict_accuracy"),
+        "final_evaluation": {k: v for k, v in final.items() if k.startswith("val/")}, **async_report,
+        "health": {"mode": "off"} if config.trainer.health == "off" else health_report(
+            *health.fold(records), config.trainer.health),
+        "records": records})

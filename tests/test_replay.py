@@ -39,9 +39,9 @@ def test_every_step_is_recorded_small_beside_a_checkpoint(grpo_run):
 def test_a_run_replays_bit_for_bit_from_the_start_and_from_a_checkpoint(grpo_run, start):
     out, _ = grpo_run
     result = replay(out, from_step=start, out=lambda line: None)
-    assert result["steps"] == list(range(start + 1, 7))
-    assert result["mismatches"] == [] and result["state_equal"] is True
-    assert all(len(m) > 10 for m in result["metrics"])
+    assert result.steps == list(range(start + 1, 7))
+    assert result.mismatches == [] and result.state_equal is True
+    assert all(len(m) > 10 for m in result.metrics)
 
 
 @pytest.mark.parametrize("recipe", ["ppo_gae.toml", "remax.toml", "dapo.toml"])
@@ -53,9 +53,9 @@ def test_ppo_with_a_critic_and_the_recipes_that_generate_more_replay_bit_for_bit
     run_job([*TINY, "--config", str(ROOT / "examples" / recipe), *fits, "--out-dir", str(out)])
     for start in (0, 3):
         result = replay(out, from_step=start, out=lambda line: None)
-        assert result["mismatches"] == [] and result["state_equal"] is True
+        assert result.mismatches == [] and result.state_equal is True
     if recipe == "ppo_gae.toml":
-        assert any(key.startswith("critic/vf_loss") for key in result["metrics"][0])
+        assert any(key.startswith("critic/vf_loss") for key in result.metrics[0])
     if recipe == "remax.toml":
         assert load_record(out, 1)[1].baselines is not None
 
@@ -69,7 +69,7 @@ def test_a_counterfactual_estimator_gives_the_update_of_its_step_called_on_the_r
     rollout, rewards, cursor = load_record(out, 1)
     state = attrs.evolve(initial_state(config, params, critic_params), data=cursor)
     _, metrics = step_function(config)(state, rollout, rewards, policy=model, value_and_grad=value_and_grad)
-    assert result["metrics"][0] == metrics
+    assert result.metrics[0] == metrics
     assert (out / "replays" / "algorithm.adv_estimator=rloo,to-step=1" / "metrics.jsonl").exists()
 
 
@@ -114,7 +114,7 @@ def test_a_resumed_run_records_its_steps_anew_and_replays_bit_for_bit(tmp_path):
     run_job([*TINY[:-4], *constant, "--steps", "4", "--checkpoint-every", "3", "--out-dir", str(copy), "--resume"])
     assert sorted(p.name for p in (copy / "records").iterdir())[-1] == "step_00000004"
     result = replay(copy, out=lambda line: None)
-    assert result["steps"] == [1, 2, 3, 4] and result["mismatches"] == [] and result["state_equal"] is True
+    assert result.steps == [1, 2, 3, 4] and result.mismatches == [] and result.state_equal is True
 
 
 def test_compare_prints_per_step_differences_and_draws_one_plot(grpo_run, tmp_path, capsys):
@@ -142,7 +142,7 @@ def test_an_asynchronous_run_replays_bit_for_bit_in_the_order_it_took_its_batche
     assert any(step - 1 - version == 1 for step, version in zip(range(1, 7), versions))  # stale batches trained
     for start in (0, 3):
         result = replay(out, from_step=start, out=lambda line: None)
-        assert result["mismatches"] == [] and result["state_equal"] is True
+        assert result.mismatches == [] and result.state_equal is True
 
 
 def _copy(out, tmp_path):
@@ -332,7 +332,7 @@ def test_a_run_and_its_replay_stop_at_the_same_step_for_the_same_reason(tmp_path
     step = int(re.match(r"step (\d+): ", str(stopped.value)).group(1))
     printed = []
     result = replay(out, out=printed.append)
-    assert result["steps"][-1] == step
+    assert result.steps[-1] == step
     said = [line for line in printed if line.startswith(f"step {step}: ") and "the run stopped at this step" in line]
     assert len(said) == 1, printed
     reason = said[0].removeprefix(f"step {step}: ").removesuffix(": the run stopped at this step")

@@ -27,6 +27,8 @@ settings an estimator or loss reads are fields named like its keyword parameters
 and ``key=value`` overrides.
 """
 
+import attrs
+
 from purerl.config.execution import PLACEMENTS, AsyncConfig, ExecutorConfig
 from purerl.config.loading import section
 from purerl.config.sections import (
@@ -44,6 +46,7 @@ from purerl.config.sections import (
     RolloutConfig,
     TrainerConfig,
 )
+from purerl.setting_facts import COUNTERFACTUAL, MAY_CHANGE, facts
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "AsyncConfig", "CriticConfig", "DataConfig", "DistillConfig",
            "EnvConfig", "ExecutorConfig", "HealthConfig", "JobConfig", "KLControlConfig", "LossOptions", "ModelConfig",
@@ -58,13 +61,13 @@ class JobConfig:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
-    algorithm: AlgorithmConfig = AlgorithmConfig()
-    actor: ActorConfig = ActorConfig()
-    critic: CriticConfig = CriticConfig()
-    distill: DistillConfig = DistillConfig()
+    algorithm: AlgorithmConfig = attrs.field(default=AlgorithmConfig(), metadata=facts(replay=COUNTERFACTUAL))
+    actor: ActorConfig = attrs.field(default=ActorConfig(), metadata=facts(replay=COUNTERFACTUAL))
+    critic: CriticConfig = attrs.field(default=CriticConfig(), metadata=facts(replay=COUNTERFACTUAL))
+    distill: DistillConfig = attrs.field(default=DistillConfig(), metadata=facts(replay=COUNTERFACTUAL))
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
-    health: HealthConfig = HealthConfig()
-    executor: ExecutorConfig = ExecutorConfig()
+    health: HealthConfig = attrs.field(default=HealthConfig(), metadata=facts(resume=MAY_CHANGE))
+    executor: ExecutorConfig = attrs.field(default=ExecutorConfig(), metadata=facts(resume=MAY_CHANGE))
     asynchronous: AsyncConfig = AsyncConfig()
     env: EnvConfig = EnvConfig()

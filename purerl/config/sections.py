@@ -28,6 +28,7 @@ from purerl.rewards.mix_settings import RewardMix
 from purerl.rewards.verdicts import DEFAULT_JUDGE_PROMPT, DEFAULT_VERDICT_PATTERN
 from purerl.rollout.engines import ENGINES
 from purerl.rollout.sampling_params import SamplingParams
+from purerl.setting_facts import MAY_CHANGE, SAMPLES, STATE, WHERE, facts
 from purerl.validators import at_least, in_range, positive
 
 __all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "DistillConfig", "EnvConfig", "HealthConfig",
@@ -46,7 +47,7 @@ class ModelConfig:
     dtype: str = attrs.field(default="float32", validator=one_of(("float32", "bfloat16"), "dtype"))
     """What forwards, backwards and the engine compute in, over float32 master weights (``bfloat16``:
     mixed precision)."""
-    device: str = "auto"
+    device: str = attrs.field(default="auto", metadata=facts(resume=MAY_CHANGE, replay=WHERE))
     """``cpu``, ``cuda``, ``cuda:1``, …; ``auto`` is the GPU when there is one."""
 
 
@@ -91,7 +92,7 @@ class RolloutConfig(SamplingParams):
     engine: str = attrs.field(default="torch", validator=one_of(ENGINES, "rollout engine"))
     """The rollout engine (:data:`~purerl.rollout.engines.ENGINES`): ``torch`` (embedded: batched
     prefill and KV-cache decoding) or ``vllm`` (needs vLLM installed)."""
-    engine_options: dict[str, Any] = attrs.field(factory=dict)
+    engine_options: dict[str, Any] = attrs.field(factory=dict, metadata=facts(resume=MAY_CHANGE))
     """The backend's keyword arguments (e.g. ``gpu_memory_utilization`` for vllm, ``cuda_graphs`` for torch)."""
     cold_n: int = attrs.field(default=8, validator=at_least(0))
     """Samples per prompt on a task the model cannot solve yet: where the held-out greedy accuracy at step 0 is
@@ -141,10 +142,10 @@ class AlgorithmConfig(AdvantageSettings):
     else ``none``)."""
     correction_cap: float = attrs.field(default=2.0, validator=positive)
     """The largest importance weight of ``rollout_correction``."""
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = attrs.field(default=False, metadata=facts(replay=SAMPLES))
     """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the
     step has ``data.prompts_per_step`` groups (needs an estimator that compares a prompt's samples)."""
-    max_sampling_rounds: int = attrs.field(default=4, validator=at_least(1))
+    max_sampling_rounds: int = attrs.field(default=4, validator=at_least(1), metadata=facts(replay=SAMPLES))
     """At most this many rounds of prompts per step under ``dynamic_sampling``; then the step trains on the
     groups it has (the last round's when none had varied rewards)."""
 
@@ -167,11 +168,11 @@ class ActorConfig(PolicyLossSettings):
     :class:`~purerl.algo.loss_settings.PolicyLossSettings`; the loss is bound to this section as it is),
     the optimizer, the entropy bonus and the KL loss, batching, LoRA and offloading."""
 
-    lr: float = attrs.field(default=2e-5, validator=positive)
+    lr: float = attrs.field(default=2e-5, validator=positive, metadata=facts(resume=MAY_CHANGE))
     """The peak learning rate of AdamW's warm-up cosine schedule (LoRA wants about 10× full fine-tuning's)."""
-    warmup_steps: int = attrs.field(default=2, validator=at_least(0))
+    warmup_steps: int = attrs.field(default=2, validator=at_least(0), metadata=facts(resume=MAY_CHANGE))
     """Steps of linear warm-up from 0 to ``lr`` (at most ``trainer.steps − 1``)."""
-    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(0, 1))
+    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(0, 1), metadata=facts(resume=MAY_CHANGE))
     """Where the cosine decay ends at ``trainer.steps``, as a fraction of the peak (the critic's schedule too)."""
     weight_decay: float = attrs.field(default=0.0, validator=at_least(0))
     """AdamW's decoupled weight decay (the critic's optimizer too)."""
@@ -189,7 +190,7 @@ class ActorConfig(PolicyLossSettings):
     """Shuffled passes over each step's batch."""
     mini_batch_rows: int | None = attrs.field(default=None, validator=at_least(1))
     """Rows per optimizer step within an epoch (None: the whole batch, one optimizer step per epoch)."""
-    micro_batch_rows: int = attrs.field(default=8, validator=at_least(1))
+    micro_batch_rows: int = attrs.field(default=8, validator=at_least(1), metadata=facts(resume=MAY_CHANGE))
     """Rows per forward and backward (gradients accumulate over a mini-batch's micro-batches)."""
     recompute_old_logprobs: bool | None = None
     """Compute the old log-probs with a forward of the policy rather than take the engine's (None: whenever
@@ -218,17 +219,18 @@ class ActorConfig(PolicyLossSettings):
     GPU's choice for models of ~0.5 B and up, see BENCHMARKS). The first steps pay the compilation: three
     times, as the rows' lengths and counts vary, then never again. FSDP2 ranks (the Ray executor's training
     ranks) run their HF modules eagerly."""
-    lora_rank: int = attrs.field(default=0, validator=at_least(0))
+    lora_rank: int = attrs.field(default=0, validator=at_least(0), metadata=facts(replay=STATE))
     """> 0: train LoRA adapters of this rank on the ``lora_targets`` layers instead of every weight; the
     reference is then the base itself (0: full fine-tuning)."""
-    lora_alpha: float = attrs.field(default=32.0, validator=positive)
+    lora_alpha: float = attrs.field(default=32.0, validator=positive, metadata=facts(replay=STATE))
     """LoRA's alpha: the adapters scale by ``lora_alpha / lora_rank``."""
-    lora_targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=tuple, validator=_targets)
+    lora_targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=tuple, validator=_targets,
+                                                metadata=facts(replay=STATE))
     """The names of the linear layers that get adapters."""
-    offload_params: bool = False
+    offload_params: bool = attrs.field(default=False, metadata=facts(resume=MAY_CHANGE))
     """Under FSDP2 (the Ray executor): the sharded params (policy and reference) wait in host memory between
     uses (a no-op on a CPU)."""
-    offload_optimizer: bool = False
+    offload_optimizer: bool = attrs.field(default=False, metadata=facts(resume=MAY_CHANGE))
     """Under FSDP2 (the Ray executor): the sharded optimizer state waits in host memory between uses (a no-op
     on a CPU)."""
 
@@ -246,7 +248,7 @@ class CriticConfig:
     model: str | None = None
     """A local HF model folder whose base model gets the value head (None: a value head on a copy of the
     policy's backbone). The head starts at zero."""
-    lr: float = attrs.field(default=1e-5, validator=positive)
+    lr: float = attrs.field(default=1e-5, validator=positive, metadata=facts(resume=MAY_CHANGE))
     """The critic's peak learning rate."""
     warmup_steps: int = attrs.field(default=0, validator=at_least(0))
     """Steps of linear warm-up of the critic's learning rate."""
@@ -264,7 +266,7 @@ class DistillConfig:
     """On-policy distillation (:mod:`purerl.algo.distill`): a frozen teacher scores the policy's own
     samples, as an advantage, a loss term, or both."""
 
-    teacher: str | None = None
+    teacher: str | None = attrs.field(default=None, metadata=facts(replay=STATE))
     """The teacher: a local HF folder or ``.gguf`` sharing the policy's tokenizer (None: no distillation)."""
     coef: float = attrs.field(default=1.0, validator=at_least(0))
     """Weight of the teacher's per-token reverse-KL advantage ``log π_T − log π_old``."""
