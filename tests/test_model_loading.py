@@ -1,4 +1,4 @@
-"""A model a user brings is loaded or refused honestly, by ``python3 -m purerl.models.check``, the main job
+"""A model a user brings is loaded or refused honestly, by ``python3 -m purerl.model_check``, the main job
 and ``python3 -m purerl.tinker`` alike (they load through :func:`purerl.models.hf.load_causal_lm`):
 
 - a standard Qwen3-MoE at a trained model's logit scale is accepted, though a later token changes the
@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig, Qwen3MoeConfig
 
-from purerl.models.check import main as check_main
+from purerl.model_check import main as check_main
 from purerl.models.families import FAMILIES
 from purerl.models.hf import causal_lm_from_config, export_hf, load_causal_lm, smollm2_gguf
 from purerl.tinker.__main__ import main as tinker_main
@@ -158,4 +158,4 @@ def test_flags_the_check_cannot_honour_are_named_in_one_line(tmp_path, capsys):
     for flags, line in cases:
         assert check_main([str(folder), *flags]) == 2, flags
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith(f"purerl.models.check: {line}"), (flags, err)
+        assert len(err) == 1 and err[0].startswith(f"purerl.model_check: {line}"), (flags, err)

@@ -1,4 +1,4 @@
-"""``python3 -m purerl.models.check``: one line per fact about a saved model, exit 0 when the lean
+"""``python3 -m purerl.model_check``: one line per fact about a saved model, exit 0 when the lean
 family computes what the HF module does (or none computes it), 1 on a mismatch, 2 for a path that
 holds no model."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from purerl.models.check import main, training_bytes
+from purerl.model_check import main, training_bytes
 from purerl.models.families import FAMILIES
 from purerl.models.hf import export_hf
 from purerl.tiny import tiny_causal_lm
@@ -58,7 +58,7 @@ def test_a_path_holding_no_model_exits_2_with_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     for path in (tmp_path / "missing", tmp_path / "empty", broken):
         status, lines, err = _run([path], capsys)
-        assert status == 2 and len(err) == 1 and err[0].startswith(f"purerl.models.check: {path}"), (path, err)
+        assert status == 2 and len(err) == 1 and err[0].startswith(f"purerl.model_check: {path}"), (path, err)
 
 
 def test_a_lean_forward_that_differs_from_the_module_exits_1(tmp_path, capsys, monkeypatch):
@@ -79,7 +79,22 @@ def test_the_training_memory_estimate_counts_16_bytes_a_parameter_and_2_for_a_bf
 @pytest.mark.slow
 def test_the_module_runs_as_a_command(tmp_path):
     folder = _saved(CONFIGS["qwen3"](2, True, False), tmp_path / "qwen3")
-    done = subprocess.run([sys.executable, "-m", "purerl.models.check", str(folder), "--dtype", "bfloat16"],
+    done = subprocess.run([sys.executable, "-m", "purerl.model_check", str(folder), "--dtype", "bfloat16"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert [line.split(":")[0] for line in done.stdout.splitlines()] == [f[:-1] for f in FACTS]
+
+
+def test_one_lookup_gives_every_engine_its_end_and_padding_ids():
+    """:func:`purerl.models.special_ids.special_ids`, which the main job, the Tinker server and the check share."""
+    from types import SimpleNamespace
+
+    from purerl.models.special_ids import special_ids
+
+    config = SimpleNamespace(eos_token_id=[7, 2], pad_token_id=None)
+    tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=None)
+    ids = special_ids(config, tokenizer)
+    assert ids.eos == (2, 7) and ids.pad == 2  # the tokenizer's EOS pads where it has no pad
+    assert special_ids(SimpleNamespace(eos_token_id=5, pad_token_id=9)).pad == 9  # no tokenizer: the config's
+    assert special_ids(SimpleNamespace(eos_token_id=None, pad_token_id=None)).eos == ()
+    assert special_ids(SimpleNamespace(eos_token_id=None, pad_token_id=None)).pad == 0

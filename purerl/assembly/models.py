@@ -26,6 +26,7 @@ from purerl.models.families import computed_by
 from purerl.models.families.moe import has_experts
 from purerl.models.gguf_cache import gguf_as_folder
 from purerl.models.lora import LoraSpec, apply_lora
+from purerl.models.special_ids import special_ids
 from purerl.rewards.judge import Judge, JudgeSettings
 from purerl.rollout.engine import make_engine
 from purerl.state import TrainState
@@ -205,8 +206,6 @@ def initial_state(config: JobConfig, params: Params, critic_params: Params | Non
 def engine_options(config: JobConfig, model: CausalLM, tokenizer: Any) -> dict[str, Any]:
     """The rollout engine's keyword arguments: end-of-sequence and padding ids, ``decode``, and
     ``rollout.engine_options``."""
-    eos_id = model.config.eos_token_id
-    eos = {tokenizer.eos_token_id, *([eos_id] if isinstance(eos_id, int) else (eos_id or []))}
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return dict(eos_token_ids=sorted(e for e in eos if e is not None), pad_token_id=pad, decode=decoder_of(tokenizer),
+    ids = special_ids(model.config, tokenizer)
+    return dict(eos_token_ids=list(ids.eos), pad_token_id=ids.pad, decode=decoder_of(tokenizer),
                 **config.rollout.engine_options)

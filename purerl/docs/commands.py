@@ -1,6 +1,6 @@
 """Every command's flags, read from its argparse parser (built, never run): the experiment scripts
 (the job's command line, :func:`purerl.config.command_line.job_parser`), ``python3 -m purerl.report``,
-``python3 -m purerl.replay``, ``python3 -m purerl.tinker``, ``python3 -m purerl.models.check`` and
+``python3 -m purerl.replay``, ``python3 -m purerl.tinker``, ``python3 -m purerl.model_check`` and
 ``bench/seeds.py``. Each exposes a ``parser()`` function; a script is loaded from its file under a name
 that is not ``__main__``, so nothing of it runs. The scripts are files of a checkout, not of the installed
 package: the flags page is built from a clone (an installed package raises :class:`CheckoutMissing`,
@@ -41,7 +41,7 @@ COMMANDS = (
     Command("python3 -m purerl.report", module="purerl.report"),
     Command("python3 -m purerl.replay", module="purerl.replay"),
     Command("python3 -m purerl.tinker", module="purerl.tinker.__main__"),
-    Command("python3 -m purerl.models.check", module="purerl.models.check"),
+    Command("python3 -m purerl.model_check", module="purerl.model_check"),
     Command("python3 bench/seeds.py", script="bench/seeds.py"),
 )
 """The commands whose flags the site documents."""

@@ -23,6 +23,7 @@ import torch
 from tinker import types
 
 from purerl.models import CausalLM, Params
+from purerl.models.special_ids import special_ids
 from purerl.tinker import runs, wire
 from purerl.tinker.futures import Batched
 from purerl.tinker.limits import Limits
@@ -68,10 +69,9 @@ class Service:
         self.device, self.lora_alpha, self.limits, self.store = device, lora_alpha, limits, Store(store)
         self.vocab = int(base.config.vocab_size)
         self.context = int(getattr(base.config, "max_position_embeddings", 2048))
-        eos = getattr(base.config, "eos_token_id", None)
-        eos_ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos])
-        self.sampler = Sampler(base, base_params, eos_ids=sorted(i for i in eos_ids if i is not None),
-                               decode=tokenizer.decode, pad_id=tokenizer.pad_token_id or 0, context=self.context,
+        ids = special_ids(base.config, tokenizer)
+        self.sampler = Sampler(base, base_params, eos_ids=list(ids.eos), decode=tokenizer.decode, pad_id=ids.pad,
+                               context=self.context,
                                device=device, max_new_tokens=limits.max_tokens)
         self.sessions: dict[str, bool] = {}  # id -> finished
         self.models: dict[str, TrainingModel] = {}
