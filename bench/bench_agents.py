@@ -11,6 +11,7 @@ second, the ratios endpoint / direct and the engine calls the endpoint made.
 
     python bench/bench_agents.py                  # SmolLM2-135M-Instruct (the GGUF), CPU
     python bench/bench_agents.py --tiny           # a tiny random model: the endpoint's overhead bound
+    python bench/bench_agents.py --smoke          # seconds: --tiny at the smallest sizes, one iteration
 """
 
 import argparse
@@ -35,6 +36,9 @@ from purerl.rollout.engine import make_engine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState  # noqa: E402
 
+SMOKE = ["--tiny", "--agents", "4", "--turns", "2", "--new", "4", "--iters", "1"]
+"""What ``--smoke`` stands for."""
+
 
 def make_echo_agent(turns: int):
     def echo(client, task):
@@ -56,7 +60,11 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--new", type=int, default=24, help="new tokens per turn")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
     if args.tiny:
         from purerl.models import causal_lm_from_config
         from purerl.tiny import char_tokenizer, tiny_llama_config

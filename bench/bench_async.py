@@ -24,6 +24,9 @@ streaming generators (one worker each, the straggler among them), 2 also with in
 rollouts (rows continued on newer weights).
 
     python bench/bench_async.py --straggler 3 [--steps 16 --warmup 3 --prompts 6 --new 48]
+
+``--smoke`` runs either mode at the smallest sizes: seconds of work, plus a few seconds for each Ray executor
+to start; not a measurement.
 """
 
 import argparse
@@ -31,6 +34,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -57,6 +61,9 @@ from purerl.step import grpo_step  # noqa: E402
 from purerl.tiny import tiny_llama_config  # noqa: E402
 
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
+SMOKE = ["--steps", "3", "--warmup", "1", "--hidden", "32", "--layers", "1", "--prompts", "2", "--n", "2", "--new",
+         "4", "--micro-batch", "4", "--repeats", "1"]
+"""What ``--smoke`` stands for: the smallest sizes that run every step of the bench."""
 
 
 def reward(text: str, truth: str) -> float:
@@ -190,7 +197,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="sync/async pairs, alternating (this box is noisy)")
     ap.add_argument("--straggler", type=float, default=0.0,
                     help="instead: many generators, one rollout worker this many times slower")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
     if not 1 <= args.warmup < args.steps:
         ap.error("need 1 ≤ --warmup < --steps")
 
@@ -230,7 +241,8 @@ def main() -> None:
     ratios = [a["samples_per_s"] / s["samples_per_s"] for s, a in zip(results["sync"], results["async"])]
     sync = results["sync"]
     gen, trn = statistics.median(r["gen_s"] for r in sync), statistics.median(r["train_s"] for r in sync)
-    print(f"\nasync / sync throughput: {', '.join(f'{x:.2f}×' for x in ratios)} (median {statistics.median(ratios):.2f}×); "
+    print(f"\nasync / sync throughput: {', '.join(f'{x:.2f}×' for x in ratios)} "
+          f"(median {statistics.median(ratios):.2f}×); "
           f"perfect overlap would give (gen + train) / max(gen, train) = {(gen + trn) / max(gen, trn):.2f}×")
     print(f"async staleness: {results['async'][-1]['report']['staleness_histogram']}")
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, ray {ray.__version__}")

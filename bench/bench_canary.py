@@ -16,10 +16,12 @@ job's ``metrics.jsonl``: ``timing/step_s``), or of the sync plus the batch's gen
 given.
 
     python3 bench/bench_canary.py [--iters 10] [--step-s 14.2] [--threads 1] [--eval-every 10 --steps 30]
+    python3 bench/bench_canary.py --smoke     # the main job's --tiny model, one iteration: not a measurement
 """
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -33,6 +35,9 @@ from purerl.rollout.engine import make_engine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 
+SMOKE = ["--iters", "1"]
+"""What ``--smoke`` stands for, on the main job's ``--tiny`` model."""
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,10 +46,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=10, help="the main job's trainer.eval_every")
     ap.add_argument("--steps", type=int, default=30, help="the main job's trainer.steps")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = resolve(build(JobConfig, {}))
+    config = resolve(build(JobConfig, {"model": {"tiny": True}} if args.smoke else {}))
     model, params, tokenizer = load_policy(config)
     engine = make_engine("torch", model, device=config.model.device, **engine_options(config, model, tokenizer))
     canary = Canary(model, tolerance=5e-2)

@@ -19,22 +19,28 @@ responses only).
 
     python bench/bench_decode.py [--repeats 3 --prompt-len 100 --device cpu]
     python bench/bench_decode.py --long 1024      # one long rollout: the cost of each decoding step
+    python bench/bench_decode.py --smoke          # a tiny random Llama, 128² matmuls: not a measurement
 """
 
 import argparse
 import functools
 import statistics
+import sys
 import time
 
 import attrs
 import torch
 
-from purerl.models import response_logprobs, shared_prompts
+from purerl.models import causal_lm_from_config, response_logprobs, shared_prompts
 from purerl.models.families.onednn import OneDNNLinear
 from purerl.models.hf import load_causal_lm, smollm2_gguf
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
+from purerl.tiny import tiny_llama_config
+
+SMOKE = ["--repeats", "1", "--prompt-len", "8"]
+"""What ``--smoke`` stands for, on a tiny random Llama with 128² matmuls for the bound."""
 
 
 def matmul_rate(dtype: torch.dtype, device: str, *, onednn: bool = False, size: int = 2048,
@@ -69,13 +75,19 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--long", type=int, default=0, metavar="T",
                     help="instead: one rollout of T new tokens (EOS never sampled), the time of each decoding step")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
-    model, params = load_causal_lm(smollm2_gguf(), dtype=torch.float32, device=args.device)
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
+        model, params = causal_lm_from_config(tiny_llama_config(), device=args.device)
+    else:
+        model, params = load_causal_lm(smollm2_gguf(), dtype=torch.float32, device=args.device)
     if args.long:
         return long_rollout(model, params, args)
     n_params = sum(p.numel() for p in params.values())
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, 40000, (8, args.prompt_len), generator=g).tolist()
+    prompts = torch.randint(10, min(40000, model.config.vocab_size), (8, args.prompt_len), generator=g).tolist()
     sampling = SamplingParams(max_new_tokens=48, n=4, temperature=0.7)
     prefill = attrs.evolve(sampling, max_new_tokens=1)
     eos = [model.config.eos_token_id] if isinstance(model.config.eos_token_id, int) else model.config.eos_token_id
@@ -103,15 +115,16 @@ def main() -> None:
                 trainer = response_logprobs(model, params, rollout.sequences, temperature=sampling.temperature)
             gap = (trainer - rollout.behaviour_logprobs)[rollout.sequences.response_mask].abs()
             gaps[name] = (float(gap.mean()), float(gap.max()))
-    rates = {(dtype, onednn): matmul_rate(getattr(torch, dtype), args.device, onednn=onednn)
+    size = 128 if args.smoke else 2048
+    rates = {(dtype, onednn): matmul_rate(getattr(torch, dtype), args.device, onednn=onednn, size=size)
              for dtype in ("float32", "bfloat16") for onednn in (False, True) if args.device == "cpu" or not onednn}
-    print(f"SmolLM2-135M ({n_params / 1e6:.0f} M params), 8 prompts × {args.prompt_len} tokens × 4 samples × 48 new "
+    print(f"{_name(args)} ({n_params / 1e6:.0f} M params), 8 prompts × {args.prompt_len} tokens × 4 samples × 48 new "
           f"tokens, {args.device}, {torch.get_num_threads()} threads")
     bounds = {}
     for dtype in ("float32", "bfloat16"):
         mm, dnn = rates[(dtype, False)], rates.get((dtype, True), 0.0)
         bounds[dtype] = max(mm, dnn) / (2 * n_params)
-        print(f"{dtype} 2048² matmul: torch.mm {mm / 1e9:.0f} GFLOP/s, oneDNN prepacked {dnn / 1e9:.0f} GFLOP/s: "
+        print(f"{dtype} {size}² matmul: torch.mm {mm / 1e9:.0f} GFLOP/s, oneDNN prepacked {dnn / 1e9:.0f} GFLOP/s: "
               f"a decoding bound of {bounds[dtype]:.0f} tok/s (torch.mm's: {mm / (2 * n_params):.0f} tok/s)")
     mm_bound = rates[("float32", False)] / (2 * n_params)
     for name in engines:
@@ -130,8 +143,8 @@ def main() -> None:
     rate = flop / seconds
     print(f"the update on the last rollout (micro-batches of 8 rows, forward + backward, float32, torch.mm): "
           f"{seconds:.2f} s, {rate / 1e9:.0f} GFLOP/s of useful products = "
-          f"{rate / (bounds['float32'] * 2 * n_params):.0%} of the float32 bound, {rate / rates[('float32', False)]:.0%} "
-          f"of torch.mm's")
+          f"{rate / (bounds['float32'] * 2 * n_params):.0%} of the float32 bound, "
+          f"{rate / rates[('float32', False)]:.0%} of torch.mm's")
 
 
 def long_rollout(model, params, args) -> None:
@@ -139,7 +152,7 @@ def long_rollout(model, params, args) -> None:
     one the model never samples), each decoding step timed (the engine polls ``interrupt`` after
     every step): the step's cost should grow only by attention's linear term in the position."""
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, 40000, (8, args.prompt_len), generator=g).tolist()
+    prompts = torch.randint(10, min(40000, model.config.vocab_size), (8, args.prompt_len), generator=g).tolist()
     engine = TorchEngine(model, eos_token_ids=[model.config.vocab_size - 1], pad_token_id=0, device=args.device)
     engine.sync(params, 0)
     stamps: list[float] = []
@@ -154,11 +167,16 @@ def long_rollout(model, params, args) -> None:
     total = time.perf_counter() - began
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
     tokens = int(rollout.sequences.response_mask.sum())
-    print(f"SmolLM2-135M, 8 prompts × {args.prompt_len} tokens × 4 samples × {args.long} new tokens: {tokens} tokens "
+    print(f"{_name(args)}, 8 prompts × {args.prompt_len} tokens × 4 samples × {args.long} new tokens: {tokens} tokens "
           f"in {total:.1f} s ({tokens / total:.0f} tok/s), prefill {stamps[0] - began:.2f} s")
     for lo in sorted({0, 64, len(steps) // 4, len(steps) // 2, len(steps) - 64}):
         window = steps[lo: lo + 64]
         print(f"decoding steps {lo}-{lo + len(window)}: {statistics.median(window) * 1e3:.1f} ms median per step")
+
+
+def _name(args) -> str:
+    """The measured model, as the printed lines name it."""
+    return "a tiny random Llama" if args.smoke else "SmolLM2-135M"
 
 
 def update_time(model, params, seqs, repeats: int) -> tuple[float, float]:

@@ -7,6 +7,7 @@ median seconds per batch of episodes, and the ratio.
 
     python bench/bench_episodes.py                       # SmolLM2-135M-Instruct (the GGUF), CPU
     python bench/bench_episodes.py --tiny --iters 5      # a tiny random model, seconds
+    python bench/bench_episodes.py --smoke               # --tiny at the smallest sizes, one iteration
 """
 
 import argparse
@@ -25,6 +26,9 @@ from purerl.episodes.rollout import EpisodeLimits, run_episodes  # noqa: E402
 from purerl.rollout.engine import make_engine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState  # noqa: E402
+
+SMOKE = ["--tiny", "--prompts", "2", "--n", "2", "--turns", "2", "--new", "4", "--iters", "1"]
+"""What ``--smoke`` stands for."""
 
 
 class Echo:
@@ -50,7 +54,11 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--new", type=int, default=24, help="new tokens per turn")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
     if args.tiny:
         from purerl.models import causal_lm_from_config
         from purerl.tiny import char_tokenizer, tiny_llama_config

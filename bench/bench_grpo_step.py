@@ -15,12 +15,14 @@ the ratio over rounds (each round's medians) shows how much the machine moved it
 Needs ``pip install trl`` (not a purerl dependency).
 
     python bench/bench_grpo_step.py [--hidden 128 --layers 2 --prompts 4 --n 4 --new 32 --steps 5 --rounds 4]
+    python bench/bench_grpo_step.py --smoke   # the smallest sizes, one step a round: not a measurement
 """
 
 import argparse
 import functools
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -44,6 +46,10 @@ from purerl.state import RngState, TrainState  # noqa: E402
 from purerl.step import grpo_step  # noqa: E402
 from purerl.tiny import char_tokenizer, tiny_llama_config  # noqa: E402
 
+SMOKE = ["--hidden", "32", "--layers", "1", "--prompts", "2", "--n", "2", "--new", "4", "--steps", "1", "--rounds",
+         "1"]
+"""What ``--smoke`` stands for: the smallest sizes that run every step of the bench."""
+
 
 def reward(response: str, truth: str) -> float:
     return float(response.count(truth[0])) / max(len(response), 1)
@@ -63,7 +69,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (TRL then trains on the GPU too)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
 
     from datasets import Dataset
     from transformers import TrainerCallback

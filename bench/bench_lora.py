@@ -14,6 +14,7 @@ it decodes with the adapters merged once per version (the merge timed apart).
 
     python bench/bench_lora.py                       # SmolLM2-135M-Instruct (the GGUF), CPU
     python bench/bench_lora.py --tiny --iters 3      # a tiny random model, seconds
+    python bench/bench_lora.py --smoke               # --tiny at the smallest sizes: not a measurement
 """
 
 import argparse
@@ -39,6 +40,9 @@ from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
 from purerl.rollout.sampling import SamplingParams  # noqa: E402
 from purerl.state import RngState, TrainState  # noqa: E402
 from purerl.tiny import random_sequences  # noqa: E402
+
+SMOKE = ["--tiny", "--rank", "2", "--batch", "2", "--prompt", "8", "--response", "8", "--iters", "1"]
+"""What ``--smoke`` stands for: the smallest sizes that run every step of the bench."""
 
 
 def load(tiny: bool):
@@ -94,7 +98,11 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--memory", choices=["full", "lora"], help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
     if args.memory:
         return memory(args)
 
@@ -111,7 +119,8 @@ def main() -> None:
     tokens = args.batch * (args.prompt + args.response)
     print(f"update ({args.batch} rows x {args.prompt}+{args.response} tokens), median of {args.iters}: "
           f"full {med['full']:.2f} s, LoRA r{args.rank} {med['lora']:.2f} s: "
-          f"LoRA {med['full'] / med['lora']:.2f}x faster ({tokens / med['lora']:.0f} vs {tokens / med['full']:.0f} tok/s)")
+          f"LoRA {med['full'] / med['lora']:.2f}x faster ({tokens / med['lora']:.0f} vs {tokens / med['full']:.0f} "
+          f"tok/s)")
 
     mem = {name: in_fresh_process(__file__, sys.argv[1:], name) for name in runs}
     mib = 2**20
@@ -149,9 +158,9 @@ def main() -> None:
             decode[name].append(time.perf_counter() - start)
     rows = len(prompts) * sampling.n * sampling.max_new_tokens
     rate = {name: rows / statistics.median(t) for name, t in decode.items()}
-    print(f"decoding ({len(prompts)} prompts x {sampling.n} x {sampling.max_new_tokens} tokens): base {rate['base']:.0f} "
-          f"tok/s, LoRA (merged) {rate['lora']:.0f} tok/s, ratio {rate['lora'] / rate['base']:.2f}; "
-          f"merge per weights version {merge:.2f} s")
+    print(f"decoding ({len(prompts)} prompts x {sampling.n} x {sampling.max_new_tokens} tokens): "
+          f"base {rate['base']:.0f} tok/s, LoRA (merged) {rate['lora']:.0f} tok/s, "
+          f"ratio {rate['lora'] / rate['base']:.2f}; merge per weights version {merge:.2f} s")
 
 
 if __name__ == "__main__":

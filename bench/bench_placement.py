@@ -8,12 +8,14 @@ scored batch is stepped on repeatedly (a random Llama, a fixed rollout), the two
 interleaved; medians per step and the ratio are printed.
 
     python bench/bench_placement.py [--steps 5 --hidden 256 --layers 4 --rows 16 --response 96 --repeats 2]
+    python bench/bench_placement.py --smoke     # the smallest sizes, one step each: not a measurement
 """
 
 import argparse
 import functools
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -34,6 +36,9 @@ from purerl.state import RngState  # noqa: E402
 from purerl.tiny import tiny_llama_config  # noqa: E402
 
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
+SMOKE = ["--steps", "1", "--hidden", "32", "--layers", "1", "--rows", "2", "--prompt", "4", "--response", "4",
+         "--repeats", "1"]
+"""What ``--smoke`` stands for: the smallest sizes that run every step of the bench."""
 
 
 def job(args: argparse.Namespace) -> JobConfig:
@@ -67,7 +72,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--response", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])
 
     import ray
 

@@ -9,12 +9,14 @@
    (``split``), for a tiny and a larger model, without and with sha256 checksums, as MB/s.
 
     python bench/bench_ray.py [--steps 8 --hidden 64 --layers 2 --sync-hidden 512 --sync-layers 8 --sync-repeats 5]
+    python bench/bench_ray.py --smoke   # the smallest sizes, one step, one Ray executor per table: not a measurement
 """
 
 import argparse
 import functools
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -41,6 +43,9 @@ from purerl.tiny import tiny_llama_config  # noqa: E402
 from purerl.tree import replace  # noqa: E402
 
 ENGINE = dict(eos_token_ids=[1], pad_token_id=0)
+SMOKE = ["--steps", "1", "--hidden", "32", "--layers", "1", "--prompts", "2", "--n", "2", "--new", "4",
+         "--sync-hidden", "32", "--sync-layers", "1", "--sync-repeats", "1"]
+"""What ``--smoke`` stands for (with it, each table also runs one Ray executor: one starts in seconds)."""
 
 
 def reward(text: str, truth: str) -> float:
@@ -88,7 +93,11 @@ def main() -> None:
     ap.add_argument("--sync-hidden", type=int, default=512)
     ap.add_argument("--sync-layers", type=int, default=8)
     ap.add_argument("--sync-repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
 
     import ray
 
@@ -104,15 +113,15 @@ def main() -> None:
     model, step_fn, state = setup(tiny, job)
     results["local"] = time_steps(LocalExecutor(step_fn, model, TorchEngine(model, **ENGINE)), state, task, job,
                                   args.steps)
-    for placement in ("split", "colocated"):
+    for placement in ("split",) if args.smoke else ("split", "colocated"):
         model, step_fn, state = setup(tiny, job)
         config = ExecutorConfig(kind="ray", train_ranks=2, rollout_workers=1, placement=placement)
         with RayExecutor(step_fn, model, RaySetup(engine_kwargs=ENGINE), config) as executor:
             results[f"ray {placement}"] = time_steps(executor, state, task, job, args.steps)
 
     params = sum(p.numel() for p in causal_lm_from_config(tiny)[1].values())
-    print(f"\n## Step overhead: Llama h{args.hidden}×{args.layers} ({params / 1e3:.0f} k params), {args.prompts}×{args.n} samples, "
-          f"≤{args.new} new tokens, medians of {args.steps} steps (ms)\n")
+    print(f"\n## Step overhead: Llama h{args.hidden}×{args.layers} ({params / 1e3:.0f} k params), "
+          f"{args.prompts}×{args.n} samples, ≤{args.new} new tokens, medians of {args.steps} steps (ms)\n")
     print("| executor | weight load | generate+score | step (publishes) | total | total vs local |")
     print("|---|---|---|---|---|---|")
     base = statistics.median(results["local"]["total"])
@@ -126,23 +135,24 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     larger = tiny_llama_config(vocab_size=8192, hidden_size=args.sync_hidden, layers=args.sync_layers,
                                intermediate_size=args.sync_hidden * 3)
-    for label, config in (("tiny", tiny), (f"h{args.sync_hidden}×{args.sync_layers}", larger)):
-        for checksum in (False, True):
-            model, step_fn, state = setup(config, job)
-            size = sum(p.nbytes for p in state.policy.values()) / 1e6
-            count = sum(p.numel() for p in state.policy.values())
-            ray_config = ExecutorConfig(kind="ray", placement="split", sync_checksum=checksum)
-            with RayExecutor(step_fn, model, RaySetup(engine_kwargs=ENGINE), ray_config) as executor:
-                small = executor.start(state)
-                times = []
-                for version in range(1, args.sync_repeats + 2):  # gather (publish), then load
-                    start = time.perf_counter()
-                    executor.publish(replace(small, step=version))
-                    with executor.engine(executor.newest(version)):
-                        times.append(time.perf_counter() - start)
-                ms = statistics.median(times[1:]) * 1e3
-            print(f"| {label} | {count / 1e6:.2f} M | {size:.1f} | {'sha256' if checksum else 'off'} | {ms:.1f} "
-                  f"| {size / (ms / 1e3):.0f} |")
+    models = (("tiny", tiny), (f"h{args.sync_hidden}×{args.sync_layers}", larger))
+    rows = [(label, config, checksum) for label, config in models for checksum in (False, True)]
+    for label, config, checksum in rows[-1:] if args.smoke else rows:  # --smoke: the larger model, sha256
+        model, step_fn, state = setup(config, job)
+        size = sum(p.nbytes for p in state.policy.values()) / 1e6
+        count = sum(p.numel() for p in state.policy.values())
+        ray_config = ExecutorConfig(kind="ray", placement="split", sync_checksum=checksum)
+        with RayExecutor(step_fn, model, RaySetup(engine_kwargs=ENGINE), ray_config) as executor:
+            small = executor.start(state)
+            times = []
+            for version in range(1, args.sync_repeats + 2):  # gather (publish), then load
+                start = time.perf_counter()
+                executor.publish(replace(small, step=version))
+                with executor.engine(executor.newest(version)):
+                    times.append(time.perf_counter() - start)
+            ms = statistics.median(times[1:]) * 1e3
+        print(f"| {label} | {count / 1e6:.2f} M | {size:.1f} | {'sha256' if checksum else 'off'} | {ms:.1f} "
+              f"| {size / (ms / 1e3):.0f} |")
     ray.shutdown()
     print(f"\nmachine: {os.cpu_count()} CPUs, torch {torch.__version__}, ray {ray.__version__}")
 

@@ -8,6 +8,7 @@ beside a batch of calls that return at once (the processes' own cost). No reward
 outlive its killed worker: the script counts ``sleep`` processes left behind.
 
     python3 bench/bench_reward_deadline.py [--samples 32 --timeout 2 --batch-timeout 4 --repeats 2]
+    python3 bench/bench_reward_deadline.py --smoke    # 4 samples, deadlines of tenths of a second: a second
 """
 
 import argparse
@@ -22,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from purerl.rewards import load_reward_fn, score_responses  # noqa: E402
 from purerl.rewards.scoring import reward_processes  # noqa: E402
+
+SMOKE = ["--samples", "4", "--timeout", "0.2", "--batch-timeout", "0.4", "--repeats", "1"]
+"""What ``--smoke`` stands for: the smallest sizes that run every step of the bench."""
 
 REWARDS = """
 import subprocess
@@ -48,7 +52,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=2.0)
     parser.add_argument("--batch-timeout", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])
     sleep = "997"  # a marker no other process is likely to run
     folder = Path(tempfile.mkdtemp(prefix="deadline"))
     (folder / "rewards.py").write_text(REWARDS.format(sleep=sleep))

@@ -10,6 +10,7 @@ and the ratio against ``generate``.
     python bench/bench_rollout.py --device cuda --smollm2-shape --prompts 64 --n 4 --new 128 --dtype bfloat16 --profile
     python bench/bench_rollout.py --device cuda --smollm2-shape --prompts 64 --n 4 --new 128 --dtype bfloat16 \
         --compile --no-hf --bound      # issue 60: graph (sampler inside) vs eager vs compiled, against the bound
+    python bench/bench_rollout.py --smoke [--bound --profile]    # the smallest sizes: not a measurement
 
 ``--dtype bfloat16`` decodes both in bfloat16 (the engine casts the float32 weights once). On CUDA
 the engine also runs with the host reading the batch every step (``host_check_every=1``, the
@@ -34,6 +35,7 @@ On CUDA the engine replays its decoding step as a CUDA graph; the timings synchr
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -46,6 +48,10 @@ from purerl.rollout.engine import make_engine
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 from purerl.tiny import tiny_llama_config
+
+SMOKE = ["--hidden", "32", "--layers", "1", "--vocab", "128", "--prompts", "2", "--n", "2", "--prompt-len", "8",
+         "--new", "4", "--iters", "1"]
+"""What ``--smoke`` stands for: the smallest sizes that run every step of the bench."""
 
 
 def main() -> None:
@@ -69,7 +75,11 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="leave HF generate out")
     ap.add_argument("--bound", action="store_true", help="time per decoding step against the memory bound")
     ap.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s for --bound")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
 
     shape = dict(num_attention_heads=8, num_key_value_heads=4)
     if args.smollm2_shape:

@@ -15,6 +15,7 @@ update after a warm-up (glibc returning freed tensors), as in ``bench_lora.py``.
 
     python bench/bench_token_budget.py                 # a 4-layer, 256-wide random Llama
     python bench/bench_token_budget.py --rows 16 --longest 256 --iters 2   # quicker
+    python bench/bench_token_budget.py --smoke        # the smallest sizes, 2 of the 4 peaks: not a measurement
 """
 
 import argparse
@@ -45,6 +46,10 @@ from purerl.step.update import actor_update  # noqa: E402
 from purerl.tiny import tiny_llama_config  # noqa: E402
 from purerl.tree import tree_clone  # noqa: E402
 
+SMOKE = ["--rows", "4", "--longest", "32", "--micro-rows", "2", "--hidden", "32", "--layers", "1", "--vocab", "128",
+         "--iters", "1"]
+"""What ``--smoke`` stands for (with it, peak memory is measured for the first and last variants only)."""
+
 
 def long_tailed(rows: int, longest: int, vocab: int) -> TrainBatch:
     g = torch.Generator().manual_seed(0)
@@ -73,7 +78,8 @@ def setup(args):
     actor = {"clip_high": 0.2, "micro_batch_rows": args.micro_rows}
     rollout = {"temperature": 1.0}
     fixed = build(JobConfig, {"actor": actor, "rollout": rollout})
-    budget = build(JobConfig, {"rollout": rollout, "actor": {**actor, "max_tokens_per_micro_batch": args.micro_rows * width}})
+    budget = build(JobConfig, {"rollout": rollout,
+                               "actor": {**actor, "max_tokens_per_micro_batch": args.micro_rows * width}})
     configs = {"fixed rows": (fixed, False), "token budget": (budget, False), "packed, fixed rows": (fixed, True),
                "packed + token budget": (budget, True)}
     return model, params, batch, configs
@@ -122,7 +128,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--memory", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
     if args.memory:
         return memory(args)
     model, params, batch, configs = setup(args)
@@ -157,7 +167,8 @@ def main() -> None:
     print("the trainer's whole step (old and reference log-probs, advantages, KL loss, update): " + "; ".join(
         f"{name} {t:.2f} s" for name, t in step_med.items())
         + f"; packed + token budget {step_med['fixed rows'] / step_med['packed + token budget']:.2f}x")
-    mem = {name: in_fresh_process(__file__, sys.argv[1:], name) for name in configs}
+    measured = list(configs)[::3] if args.smoke else configs  # --smoke: the first and last (a process each)
+    mem = {name: in_fresh_process(__file__, sys.argv[1:], name) for name in measured}
     mib = 2**20
     print("peak resident set of an update: " + "; ".join(
         f"{name} {m['peak'] / mib:.0f} MiB (+{(m['peak'] - m['held']) / mib:.0f} over the held state)"

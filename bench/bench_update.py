@@ -16,12 +16,15 @@ a GPU each variant also prints its MFU: 6 · params · tokens per second over ``
 (989, an H100's dense bfloat16 peak).
 
     python bench/bench_update.py [--hidden 256 --layers 4 --batch 8 --prompt 32 --response 64 --iters 30]
-    python bench/bench_update.py --device cuda --dtype bfloat16 --qwen05b-shape --iters 10 [--profile] [--compile [--cudagraphs]]
+    python bench/bench_update.py --device cuda --dtype bfloat16 --qwen05b-shape --iters 10 [--profile] \
+        [--compile [--cudagraphs]]
+    python bench/bench_update.py --smoke [--profile]     # the smallest sizes: not a measurement
 """
 
 import argparse
 import contextlib
 import statistics
+import sys
 import time
 
 import attrs
@@ -37,6 +40,9 @@ from purerl.tree import tree_all_finite, tree_map
 
 QWEN05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, batch=8, prompt=256,
                response=512)
+SMOKE = ["--hidden", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--vocab", "128", "--batch", "2",
+         "--prompt", "8", "--response", "8", "--iters", "2"]
+"""What ``--smoke`` stands for: the smallest sizes that run every step of the bench."""
 
 
 def main() -> None:
@@ -61,8 +67,13 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true",
                     help="add both sides compiled by torch.compile: purerl's actor.compile, the module's forward")
     ap.add_argument("--cudagraphs", action="store_true",
-                    help="with --compile on a GPU: the compiled graphs replay as CUDA graphs (inductor's triton.cudagraphs)")
+                    help="with --compile on a GPU: the compiled graphs replay as CUDA graphs (inductor's "
+                         "triton.cudagraphs)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
     if args.qwen05b_shape:
         for key, value in QWEN05B.items():
             setattr(args, key, value)
@@ -83,7 +94,7 @@ def main() -> None:
         full = torch.ones_like(seqs.attention_mask)
         seqs = Sequences(torch.randint(3, args.vocab, full.shape, generator=torch.Generator().manual_seed(0)), full,
                          full[:, args.prompt:].clone())
-    seqs = tree_map(lambda x: x.to(device), seqs)
+    seqs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, seqs)  # routing: None
     weights = torch.randn(seqs.response_mask.shape, generator=torch.Generator().manual_seed(1)).to(device)
     lr, wd = 1e-5, 0.01
 
@@ -155,7 +166,8 @@ def main() -> None:
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     if args.compile:
-        print(f"compiled vs eager, one gradient from the same params: {_compiled_gap(model, state['params'], seqs, weights)}")
+        gap = _compiled_gap(model, state["params"], seqs, weights)
+        print(f"compiled vs eager, one gradient from the same params: {gap}")
     for name, fn in list(variants.items()):  # warm-up (and compilation), timed once
         synchronize()
         start = time.perf_counter()

@@ -66,9 +66,10 @@ def main() -> None:
         print(f"{name:8s} accuracy by step {points}; reaches the target at {when}")
     reached = {name: first_reaching(run, target) for name, run in runs.items()}
     if all(reached.values()):
+        saved = (f"{reached['grpo'][1] / reached['distill'][1]:.2f}x less wall time" if reached["distill"][1]
+                 else "distillation there at its start, before any step")
         print(f"distillation / GRPO to the target: {reached['distill'][0]} / {reached['grpo'][0]} steps, "
-              f"{reached['distill'][1]:.0f} / {reached['grpo'][1]:.0f} s "
-              f"({reached['grpo'][1] / reached['distill'][1]:.2f}x less wall time)")
+              f"{reached['distill'][1]:.0f} / {reached['grpo'][1]:.0f} s ({saved})")
     if args.summary:
         args.summary.write_text(json.dumps({"teacher_accuracy": teacher, "share": args.share, "target": target,
                                             "reached": reached, "runs": runs}, indent=1) + "\n")

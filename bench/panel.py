@@ -27,6 +27,8 @@ A row whose runs computed on different machines says so: the same seed samples d
     python3 bench/panel.py --out runs/panel --tasks sums --settings defaults --seeds 0 -- --steps 20
     python3 bench/panel.py --out runs/panel --seeds 0-2 --no-run --json docs/results/panel.json \\
         --plot docs/results/panel.png                                         # the table of finished runs
+    python3 bench/panel.py --out /tmp/panel --tasks reverse --settings defaults --seeds 0 -- --tiny --steps 2 \\
+        --eval-size 4                                                         # seconds: not a measurement
 
 Arguments after ``--`` go to every run (flags or ``key=value``), after the setting's own.
 """

@@ -8,6 +8,7 @@ two samplers draw from one distribution, each figure differs between them by sam
 
     python3 bench/sampler_twin.py --side purerl --draw 0                  # the main job's model
     python3 bench/sampler_twin.py --side hf --draw 0 --model runs/x/export # at a trained state
+    python3 bench/sampler_twin.py --side hf --smoke    # the main job's --tiny model, 4 prompts: not a measurement
 
 Draw ``d`` takes the training prompts ``200 + 64·d`` … ``263 + 64·d`` and seeds its sampler with
 ``1000 + d`` (purerl: the engine's counter-based streams; HF: torch's global generator).
@@ -36,6 +37,8 @@ from purerl.run import engine_options, load_policy, load_records_of, load_tasks,
 from purerl.state import RngState  # noqa: E402
 
 PROMPTS, N, MAX_NEW, TEMPERATURE, CHUNK = 64, 4, 48, 0.7, 16
+SMOKE_PROMPTS = 4
+"""``--smoke``: this many prompts a draw, on the main job's ``--tiny`` model."""
 
 
 def purerl_responses(model, params, options, prompts: list[list[int]], draw: int) -> list[list[int]]:
@@ -100,18 +103,21 @@ def main() -> None:
     ap.add_argument("--draw", type=int, default=0)
     ap.add_argument("--model", help="HF directory or GGUF (default: the main job's model)")
     ap.add_argument("--out", default="runs/sampler_twin")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: the main job's --tiny model, {SMOKE_PROMPTS} prompts a draw")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    flags = ["--eval-size", "8", *(["--model", args.model] if args.model else [])]
+    flags = ["--eval-size", "8", *(["--model", args.model] if args.model else []), *(["--tiny"] if args.smoke else [])]
     config = parse_command_line(flags, prog="sampler_twin", default_out_dir=str(out / "unused")).config
     train_records, eval_records, _ = load_records_of(config)
     model, params, tokenizer = load_policy(config)
     options = engine_options(config, model, tokenizer)
     task, _, _ = load_tasks(config, train_records, eval_records, tokenizer, reward_of(config))
-    chosen = range(200 + PROMPTS * args.draw, 200 + PROMPTS * (args.draw + 1))
+    count = SMOKE_PROMPTS if args.smoke else PROMPTS
+    chosen = range(200 + count * args.draw, 200 + count * (args.draw + 1))
     prompts = [list(task.prompt_ids[i]) for i in chosen]
     truths = [task.records[i].ground_truth for i in chosen]
     hf = AutoModelForCausalLM.from_pretrained(export_hf(model, params, out / "hf", tokenizer),

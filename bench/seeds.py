@@ -19,6 +19,7 @@ same seed samples differently on kernels that round differently):
         --plot docs/results/grpo_math_seeds.png                               # the table of finished runs
     python3 bench/seeds.py --seeds 0-19 --out runs/seeds_t09 --no-run --against docs/results/grpo_math_seeds.json \\
         -- rollout.temperature=0.9                                            # against the default's table
+    python3 bench/seeds.py --seeds 0-1 --out /tmp/seeds -- --tiny --steps 2 --eval-size 4   # seconds: not a measurement
 """
 
 import argparse

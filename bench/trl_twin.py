@@ -22,6 +22,7 @@ process, one after the other.
     python3 bench/trl_twin.py --seed 2 --side trl --threads 1   # one thread, to run two seeds at a time
     python3 bench/trl_twin.py --steps 2 --eval-size 8 --prompts-per-step 2   # a quick look
     python3 bench/trl_twin.py --model runs/x/export --steps 10 --seed 100    # both from one trained state
+    python3 bench/trl_twin.py --smoke --out /tmp/twin   # the main job's --tiny model, one step: not a measurement
 
 Needs ``pip install trl`` (pinned in constraints.txt; a test dependency).
 """
@@ -51,6 +52,10 @@ from purerl.rewards import lenient_math_reward  # noqa: E402
 from purerl.rollout.backends.torch import TorchEngine  # noqa: E402
 from purerl.run import engine_options, load_policy, load_records_of, load_tasks, reward_of, run  # noqa: E402
 
+SMOKE = ["--steps", "1", "--eval-size", "2", "--prompts-per-step", "2"]
+"""What ``--smoke`` stands for, with the job's :data:`SMOKE_JOB` flags."""
+SMOKE_JOB = ["--tiny", "--samples-per-prompt", "2", "--max-new-tokens", "8"]
+
 
 def _job(args: argparse.Namespace) -> list[str]:
     """The main job's command line for this twin: the job's own defaults unless a flag overrides one."""
@@ -61,7 +66,7 @@ def _job(args: argparse.Namespace) -> list[str]:
             overrides += [flag, str(value)]
     return ["--seed", str(args.seed), *overrides, "--no-progress", "--eval-every", "0",
             *(["--model", args.model] if args.model else []),
-            *(["--threads", str(args.threads)] if args.threads else [])]
+            *(["--threads", str(args.threads)] if args.threads else []), *(SMOKE_JOB if args.smoke else [])]
 
 
 def purerl_side(args: argparse.Namespace, out: Path) -> dict:
@@ -164,7 +169,12 @@ def main() -> None:
     ap.add_argument("--side", choices=["both", "purerl", "trl"], default="both")
     ap.add_argument("--threads", type=int, help="torch threads per side (default: the main job's, every core)")
     ap.add_argument("--out", default="runs/trl_twin")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win); the job "
+                         f"{' '.join(SMOKE_JOB)}")
     args = ap.parse_args()
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, *sys.argv[1:]])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []

@@ -67,7 +67,8 @@ def figures(runs: list[dict]) -> dict:
     paired gaps."""
     rows = [{"seed": r["seed"], "side": r["side"], "gain_points": r["gain_points"],
              "length_last10": tail_mean(r["length"]), "cut_last10": tail_mean(r["cut"]),
-             "reward_last10": tail_mean(r["reward"]), "wall_s": r["wall_s"], **({"from": r["from"]} if "from" in r else {})}
+             "reward_last10": tail_mean(r["reward"]), "wall_s": r["wall_s"],
+             **({"from": r["from"]} if "from" in r else {})}
             for r in runs]
     out: dict = {"runs": rows, "sides": {}}
     for side in ("purerl", "trl"):
