@@ -16,20 +16,24 @@ share of token-layers where the trainer's router disagrees with the engine's rec
 ``actor/sync_gap`` (the engine's log-probs against the update's first forward), replay off / on.
 
     python3 bench/routing_replay.py [--rows 32] [--seeds 0-4]
+    python3 bench/routing_replay.py --smoke     # 4 rows, one seed: not a measurement
 """
 
 import argparse
+import sys
 
 import torch
 from transformers import Qwen3MoeConfig
 
 from purerl.batch import Sequences
-from purerl.models.families import llama
+from purerl.models.families import decoder
 from purerl.models.families.moe import Routing, routing_mismatch
 from purerl.tiny import random_sequences, tiny_causal_lm
 
 VOCAB, TOP, LAYERS = 128, 2, 3
 SPARSE = [0, 2]
+SMOKE = ["--rows", "4", "--seeds", "0"]
+"""What ``--smoke`` stands for: the smallest sizes that run every step of the bench."""
 
 
 def _model(seed: int):
@@ -45,9 +49,9 @@ def _model(seed: int):
 
 def _logprobs(model, params, seqs: Sequences, routing: Routing) -> torch.Tensor:
     computed = {k: v.to(next(iter(params.values())).dtype) for k, v in model.computed(params).items()}
-    logits = llama.response_logits(computed, model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(model.config),
-                                   seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
-                                   None, None, routing)
+    logits = decoder.response_logits(computed, model.buffers["model.rotary_emb.inv_freq"],
+                                     decoder.layout_of(model.config), seqs.input_ids, seqs.attention_mask,
+                                     seqs.position_ids(), seqs.response_length, None, None, routing)
     return logits.float().log_softmax(-1).gather(-1, seqs.responses()[..., None])[..., 0]
 
 
@@ -127,7 +131,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--seeds", default="0-4")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"seconds, not a measurement: {' '.join(SMOKE)} (flags given win)")
     args = parser.parse_args()
+    if args.smoke:
+        args = parser.parse_args([*SMOKE, *sys.argv[1:]])
     torch.set_num_threads(1)
     print("| engine perturbation | experts differ, replay off | on | mean abs Δ log-prob, replay off | on | off/on |")
     print("|---|---|---|---|---|---|")

@@ -6,7 +6,7 @@ buffers its capture saw, as a graph does."""
 import pytest
 import torch
 
-from purerl.models.families import decode_graph, llama_decode
+from purerl.models.families import decode, decode_graph
 from purerl.models.families.decode_graph import EXACT, GraphPolicy, RowSampler, sampled
 from purerl.rollout.backends.torch import TorchEngine, left_pad
 from purerl.rollout.sampling import SamplingParams, TokenSampler, sample_keys
@@ -38,7 +38,7 @@ class Recorder:
 def graphs(monkeypatch):
     """CUDA graphs "on a CPU": decoding captures through a :class:`Recorder`."""
     recorder = Recorder()
-    monkeypatch.setattr(llama_decode, "capture_for", lambda device: recorder)
+    monkeypatch.setattr(decode, "capture_for", lambda device: recorder)
     return recorder
 
 
@@ -101,8 +101,8 @@ def test_the_sampler_inside_the_replayed_step_equals_the_sampler_after_it(graphs
     policy = GraphPolicy(sizes=(4, 8, 16), min_steps=1, shrink_steps=4, shrink_ratio=0.4)
     runs = []
     for inside in (True, False):
-        context = llama_decode.decoding(model, params, ids, mask, positions, 3, ids.shape[1] + 12, graphs=policy,
-                                        sampler=sampler if inside else None)
+        context = decode.decoding(model, params, ids, mask, positions, 3, ids.shape[1] + 12, graphs=policy,
+                                  sampler=sampler if inside else None)
         runs.append(_run(context if inside else sampled(context, sampler), 12, drop_at=(2, 6)))
     # each run: 9 rows in a bucket of 16; 5 rows stay there (8 > 0.4 · 16); 3 rows move to 4
     assert graphs.rows == [16, 4, 16, 4]
@@ -124,7 +124,7 @@ def test_the_replayed_step_samples_what_the_eager_sliced_step_samples(tiny_lm, g
         return engine.generate(PROMPTS, sampling, RngState(2))
 
     with pytest.MonkeyPatch.context() as patch:  # the default CPU path: no capture
-        patch.setattr(llama_decode, "capture_for", decode_graph.capture_for)
+        patch.setattr(decode, "capture_for", decode_graph.capture_for)
         eager = generate()
     replayed = generate(graphs=GraphPolicy(sizes=(4, 8, 16), min_steps=1, shrink_steps=8))
     assert graphs.rows == [16, 8, 4] and graphs.replays == 23  # 12 rows; then 8 and 4 buckets as rows finish
@@ -157,7 +157,7 @@ def test_an_engine_session_continues_the_replayed_rows_cache(tiny_lm, graphs):
     for replayed in (False, True):
         with pytest.MonkeyPatch.context() as patch:
             if not replayed:
-                patch.setattr(llama_decode, "capture_for", decode_graph.capture_for)
+                patch.setattr(decode, "capture_for", decode_graph.capture_for)
             engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
             engine.sync(params, 0)
             session = engine.session()

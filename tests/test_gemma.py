@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from purerl.models import response_logprobs
-from purerl.models.families import decode_graph, llama_decode
+from purerl.models.families import decode, decode_graph
 from purerl.models.families.decode_graph import GraphPolicy
 from purerl.rollout.backends.torch import TorchEngine
 from purerl.rollout.sampling import SamplingParams
@@ -27,7 +27,7 @@ def test_the_replayed_fixed_shape_step_samples_what_the_eager_step_samples(shape
 
     eager = generate()
     recorder = Recorder()
-    monkeypatch.setattr(llama_decode, "capture_for", lambda device: recorder)
+    monkeypatch.setattr(decode, "capture_for", lambda device: recorder)
     replayed = generate(graphs=GraphPolicy(sizes=(4, 16), min_steps=1, shrink_steps=4))
     assert recorder.replays > 10
     assert torch.equal(replayed.sequences.input_ids, eager.sequences.input_ids)
@@ -40,7 +40,7 @@ def test_the_replayed_fixed_shape_step_samples_what_the_eager_step_samples(shape
 def test_a_sessions_second_turn_on_the_kept_cache_has_the_trainers_logprobs(monkeypatch):
     """The kept cache holds unattended slots between turns (rows that finished early): the window
     counts attended slots, i.e. the positions the trainer sees."""
-    monkeypatch.setattr(llama_decode, "capture_for", decode_graph.capture_for)
+    monkeypatch.setattr(decode, "capture_for", decode_graph.capture_for)
     model, params, _ = _family("gemma3", "GQA, tied")
     engine = TorchEngine(model, eos_token_ids=range(40, 60), pad_token_id=0)
     engine.sync(params, 0)

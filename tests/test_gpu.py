@@ -139,7 +139,7 @@ def test_the_sampler_inside_the_cuda_graph_samples_what_the_eager_sampler_sample
     log-prob per row) against the same step captured giving logits, sampled eagerly after each
     replay: bit for bit, rows padded to the bucket (9 rows in 16), then cut (a row map, then a
     smaller bucket captured anew). The uniforms drawn on the card are the CPU's, bit for bit."""
-    from purerl.models.families import llama_decode
+    from purerl.models.families import decode
     from purerl.models.families.decode_graph import GraphPolicy, RowSampler, sampled
     from purerl.rollout.backends.torch import left_pad
     from purerl.rollout.sampling import TokenSampler, sample_keys, sample_uniforms, step_uniforms
@@ -156,8 +156,8 @@ def test_the_sampler_inside_the_cuda_graph_samples_what_the_eager_sampler_sample
         sampler = RowSampler(TokenSampler.of(sampling), None if sampling.greedy else keys.cuda(), start=2)
         runs = []
         for inside in (True, False):
-            context = llama_decode.decoding(model, params, ids, mask, positions, 3, ids.shape[1] + 12,
-                                            graphs=policy, sampler=sampler if inside else None)
+            context = decode.decoding(model, params, ids, mask, positions, 3, ids.shape[1] + 12,
+                                      graphs=policy, sampler=sampler if inside else None)
             steps = []
             with context if inside else sampled(context, sampler) as ((token, logp), advance, keep):
                 position = positions[:, -1:].repeat_interleave(3, 0) + 1

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from purerl.batch import Sequences
 from purerl.models import response_logits, shared_prompts
-from purerl.models.families import llama
+from purerl.models.families import decoder
 from purerl.tiny import random_sequences, tiny_llama_config
 
 
@@ -88,8 +88,8 @@ def test_padding_positions_stay_finite(tiny_lm):
     model, params = tiny_lm(config, seed=0)
     seqs = random_sequences(4, 6, 5, config.vocab_size, seed=1)
     assert not bool(seqs.attention_mask.all())
-    logits = llama.response_logits(params, model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(config),
-                                   seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length)
+    logits = decoder.response_logits(params, model.buffers["model.rotary_emb.inv_freq"], decoder.layout_of(config),
+                                     seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length)
     assert bool(torch.isfinite(logits).all())
 
 

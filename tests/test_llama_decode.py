@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from purerl.models.families import llama, llama_decode
+from purerl.models.families import decode, decoder, kv_cache, llama
 from purerl.models.families.onednn import OneDNNLinear, onednn_runs
 from purerl.rollout.backends.torch import TorchEngine, left_pad
 from purerl.rollout.sampling import SamplingParams
@@ -21,19 +21,19 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(tiny_lm, name, on
     assert llama.supports(model)
     if "qwen2" in name:
         assert "model.layers.0.self_attn.q_proj.bias" in params
-    layout = llama.layout_of(model.config)
+    layout = decoder.layout_of(model.config)
     ids, mask = left_pad(PROMPTS, 0)
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     steps = 6
-    rotary = llama.RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], ids.shape[1] + steps,
-                                            dtype=torch.float32, device=torch.device("cpu"))
-    cache = llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + steps, dtype=torch.float32,
-                                           device=torch.device("cpu"))
-    weights = llama_decode.decoder_weights(model, params) if onednn else llama.fused_weights(params, layout)
+    rotary = decoder.RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], ids.shape[1] + steps,
+                                       dtype=torch.float32, device=torch.device("cpu"))
+    cache = kv_cache.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + steps, dtype=torch.float32,
+                                       device=torch.device("cpu"))
+    weights = decode.decoder_weights(model, params) if onednn else decoder.fused_weights(params, layout)
     if onednn and not onednn_runs(torch.float32):
         pytest.skip("this torch build has no oneDNN")
     assert isinstance(weights.head, OneDNNLinear) == onednn
-    logits = llama_decode.forward_last(weights, rotary, layout, ids, mask, positions, cache)
+    logits = decode.forward_last(weights, rotary, layout, ids, mask, positions, cache)
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
         reference = model(params, input_ids=ids, attention_mask=mask.long(), position_ids=positions,
@@ -44,7 +44,7 @@ def test_prefill_and_every_decode_step_give_the_modules_logits(tiny_lm, name, on
         ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token, dtype=torch.bool)], 1)
         positions = torch.cat([positions, position], 1)
         attend = None if step % 2 else torch.ones_like(token, dtype=torch.bool)  # the decoding path, the general one
-        logits = llama_decode.forward_last(weights, rotary, layout, token, attend, position, cache)
+        logits = decode.forward_last(weights, rotary, layout, token, attend, position, cache)
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=10, temperature=0.0, n=1),
@@ -73,22 +73,22 @@ def test_unsupported_models_take_the_module_path(tiny_lm):
 def test_the_fixed_shape_step_equals_the_sliced_step(tiny_lm):
     # decode_step_static (the CUDA-graph step) attends over the whole cache with unwritten slots masked
     model, params = tiny_lm(CONFIGS["llama tied, GQA"], seed=0)
-    layout = llama.layout_of(model.config)
-    weights = llama.fused_weights(params, layout)
+    layout = decoder.layout_of(model.config)
+    weights = decoder.fused_weights(params, layout)
     ids, mask = left_pad(PROMPTS, 0)
-    rotary = llama.RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], ids.shape[1] + 5,
-                                            dtype=torch.float32, device=torch.device("cpu"))
+    rotary = decoder.RotaryTable.build(model.buffers["model.rotary_emb.inv_freq"], ids.shape[1] + 5,
+                                       dtype=torch.float32, device=torch.device("cpu"))
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
-    caches = [llama_decode.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + 5, dtype=torch.float32,
-                                             device=torch.device("cpu")) for _ in range(2)]
+    caches = [kv_cache.StaticCache.empty(layout, len(PROMPTS), ids.shape[1] + 5, dtype=torch.float32,
+                                         device=torch.device("cpu")) for _ in range(2)]
     for cache in caches:
-        llama_decode.forward_last(weights, rotary, layout, ids, mask, positions, cache)
+        decode.forward_last(weights, rotary, layout, ids, mask, positions, cache)
     position = positions[:, -1:]
     for step in range(5):
         token, position = torch.full((len(PROMPTS), 1), 10 + step), position + 1
-        sliced = llama_decode.forward_last(weights, rotary, layout, token, None, position, caches[0])
+        sliced = decode.forward_last(weights, rotary, layout, token, None, position, caches[0])
         index = torch.tensor([caches[1].length])
-        fixed = llama_decode.decode_step_static(weights, rotary, layout, token, position, index, caches[1])
+        fixed = decode.decode_step_static(weights, rotary, layout, token, position, index, caches[1])
         caches[1].length += 1
         torch.testing.assert_close(fixed, sliced, rtol=0, atol=1e-6)
 
@@ -104,7 +104,7 @@ def test_one_query_attention_is_sdpa(kv_heads):
     mask[:, ..., -1] = True
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
                                                             enable_gqa=kv_heads != 4)
-    torch.testing.assert_close(llama_decode.one_query_attention(q, k, v, mask, 0.3), want.to(torch.float64),
+    torch.testing.assert_close(kv_cache.one_query_attention(q, k, v, mask, 0.3), want.to(torch.float64),
                                rtol=0, atol=1e-12)
 
 
@@ -128,10 +128,10 @@ def test_an_engine_with_a_dtype_decodes_what_the_model_cast_to_it_decodes(tiny_l
 def test_decoder_weights_are_prepacked_once_per_version_on_a_cpu(tiny_lm):
     model, params = tiny_lm(seed=0)
     if onednn_runs(torch.float32):
-        assert isinstance(llama_decode.decoder_weights(model, params).head, OneDNNLinear)
-    assert llama_decode.decoder_weights(model, params, onednn=False) is params
+        assert isinstance(decode.decoder_weights(model, params).head, OneDNNLinear)
+    assert decode.decoder_weights(model, params, onednn=False) is params
     double = {k: v.double() for k, v in params.items()}
-    assert llama_decode.decoder_weights(model, double) is double  # oneDNN has no float64 products
+    assert decode.decoder_weights(model, double) is double  # oneDNN has no float64 products
     engine = TorchEngine(model, eos_token_ids=[1], pad_token_id=0)
     engine.sync(params, 0)
     first = engine._decoder
@@ -164,9 +164,9 @@ def test_shared_prefix_attention_is_one_query_attention(kv_heads):
     valid[:, :p] = valid[::n, :p].repeat_interleave(n, 0)  # a group's rows share their prompt's padding
     q = torch.randn(g * n, heads, 1, dim, generator=gen, dtype=torch.float64)
     mask = valid[:, None, None, :]
-    prefix = llama_decode.SharedPrefix([prefix_keys], [prefix_values], n)
-    got = llama_decode.shared_prefix_attention(q, prefix, 0, keys, values, mask, 0.3)
-    want = llama_decode.one_query_attention(q, keys, values, mask, 0.3)
+    prefix = kv_cache.SharedPrefix([prefix_keys], [prefix_values], n)
+    got = kv_cache.shared_prefix_attention(q, prefix, 0, keys, values, mask, 0.3)
+    want = kv_cache.one_query_attention(q, keys, values, mask, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    assert llama_decode.StaticCache([keys], [values], valid, t).repeat_rows(2).shared.n == 2
-    assert llama_decode.StaticCache([keys], [values], valid, t, prefix).select_rows(torch.arange(3)).shared is None
+    assert kv_cache.StaticCache([keys], [values], valid, t).repeat_rows(2).shared.n == 2
+    assert kv_cache.StaticCache([keys], [values], valid, t, prefix).select_rows(torch.arange(3)).shared is None

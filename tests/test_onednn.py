@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from purerl.models.families import llama
+from purerl.models.families import decoder
 from purerl.models.families.onednn import OneDNNLinear, onednn_runs
 
 pytestmark = pytest.mark.skipif(not onednn_runs(torch.float32), reason="this torch build has no oneDNN")
@@ -25,7 +25,7 @@ def test_a_prepacked_product_is_torch_mm_s(dtype, extras):
         pytest.skip(f"no oneDNN products in {dtype}")
     x, w, bias, residual = _operands(dtype)
     kwargs = {k: v for k, v in (("bias", bias), ("residual", residual)) if k in extras}
-    want = llama.project(x.double(), w.double(), **{k: v.double() for k, v in kwargs.items()})
-    got = llama.project(x, OneDNNLinear.of(w), **kwargs)
+    want = decoder.project(x.double(), w.double(), **{k: v.double() for k, v in kwargs.items()})
+    got = decoder.project(x, OneDNNLinear.of(w), **kwargs)
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])

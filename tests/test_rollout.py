@@ -140,11 +140,11 @@ def test_sampled_tokens_follow_the_distribution_and_never_hit_truncated_tokens()
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "hf"])
 def test_dropping_finished_rows_from_the_batch_changes_no_sample(setup, lean, monkeypatch):
     _, model, params, _ = setup
-    from purerl.models.families import llama_decode
+    from purerl.models.families import kv_cache
 
     cuts = []
-    select_rows = llama_decode.StaticCache.select_rows
-    monkeypatch.setattr(llama_decode.StaticCache, "select_rows",
+    select_rows = kv_cache.StaticCache.select_rows
+    monkeypatch.setattr(kv_cache.StaticCache, "select_rows",
                         lambda self, rows: cuts.append(len(rows)) or select_rows(self, rows))
     sampling = SamplingParams(max_new_tokens=16, n=4, temperature=1.0)
     out = []

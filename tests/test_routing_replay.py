@@ -13,7 +13,7 @@ from transformers import Qwen3MoeConfig
 
 from purerl.batch import Sequences
 from purerl.models.base import shared_prompts
-from purerl.models.families import llama
+from purerl.models.families import decoder
 from purerl.models.families.moe import Routing, routing_mismatch
 from purerl.tiny import random_sequences, tiny_causal_lm
 from tests.test_family_exactness import COMMON, VOCAB
@@ -34,9 +34,9 @@ def moe():
 
 def _forward(model, params, seqs: Sequences, routing=None, shared=None):
     """The lean forward's response log-probs of the sampled tokens ``[b, t]``."""
-    logits = llama.response_logits(model.computed(params), model.buffers["model.rotary_emb.inv_freq"],
-                                   llama.layout_of(model.config), seqs.input_ids, seqs.attention_mask,
-                                   seqs.position_ids(), seqs.response_length, shared, None, routing)
+    logits = decoder.response_logits(model.computed(params), model.buffers["model.rotary_emb.inv_freq"],
+                                     decoder.layout_of(model.config), seqs.input_ids, seqs.attention_mask,
+                                     seqs.position_ids(), seqs.response_length, shared, None, routing)
     return logits.log_softmax(-1).gather(-1, seqs.responses()[..., None])[..., 0]
 
 

@@ -242,7 +242,7 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     forward (:attr:`CausalLM.lean`), the others the HF module.
 
     A :attr:`CausalLM.packed` model runs no position of padding. The lean forward keeps the
-    prompt sharing and attends within each row (:func:`purerl.models.families.llama_packed.packed_response_logits`);
+    prompt sharing and attends within each row (:func:`purerl.models.families.packed.packed_response_logits`);
     through the HF module the rows run as one packed stream instead (:func:`packed_stream`), and
     its masks keep attention inside each row (transformers reads the row boundaries off the
     positions). Cells whose input is padding get logits 0 there (every loss masks them out).

@@ -7,11 +7,14 @@ that none supports runs its HF module (same values, more overhead per call), and
 and why (:func:`computed_by`).
 
 Registered: ``llama`` (Llama, Qwen2, SmolLM2), ``qwen3`` (Qwen3 dense: Llama's block with q/k
-norms per head) and ``qwen3_moe`` (Qwen3's block with :mod:`.moe`'s sparse MLPs), all :mod:`.llama`'s
-forward (:class:`.llama.Variant`), :mod:`.llama_packed` and :mod:`.llama_decode`; ``gemma3``
-(Gemma 3 text: :mod:`.gemma`, and :mod:`.llama_decode`'s decoding with :mod:`.gemma_decode`'s steps).
+norms per head), ``qwen3_moe`` (Qwen3's block with :mod:`.moe`'s sparse MLPs) and ``gemma3`` (Gemma 3
+text), each a :class:`~.variant.Variant` of one shared decoder (:mod:`.llama`'s and :mod:`.gemma`'s
+data): one layer loop and training forward (:mod:`.decoder`, over :mod:`.weights` and
+:mod:`.rotary`), one packed forward (:mod:`.packed`) and one KV-cache decoding (:mod:`.decode`, over
+:mod:`.kv_cache`; CUDA graphs: :mod:`.decode_graph`).
 ``tests/test_family_exactness.py`` runs every registered family through the same checks against its HF module.
-A new family registers a :class:`Family` under its name: ``FAMILIES.register("name")(Family(...))``.
+A new family defines its :class:`~.variant.Variant` (listed in :data:`.weights.VARIANTS`) and registers a
+:class:`Family` under its name: ``FAMILIES.register("name")(_lean(variant, description))``.
 """
 
 import functools
@@ -24,8 +27,11 @@ import attrs
 import torch
 from torch import Tensor
 
-from purerl.models.families import gemma, gemma_decode, llama, llama_decode, llama_packed
+from purerl.models.families import decode, decoder, gemma, llama, packed
 from purerl.models.families.moe import Routing
+from purerl.models.families.rotary import inv_freqs
+from purerl.models.families.variant import Variant
+from purerl.models.families.weights import layout_of
 from purerl.registry import Registry
 
 if TYPE_CHECKING:
@@ -77,7 +83,7 @@ class Family:
     description: str = ""
 
 
-FAMILIES: Registry[Any] = Registry("model family")
+FAMILIES: Registry[Family] = Registry("model family")
 
 
 def family_of(model: CausalLM) -> Family | None:
@@ -100,63 +106,41 @@ def computed_by(model: CausalLM) -> str:
     return f"{kind}: no lean family supports it{f' ({reasons})' if reasons else ''}; it runs through its HF module"
 
 
-@attrs.frozen
-class _Forwards:
-    """A lean family's training forwards, ``padded`` and ``packed`` (the signature of
-    :func:`.llama.response_logits`), over what ``tables(model)`` reads from the model: its RoPE
-    frequencies and its layout."""
-
-    padded: Callable[..., Tensor]
-    packed: Callable[..., Tensor]
-    tables: Callable[[CausalLM], tuple[Any, Any]]
-
-
-def _llama_tables(model: CausalLM) -> tuple[Tensor, llama.LlamaLayout]:
-    return model.buffers["model.rotary_emb.inv_freq"], llama.layout_of(model.config)
-
-
-def _gemma_tables(model: CausalLM) -> tuple[tuple[Tensor, Tensor], gemma.GemmaLayout]:
-    return gemma.inv_freqs(model), gemma.layout_of(model.config)
-
-
-_LLAMA = _Forwards(llama.response_logits, llama_packed.packed_response_logits, _llama_tables)
-_GEMMA = _Forwards(gemma.response_logits, gemma.packed_response_logits, _gemma_tables)
-
-
-def _response_logits(forwards: _Forwards, model: CausalLM, params: Params, seqs: "Sequences",
-                     shared: tuple[Tensor, Tensor] | None, record: Tensor | None = None) -> Tensor:
-    """:attr:`Family.response_logits` of a family computed by ``forwards``: packed where the model
-    asks, else padded, compiled where it asks (eager where it routes by a record or records)."""
+def _response_logits(model: CausalLM, params: Params, seqs: "Sequences", shared: tuple[Tensor, Tensor] | None,
+                     record: Tensor | None = None) -> Tensor:
+    """:attr:`Family.response_logits` of every lean family: :mod:`.packed`'s forward where the model
+    asks, else :mod:`.decoder`'s, compiled where it asks (eager where it routes by a record or records)."""
     replay = seqs.routing if model.routing_replay else None
     routing = None if replay is None and record is None else Routing(replay, record)
     if model.compiled and not model.packed and routing is None:
-        forward = _compiled_forward(forwards)
+        forward = _compiled_forward()
     else:
-        forward = functools.partial(_forward, forwards.packed if model.packed else forwards.padded, forwards.tables)
+        forward = functools.partial(_forward, packed.packed_response_logits if model.packed else
+                                    decoder.response_logits)
     return forward(model, params, seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
                    shared, **({} if routing is None else {"routing": routing}))
 
 
-def _forward(forward: Callable[..., Tensor], tables: Callable[[CausalLM], tuple[Any, Any]], model: CausalLM,
-             params: Params, ids: Tensor, valid: Tensor, positions: Tensor, response_length: int,
-             shared: tuple[Tensor, Tensor] | None, **routing: Any) -> Tensor:
-    inv_freq, layout = tables(model)
-    return forward(model.computed(params), inv_freq, layout, ids, valid, positions, response_length, shared,
-                   None if model.lora is None else model.lora.scale, **routing)
+def _forward(forward: Callable[..., Tensor], model: CausalLM, params: Params, ids: Tensor, valid: Tensor,
+             positions: Tensor, response_length: int, shared: tuple[Tensor, Tensor] | None, **routing: Any) -> Tensor:
+    """``forward`` (the signature of :func:`.decoder.response_logits`) on what it reads from the model:
+    its rotary buffers (:func:`.rotary.inv_freqs`) and its layout (:func:`.weights.layout_of`)."""
+    return forward(model.computed(params), inv_freqs(model), layout_of(model.config), ids, valid, positions,
+                   response_length, shared, None if model.lora is None else model.lora.scale, **routing)
 
 
 @functools.cache
-def _compiled_forward(forwards: _Forwards) -> Callable[..., Tensor]:
-    """A family's padded lean forward, the cast to the compute dtype included, as one graph compiled
-    by ``torch.compile`` (inductor fuses the norms, rotary, the MLP and the casts; built on first use,
-    once per family; shapes go dynamic after the first recompile)."""
-    return torch.compile(functools.partial(_forward, forwards.padded, forwards.tables))
+def _compiled_forward() -> Callable[..., Tensor]:
+    """The padded lean forward, the cast to the compute dtype included, as one graph compiled by
+    ``torch.compile`` (inductor fuses the norms, rotary, the MLP and the casts; built on first use;
+    shapes go dynamic after the first recompile)."""
+    return torch.compile(functools.partial(_forward, decoder.response_logits))
 
 
-def _lean(variant: llama.Variant, description: str) -> Family:
-    """A family that :mod:`.llama`'s forward computes as ``variant``."""
-    return Family(variant.supports, functools.partial(_response_logits, _LLAMA), llama_decode.decoding,
-                  llama_decode.decoder_weights, variant.unsupported, description)
+def _lean(variant: Variant, description: str) -> Family:
+    """A family that the shared decoder computes as ``variant``."""
+    return Family(variant.supports, _response_logits, decode.decoding, decode.decoder_weights, variant.unsupported,
+                  description)
 
 
 _LEAN = ":mod:`purerl.models.families.llama`"
@@ -172,6 +156,8 @@ FAMILIES.register("qwen3_moe")(_lean(llama.QWEN3_MOE, (
     "softmax router (``norm_topk_prob``) and one matrix product per expert over its tokens, where "
     "``mlp_only_layers`` and ``decoder_sparse_step`` put them; dense MLPs elsewhere. Decoding runs eager "
     "steps (no CUDA graph).")))
-FAMILIES.register("gemma3")(Family(gemma.supports, functools.partial(_response_logits, _GEMMA),
-                                   functools.partial(llama_decode.decoding, maths=gemma_decode.MATHS),
-                                   gemma_decode.decoder_weights, gemma.unsupported))
+FAMILIES.register("gemma3")(_lean(gemma.GEMMA3, (
+    "Gemma 3 text (:mod:`purerl.models.families.gemma`): Llama's block with ``1 + w`` RMSNorms in float32 "
+    "before and after attention and MLP, q/k norms per head, a GELU-tanh gated MLP, embeddings scaled by "
+    "√hidden, attention scaled by ``query_pre_attn_scalar``, sliding-window layers with their own rotary base, "
+    "and soft-capped logits.")))

@@ -181,7 +181,7 @@ a compiled step on a CPU), so a bucket is never padded and finished rows leave a
 @runtime_checkable
 class RowCache(Protocol):
     """A KV cache of fixed shape: ``valid [B, t]`` marks written slots; ``length`` slots are
-    written; ``select_rows`` copies rows (:class:`purerl.models.families.llama_decode.StaticCache`)."""
+    written; ``select_rows`` copies rows (:class:`purerl.models.families.kv_cache.StaticCache`)."""
 
     valid: Tensor
     length: int

@@ -1,6 +1,6 @@
 """The sparse MLP of Qwen3-MoE, as a plain function of its weights: a top-k softmax router and
 experts computed as one matrix product per expert over the tokens routed to it (no loop over
-tokens), for :func:`purerl.models.families.llama.decoder_stack`.
+tokens), for :func:`purerl.models.families.decoder.decoder_stack`.
 
 It computes what ``Qwen3MoeSparseMoeBlock`` computes, op for op: the router's logits, a float32
 softmax, the top ``k`` experts (``torch.topk``, so ties break as the module's do), their

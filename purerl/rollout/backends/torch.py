@@ -17,7 +17,7 @@ from purerl.batch import FINISH_EOS, FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_S
 from purerl.models import CausalLM, Params, cast_floating
 from purerl.models.families import Decoding
 from purerl.models.families.decode_graph import GraphPolicy, RowSampler, SampledDecoding, sampled
-from purerl.models.families.llama_decode import StaticCache
+from purerl.models.families.kv_cache import StaticCache
 from purerl.models.families.moe import has_experts
 from purerl.rollout.engine import check_weights
 from purerl.rollout.engines import ENGINES

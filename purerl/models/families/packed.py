@@ -1,6 +1,7 @@
-"""The Llama-family training forward with no compute on padding (``actor.packed_forwards``): a
-micro-batch's valid tokens run as one packed stream, attention kept inside each row. The same
-logits as :func:`purerl.models.families.llama.response_logits`, to float rounding."""
+"""The shared decoder's training forward with no compute on padding (``actor.packed_forwards``): a
+micro-batch's valid tokens run as one packed stream, attention kept inside each row (a sliding
+layer's also inside its window). The same logits as
+:func:`purerl.models.families.decoder.response_logits`, to float rounding."""
 
 from collections.abc import Callable
 from typing import Any
@@ -10,17 +11,11 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from purerl.models.families.llama import (
-    Attention,
-    LlamaLayout,
-    RotaryTable,
-    decoder_stack,
-    fused_weights,
-    logits_of,
-)
+from purerl.models.families.decoder import Attention, Layout, decoder_stack, fused_weights, logits_of
 from purerl.models.families.moe import Routing
+from purerl.models.families.rotary import ropes_of
 
-__all__ = ["packed_response_logits"]
+__all__ = ["packed_logits", "packed_response_logits", "segments_attention"]
 
 
 def segments_attention(lengths: list[int], scale: float, gqa: bool,
@@ -61,8 +56,8 @@ def segments_attention(lengths: list[int], scale: float, gqa: bool,
 
 def packed_response_logits(
     params: dict[str, Tensor],
-    inv_freq: Float[Tensor, " half"],
-    layout: LlamaLayout,
+    inv_freq: Tensor | tuple[Tensor, ...],
+    layout: Layout,
     input_ids: Int[Tensor, "b s"],
     valid: Bool[Tensor, "b s"],
     positions: Int[Tensor, "b s"],
@@ -71,31 +66,31 @@ def packed_response_logits(
     lora_scale: float | None = None,
     routing: Routing | None = None,
 ) -> Float[Tensor, "b t v"]:
-    """:func:`~purerl.models.families.llama.response_logits` with no compute on padding: the rows' valid tokens run
-    as one packed stream (``[1, T]``, each row a segment at its own positions), attention stays inside a
-    segment (one causal attention per segment), and the LM head runs only where a valid token
-    predicts a response token. Where the input at a predicting position is padding, the logits
-    are 0 (the padded forward gives numbers there that every loss masks out); elsewhere they
-    are the padded forward's, to float rounding.
+    """:func:`~purerl.models.families.decoder.response_logits` with no compute on padding: the rows' valid
+    tokens run as one packed stream (``[1, T]``, each row a segment at its own positions), attention
+    stays inside a segment (one causal attention per segment; a sliding layer's within its window),
+    and the LM head runs only where a valid token predicts a response token. Where the input at a
+    predicting position is padding, the logits are 0 (the padded forward gives numbers there that
+    every loss masks out); elsewhere they are the padded forward's, to float rounding.
 
     ``shared``: the distinct prompts run once, packed, and each row's response segment attends to
     its prompt's keys and values first (the prompt reuse of the padded forward, kept). ``routing``:
     a sparse model's replay and record, over ``input_ids`` (:class:`.moe.Routing`)."""
     weights = fused_weights(params, layout, lora_scale)
-    scale, gqa = layout.head_dim ** -0.5, layout.heads != layout.kv_heads
+    gqa = layout.heads != layout.kv_heads
+    window = (lambda i: layout.window if layout.sliding[i] else None) if any(layout.sliding) else None
 
     def run(ids: Tensor, at: Tensor, mask: Tensor, prefixes: list | None = None, kept: list | None = None,
             routes: Routing | None = None) -> Tensor:
         """The decoder on the valid tokens of ``ids`` (``mask``) packed row after row; hidden ``[T, h]``."""
         lengths = mask.sum(1).tolist()
         flat = mask.reshape(-1)
-        rope = RotaryTable.of(inv_freq, at.reshape(-1)[flat][None], dtype=weights.embed.dtype)
-        attention = segments_attention(lengths, scale, gqa, prefixes, kept)
+        ropes = ropes_of(inv_freq, at.reshape(-1)[flat][None], weights.embed.dtype)
+        attention = segments_attention(lengths, layout.scale, gqa, prefixes, kept, window)
         stream = ids.reshape(-1)[flat][None]
         packed = None if routes is None else Routing(*(None if x is None else x.flatten(0, 1)[flat][None]
                                                        for x in routes))  # a mask's indexing copies
-        hidden = decoder_stack(weights, (rope.cos[:, None], rope.sin[:, None]), layout, stream, attention,
-                               routing=packed)[0]
+        hidden = decoder_stack(weights, ropes, layout, stream, attention, routing=packed)[0]
         if routes is not None and routes.record is not None:  # packed_logits' own contiguous copy: a view
             routes.record.flatten(0, 1)[flat] = packed.record[0]
         return hidden
@@ -108,7 +103,7 @@ def packed_logits(run: Callable[..., Tensor], head: Callable[[Tensor], Tensor], 
                   valid: Bool[Tensor, "b s"], positions: Int[Tensor, "b s"], response_length: int,
                   shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None,
                   routing: Routing | None = None) -> Float[Tensor, "b t v"]:
-    """The packing around a family's decoder: ``run(ids, at, mask, prefixes=None, kept=None)`` runs
+    """The packing around the decoder: ``run(ids, at, mask, prefixes=None, kept=None)`` runs
     it on ``mask``'s valid tokens as one stream (hidden ``[T, h]``; ``prefixes``/``kept`` as
     :func:`segments_attention`), ``head`` turns hidden states into logits. Returns the logits
     predicting the last ``response_length`` tokens (0 where the predicting input is padding), shared
