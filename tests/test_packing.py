@@ -229,7 +229,7 @@ def test_a_module_whose_masks_ignore_the_row_boundaries_is_refused(monkeypatch):
     The first packed forward checks it, once per module, and refuses."""
     import transformers.masking_utils
 
-    from purerl.models import base
+    from purerl.models import rows
 
     seqs = random_sequences(4, 5, 8, 128, seed=5)
     model, params = _model(True, "HF module")
@@ -238,7 +238,7 @@ def test_a_module_whose_masks_ignore_the_row_boundaries_is_refused(monkeypatch):
         response_logits(model, params, seqs)
     monkeypatch.undo()
     response_logits(model, params, seqs)  # checked once: passes, then remembered
-    assert model.module in base._KEEPS_ROWS_APART
+    assert model.module in rows._KEEPS_ROWS_APART
 
 
 def test_a_critic_whose_masks_ignore_the_row_boundaries_is_refused(monkeypatch):

@@ -17,13 +17,12 @@ Pure entry points:
 import contextlib
 import functools
 import inspect
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float
 from torch import Tensor, nn
 from torch.nn.utils import stateless
 
@@ -34,6 +33,7 @@ from purerl.models import lora
 from purerl.models.checkpointing import LayerCheckpoint
 from purerl.models.families import Family, family_of
 from purerl.models.lora import LoraSpec
+from purerl.models.rows import PackedStream, check_rows_kept_apart, packed_stream, shared_prompts
 from purerl.tree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
@@ -212,25 +212,6 @@ class Critic:
         return fn(seqs)
 
 
-def shared_prompts(seqs: Sequences, *, min_saving: float = 0.2) -> tuple[Tensor, Tensor] | None:
-    """Rows whose prompts (the ``s - t`` columns before the responses, padding included) are the
-    same, as ``(first, inverse)``: row ``i``'s prompt is row ``first[inverse[i]]``'s. None when
-    running each distinct prompt once would save less than ``min_saving`` of the positions the
-    forward computes (then two forwards cost more than they save; measured on a 0.3 M-param
-    model, 12 % fewer positions ran 10 % slower, 49 % fewer ran 1.7x faster)."""
-    b, s = seqs.input_ids.shape
-    p = s - seqs.response_length
-    if p == 0 or seqs.response_length < 2 or (b - 1) * p < min_saving * b * s:
-        return None  # (the last: even one prompt for every row would save too little)
-    key = torch.where(seqs.attention_mask[:, :p], seqs.input_ids[:, :p], -1)
-    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
-    if (b - len(unique)) * p < min_saving * b * s:
-        return None
-    rows = torch.arange(b, device=key.device)
-    first = torch.full((len(unique),), b, device=key.device).scatter_reduce(0, inverse, rows, "amin")
-    return first, inverse
-
-
 def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[Tensor, "b t v"]:
     """Logits predicting each response token: positions ``s-t-1 … s-2`` (only those are projected).
 
@@ -251,7 +232,7 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
         shared = shared_prompts(seqs) if model.shares_prompts else None
         return model.family.response_logits(model, params, seqs, shared)
     if model.packed:
-        _check_rows_kept_apart(model.module, lambda ids, at: model(params, input_ids=ids, position_ids=at,
+        check_rows_kept_apart(model.module, lambda ids, at: model(params, input_ids=ids, position_ids=at,
                                                                    use_cache=False).logits[0], seqs)
         stream = packed_stream(seqs)
         out = model(params, input_ids=stream.ids, position_ids=stream.positions, use_cache=False,
@@ -276,65 +257,6 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     return torch.cat([prompt.logits.index_select(0, inverse), response.logits[:, :-1]], 1)
 
 
-_KEEPS_ROWS_APART: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # the HF modules whose packing was checked
-
-
-def _check_rows_kept_apart(module: nn.Module, forward: Callable[[Tensor, Tensor], Tensor], seqs: Sequences) -> None:
-    """Raise unless ``module`` keeps the rows of a packed stream apart; checked once per module.
-    ``forward(ids [1, T], positions [1, T])``: its outputs at every position (logits, values).
-
-    transformers' masks read the row boundaries off the positions, but a module that builds its
-    own mask (or an attention that reads none) would let each row attend to the row before it,
-    silently. The check: a row's first few tokens packed after themselves must give the outputs
-    they give alone."""
-    if module in _KEEPS_ROWS_APART:
-        return
-    row = seqs.input_ids[0][seqs.attention_mask[0]][:6]
-    k = len(row)
-    positions = torch.arange(k, device=row.device).repeat(2)[None]
-    with torch.no_grad():
-        packed, alone = forward(row.repeat(2)[None], positions)[k:], forward(row[None], positions[:, :k])
-    tolerance = 1e-3 if packed.dtype in (torch.float32, torch.float64) else 5e-2
-    if not torch.allclose(packed.float(), alone.float(), rtol=tolerance, atol=tolerance):
-        raise ValueError(f"actor.packed_forwards: this {type(module).__name__} lets a packed row attend to the "
-                         "row before it (its attention ignores the row boundaries that the positions mark); leave "
-                         "actor.packed_forwards off for this model")
-    _KEEPS_ROWS_APART.add(module)
-
-
-@attrs.frozen(eq=False)
-class PackedStream:
-    """The attended tokens of a ``[b, s]`` batch, row after row, as one ``[1, T]`` stream.
-
-    ``ids`` and ``positions`` ``[1, T]`` (each row's positions start at 0, so a row boundary is
-    where the position does not go up by one); ``predicting`` ``[k]``: the stream indices of the
-    cells whose token predicts a response token, row-major (``cells`` ``[b, t]`` marks them)."""
-
-    ids: Int[Tensor, "1 T"]
-    positions: Int[Tensor, "1 T"]
-    predicting: Int[Tensor, " k"]
-    cells: Bool[Tensor, "b t"]
-
-    def unpacked(self, values: Float[Tensor, "k ..."]) -> Float[Tensor, "b t ..."]:
-        """``[b, t, …]`` from one value per predicting cell (0 in the other cells)."""
-        rows, cols = self.cells.nonzero(as_tuple=True)
-        out = values.new_zeros((*self.cells.shape, *values.shape[1:]))
-        return out.index_put((rows, cols), values)
-
-
-def packed_stream(seqs: Sequences) -> PackedStream:
-    """``seqs``' valid tokens packed (see :class:`PackedStream`); the cells are positions
-    ``s-t-1 … s-2`` of each row where the input is a token."""
-    valid = seqs.attention_mask
-    b, s = valid.shape
-    p = s - seqs.response_length
-    flat = valid.reshape(-1)
-    slots = (flat.long().cumsum(0) - 1).view(b, s)[:, p - 1:s - 1]
-    cells = valid[:, p - 1:s - 1]
-    return PackedStream(seqs.input_ids.reshape(-1)[flat][None], seqs.position_ids().reshape(-1)[flat][None],
-                        slots[cells], cells)
-
-
 def response_logprobs(
     model: CausalLM, params: Params, seqs: Sequences, *, temperature: float = 1.0
 ) -> Float[Tensor, "b t"]:
@@ -356,7 +278,7 @@ def response_values(critic: Critic, params: Params, seqs: Sequences) -> Float[Te
     padding)."""
     t = seqs.response_length
     if critic.packed:
-        _check_rows_kept_apart(critic.module, lambda ids, at: critic(params, ids, None, at, torch.arange(
+        check_rows_kept_apart(critic.module, lambda ids, at: critic(params, ids, None, at, torch.arange(
             ids.shape[1], device=ids.device))[0], seqs)
         stream = packed_stream(seqs)
         return stream.unpacked(critic(params, stream.ids, None, stream.positions, stream.predicting)[0]).float()
