@@ -295,3 +295,17 @@ def test_registries_select_the_factories_by_name():
     assert SCHEDULES.names() == ["constant", "cosine", "linear_warmup", "warmup_cosine"]
     assert isinstance(adamw(1e-3).init({"w": torch.zeros(2)}), AdamWState)
     assert isinstance(clip_by_global_norm(1.0).init({"w": torch.zeros(2)}), ClipState)
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "single"])
+def test_a_gradient_laid_out_otherwise_than_its_param_updates_it_like_the_same_values_in_its_layout(impl):
+    """``autograd.grad`` gives a transposed view's gradient transposed (the lean MoE forward's expert weights
+    get theirs so): the update reads it by value, not by memory order (the fused CPU kernel alone would not)."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 4, 5, generator=g)}
+    grad = torch.randn(3, 5, 4, generator=g).transpose(1, 2)  # the values of [3, 4, 5], strides of [3, 5, 4]
+    assert not grad.is_contiguous()
+    opt = adamw(1e-2, impl=impl)
+    laid_out, _ = opt.update({"w": grad}, opt.init(params), params, donate=False)
+    contiguous, _ = opt.update({"w": grad.contiguous()}, opt.init(params), params, donate=False)
+    assert torch.equal(laid_out["w"], contiguous["w"])

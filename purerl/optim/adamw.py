@@ -116,6 +116,7 @@ def adamw(
         if live:
             lists = (p_leaves, g_leaves, mu_leaves, nu_leaves)
             p, g, m, v = ([leaves[i] for i in live] for leaves in lists)
+            g = [_laid_out_like(grad, param) for grad, param in zip(g, p)]
             step_lr = _learning_rate(lr, state.count)
             _step(p, g, m, v, state.count, step_lr, b1, b2, eps, weight_decay, impl)
         mu, nu = tree_unflatten(mu_leaves, treedef), tree_unflatten(nu_leaves, treedef)
@@ -144,6 +145,17 @@ def _check_grads(params: Any, p_leaves: list[Any], g_leaves: list[Any]) -> None:
         raise TypeError(
             f"adamw update: grads{path} has dtype {g.dtype} but params{path} has {p.dtype}"
         )
+
+
+def _laid_out_like(grad: Tensor, param: Tensor) -> Tensor:
+    """``grad`` with ``param``'s strides (a copy only where they differ). The fused CPU kernel walks the
+    param, its gradient and its moments as one flat layout: a gradient with other strides (``autograd.grad``
+    returns a transposed view's gradient transposed, as the lean MoE forward's expert weights get theirs) would
+    be read element by element in the wrong order. ``torch.optim.AdamW``'s ``.grad`` always has the param's
+    strides; a gradient from ``autograd.grad`` need not."""
+    if grad.stride() == param.stride():
+        return grad
+    return torch.empty_like(param, dtype=grad.dtype).copy_(grad)
 
 
 def _zeros_like(x: Tensor) -> Tensor:
