@@ -37,8 +37,6 @@ class ExecutorKind:
       (``actor.offload_params``/``offload_optimizer``: FSDP2's offload).
     - ``shards_updates``: its updates may be sharded over ``executor.train_ranks`` ranks, whose sums add
       in another order than one process's.
-    - ``replays_routing``: its training forwards can replay an MoE's recorded routing
-      (``actor.routing_replay``: a lean family's forward).
     """
 
     name: str
@@ -49,7 +47,6 @@ class ExecutorKind:
     placements: bool = False
     offloads: bool = False
     shards_updates: bool = False
-    replays_routing: bool = True
 
     def builder(self) -> Callable[..., Any]:
         """``build``, imported."""
@@ -68,4 +65,4 @@ register(ExecutorKind("local", "purerl.assembly.executor:local_executor", "one p
 register(ExecutorKind(
     "ray", "purerl.assembly.executor:ray_executor", "FSDP2 training ranks and workers as Ray actors on resource "
     "pools", computes_on_driver=False, builds_step_on_ranks=True, placements=True, offloads=True,
-    shards_updates=True, replays_routing=False))
+    shards_updates=True))

@@ -25,6 +25,7 @@ from purerl.assembly.executor import make_executor, step_of
 from purerl.assembly.models import (
     driver_device,
     engine_options,
+    forwards_line,
     initial_state,
     load_critic,
     load_judge,
@@ -116,6 +117,7 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
         raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (kinds "
                         f"that do: {', '.join(demonstrating_kinds())}): set env.sft_steps=0")
     critic, critic_params = load_critic(config, model, params)
+    print(forwards_line(config, model, critic), flush=True)
     teacher = load_teacher(config, model, tokenizer)
     judge = load_judge(config)
     if judge is not None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from purerl.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageSettings, LossOptions, PolicyLossSettings
+from purerl.algo.aggregation import SumCount
 from purerl.algo.policy_loss import (
     cispo_policy_loss,
     geo_mean_policy_loss,
@@ -136,3 +137,32 @@ def test_executors_take_the_runs_roles_as_one_record_built_by_the_assembly(tiny_
     assert roles.policy is model and roles.canary is not None and roles.reward_model is None
     off = roles_of(resolve(build(JobConfig, {"executor": {"sync_canary": False}})), model, None, None)
     assert off.canary is None and Roles.of(off) is off and Roles.of(model).canary is None
+
+
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "LoRA"])
+def test_activation_checkpointing_reaches_the_policy_and_the_critic_which_compute_what_they_did(lora):
+    """``actor.activation_checkpointing`` makes the policy's and the critic's lean forwards recompute their layers
+    in the backward; the values and the gradients are those of the forwards that keep their activations."""
+    import attrs
+
+    from purerl.assembly.models import load_critic, load_policy
+    from purerl.config.loading import build
+    from purerl.models import response_logprobs, response_values, value_and_grad
+    from purerl.tiny import random_sequences
+
+    config = resolve(build(JobConfig, {"model": {"tiny": True}, "algorithm": {"adv_estimator": "gae"},
+                                       "actor": {"activation_checkpointing": True, "lora_rank": lora}}))
+    model, params, _ = load_policy(config)
+    critic, critic_params = load_critic(config, model, params)
+    assert model.checkpointed and model.lean and critic.checkpointed and critic.lean
+    seqs = random_sequences(4, 5, 6, model.config.vocab_size, seed=2)
+
+    def total(fn):
+        return lambda p, s: (lambda x: (SumCount(x[s.response_mask].sum(), torch.ones(())), None))(fn(p, s))
+
+    for forward, of, tree in ((response_logprobs, model, params), (response_values, critic, critic_params)):
+        got = value_and_grad(total(lambda p, s, of=of, forward=forward: forward(of, p, s)))(tree, seqs)
+        plain = attrs.evolve(of, checkpointed=False)
+        want = value_and_grad(total(lambda p, s, of=plain, forward=forward: forward(of, p, s)))(tree, seqs)
+        assert torch.equal(got[0].total, want[0].total)
+        assert all(torch.equal(got[2][k], want[2][k]) for k in tree)

@@ -93,8 +93,8 @@ def test_padding_positions_stay_finite(tiny_lm):
     assert bool(torch.isfinite(logits).all())
 
 
-def test_checkpointed_and_unsupported_models_run_the_module(tiny_lm):
+def test_checkpointed_models_run_lean_and_unsupported_ones_the_module(tiny_lm):
     checkpointed, _ = tiny_lm(seed=0, activation_checkpointing=True)
     yarn, _ = tiny_lm(rope_theta=1e4, rope_scaling={
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}, seed=0)
-    assert not checkpointed.lean and not yarn.lean
+    assert checkpointed.lean and checkpointed.checkpointed and not yarn.lean

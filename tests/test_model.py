@@ -1,5 +1,8 @@
 """The HF adapter: functional forwards equal module forwards, gradients equal .backward()."""
 
+import contextlib
+import unittest.mock
+
 import attrs
 import pytest
 import torch
@@ -104,22 +107,38 @@ def test_value_and_grad_with_denominator_accumulates_micro_batches_exactly(tiny)
 
 
 def test_activation_checkpointing_gives_the_same_gradients_for_trained_params(tiny_lm, tiny):
-    config, _, params, seqs = tiny
-    # params that differ from the skeleton's initialisation: a recomputation that silently used
-    # the module's own weights would give different gradients
+    """The HF module's wrapped layers and the lean forward's own checkpointing both run each layer again in the
+    backward, with the params given (a recomputation that silently used the module's own weights would give
+    other gradients), and not in a forward without gradients."""
+    config, model, params, seqs = tiny
     moved = {k: v + 0.01 * torch.randn_like(v) for k, v in params.items()}
     plain, _ = tiny_lm(config, seed=0)
     ckpt, _ = tiny_lm(config, seed=0, activation_checkpointing=True)
+    ckpt = attrs.evolve(ckpt, lean=model.lean)
     calls = []
-    ckpt.module.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
-    _, _, g_plain = value_and_grad(_pg_loss(plain, seqs))(moved)
-    _, _, g_ckpt = value_and_grad(_pg_loss(ckpt, seqs))(moved)
-    assert_trees_close(g_ckpt, g_plain, rtol=1e-5, atol=1e-7)
-    assert ckpt.checkpointed and not plain.checkpointed
-    assert len(calls) == 2  # the checkpointed layer ran again in the backward
-    with torch.no_grad():  # forwards without gradients recompute nothing
-        response_logprobs(ckpt, moved, seqs)
-    assert len(calls) == 3
+    if model.lean:  # the lean forward reads each layer's weights when the layer runs
+        from purerl.models.families import weights
+
+        layer_weights = weights.layer_weights
+
+        def counted(params, layout, i, lora_scale=None):
+            calls.extend([1] if i == 0 else [])
+            return layer_weights(params, layout, i, lora_scale)
+
+        patch = unittest.mock.patch.object(weights, "layer_weights", counted)
+    else:
+        ckpt.module.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+        patch = contextlib.nullcontext()
+    with patch:
+        _, _, g_plain = value_and_grad(_pg_loss(plain, seqs))(moved)
+        calls.clear()
+        _, _, g_ckpt = value_and_grad(_pg_loss(ckpt, seqs))(moved)
+        assert_trees_close(g_ckpt, g_plain, rtol=1e-5, atol=1e-7)
+        assert ckpt.checkpointed and not plain.checkpointed and ckpt.lean == model.lean
+        assert len(calls) == 2  # the checkpointed layer ran again in the backward
+        with torch.no_grad():  # forwards without gradients recompute nothing
+            response_logprobs(ckpt, moved, seqs)
+        assert len(calls) == 3
 
 
 def test_inputs_are_not_mutated_and_grads_do_not_alias_params(tiny):

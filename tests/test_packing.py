@@ -211,15 +211,18 @@ def test_packed_critic_values_and_gradients_equal_the_padded_ones(layout):
 
 
 def test_the_sharded_models_keep_packing():
-    """The Ray executor's FSDP2 wrappers of the policy and the critic pack when their skeletons do."""
-    from purerl.executors.fsdp import ShardedCausalLM, ShardedCritic
+    """The Ray executor's sharded policy and critic pack when their skeletons do: the lean ones over sharded
+    params, and the FSDP2 wrappers of HF modules no family computes."""
+    from purerl.executors.fsdp import ShardedCausalLM, ShardedCritic, ShardedLeanCritic, ShardedLeanLM, _as
     from purerl.models import critic_from_causal_lm
 
     model, params = _model(True)
     critic, _ = critic_from_causal_lm(model, params)
     for packed in (False, True):
-        assert ShardedCausalLM.of(attrs.evolve(model, packed=packed), []).packed == packed
-        sharded = ShardedCritic.of(attrs.evolve(critic, packed=packed), [])
+        assert _as(ShardedLeanLM, attrs.evolve(model, packed=packed)).packed == packed
+        assert _as(ShardedLeanCritic, attrs.evolve(critic, packed=packed)).backbone().packed == packed
+        assert ShardedCausalLM.of(attrs.evolve(model, packed=packed, lean=False), []).packed == packed
+        sharded = ShardedCritic.of(attrs.evolve(critic, packed=packed, lean=False), [])
         assert sharded.packed == packed and sharded.owners == {}
 
 
@@ -249,7 +252,8 @@ def test_a_critic_whose_masks_ignore_the_row_boundaries_is_refused(monkeypatch):
     seqs = random_sequences(4, 5, 8, 128, seed=5)
     model, params = _model(False, "HF module")
     critic, critic_params = critic_from_causal_lm(model, params)
-    critic = attrs.evolve(critic, packed=True, buffers={k: v.double() for k, v in critic.buffers.items()})
+    critic = attrs.evolve(critic, packed=True, buffers={k: v.double() for k, v in critic.buffers.items()},
+                          lean=False)  # its HF module: the lean forward keeps rows apart itself
     critic_params["value_head.weight"] = torch.randn(critic_params["value_head.weight"].shape,
                                                      generator=torch.Generator().manual_seed(0)).double()
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda positions: None)

@@ -238,7 +238,7 @@ def test_routing_replay_is_refused_where_it_cannot_replay_naming_the_setting():
 
     assert found() == []
     assert "rollout.engine=vllm does not record the experts" in found(rollout={"engine": "vllm"})[0]
-    assert "FSDP2 ranks run the HF module" in found(executor={"kind": "ray"})[0]
+    assert found(executor={"kind": "ray"}) == []  # the ranks run the lean forward over sharded params
 
 
 @pytest.mark.slow
@@ -307,3 +307,40 @@ def test_the_routing_mismatch_counts_response_tokens_only_on_ragged_rows(moe):
     rows, positions, layers = real.nonzero()[:5].T
     response[rows, positions, layers] = (response[rows, positions, layers] + 1) % 8
     assert share(elsewhere) == (5, real.sum().item())
+
+
+@pytest.mark.slow
+def test_on_ray_a_qwen3_moe_trains_with_routing_replay_on_the_lean_forward_and_replays_bit_for_bit(tmp_path):
+    """The Ray executor's training rank runs the lean forward over sharded params, so it replays the engine's
+    routing as the local executor does; the run's records replay here bit for bit (one rank: its sums are
+    one process's)."""
+    import json
+    import shutil
+    import sys
+    import tempfile
+
+    from purerl.models.hf import export_hf
+    from purerl.tiny import char_tokenizer
+    from tests import processes
+    from tests.jobs import ENV, SCRIPT
+
+    temp_dir = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay under 107 bytes
+    tokenizer = char_tokenizer()
+    config = Qwen3MoeConfig(**{**COMMON, "vocab_size": len(tokenizer), "max_position_embeddings": 512},
+                            num_key_value_heads=2, head_dim=32, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=True)
+    model, params = tiny_causal_lm(config, seed=0)
+    folder = export_hf(model, params, tmp_path / "moe", tokenizer)
+    out = tmp_path / "run"
+    done = processes.run([sys.executable, str(SCRIPT), "--model", str(folder), "--steps", "2", "--eval-size", "4",
+                          "--threads", "1", "--no-progress", "--executor", "ray", "--train-ranks", "1",
+                          "--rollout-workers", "1", "--ray-temp-dir", temp_dir, "--out-dir", str(out),
+                          "actor.routing_replay=true"], timeout=600, env={**ENV, "RAY_AUTH_MODE": "disabled"})
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "forwards on the ray executor: policy: the lean family 'qwen3_moe'" in done.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(0.0 <= row["rollout/routing_mismatch"] <= 1.0 for row in rows), rows
+    replayed = processes.run([sys.executable, "-m", "purerl.replay", str(out)], timeout=300)
+    assert replayed.returncode == 0, replayed.stdout[-3000:] + replayed.stderr[-3000:]
+    assert "every metric and the state bit for bit" in replayed.stdout, replayed.stdout[-3000:]

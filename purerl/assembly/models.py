@@ -18,11 +18,12 @@ from purerl.models import (
     Params,
     cast_floating,
     causal_lm_from_config,
+    checkpoint_layers,
     critic_from_causal_lm,
     load_causal_lm,
     smollm2_gguf,
 )
-from purerl.models.families import computed_by
+from purerl.models.families import FAMILIES, computed_by
 from purerl.models.families.moe import has_experts
 from purerl.models.gguf_cache import gguf_as_folder
 from purerl.models.lora import LoraSpec, apply_lora
@@ -34,8 +35,8 @@ from purerl.step.roles import LocalTeacher
 from purerl.tiny import char_tokenizer, tiny_llama_config
 from purerl.tree import tree_clone
 
-__all__ = ["compute_dtype", "driver_device", "engine_options", "initial_state", "load_critic", "load_judge",
-           "load_policy", "load_teacher"]
+__all__ = ["compute_dtype", "driver_device", "engine_options", "forwards_line", "initial_state", "load_critic",
+           "load_judge", "load_policy", "load_teacher"]
 
 
 def driver_device(config: JobConfig) -> str:
@@ -161,14 +162,25 @@ def _adapted(config: JobConfig, model: CausalLM, params: Params) -> tuple[Causal
                         "model computed by a lean family (qwen3_moe)")
     model = attrs.evolve(model, packed=actor.packed_forwards, compute_dtype=compute_dtype(config),
                          compiled=actor.compile, routing_replay=actor.routing_replay)
-    if not actor.lora_rank:
-        return model, params
-    try:
-        model, adapters = apply_lora(model, params, LoraSpec(actor.lora_rank, actor.lora_alpha,
-                                                             tuple(actor.lora_targets)), seed=config.trainer.seed)
-    except ValueError as err:
-        raise DataError(f"actor.lora_targets: {err}") from None
-    return attrs.evolve(model, frozen=cast_floating(model.frozen, model.compute_dtype)), adapters
+    if actor.lora_rank:
+        try:
+            model, params = apply_lora(model, params, LoraSpec(actor.lora_rank, actor.lora_alpha,
+                                                               tuple(actor.lora_targets)), seed=config.trainer.seed)
+        except ValueError as err:
+            raise DataError(f"actor.lora_targets: {err}") from None
+        model = attrs.evolve(model, frozen=cast_floating(model.frozen, model.compute_dtype))
+    return _checkpointed(config, model), params
+
+
+def _checkpointed(config: JobConfig, model: Any) -> Any:
+    """``model`` (a causal LM or a critic) with its layers' activations checkpointed where
+    ``actor.activation_checkpointing`` says: a lean forward's own (``checkpointed``), an HF module's by
+    wrapping its layers (:func:`~purerl.models.checkpointing.checkpoint_layers`)."""
+    if not config.actor.activation_checkpointing or model.checkpointed:
+        return model
+    if not model.lean:
+        checkpoint_layers(model.module, rebind=True)
+    return attrs.evolve(model, checkpointed=True)
 
 
 def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Critic | None, Params | None]:
@@ -186,7 +198,32 @@ def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Cri
                             f"smaller than the policy's {policy_vocab}: it cannot read the policy's token ids")
     critic, critic_params = critic_from_causal_lm(model, params)
     critic_params = {k: v.float() for k, v in critic_params.items()}  # masters (a LoRA base is held narrower)
-    return attrs.evolve(critic, packed=config.actor.packed_forwards, compute_dtype=compute_dtype(config)), critic_params
+    critic = attrs.evolve(critic, packed=config.actor.packed_forwards, compute_dtype=compute_dtype(config))
+    return _checkpointed(config, critic), critic_params
+
+
+def forwards_line(config: JobConfig, model: CausalLM, critic: Critic | None) -> str:
+    """The line a run starts with that says what computes each role's forwards, on which executor: a lean
+    family's forward (on a sharding executor's ranks over sharded params, gathered layer by layer), or the HF
+    module (FSDP2-sharded there)."""
+    kind = config.executor.of_kind
+    ranks = config.executor.train_ranks if kind.shards_updates else 1
+
+    def by(lean: bool, family_name: str | None) -> str:
+        if not lean:
+            return "its HF module" + (f" (FSDP2-sharded over {ranks} ranks)" if ranks > 1 else "")
+        return f"the lean family {family_name!r}" + (f" (params sharded over {ranks} ranks, gathered per layer)"
+                                                     if ranks > 1 else "")
+
+    def name(family: Any) -> str | None:
+        return next((n for n in FAMILIES.names() if FAMILIES[n] is family), None)
+
+    reference = config.actor.kl_loss_coef > 0 or config.algorithm.use_kl_in_reward
+    roles = [f"policy{' and reference' if reference else ''}: {by(model.lean, name(model.family))}"]
+    if critic is not None:
+        roles.append(f"critic: {by(critic.lean, name(critic.family))} with a value head")
+    checkpointed = ", activation checkpointing" if model.checkpointed else ""
+    return f"forwards on the {kind.name} executor{checkpointed}: " + "; ".join(roles)
 
 
 def initial_state(config: JobConfig, params: Params, critic_params: Params | None = None) -> TrainState:

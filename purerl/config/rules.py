@@ -199,10 +199,6 @@ def _executor_problems(config: JobConfig) -> list[str]:
             able = ", ".join(name for name in ENGINES.names() if ENGINES[name].records_routing)
             found.append(f"actor.routing_replay: rollout.engine={engine.name} does not record the experts it routes "
                          f"each token to (these engines do: {able})")
-        if not kind.replays_routing:
-            able = ", ".join(name for name in EXECUTORS.names() if EXECUTORS[name].replays_routing)
-            found.append(f"actor.routing_replay: the {kind.name} executor's FSDP2 ranks run the HF module, which "
-                         f"cannot replay routing (executor.kind {able})")
         if config.env.multi_turn:
             found.append("actor.routing_replay: episodes (env.multi_turn) do not record routing yet")
     generators = config.asynchronous.generators

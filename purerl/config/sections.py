@@ -208,6 +208,12 @@ class ActorConfig(PolicyLossSettings):
     """The training and scoring forwards (the policy's and the critic's) run each micro-batch's rows packed
     into one stream of their attended tokens, attention kept inside each row (no compute on padding; the same
     values and gradients)."""
+    activation_checkpointing: bool = attrs.field(default=False, validator=boolean, metadata=facts(resume=MAY_CHANGE))
+    """Each decoder layer of the policy and the critic keeps only its input for the backward and runs again
+    there (the same values, to float rounding: rows that share a prompt each run it; less activation memory
+    for long responses, for about a third more compute). On
+    the Ray executor's ranks a layer's gathered weights are gathered again in the backward too, so only the
+    running layer's are whole."""
     routing_replay: bool = attrs.field(default=False, validator=boolean)
     """A mixture-of-experts policy (a lean family with experts: ``qwen3_moe``): the trainer's forwards send
     each token to the experts the engine sent it to (its rollouts' record), with gate weights from the
@@ -217,8 +223,8 @@ class ActorConfig(PolicyLossSettings):
     compile: bool = attrs.field(default=False, validator=boolean)
     """The policy's padded lean forward and its log-probs run compiled by ``torch.compile`` (fused kernels; a
     GPU's choice for models of ~0.5 B and up, see BENCHMARKS). The first steps pay the compilation: three
-    times, as the rows' lengths and counts vary, then never again. FSDP2 ranks (the Ray executor's training
-    ranks) run their HF modules eagerly."""
+XX
+    ranks) run their sharded forward eagerly."""
     lora_rank: int = attrs.field(default=0, validator=at_least(0), metadata=facts(replay=STATE))
     """> 0: train LoRA adapters of this rank on the ``lora_targets`` layers instead of every weight; the
     reference is then the base itself (0: full fine-tuning)."""

@@ -148,8 +148,8 @@ def _executor_doc(kind: ExecutorKind) -> str:
         ("the driver computes on ``model.device``", kind.computes_on_driver),
         ("roles live on resource pools (``executor.placement``)", kind.placements),
         ("updates shard over ``executor.train_ranks`` ranks", kind.shards_updates),
-        ("parameters and optimizer state can wait in host memory (``actor.offload_params``)", kind.offloads),
-        ("MoE routing replays (``actor.routing_replay``)", kind.replays_routing)) if holds]
+        ("parameters and optimizer state can wait in host memory (``actor.offload_params``)", kind.offloads))
+           if holds]
     text = kind.description[0].upper() + kind.description[1:] + "." if kind.description else ""
     return " ".join(part for part in (text, "; ".join(can)[:1].upper() + "; ".join(can)[1:] + "." if can else "")
                     if part)

@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 import torch
+import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 from torch.nn.utils import stateless
@@ -82,8 +83,8 @@ class CausalLM:
     canonical name (``model.embed_tokens.weight``). ``checkpointed``: the module recomputes its
     layers' activations in the backward (:class:`LayerCheckpoint`). ``family``: the lean
     implementation that supports this model (:func:`purerl.models.families.family_of`), if any. ``lean``:
-    :func:`response_logits` runs the family's forward (not when checkpointed) instead of the HF
-    module; ``attrs.evolve(model, lean=False)`` forces the module. ``packed``: the training and
+    :func:`response_logits` runs the family's forward instead of the HF module (checkpointing its own
+    layers where ``checkpointed``); ``attrs.evolve(model, lean=False)`` forces the module. ``packed``: the training and
     scoring forwards run the rows packed into one stream of their valid tokens, with no compute
     on padding (``actor.packed_forwards``; see :func:`response_logits`). ``cache_keyword``: the
     ``forward`` keyword of a KV cache in the installed transformers (:meth:`cache_arguments`).
@@ -110,8 +111,7 @@ class CausalLM:
     config: Any
     checkpointed: bool = attrs.field(default=attrs.Factory(_checkpointed, takes_self=True))
     family: Family | None = attrs.field(default=attrs.Factory(family_of, takes_self=True))
-    lean: bool = attrs.field(default=attrs.Factory(lambda self: not self.checkpointed and self.family is not None,
-                                                   takes_self=True))
+    lean: bool = attrs.field(default=attrs.Factory(lambda self: self.family is not None, takes_self=True))
     cache_keyword: str = attrs.field(default=attrs.Factory(_cache_keyword, takes_self=True))
     lora: LoraSpec | None = None
     frozen: Params = attrs.field(factory=dict)
@@ -168,7 +168,7 @@ class CausalLM:
     @property
     def shares_prompts(self) -> bool:
         """Whether :func:`response_logits` may run a prompt shared by several rows once, through
-        the KV cache (not when checkpointed: the recomputation would extend the cache again)."""
+        the KV cache (not when checkpointed: the recomputation would run the prompt again)."""
         return not self.checkpointed
 
 
@@ -192,20 +192,55 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).clone()
 
 
+class _Backbone(nn.Module):
+    """A critic's backbone where a causal LM keeps its own (``model``): what a family reads of a module."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.model = backbone
+
+
+def _backbone_buffers(critic: "Critic") -> dict[str, Tensor]:
+    """A critic's backbone buffers, named as a causal LM's (``model.*``)."""
+    return {f"model.{k.removeprefix('backbone.')}": v for k, v in critic.buffers.items() if k.startswith("backbone.")}
+
+
+def _backbone_family(critic: "Critic") -> Family | None:
+    return family_of(CausalLM(_Backbone(critic.module.backbone), _backbone_buffers(critic), {},
+                              critic.module.backbone.config, family=None))
+
+
 @attrs.frozen(eq=False)
 class Critic:
     """A value model: HF backbone + scalar head, as a skeleton like :class:`CausalLM`. ``packed``:
     its forwards run the rows packed (:func:`response_values`); ``compute_dtype``: as
-    :class:`CausalLM`'s (the values come out in float32)."""
+    :class:`CausalLM`'s (the values come out in float32). ``family``: the lean family that computes its
+    backbone, if any; ``lean``: its values come from that family's forward (:meth:`backbone`), a value
+    head on its hidden states, not from the HF module. ``checkpointed``: its layers' activations are
+    recomputed in the backward (the lean forward's own; an HF module's wrapped layers)."""
 
     module: nn.Module
     buffers: dict[str, Tensor]
     packed: bool = False
     compute_dtype: torch.dtype | None = None
+    family: Family | None = attrs.field(default=attrs.Factory(_backbone_family, takes_self=True))
+    lean: bool = attrs.field(default=attrs.Factory(lambda self: self.family is not None, takes_self=True))
+    checkpointed: bool = attrs.field(default=attrs.Factory(_checkpointed, takes_self=True))
 
     def __call__(self, params: Params, *args: Any) -> Tensor:
         named = {**cast_floating(params, self.compute_dtype), **self.buffers}
         return torch.func.functional_call(self.module, named, args, strict=True)
+
+    def backbone(self) -> "CausalLM":
+        """The backbone as a causal LM a lean family computes (its params are :func:`backbone_params`): its
+        buffers, packing, compute dtype and activation checkpointing the critic's."""
+        return CausalLM(_Backbone(self.module.backbone), _backbone_buffers(self), {}, self.module.backbone.config,
+                        self.checkpointed, self.family, self.lean, packed=self.packed, compute_dtype=self.compute_dtype)
+
+    def head(self, params: Params) -> tuple[Tensor, Tensor]:
+        """The value head's weight ``[1, hidden]`` and bias ``[1]``, in the compute dtype."""
+        head = cast_floating({k: params[k] for k in ("value_head.weight", "value_head.bias")}, self.compute_dtype)
+        return head["value_head.weight"], head["value_head.bias"]
 
     def map_rows(self, fn: Callable[[Sequences], Tensor], seqs: Sequences) -> Tensor:
         """``fn(seqs)`` for a row-wise ``fn`` (see :meth:`CausalLM.map_rows`)."""
@@ -272,11 +307,22 @@ def response_entropy(
     return entropy_from_logits(response_logits(model, params, seqs), temperature=temperature)
 
 
+def backbone_params(params: Params) -> Params:
+    """A critic's params as its backbone's (:meth:`Critic.backbone`): ``backbone.*`` named ``model.*``, the
+    value head left out."""
+    return {f"model.{k.removeprefix('backbone.')}": v for k, v in params.items() if k.startswith("backbone.")}
+
+
 def response_values(critic: Critic, params: Params, seqs: Sequences) -> Float[Tensor, "b t"]:
-    """``V(prefix before y_t)`` for every response position (verl's critic convention). A
-    :attr:`Critic.packed` critic runs the rows packed (:func:`packed_stream`; 0 where the input is
+    """``V(prefix before y_t)`` for every response position (verl's critic convention). A lean critic
+    runs its backbone's family forward and the value head on its normed hidden states; the others their HF
+    module. A :attr:`Critic.packed` critic runs the rows packed (:func:`packed_stream`; 0 where the input is
     padding)."""
     t = seqs.response_length
+    if critic.lean:
+        hidden = critic.family.response_hidden(critic.backbone(), backbone_params(params), seqs, None)
+        weight, bias = critic.head(params)
+        return F.linear(hidden, weight, bias).squeeze(-1).float()
     if critic.packed:
         check_rows_kept_apart(critic.module, lambda ids, at: critic(params, ids, None, at, torch.arange(
             ids.shape[1], device=ids.device))[0], seqs)

@@ -88,21 +88,21 @@ class Rank(RewardModelHost):
 
 
     def _sharded_reference(self, params: Any) -> tuple[Any, Any]:
-        """The frozen reference sharded with FSDP2 (in host memory between uses under params
-        offload): its ``(module, params)``."""
-        from purerl.executors.fsdp import shard_causal_lm
+        """The frozen reference sharded over this group (in host memory between uses under params
+        offload): the model that computes it and its params (:func:`~purerl.executors.fsdp.sharded_model`)."""
+        from purerl.executors.fsdp import sharded_model
 
-        return shard_causal_lm(self.skeleton, params, mesh=self.mesh, trainable=False, offload=self.offload.params)
+        return sharded_model(self.skeleton, self.mesh, params, trainable=False, offload=self.offload.params)
 
     def host_teacher(self, skeleton: CausalLM, wire_params: Any, vocab: int | None = None) -> None:
-        """Hold a distillation teacher: its frozen params sharded with FSDP2 over this group, its
-        forwards split by rows like the reference's (:class:`~purerl.step.roles.LocalTeacher`)."""
-        from purerl.executors.fsdp import ShardedCausalLM, shard_causal_lm
+        """Hold a distillation teacher: its frozen params sharded over this group, its forwards split by
+        rows like the reference's (:class:`~purerl.step.roles.LocalTeacher`)."""
+        from purerl.executors.fsdp import sharded_model
         from purerl.step.roles import LocalTeacher
 
-        module, params = shard_causal_lm(skeleton, from_wire(wire_params), mesh=self.mesh, trainable=False,
-                                         offload=self.offload.params)
-        self.teacher = LocalTeacher(ShardedCausalLM.of(skeleton, [(module, params)]), params, vocab)
+        model, params = sharded_model(skeleton, self.mesh, from_wire(wire_params), trainable=False,
+                                      offload=self.offload.params)
+        self.teacher = LocalTeacher(model, params, vocab)
 
     def teacher_scores(self, seqs: Any, temperature: float, batching: Any, top_k: int | None) -> Any:
         """The hosted teacher's scores of ``seqs`` (:func:`~purerl.step.experience.teacher_scores`)."""
@@ -110,16 +110,14 @@ class Rank(RewardModelHost):
         return to_wire(out) if self.rank == 0 else None
 
     def _sharded_critic(self, params: Any, where: str) -> tuple[Any, Any]:
-        """The critic sharded with FSDP2 like the policy: its sharded model and params. ``where``
-        names who was given critic params without a critic model, for the error."""
-        from purerl.executors.fsdp import ShardedCritic, shard_module
+        """The critic sharded like the policy: its sharded model and params
+        (:func:`~purerl.executors.fsdp.sharded_critic`). ``where`` names who was given critic params without a
+        critic model, for the error."""
+        from purerl.executors.fsdp import sharded_critic
 
         if self.critic_skeleton is None:
             raise ValueError(f"{where} was given critic params but no critic model")
-        skeleton = self.critic_skeleton
-        module, sharded = shard_module(skeleton.module, params, mesh=self.mesh, buffers=skeleton.buffers,
-                                       offload=self.offload.params, compute_dtype=skeleton.compute_dtype)
-        return ShardedCritic.of(skeleton, [(module, sharded)]), sharded
+        return sharded_critic(self.critic_skeleton, self.mesh, params, offload=self.offload.params)
 
 
 class TrainRank(Rank):
@@ -157,16 +155,16 @@ class TrainRank(Rank):
     def load(self, wire_state: Any) -> None:
         """Shard a full state: policy, reference and critic through FSDP2, each optimizer state
         like its params."""
-        from purerl.executors.fsdp import ShardedCausalLM, shard_causal_lm, shard_like, sharded_value_and_grad
+        from purerl.executors.fsdp import ShardedCausalLM, shard_like, sharded_model, sharded_value_and_grad
 
         state = from_wire(wire_state)
-        module, params = shard_causal_lm(self.skeleton, state.policy, mesh=self.mesh, offload=self.offload.params)
-        modules = [(module, params)]
+        self.model, params = sharded_model(self.skeleton, self.mesh, state.policy, offload=self.offload.params)
         reference = state.reference  # a LoRA policy's is {}: its own base, adapters off
         if state.reference:
-            ref_module, reference = self._sharded_reference(state.reference)
-            modules.append((ref_module, reference))
-        self.model = ShardedCausalLM.of(self.skeleton, modules)
+            reference_model, reference = self._sharded_reference(state.reference)
+            if isinstance(self.model, ShardedCausalLM):  # one model runs the FSDP2 module that owns the params
+                self.model = ShardedCausalLM.of(self.skeleton, [(self.model.owner(params), params),
+                                                               (reference_model.owner(reference), reference)])
         changes = dict(policy=params, policy_opt=shard_like(state.policy_opt, params), reference=reference)
         self.critic = None
         if state.critic is not None:
@@ -250,7 +248,7 @@ class RoleRank(Rank):
     def load(self, wire_params: Any) -> None:
         """Shard this pool's part of the state: ``{"critic": params, "critic_opt": state}`` and/or
         ``{"reference": params}``."""
-        from purerl.executors.fsdp import ShardedCausalLM, moved, shard_like, sharded_value_and_grad
+        from purerl.executors.fsdp import moved, shard_like, sharded_value_and_grad
 
         parts = from_wire(wire_params)
         if "critic" in parts:
@@ -258,9 +256,7 @@ class RoleRank(Rank):
             opt_state = shard_like(parts["critic_opt"], params)
             self.held.update(critic=params, critic_opt=moved(opt_state, "cpu") if self.offload.optimizer else opt_state)
         if "reference" in parts:
-            module, params = self._sharded_reference(parts["reference"])
-            self.reference = ShardedCausalLM.of(self.skeleton, [(module, params)])
-            self.held["reference"] = params
+            self.reference, self.held["reference"] = self._sharded_reference(parts["reference"])
         self.value_and_grad = sharded_value_and_grad(self.rank, self.world)
 
     def values(self, seqs: Any, batching: Any) -> Any:

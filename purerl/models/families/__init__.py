@@ -62,6 +62,8 @@ class Family:
       :func:`purerl.models.response_logits` (``shared``: its ``(first, inverse)`` rows sharing a prompt);
       a family with experts replays ``seqs.routing`` where ``model.routing_replay`` says and writes
       its routers' choices into ``record`` (:class:`.moe.Routing`).
+    - ``response_hidden(model, params, seqs, shared) -> [b, t, hidden]``: the hidden states after the final
+      norm at the same positions (what a critic's value head reads).
     - ``decoding(model, params, ids, mask, positions, n, capacity, cuda_graphs=…, sampler=…)``: a
       context manager yielding :data:`Decoding` for ``[g, P]`` left-padded prompts on their device,
       ``capacity`` positions per row; with a ``sampler`` (a
@@ -77,6 +79,7 @@ class Family:
 
     supports: Callable[[CausalLM], bool]
     response_logits: Callable[[CausalLM, Params, "Sequences", tuple[Tensor, Tensor] | None], Tensor]
+    response_hidden: Callable[[CausalLM, Params, "Sequences", tuple[Tensor, Tensor] | None], Tensor]
     decoding: Callable[..., AbstractContextManager[Decoding]]
     decoder_weights: Callable[..., Any] = lambda model, params, **options: params
     unsupported: Callable[[CausalLM], str | None] = lambda model: None
@@ -107,26 +110,34 @@ def computed_by(model: CausalLM) -> str:
 
 
 def _response_logits(model: CausalLM, params: Params, seqs: "Sequences", shared: tuple[Tensor, Tensor] | None,
-                     record: Tensor | None = None) -> Tensor:
+                     record: Tensor | None = None, *, head: bool = True) -> Tensor:
     """:attr:`Family.response_logits` of every lean family: :mod:`.packed`'s forward where the model
-    asks, else :mod:`.decoder`'s, compiled where it asks (eager where it routes by a record or records)."""
+    asks, else :mod:`.decoder`'s, compiled where it asks (eager where it routes by a record or records).
+    ``head``: False, :attr:`Family.response_hidden`."""
     replay = seqs.routing if model.routing_replay else None
     routing = None if replay is None and record is None else Routing(replay, record)
-    if model.compiled and not model.packed and routing is None:
+    if model.compiled and not model.packed and routing is None and head:
         forward = _compiled_forward()
     else:
         forward = functools.partial(_forward, packed.packed_response_logits if model.packed else
-                                    decoder.response_logits)
+                                    decoder.response_logits, head=head)
     return forward(model, params, seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
                    shared, **({} if routing is None else {"routing": routing}))
 
 
+def _response_hidden(model: CausalLM, params: Params, seqs: "Sequences",
+                     shared: tuple[Tensor, Tensor] | None) -> Tensor:
+    return _response_logits(model, params, seqs, shared, head=False)
+
+
 def _forward(forward: Callable[..., Tensor], model: CausalLM, params: Params, ids: Tensor, valid: Tensor,
-             positions: Tensor, response_length: int, shared: tuple[Tensor, Tensor] | None, **routing: Any) -> Tensor:
+             positions: Tensor, response_length: int, shared: tuple[Tensor, Tensor] | None, *, head: bool = True,
+             **routing: Any) -> Tensor:
     """``forward`` (the signature of :func:`.decoder.response_logits`) on what it reads from the model:
     its rotary buffers (:func:`.rotary.inv_freqs`) and its layout (:func:`.weights.layout_of`)."""
     return forward(model.computed(params), inv_freqs(model), layout_of(model.config), ids, valid, positions,
-                   response_length, shared, None if model.lora is None else model.lora.scale, **routing)
+                   response_length, shared, None if model.lora is None else model.lora.scale, **routing,
+                   checkpointed=model.checkpointed, head=head)
 
 
 @functools.cache
@@ -139,8 +150,8 @@ def _compiled_forward() -> Callable[..., Tensor]:
 
 def _lean(variant: Variant, description: str) -> Family:
     """A family that the shared decoder computes as ``variant``."""
-    return Family(variant.supports, _response_logits, decode.decoding, decode.decoder_weights, variant.unsupported,
-                  description)
+    return Family(variant.supports, _response_logits, _response_hidden, decode.decoding, decode.decoder_weights,
+                  variant.unsupported, description)
 
 
 _LEAN = ":mod:`purerl.models.families.llama`"

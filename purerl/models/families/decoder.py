@@ -20,12 +20,14 @@ Users: :func:`response_logits` (through :func:`purerl.models.response_logits`),
 Shapes: ``b`` rows, ``s`` positions, ``H`` query heads, ``K`` key/value heads, ``D`` head size.
 """
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from purerl.models.families.moe import Routing, sparse_mlp
 from purerl.models.families.onednn import OneDNNLinear
@@ -40,8 +42,10 @@ __all__ = [
     "RotaryTable",
     "attention_mask",
     "decoder_stack",
+    "final_norm",
     "fused_weights",
     "layout_of",
+    "lazy_layers",
     "logits_of",
     "project",
     "response_logits",
@@ -77,8 +81,8 @@ def rms_norm(x: Tensor, weight: Float[Tensor, "*shape"], eps: float, float32_sca
 
 
 def decoder_stack(weights: FusedWeights, ropes: Ropes, layout: Layout, ids: Int[Tensor, "b s"],
-                  attention: Attention, keep: slice | None = None,
-                  routing: Routing | None = None) -> Float[Tensor, "b n hidden"]:
+                  attention: Attention, keep: slice | None = None, routing: Routing | None = None, *,
+                  checkpointed: bool = False) -> Float[Tensor, "b n hidden"]:
     """The decoder layers on ``ids`` at the positions ``ropes`` were taken at (layer ``i`` rotates
     with ``ropes[layout.sliding[i]]``); ``attention`` stores keys and values where it needs to,
     masks each layer's keys (a sliding layer's window) and returns the attention output. Hidden
@@ -88,59 +92,84 @@ def decoder_stack(weights: FusedWeights, ropes: Ropes, layout: Layout, ids: Int[
     computed). The hidden state stays ``[b·s, hidden]`` so every projection is one matrix product,
     with the residual added inside it (``addmm``) where no norm follows the projection. A sparse
     layer sends its tokens to its router's experts, or to ``routing``'s (replay), and records its
-    router's choice in ``routing`` (:class:`.moe.Routing`)."""
+    router's choice in ``routing`` (:class:`.moe.Routing`). Each layer reads its weights from
+    ``weights.layers`` as it runs (:class:`~.weights.LazyLayers` builds them then). ``checkpointed``
+    (activation checkpointing): each layer keeps only its input for the backward, which runs it again,
+    its weights read again with it (``torch.utils.checkpoint``, non-reentrant); the same values."""
     b, s = ids.shape
-    heads, kv_heads, head_dim, eps = layout.heads, layout.kv_heads, layout.head_dim, layout.eps
-    qk_heads, last, plus_one = heads + kv_heads, layout.layers - 1, layout.norm_plus_one
-    activation = _ACTIVATIONS[layout.activation]
     # as the module's nn.Embedding: the padding row's lookups pass no gradient back, even where that
     # token was sampled and is attended (its LM-head use, when tied, still does)
     h = F.embedding(ids.reshape(-1), weights.embed, padding_idx=layout.padding_idx)
     if layout.embed_scale is not None:  # rounded to the embedding's dtype, as HF
         h = h * float(torch.tensor(layout.embed_scale).to(h.dtype))
-    n = s
-    for i, w in enumerate(weights.layers):
-        cos, sin = ropes[layout.sliding[i]]
-        qkv = project(rms_norm(h, w.input_norm, eps, plus_one), w.qkv, w.qkv_bias, lora=w.qkv_lora)
-        qkv = qkv.view(b, s, qk_heads + kv_heads, head_dim)
-        # q and k are adjacent heads of the fused product: one norm (where the family has one) and one rotation
-        qk = qkv[:, :, :qk_heads] if w.qk_norm is None else rms_norm(qkv[:, :, :qk_heads], w.qk_norm, eps, plus_one)
-        qk = rotate(qk.transpose(1, 2), cos, sin)
-        q, queries = qk[:, :heads], None
-        if i == last and keep is not None:
-            q, queries = q[:, :, keep], keep
-            h = h.view(b, s, -1)[:, keep].reshape(-1, h.shape[-1])
-            n = q.shape[2]
-        attn = attention(i, q, qk[:, heads:], qkv[:, :, qk_heads:].transpose(1, 2), queries)
-        attn = attn.transpose(1, 2).reshape(b * n, -1)
-        if w.attention_out_norm is None:
-            h = project(attn, w.out, w.out_bias, residual=h, lora=w.out_lora)
-        else:
-            h = h + rms_norm(project(attn, w.out, w.out_bias, lora=w.out_lora), w.attention_out_norm, eps, plus_one)
-        x = rms_norm(h, w.mlp_norm, eps, plus_one)
-        if w.experts is not None:
-            top, cols = layout.experts_per_token, slice(None) if queries is None else queries
-            forced = None if routing is None or routing.replay is None else routing.replay[:, cols, i]
-            out, own = sparse_mlp(x, w.experts, top, layout.norm_topk_prob,
-                                  None if forced is None else forced.reshape(-1, top))
-            if routing is not None and routing.record is not None:
-                routing.record[:, cols, i] = own.view(b, n, top).to(routing.record.dtype)
-            h = h + out
-            continue
-        gate, up = project(x, w.gate_up, lora=w.gate_up_lora).chunk(2, dim=-1)
-        if w.mlp_out_norm is None:
-            h = project(activation(gate) * up, w.down, residual=h, lora=w.down_lora)
-        else:
-            h = h + rms_norm(project(activation(gate) * up, w.down, lora=w.down_lora), w.mlp_out_norm, eps, plus_one)
-    return h.view(b, n, -1)
+    last = layout.layers - 1
+    for i in range(layout.layers):
+        layer = functools.partial(_layer, weights, ropes, layout, attention, b, s, i, keep if i == last else None,
+                                  routing)
+        h = checkpoint(layer, h, use_reentrant=False, preserve_rng_state=False) if checkpointed else layer(h)
+    return h.view(b, h.shape[0] // b, -1)
+
+
+def _layer(weights: FusedWeights, ropes: Ropes, layout: Layout, attention: Attention, b: int, s: int, i: int,
+           keep: slice | None, routing: Routing | None, h: Float[Tensor, "bs hidden"]) -> Float[Tensor, "bn hidden"]:
+    """Decoder layer ``i`` on the hidden states ``h`` of ``b`` rows of ``s`` positions (see
+    :func:`decoder_stack`); ``keep``: the positions whose outputs are wanted (the last layer's)."""
+    heads, kv_heads, head_dim, eps = layout.heads, layout.kv_heads, layout.head_dim, layout.eps
+    qk_heads, plus_one = heads + kv_heads, layout.norm_plus_one
+    w = weights.layers[i]
+    cos, sin = ropes[layout.sliding[i]]
+    qkv = project(rms_norm(h, w.input_norm, eps, plus_one), w.qkv, w.qkv_bias, lora=w.qkv_lora)
+    qkv = qkv.view(b, s, qk_heads + kv_heads, head_dim)
+    # q and k are adjacent heads of the fused product: one norm (where the family has one) and one rotation
+    qk = qkv[:, :, :qk_heads] if w.qk_norm is None else rms_norm(qkv[:, :, :qk_heads], w.qk_norm, eps, plus_one)
+    qk = rotate(qk.transpose(1, 2), cos, sin)
+    q, queries, n = qk[:, :heads], None, s
+    if keep is not None:
+        q, queries = q[:, :, keep], keep
+        h = h.view(b, s, -1)[:, keep].reshape(-1, h.shape[-1])
+        n = q.shape[2]
+    attn = attention(i, q, qk[:, heads:], qkv[:, :, qk_heads:].transpose(1, 2), queries)
+    attn = attn.transpose(1, 2).reshape(b * n, -1)
+    if w.attention_out_norm is None:
+        h = project(attn, w.out, w.out_bias, residual=h, lora=w.out_lora)
+    else:
+        h = h + rms_norm(project(attn, w.out, w.out_bias, lora=w.out_lora), w.attention_out_norm, eps, plus_one)
+    x = rms_norm(h, w.mlp_norm, eps, plus_one)
+    if w.experts is not None:
+        top, cols = layout.experts_per_token, slice(None) if queries is None else queries
+        forced = None if routing is None or routing.replay is None else routing.replay[:, cols, i]
+        out, own = sparse_mlp(x, w.experts, top, layout.norm_topk_prob,
+                              None if forced is None else forced.reshape(-1, top))
+        if routing is not None and routing.record is not None:
+            routing.record[:, cols, i] = own.view(b, n, top).to(routing.record.dtype)
+        return h + out
+    gate, up = project(x, w.gate_up, lora=w.gate_up_lora).chunk(2, dim=-1)
+    if w.mlp_out_norm is None:
+        return project(_ACTIVATIONS[layout.activation](gate) * up, w.down, residual=h, lora=w.down_lora)
+    return h + rms_norm(project(_ACTIVATIONS[layout.activation](gate) * up, w.down, lora=w.down_lora), w.mlp_out_norm,
+                        eps, plus_one)
+
+
+def lazy_layers(params: Mapping[str, Tensor], checkpointed: bool) -> bool:
+    """Whether a forward reads each layer's weights as it runs (:class:`~.weights.LazyLayers`): where the
+    backward builds them again (``checkpointed``: a layer's fused copies, and gathered shards, live while it
+    runs). Otherwise every layer's are built at the start, once for a shared prompt's pass and the responses'
+    (the backward keeps them either way)."""
+    del params
+    return checkpointed
+
+
+def final_norm(weights: FusedWeights, layout: Layout, hidden: Float[Tensor, "... hidden"]) -> Float[Tensor, "n hidden"]:
+    """The final norm on hidden states from :func:`decoder_stack`, flattened to ``[n, hidden]``: what the LM head
+    (:func:`logits_of`) and a critic's value head read."""
+    return rms_norm(hidden.reshape(-1, hidden.shape[-1]), weights.norm, layout.eps, layout.norm_plus_one)
 
 
 def logits_of(weights: FusedWeights, layout: Layout, hidden: Float[Tensor, "... hidden"]) -> Float[Tensor, "... v"]:
     """The final norm and LM head on hidden states from :func:`decoder_stack`, then the soft-cap
     where the layout has one."""
     shape = hidden.shape[:-1]
-    flat = rms_norm(hidden.reshape(-1, hidden.shape[-1]), weights.norm, layout.eps, layout.norm_plus_one)
-    logits = project(flat, weights.head, weights.head_bias)
+    logits = project(final_norm(weights, layout, hidden), weights.head, weights.head_bias)
     if layout.softcap is not None:
         logits = torch.tanh(logits / layout.softcap) * layout.softcap
     return logits.view(*shape, -1)
@@ -193,6 +222,9 @@ def response_logits(
     shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None,
     lora_scale: float | None = None,
     routing: Routing | None = None,
+    *,
+    checkpointed: bool = False,
+    head: bool = True,
 ) -> Float[Tensor, "b t v"]:
     """Logits predicting the last ``t = response_length`` tokens: positions ``s-t-1 … s-2``.
     Differentiable in ``params``; ``valid`` is the attention mask (False on padding); ``inv_freq``:
@@ -204,9 +236,12 @@ def response_logits(
     Same values (to float rounding), and the same gradients: autograd adds those of a shared
     prompt's keys and values over its rows. ``lora_scale``: the scale of the LoRA adapters in
     ``params`` (see :func:`~.weights.fused_weights`). ``routing``: a sparse model's routing replay
-    and record over ``input_ids`` (:class:`.moe.Routing`).
+    and record over ``input_ids`` (:class:`.moe.Routing`). ``checkpointed``: activation checkpointing
+    (:func:`decoder_stack`); then a layer's fused weights are built as it runs (:func:`lazy_layers`).
+    ``head``: False, the hidden states after the final norm (``[b, t, hidden]``, what a value head reads) in
+    place of the logits.
     """
-    weights = fused_weights(params, layout, lora_scale)
+    weights = fused_weights(params, layout, lora_scale, lazy=lazy_layers(params, checkpointed))
     gqa, windowed = layout.heads != layout.kv_heads, any(layout.sliding)
 
     def run(ids: Tensor, at: Tensor, mask: Tensor, keys_at: Tensor, keep: slice,
@@ -224,12 +259,15 @@ def response_logits(
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=layout.scale, enable_gqa=gqa)
 
         ropes = ropes_of(inv_freq, at, weights.embed.dtype)
-        return decoder_stack(weights, ropes, layout, ids, attention, keep, routes), kv
+        return decoder_stack(weights, ropes, layout, ids, attention, keep, routes, checkpointed=checkpointed), kv
+
+    def out(hidden: Tensor) -> Tensor:
+        return logits_of(weights, layout, hidden) if head else final_norm(weights, layout, hidden).view(hidden.shape)
 
     s, t = input_ids.shape[1], response_length
     if shared is None:
         hidden, _ = run(input_ids, positions, attention_mask(valid, 0), positions, slice(s - t - 1, s - 1))
-        return logits_of(weights, layout, hidden)
+        return out(hidden)
     first, inverse = shared
     p = s - t
     # a shared prompt runs once, as row first[j]: it replays that row's routing, and its record is every row's
@@ -250,4 +288,4 @@ def response_logits(
     # the responses' keys follow their prompt's: a window reaches back over every position of the row
     response, _ = run(input_ids[:, p:], positions[:, p:], attention_mask(valid, p), positions, slice(0, t - 1), past,
                       response_routes)
-    return logits_of(weights, layout, torch.cat((prompt.index_select(0, inverse), response), 1))
+    return out(torch.cat((prompt.index_select(0, inverse), response), 1))

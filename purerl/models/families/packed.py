@@ -11,7 +11,15 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from purerl.models.families.decoder import Attention, Layout, decoder_stack, fused_weights, logits_of
+from purerl.models.families.decoder import (
+    Attention,
+    Layout,
+    decoder_stack,
+    final_norm,
+    fused_weights,
+    lazy_layers,
+    logits_of,
+)
 from purerl.models.families.moe import Routing
 from purerl.models.families.rotary import ropes_of
 
@@ -65,6 +73,9 @@ def packed_response_logits(
     shared: tuple[Int[Tensor, " g"], Int[Tensor, " b"]] | None = None,
     lora_scale: float | None = None,
     routing: Routing | None = None,
+    *,
+    checkpointed: bool = False,
+    head: bool = True,
 ) -> Float[Tensor, "b t v"]:
     """:func:`~purerl.models.families.decoder.response_logits` with no compute on padding: the rows' valid
     tokens run as one packed stream (``[1, T]``, each row a segment at its own positions), attention
@@ -75,8 +86,9 @@ def packed_response_logits(
 
     ``shared``: the distinct prompts run once, packed, and each row's response segment attends to
     its prompt's keys and values first (the prompt reuse of the padded forward, kept). ``routing``:
-    a sparse model's replay and record, over ``input_ids`` (:class:`.moe.Routing`)."""
-    weights = fused_weights(params, layout, lora_scale)
+    a sparse model's replay and record, over ``input_ids`` (:class:`.moe.Routing`). ``checkpointed`` and
+    ``head`` as the padded forward's."""
+    weights = fused_weights(params, layout, lora_scale, lazy=lazy_layers(params, checkpointed))
     gqa = layout.heads != layout.kv_heads
     window = (lambda i: layout.window if layout.sliding[i] else None) if any(layout.sliding) else None
 
@@ -90,13 +102,14 @@ def packed_response_logits(
         stream = ids.reshape(-1)[flat][None]
         packed = None if routes is None else Routing(*(None if x is None else x.flatten(0, 1)[flat][None]
                                                        for x in routes))  # a mask's indexing copies
-        hidden = decoder_stack(weights, ropes, layout, stream, attention, routing=packed)[0]
+        hidden = decoder_stack(weights, ropes, layout, stream, attention, routing=packed, checkpointed=checkpointed)[0]
         if routes is not None and routes.record is not None:  # packed_logits' own contiguous copy: a view
             routes.record.flatten(0, 1)[flat] = packed.record[0]
         return hidden
 
-    return packed_logits(run, lambda hidden: logits_of(weights, layout, hidden), input_ids, valid, positions,
-                         response_length, shared, routing)
+    out = (lambda hidden: logits_of(weights, layout, hidden)) if head else (
+        lambda hidden: final_norm(weights, layout, hidden))
+    return packed_logits(run, out, input_ids, valid, positions, response_length, shared, routing)
 
 
 def packed_logits(run: Callable[..., Tensor], head: Callable[[Tensor], Tensor], input_ids: Int[Tensor, "b s"],

@@ -4,6 +4,7 @@ rearranged with q/k/v and gate/up each fused into one matrix (:func:`fused_weigh
 fused alike, a sparse layer's experts (:mod:`.moe`), and each norm's weight as the norm scales by it.
 :data:`VARIANTS` lists every family's variant, which a layout is found by (the config's model type)."""
 
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -14,7 +15,8 @@ from purerl.models.families.llama import LLAMA, QWEN3, QWEN3_MOE
 from purerl.models.families.moe import Experts, experts_of
 from purerl.models.families.variant import Variant
 
-__all__ = ["VARIANTS", "FusedWeights", "LayerWeights", "Layout", "Lora", "fused_weights", "layout_of", "variant_of"]
+__all__ = ["VARIANTS", "FusedWeights", "LayerWeights", "LazyLayers", "Layout", "Lora", "Params", "fused_weights",
+           "layer_weights", "layout_of", "variant_of"]
 
 VARIANTS = (LLAMA, QWEN3, QWEN3_MOE, GEMMA3)
 """Every variant of the shared block, each found by its model types (:func:`variant_of`)."""
@@ -107,7 +109,7 @@ class FusedWeights(NamedTuple):
     """What the shared decoder reads, built from the params tree by :func:`fused_weights`."""
 
     embed: Tensor
-    layers: list[LayerWeights]
+    layers: Sequence[LayerWeights]
     norm: Tensor
     head: Tensor  # [hidden, vocab], like the layers' matrices
     head_bias: Tensor | None
@@ -117,63 +119,93 @@ def _plus_one(w: Tensor) -> Tensor:
     return 1.0 + w.float()
 
 
-def fused_weights(params: dict[str, Tensor], layout: Layout, lora_scale: float | None = None) -> FusedWeights:
+Params = Mapping[str, Tensor]
+"""A params tree as the decoder reads it: by name (a dict, or a mapping that gathers each sharded tensor when
+read, :class:`purerl.models.sharding.Gathered`)."""
+
+
+def _norm(params: Params, layout: Layout, name: str) -> Tensor:
+    return _plus_one(params[name]) if layout.norm_plus_one else params[name]
+
+
+def _cat(params: Params, *names: str) -> Tensor | None:
+    parts = [params.get(n) for n in names]
+    return None if parts[0] is None else torch.cat(parts)
+
+
+def _lora(params: Params, lora_scale: float | None, *names: str) -> "Lora | None":
+    a = [params.get(f"{n}.lora_A.weight") for n in names]
+    if lora_scale is None or all(x is None for x in a):
+        return None
+    b = [params.get(f"{n}.lora_B.weight") for n in names]
+    weights = [params[f"{n}.weight"] for n in names]
+    a = [x if x is not None else w.new_zeros(0, w.shape[1]) for x, w in zip(a, weights)]
+    b = [x if x is not None else w.new_zeros(w.shape[0], 0) for x, w in zip(b, weights)]
+    return Lora(torch.cat(a).t(), torch.block_diag(*b).t() if len(b) > 1 else b[0].t(), lora_scale)
+
+
+def _head_norms(params: Params, layout: Layout, attention: str) -> Tensor | None:
+    q = params.get(f"{attention}.q_norm.weight")
+    if q is None:
+        return None
+    both = torch.cat((q.expand(layout.heads, -1), params[f"{attention}.k_norm.weight"].expand(layout.kv_heads, -1)))
+    return _plus_one(both) if layout.norm_plus_one else both
+
+
+def layer_weights(params: Params, layout: Layout, i: int, lora_scale: float | None = None) -> LayerWeights:
+    """Layer ``i`` of the params tree rearranged for the shared decoder (see :func:`fused_weights`)."""
+    at, a, m = f"model.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+    if params.get(f"{m}.gate_proj.bias") is not None or params.get(f"{m}.down_proj.bias") is not None:
+        raise ValueError("fused_weights: MLP biases are not supported")
+    experts = experts_of(params, m)
+    dense = experts is None
+    sandwich = layout.sandwich_norms
+    return LayerWeights(
+        _norm(params, layout, f"{at}.input_layernorm.weight"),
+        _cat(params, f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight").t(),
+        _cat(params, f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"),
+        params[f"{a}.o_proj.weight"].t(), params.get(f"{a}.o_proj.bias"),
+        _norm(params, layout, f"{at}.pre_feedforward_layernorm.weight" if sandwich
+              else f"{at}.post_attention_layernorm.weight"),
+        _cat(params, f"{m}.gate_proj.weight", f"{m}.up_proj.weight").t() if dense else None,
+        params[f"{m}.down_proj.weight"].t() if dense else None,
+        _lora(params, lora_scale, f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"),
+        _lora(params, lora_scale, f"{a}.o_proj"),
+        _lora(params, lora_scale, f"{m}.gate_proj", f"{m}.up_proj") if dense else None,
+        _lora(params, lora_scale, f"{m}.down_proj") if dense else None,
+        _head_norms(params, layout, a), experts,
+        _norm(params, layout, f"{at}.post_attention_layernorm.weight") if sandwich else None,
+        _norm(params, layout, f"{at}.post_feedforward_layernorm.weight") if sandwich else None)
+
+
+class LazyLayers(Sequence[LayerWeights]):
+    """The layers of a params tree, each rearranged (:func:`layer_weights`) when the decoder reads it: a
+    layer's fused copies (and, for sharded params, its gathered weights) exist only while it runs, and a
+    checkpointed layer builds them again in the backward."""
+
+    def __init__(self, params: Params, layout: Layout, lora_scale: float | None) -> None:
+        self.params, self.layout, self.lora_scale = params, layout, lora_scale
+
+    def __len__(self) -> int:
+        return self.layout.layers
+
+    def __getitem__(self, i: int) -> LayerWeights:  # type: ignore[override]
+        if not 0 <= i < self.layout.layers:
+            raise IndexError(i)
+        return layer_weights(self.params, self.layout, i, self.lora_scale)
+
+
+def fused_weights(params: Params, layout: Layout, lora_scale: float | None = None, *,
+                  lazy: bool = False) -> FusedWeights:
     """The params tree rearranged for the shared decoder. The fused matrices are concatenations:
     copies, rebuilt after every update, and differentiable (gradients flow back to ``params``).
     LoRA adapters in the tree (``….lora_A.weight``/``….lora_B.weight``, scale ``lora_scale``)
     become each fused projection's :class:`Lora` (a projection some of whose parts have none
     gets zero blocks for those). Where ``layout.norm_plus_one``, every norm weight is held as
-    ``1 + w`` in float32 (what the norm scales by)."""
-
-    def norm(name: str) -> Tensor:
-        return _plus_one(params[name]) if layout.norm_plus_one else params[name]
-
-    def cat(*names: str) -> Tensor | None:
-        parts = [params.get(n) for n in names]
-        return None if parts[0] is None else torch.cat(parts)
-
-    def t(name: str) -> Tensor:
-        return params[name].t()
-
-    def lora(*names: str) -> Lora | None:
-        a = [params.get(f"{n}.lora_A.weight") for n in names]
-        if lora_scale is None or all(x is None for x in a):
-            return None
-        b = [params.get(f"{n}.lora_B.weight") for n in names]
-        weights = [params[f"{n}.weight"] for n in names]
-        a = [x if x is not None else w.new_zeros(0, w.shape[1]) for x, w in zip(a, weights)]
-        b = [x if x is not None else w.new_zeros(w.shape[0], 0) for x, w in zip(b, weights)]
-        return Lora(torch.cat(a).t(), torch.block_diag(*b).t() if len(b) > 1 else b[0].t(), lora_scale)
-
-    def head_norms(a: str) -> Tensor | None:
-        q = params.get(f"{a}.q_norm.weight")
-        if q is None:
-            return None
-        both = torch.cat((q.expand(layout.heads, -1), params[f"{a}.k_norm.weight"].expand(layout.kv_heads, -1)))
-        return _plus_one(both) if layout.norm_plus_one else both
-
-    layers = []
-    for i in range(layout.layers):
-        at, a, m = f"model.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        if params.get(f"{m}.gate_proj.bias") is not None or params.get(f"{m}.down_proj.bias") is not None:
-            raise ValueError("fused_weights: MLP biases are not supported")
-        experts = experts_of(params, m)
-        dense = experts is None
-        sandwich = layout.sandwich_norms
-        layers.append(LayerWeights(
-            norm(f"{at}.input_layernorm.weight"),
-            cat(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight").t(),
-            cat(f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"),
-            t(f"{a}.o_proj.weight"), params.get(f"{a}.o_proj.bias"),
-            norm(f"{at}.pre_feedforward_layernorm.weight" if sandwich else f"{at}.post_attention_layernorm.weight"),
-            cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight").t() if dense else None,
-            t(f"{m}.down_proj.weight") if dense else None,
-            lora(f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"), lora(f"{a}.o_proj"),
-            lora(f"{m}.gate_proj", f"{m}.up_proj") if dense else None, lora(f"{m}.down_proj") if dense else None,
-            head_norms(a), experts,
-            norm(f"{at}.post_attention_layernorm.weight") if sandwich else None,
-            norm(f"{at}.post_feedforward_layernorm.weight") if sandwich else None))
+    ``1 + w`` in float32 (what the norm scales by). ``lazy``: each layer is built when read
+    (:class:`LazyLayers`), not all at once."""
+    layers = LazyLayers(params, layout, lora_scale)
     embed = params["model.embed_tokens.weight"]
-    return FusedWeights(embed, layers, norm("model.norm.weight"),
+    return FusedWeights(embed, layers if lazy else list(layers), _norm(params, layout, "model.norm.weight"),
                         params.get("lm_head.weight", embed).t(),  # tied: only the embedding is in the tree
                         params.get("lm_head.bias"))
