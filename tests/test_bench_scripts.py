@@ -44,6 +44,8 @@ SMOKE: dict[str, list[tuple[str, str]]] = {
                                           r"reward children left behind: 0\n")],
     "bench_rollout": [("--smoke --bound --profile", r"purerl TorchEngine +median +\d+ new tok/s +ratio vs HF generate "
                                                     r"+\d+\.\d+")],
+    "bench_sharded": [("--smoke", r"2 ranks: the lean sharded update runs \d+\.\d+x the HF-module FSDP2 "
+                                  r"update's speed")],
     "bench_tinker_sampling": [("--smoke", r"\| at once \| \d+\.\d+ \| \d+\.\d \| \d+\.\d+x \|")],
     "bench_token_budget": [("--smoke", r"peak resident set of an update: fixed rows \d+ MiB")],
     "bench_update": [("--smoke --profile", r"purerl functional \+ donated fused AdamW +median +\d+\.\d+ ms +ratio vs "
