@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-SMOKE = ["--model", "tiny", "--worlds", "2", "--modes", "lean", "module", "--updates", "1"]
+SMOKE = ["--model", "tiny", "--worlds", "2", "--modes", "lean", "module", "--updates", "1", "--rounds", "1"]
 """What ``--smoke`` stands for."""
 
 
@@ -42,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--response", type=int, default=48)
     ap.add_argument("--updates", type=int, default=3, help="timed updates after one warm-up")
+    ap.add_argument("--rounds", type=int, default=3, help="groups started per mode, the modes alternating (this "
+                    "box's speed drifts between runs: the ratio is the median of each round's)")
     ap.add_argument("--smoke", action="store_true", help="the smallest sizes: " + " ".join(SMOKE))
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # a rank process: rank world port mode
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -161,20 +163,22 @@ def main(argv: list[str] | None = None) -> None:
         args = parser().parse_args([*SMOKE, *(argv if argv is not None else sys.argv[1:])])
     print(f"{args.model}: {args.rows} rows of {args.prompt} + {args.response} tokens, one thread a rank, "
           f"median of {args.updates} updates after a warm-up")
-    medians = {}
-    print("| mode | ranks | median s/update | peak MiB per rank (max) | params + AdamW shards MiB per rank |")
-    print("|---|---|---|---|---|")
+    medians: dict[tuple[int, str], list[float]] = {}
+    print("| mode | ranks | round | median s/update | peak MiB per rank (max) | params + AdamW shards MiB per rank |")
+    print("|---|---|---|---|---|---|")
     for world in args.worlds:
-        for mode in args.modes:
-            ranks = run(args, world, mode)
-            median = statistics.median(max(r["seconds"][i] for r in ranks) for i in range(args.updates))
-            medians[world, mode] = median
-            print(f"| {mode} | {world} | {median:.3f} | {max(r['peak'] for r in ranks) / 2**20:.0f} | "
-                  f"{max(r['shards_bytes'] for r in ranks) / 2**20:.0f} |", flush=True)
+        for round_ in range(args.rounds):
+            for mode in args.modes:
+                ranks = run(args, world, mode)
+                median = statistics.median(max(r["seconds"][i] for r in ranks) for i in range(args.updates))
+                medians.setdefault((world, mode), []).append(median)
+                print(f"| {mode} | {world} | {round_} | {median:.3f} | {max(r['peak'] for r in ranks) / 2**20:.0f} | "
+                      f"{max(r['shards_bytes'] for r in ranks) / 2**20:.0f} |", flush=True)
     for world in args.worlds:
         if (world, "lean") in medians and (world, "module") in medians:
-            ratio = medians[world, "module"] / medians[world, "lean"]
-            print(f"{world} ranks: the lean sharded update runs {ratio:.2f}x the HF-module FSDP2 update's speed")
+            ratios = [m / lean for m, lean in zip(medians[world, "module"], medians[world, "lean"])]
+            print(f"{world} ranks: the lean sharded update runs {statistics.median(ratios):.2f}x the HF-module FSDP2 "
+                  f"update's speed (each round's: {', '.join(f'{r:.2f}' for r in ratios)})")
 
 
 if __name__ == "__main__":
