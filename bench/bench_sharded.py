@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--updates", type=int, default=3, help="timed updates after one warm-up")
     ap.add_argument("--rounds", type=int, default=3, help="groups started per mode, the modes alternating (this "
                     "box's speed drifts between runs: the ratio is the median of each round's)")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing (the lean forward's own; "
+                    "the HF module's wrapped layers)")
     ap.add_argument("--smoke", action="store_true", help="the smallest sizes: " + " ".join(SMOKE))
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # a rank process: rank world port mode
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -82,6 +84,14 @@ def rank_main(args: argparse.Namespace) -> None:
                             world_size=args.world)
     mesh = init_device_mesh("cpu", (args.world,))
     model, params = _model(args.model)
+    if args.checkpointing:
+        import attrs
+
+        from purerl.models import checkpoint_layers
+
+        if args.mode == "module":
+            checkpoint_layers(model.module, rebind=True)
+        model = attrs.evolve(model, checkpointed=True)
     if args.mode == "lean":
         policy, sharded = sharded_model(model, mesh, params)
     else:
@@ -142,7 +152,7 @@ def run(args: argparse.Namespace, world: int, mode: str) -> list[dict]:
     port = _free_port()
     flags = ["--model", args.model, "--rows", str(args.rows), "--prompt", str(args.prompt), "--response",
              str(args.response), "--updates", str(args.updates), "--world", str(world), "--port", str(port),
-             "--mode", mode]
+             "--mode", mode, *(["--checkpointing"] if args.checkpointing else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     ranks = [subprocess.Popen([sys.executable, __file__, *flags, "--rank", str(r)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in range(world)]
@@ -162,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args = parser().parse_args([*SMOKE, *(argv if argv is not None else sys.argv[1:])])
     print(f"{args.model}: {args.rows} rows of {args.prompt} + {args.response} tokens, one thread a rank, "
-          f"median of {args.updates} updates after a warm-up")
+          f"median of {args.updates} updates after a warm-up"
+          + (", activation checkpointing" if args.checkpointing else ""))
     medians: dict[tuple[int, str], list[float]] = {}
     print("| mode | ranks | round | median s/update | peak MiB per rank (max) | params + AdamW shards MiB per rank |")
     print("|---|---|---|---|---|---|")
