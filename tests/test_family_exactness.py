@@ -282,3 +282,42 @@ def test_grpo_math_trains_a_saved_qwen3_on_the_lean_family(tmp_path):
     assert "Qwen3ForCausalLM (model_type 'qwen3'): computed by the lean family 'qwen3'" in done.stdout
     assert json.loads((out / "summary.json").read_text())
     assert (Path(out) / "export" / "config.json").exists()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "LoRA"])
+@pytest.mark.parametrize("family, shape", [(f, s) for f in FAMILIES.names() for s in SHAPES])
+def test_the_fused_head_computes_the_unfused_scores_and_gradients(family, shape, lora):
+    """The fused LM head (:mod:`purerl.models.scores`) against the whole logits: log-probs, entropy and every
+    parameter's gradient of a loss of both, in float32 (tied and untied heads, LoRA, on the head too): the scores
+    within 1e-6 relative, the gradients within 2e-6 of their norm (a block's product may round its logits one
+    unit otherwise than the whole matrix's; the largest seen, 1.1e-6)."""
+    from purerl.algo.aggregation import SumCount
+    from purerl.models import value_and_grad
+    from purerl.models.scores import response_scores
+
+    model, params, _ = _family(family, shape)
+    if lora:
+        tied = "untied" not in shape  # (a tied head is the embedding: no LoRA target)
+        targets = ("q_proj", "v_proj") if tied else ("q_proj", "v_proj", "lm_head")
+        model, params = apply_lora(model, params, LoraSpec(4, 8.0, targets), seed=3)
+        params = {k: v + 0.1 * torch.randn(v.shape, generator=torch.Generator().manual_seed(6))
+                  for k, v in params.items()}
+    seqs = random_sequences(4, 6, 7, VOCAB, seed=1)
+    weights = torch.randn(seqs.response_mask.shape, generator=torch.Generator().manual_seed(8))
+
+    def loss(m):
+        def of(p, s):
+            out = response_scores(m, p, s, temperature=0.7, entropy=True)
+            mask = s.response_mask
+            total = (out.logprobs[..., 0] * weights + 0.3 * out.entropy)[mask].sum()
+            return SumCount(total, mask.sum().float()), (out.logprobs[..., 0], out.entropy)
+        return of
+
+    fused, (logp, entropy), grads = value_and_grad(loss(model))(params, seqs)
+    plain, (want_logp, want_entropy), want = value_and_grad(loss(attrs.evolve(model, fused_head=False)))(params, seqs)
+    mask = seqs.response_mask
+    torch.testing.assert_close(logp[mask], want_logp[mask], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy[mask], want_entropy[mask], rtol=1e-6, atol=1e-6)
+    assert abs(fused.total.item() - plain.total.item()) <= 1e-6 * max(1.0, abs(plain.total.item()))
+    for name, grad in want.items():
+        assert (grads[name] - grad).norm() <= 2e-6 * grad.norm() + 1e-9, name

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from purerl.checks import check_bool, check_floating, check_rank, check_same_shape
 
-__all__ = ["generalized_jsd", "reverse_kl_advantages", "sampled_reverse_kl"]
+__all__ = ["generalized_jsd", "generalized_jsd_at_ids", "reverse_kl_advantages", "sampled_reverse_kl"]
 
 
 def sampled_reverse_kl(student_logprobs: Float[Tensor, "b t"], teacher_logprobs: Float[Tensor, "b t"],
@@ -80,6 +80,16 @@ def generalized_jsd(student_logits: Float[Tensor, "b t v"], teacher_ids: Int[Ten
         raise ValueError(f"{where}: beta must be in [0, 1], got {beta}")
     check_bool(where, mask=mask)
     student = torch.log_softmax(_wide(student_logits) / temperature, -1).gather(-1, teacher_ids.long())
+    return generalized_jsd_at_ids(student, teacher_logprobs, mask, beta=beta)
+
+
+def generalized_jsd_at_ids(student_logprobs: Float[Tensor, "b t k"], teacher_logprobs: Float[Tensor, "b t k"],
+                           mask: Bool[Tensor, "b t"], *, beta: float = 0.5) -> Float[Tensor, "b t"]:
+    """:func:`generalized_jsd` from the student's log-probs at the teacher's ids (what a fused head gives, never
+    the student's whole logits): both renormalised over those ids."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"generalized_jsd: beta must be in [0, 1], got {beta}")
+    student = _wide(student_logprobs)
     student = student - torch.logsumexp(student, -1, keepdim=True)
     teacher = _wide(teacher_logprobs)
     teacher = teacher - torch.logsumexp(teacher, -1, keepdim=True)

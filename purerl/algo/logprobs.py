@@ -34,6 +34,10 @@ __all__ = [
     "entropy_from_logits",
     "sum_pi_squared_from_logits",
     "DEFAULT_CHUNK_ROWS",
+    "block_centred",
+    "block_check_options",
+    "block_compute_dtype",
+    "block_normalised",
 ]
 
 DEFAULT_CHUNK_ROWS = 1024
@@ -67,7 +71,7 @@ def logprobs_from_logits(
             f"logprobs_from_logits: labels has shape {tuple(labels.shape)} but logits has shape "
             f"{tuple(logits.shape)}; labels must be logits.shape[:-1]"
         )
-    _check_options("logprobs_from_logits", temperature, chunk_size)
+    block_check_options("logprobs_from_logits", temperature, chunk_size)
     logprobs, _, _ = _ChunkedLogProbs.apply(logits, labels.long(), float(temperature), int(chunk_size), compiled)
     return logprobs
 
@@ -91,7 +95,7 @@ def entropy_from_logits(
     check_floating("entropy_from_logits", logits=logits)
     if logits.dim() < 1:
         raise ValueError("entropy_from_logits: logits must have a vocabulary dimension, got a 0-d tensor")
-    _check_options("entropy_from_logits", temperature, chunk_size)
+    block_check_options("entropy_from_logits", temperature, chunk_size)
     entropy, _, _ = _ChunkedEntropy.apply(logits, float(temperature), int(chunk_size))
     return entropy
 
@@ -110,20 +114,20 @@ def sum_pi_squared_from_logits(
     check_floating("sum_pi_squared_from_logits", logits=logits)
     if logits.dim() < 1:
         raise ValueError("sum_pi_squared_from_logits: logits must have a vocabulary dimension")
-    _check_options("sum_pi_squared_from_logits", temperature, 1)
-    z = logits.to(_compute_dtype(logits.dtype)) / temperature
+    block_check_options("sum_pi_squared_from_logits", temperature, 1)
+    z = logits.to(block_compute_dtype(logits.dtype)) / temperature
     z = z - z.amax(-1, keepdim=True)  # the same value; keeps both logsumexps near 0 (precision)
     return torch.exp(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
 
 
-def _check_options(where: str, temperature: float, chunk_size: int) -> None:
+def block_check_options(where: str, temperature: float, chunk_size: int) -> None:
     if not temperature > 0:
         raise ValueError(f"{where}: temperature must be positive, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"{where}: chunk_size must be at least 1, got {chunk_size}")
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def block_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -153,7 +157,7 @@ def _blocks(b: int, t: int, rows: int) -> Iterator[tuple[slice, slice]]:
                 yield slice(i, i + 1), slice(j, j + rows)
 
 
-def _centred(block: Tensor, dtype: torch.dtype, temperature: float, peak: Tensor) -> Tensor:
+def block_centred(block: Tensor, dtype: torch.dtype, temperature: float, peak: Tensor) -> Tensor:
     """A fresh ``dtype`` tensor ``z − peak`` for ``z = block / τ`` (callers may update it in place)."""
     z = block.to(dtype, copy=True)
     if temperature != 1.0:
@@ -161,7 +165,7 @@ def _centred(block: Tensor, dtype: torch.dtype, temperature: float, peak: Tensor
     return z.sub_(peak[..., None])
 
 
-def _normalised(block: Tensor, dtype: torch.dtype, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+def block_normalised(block: Tensor, dtype: torch.dtype, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(z' = z − max z, max z, log Σ exp z')`` for ``z = block / τ``; ``z'`` is fresh.
 
     The normaliser is ``log1p`` of the sum without the (first) maximal term, so ``log p`` stays
@@ -188,10 +192,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
         if compiled:
             return _logprob_stats(logits, labels, temperature)
         b, t, _ = logits.shape
-        dtype = _compute_dtype(logits.dtype)
+        dtype = block_compute_dtype(logits.dtype)
         logprobs, peak, log_norm = (logits.new_empty((b, t), dtype=dtype) for _ in range(3))
         for rows, cols in _blocks(b, t, chunk_size):
-            z, block_peak, block_norm = _normalised(logits[rows, cols], dtype, temperature)
+            z, block_peak, block_norm = block_normalised(logits[rows, cols], dtype, temperature)
             peak[rows, cols] = block_peak
             log_norm[rows, cols] = block_norm
             logprobs[rows, cols] = z.gather(-1, labels[rows, cols, None]).squeeze(-1) - block_norm
@@ -221,7 +225,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for rows, cols in _blocks(b, t, ctx.chunk_size):
             g = grad_logprobs[rows, cols, None].to(log_norm.dtype) / tau
             y = labels[rows, cols, None]
-            z = _centred(logits[rows, cols], log_norm.dtype, tau, peak[rows, cols])
+            z = block_centred(logits[rows, cols], log_norm.dtype, tau, peak[rows, cols])
             log_p = z.sub_(log_norm[rows, cols, None])
             # g·(onehot − p): −g·p everywhere, and g·(1 − p_y) = −g·expm1(log p_y) at the label,
             # which keeps 1 − p_y accurate when p_y is close to 1
@@ -240,7 +244,7 @@ def _logprob_stats(logits: Tensor, labels: Tensor, temperature: float) -> tuple[
 
 
 def _logprob_sums(logits: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-    z = logits.to(_compute_dtype(logits.dtype)) / temperature
+    z = logits.to(block_compute_dtype(logits.dtype)) / temperature
     peak, top = z.max(-1, keepdim=True)
     vocab = torch.arange(z.shape[-1], device=z.device)
     rest = torch.where(vocab == top, 0.0, (z - peak).exp()).sum(-1)
@@ -277,10 +281,10 @@ class _ChunkedEntropy(torch.autograd.Function):
     def forward(logits: Tensor, temperature: float, chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
         x = _as_3d(logits)
         b, t, _ = x.shape
-        dtype = _compute_dtype(logits.dtype)
+        dtype = block_compute_dtype(logits.dtype)
         entropy, peak, log_norm = (logits.new_empty((b, t), dtype=dtype) for _ in range(3))
         for rows, cols in _blocks(b, t, chunk_size):
-            z, block_peak, block_norm = _normalised(x[rows, cols], dtype, temperature)
+            z, block_peak, block_norm = block_normalised(x[rows, cols], dtype, temperature)
             peak[rows, cols] = block_peak
             log_norm[rows, cols] = block_norm
             probs = (z - block_norm[..., None]).exp_()
@@ -311,7 +315,7 @@ class _ChunkedEntropy(torch.autograd.Function):
         mean3, g3 = (log_norm - entropy).reshape(b, t), grad_entropy.reshape(b, t)
         grad = torch.empty(x.shape, dtype=logits.dtype, device=logits.device)
         for rows, cols in _blocks(b, t, ctx.chunk_size):
-            z = _centred(x[rows, cols], log_norm.dtype, tau, peak3[rows, cols])
+            z = block_centred(x[rows, cols], log_norm.dtype, tau, peak3[rows, cols])
             p = (z - norm3[rows, cols, None]).exp_()
             scale = g3[rows, cols, None].to(log_norm.dtype) / -tau
             # −g·p·(z − E_p[z]) / τ

@@ -204,14 +204,16 @@ def load_critic(config: JobConfig, model: CausalLM, params: Params) -> tuple[Cri
 
 def forwards_line(config: JobConfig, model: CausalLM, critic: Critic | None) -> str:
     """The line a run starts with that says what computes each role's forwards, on which executor: a lean
-    family's forward (on a sharding executor's ranks over sharded params, gathered layer by layer), or the HF
-    module (FSDP2-sharded there)."""
+    family's forward (on a sharding executor's ranks over sharded params, gathered layer by layer; its LM head
+    fused with the scores read from it, :mod:`purerl.models.scores`), or the HF module, whose logits are held
+    whole (FSDP2-sharded there)."""
     kind = config.executor.of_kind
     ranks = config.executor.train_ranks if kind.shards_updates else 1
 
     def by(lean: bool, family_name: str | None) -> str:
         if not lean:
-            return "its HF module" + (f" (FSDP2-sharded over {ranks} ranks)" if ranks > 1 else "")
+            return "its HF module, its logits held whole" + (f" (FSDP2-sharded over {ranks} ranks)" if ranks > 1
+                                                            else "")
         return f"the lean family {family_name!r}" + (f" (params sharded over {ranks} ranks, gathered per layer)"
                                                      if ranks > 1 else "")
 

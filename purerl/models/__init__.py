@@ -10,7 +10,8 @@ from typing import Any
 
 __all__ = ["CausalLM", "Critic", "LayerCheckpoint", "Params", "ValueModel", "cast_floating", "causal_lm_from_config",
            "checkpoint_layers", "critic_from_causal_lm", "full_state_dict", "gemma3_270m_gguf", "load_causal_lm",
-           "response_entropy", "response_logits", "response_logprobs", "response_values", "shared_prompts",
+           "response_entropy", "response_logits", "response_logprobs", "response_scores", "response_values",
+           "Scores", "shared_prompts",
            "smollm2_gguf", "value_and_grad"]
 
 _HOMES = {
@@ -20,9 +21,11 @@ _HOMES = {
     "ValueModel": "base",
     "cast_floating": "base",
     "full_state_dict": "base",
-    "response_entropy": "base",
+    "response_entropy": "scores",
     "response_logits": "base",
-    "response_logprobs": "base",
+    "response_logprobs": "scores",
+    "response_scores": "scores",
+    "Scores": "scores",
     "response_values": "base",
     "shared_prompts": "base",
     "value_and_grad": "base",

@@ -7,7 +7,8 @@ params (``dict[str, Tensor]``, canonical names only) live in the train state and
 each call through ``torch.func.functional_call``.
 
 Pure entry points:
-- :func:`response_logprobs` / :func:`response_entropy` over :class:`~purerl.batch.Sequences`;
+- :func:`response_logits` over :class:`~purerl.batch.Sequences` (the scores read off them:
+  :mod:`purerl.models.scores`);
 - :func:`response_values` for a :class:`Critic` (HF backbone + scalar value head);
 - :func:`value_and_grad` turns ``loss_fn(params, ...) -> (SumCount, aux)`` into a function
   returning ``(loss, aux, grads)`` through ``torch.autograd.grad`` (measured faster and lighter than
@@ -28,7 +29,6 @@ from torch import Tensor, nn
 from torch.nn.utils import stateless
 
 from purerl.algo.aggregation import SumCount
-from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.batch import Sequences
 from purerl.models import lora
 from purerl.models.checkpointing import LayerCheckpoint
@@ -47,8 +47,6 @@ __all__ = [
     "packed_stream",
     "shared_prompts",
     "response_logits",
-    "response_logprobs",
-    "response_entropy",
     "response_values",
     "value_and_grad",
     "full_state_dict",
@@ -103,6 +101,9 @@ class CausalLM:
     through compiled kernels (:func:`purerl.algo.logprobs.logprobs_from_logits`); the same values to
     float rounding. The packed forward and the HF module run eagerly. ``routing_replay``
     (``actor.routing_replay``): a lean family with experts replays :attr:`~purerl.batch.Sequences.routing`.
+    ``fused_head``: a lean family's scores (log-probs, entropy, Σπ², top-k) come from its hidden states through
+    the fused LM head, which never holds a ``[b, t, v]`` logits tensor (:mod:`purerl.models.scores`); off, from
+    the whole logits (the unfused path, kept for comparisons; the HF module's path always).
     """
 
     module: nn.Module
@@ -119,6 +120,7 @@ class CausalLM:
     compute_dtype: torch.dtype | None = None
     compiled: bool = False
     routing_replay: bool = False
+    fused_head: bool = True
 
     def full(self, params: Params) -> Params:
         """The frozen base weights (a LoRA policy's) overlaid with ``params``."""
@@ -292,21 +294,6 @@ def response_logits(model: CausalLM, params: Params, seqs: Sequences) -> Float[T
     return torch.cat([prompt.logits.index_select(0, inverse), response.logits[:, :-1]], 1)
 
 
-def response_logprobs(
-    model: CausalLM, params: Params, seqs: Sequences, *, temperature: float = 1.0
-) -> Float[Tensor, "b t"]:
-    """``log π(y_t | prefix)`` for every response position, float32 (masked positions included)."""
-    logits = response_logits(model, params, seqs)
-    return logprobs_from_logits(logits, seqs.responses(), temperature=temperature, compiled=model.compiled)
-
-
-def response_entropy(
-    model: CausalLM, params: Params, seqs: Sequences, *, temperature: float = 1.0
-) -> Float[Tensor, "b t"]:
-    """Entropy of the sampling distribution at every response position, float32."""
-    return entropy_from_logits(response_logits(model, params, seqs), temperature=temperature)
-
-
 def backbone_params(params: Params) -> Params:
     """A critic's params as its backbone's (:meth:`Critic.backbone`): ``backbone.*`` named ``model.*``, the
     value head left out."""
@@ -320,7 +307,7 @@ def response_values(critic: Critic, params: Params, seqs: Sequences) -> Float[Te
     padding)."""
     t = seqs.response_length
     if critic.lean:
-        hidden = critic.family.response_hidden(critic.backbone(), backbone_params(params), seqs, None)
+        hidden, _ = critic.family.response_hidden(critic.backbone(), backbone_params(params), seqs, None)
         weight, bias = critic.head(params)
         return F.linear(hidden, weight, bias).squeeze(-1).float()
     if critic.packed:

@@ -102,6 +102,10 @@ def apply_lora(
         raise ValueError(f"LoRA targets {list(spec.targets)} match no linear layer of {type(module).__name__}")
     generator = torch.Generator().manual_seed(seed)
     adapters = {}
+    tied = [name for name in names if f"{name}.weight" not in params]
+    if tied:
+        raise ValueError(f"LoRA targets {', '.join(tied)}: tied to {model.aliases.get(f'{tied[0]}.weight', '?')} "
+                         "(one weight, two uses); leave them out of the targets")
     for name in names:
         base = module.get_submodule(name)
         parent, _, leaf = name.rpartition(".")

@@ -13,10 +13,10 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from purerl.algo.logprobs import logprobs_from_logits, sum_pi_squared_from_logits
 from purerl.batch import Rewards, Rollout, Sequences
-from purerl.models import CausalLM, Critic, Params, response_logits, response_values, shared_prompts
+from purerl.models import CausalLM, Critic, Params, response_values
 from purerl.models.families.moe import disagreement
+from purerl.models.scores import response_logprobs, response_scores
 from purerl.state import TrainState
 from purerl.step.micro_batches import chunks, token_budget_rows, trimmed_sequences
 from purerl.step.settings import Batching, ExperienceSettings
@@ -88,8 +88,7 @@ def _batched(model: CausalLM | Critic, fn: Callable[[Sequences], Tensor], seqs: 
 
 def _logprobs_fn(model: CausalLM, params: Params, temperature: float) -> Callable[[Sequences], Tensor]:
     def logprobs(part: Sequences) -> Tensor:
-        return logprobs_from_logits(response_logits(model, params, part), part.responses(), temperature=temperature,
-                                    compiled=model.compiled)
+        return response_logprobs(model, params, part, temperature=temperature)
 
     return logprobs
 
@@ -98,9 +97,8 @@ def _logprobs_and_sum_pi_squared_fn(model: CausalLM, params: Params,
                                     temperature: float) -> Callable[[Sequences], Tensor]:
     """Log-probs and ``Σ_v π(v)²`` per response position, stacked on the last axis, from one forward."""
     def both(part: Sequences) -> Tensor:
-        logits = response_logits(model, params, part)
-        return torch.stack([logprobs_from_logits(logits, part.responses(), temperature=temperature),
-                            sum_pi_squared_from_logits(logits, temperature=temperature).to(torch.float32)], -1)
+        scores = response_scores(model, params, part, temperature=temperature, sum_pi_squared=True)
+        return torch.stack([scores.logprobs[..., 0], scores.sum_pi_squared], -1)
 
     return both
 
@@ -130,16 +128,10 @@ def _teacher_fn(model: CausalLM, params: Params, temperature: float, top_k: int 
     ids, stacked on the last axis as float32 ``[b, t, 1 + 2k]`` (ids below 2²⁴ are exact there);
     over the first ``vocab`` ids only, when given."""
     def scores(part: Sequences) -> Tensor:
-        logits = response_logits(model, params, part)
-        if vocab is not None:
-            logits = logits[..., :vocab]
-        logp = logprobs_from_logits(logits, part.responses(), temperature=temperature).to(torch.float32)
+        out = response_scores(model, params, part, temperature=temperature, top_k=top_k, vocab=vocab)
         if top_k is None:
-            return logp[..., None]
-        full = torch.log_softmax(logits.float() / temperature, -1)
-        k = full.shape[-1] if top_k == 0 else min(top_k, full.shape[-1])
-        top = full.topk(k, dim=-1)
-        return torch.cat([logp[..., None], top.values, top.indices.to(torch.float32)], -1)
+            return out.logprobs
+        return torch.cat([out.logprobs, out.top_logprobs, out.top_ids.to(torch.float32)], -1)
 
     return scores
 
@@ -192,15 +184,12 @@ def _routing_fn(model: CausalLM, params: Params, temperature: float) -> Callable
 
     def routed(part: Sequences) -> Tensor:
         record = torch.full_like(part.routing, -1)
-        logits = model.family.response_logits(model, params, part, shared_prompts(part) if model.shares_prompts
-                                              else None, record)
+        logprobs = response_scores(model, params, part, temperature=temperature, record=record).logprobs[..., 0]
         t = part.response_length
         differ, both = disagreement(part.routing[:, -t:], record[:, -t:])
         real = part.response_mask[..., None]
         differ, both = differ & real, both & real
-        return torch.stack([logprobs_from_logits(logits, part.responses(), temperature=temperature,
-                                                 compiled=model.compiled),
-                            differ.sum(-1).to(torch.float32), both.sum(-1).to(torch.float32)], -1)
+        return torch.stack([logprobs, differ.sum(-1).to(torch.float32), both.sum(-1).to(torch.float32)], -1)
 
     return routed
 

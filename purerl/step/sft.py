@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from purerl.algo.aggregation import SumCount, token_mean
-from purerl.algo.logprobs import logprobs_from_logits
 from purerl.batch import Sequences
-from purerl.models import CausalLM, Params, response_logits
+from purerl.models import CausalLM, Params
 from purerl.models import value_and_grad as pure_value_and_grad
+from purerl.models.scores import response_logprobs
 from purerl.state import TrainState
 from purerl.step.settings import Batching
 from purerl.step.shaping import Metrics, TrainBatch
@@ -30,7 +30,7 @@ def sft_update(params: Params, opt_state: Any, sequences: Sequences, *, policy: 
     """One optimizer step on the mean negative log-likelihood of the masked response tokens
     (``sft/loss``), in ``batching``'s micro-batches of rows (donates ``params``/``opt_state``)."""
     def loss_fn(p: Params, batch: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
-        logp = logprobs_from_logits(response_logits(policy, p, batch.sequences), batch.sequences.responses())
+        logp = response_logprobs(policy, p, batch.sequences)
         nll = token_mean(-logp, batch.sequences.response_mask)
         return nll, {"loss": nll}
 

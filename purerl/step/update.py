@@ -25,12 +25,12 @@ from jaxtyping import Bool
 from torch import Tensor
 
 from purerl.algo.aggregation import LOSS_AGGREGATIONS, SumCount, loss_denominator, token_mean
-from purerl.algo.distill import generalized_jsd
+from purerl.algo.distill import generalized_jsd_at_ids
 from purerl.algo.kl import kl_loss
-from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from purerl.algo.value_loss import clipped_value_loss
-from purerl.models import CausalLM, Critic, Params, response_logits, response_values
+from purerl.models import CausalLM, Critic, Params, response_values
 from purerl.models import value_and_grad as pure_value_and_grad
+from purerl.models.scores import response_scores
 from purerl.state import RngState
 from purerl.step.micro_batches import chunks, micro_batch_rows, trimmed
 from purerl.step.settings import ActorLoss, Batching, ValueLoss
@@ -98,9 +98,16 @@ def _actor_loss(policy: CausalLM, loss: ActorLoss, rng: RngState) -> Callable:
 
     def loss_fn(params: Params, batch: TrainBatch) -> tuple[SumCount, dict[str, SumCount]]:
         mask, temperature = batch.sequences.response_mask, batch.temperature
-        logits = response_logits(policy, params, batch.sequences)
-        logp = logprobs_from_logits(logits, batch.sequences.responses(), temperature=temperature,
-                                    compiled=policy.compiled)
+        ids = batch.sequences.responses()[..., None]
+        if loss.distill is not None:
+            teacher = batch.teacher
+            if teacher is None or teacher.top_ids is None:
+                raise ValueError("actor_update: a distillation loss needs the teacher's top-k scores "
+                                 "(ExperienceSettings.teacher_top_k and a teacher role)")
+            ids = torch.cat([ids, teacher.top_ids.long()], -1)  # the student's log-probs there too
+        scores = response_scores(policy, params, batch.sequences, temperature=temperature, ids=ids,
+                                 entropy=entropy_coeff != 0 or loss.compute_entropy)
+        logp = scores.logprobs[..., 0]
         out = policy_loss(logp, batch.old_logprobs, batch.advantages, mask, is_weights=batch.is_weights,
                           generator=generator)
         total = out.loss
@@ -109,10 +116,8 @@ def _actor_loss(policy: CausalLM, loss: ActorLoss, rng: RngState) -> Callable:
         if batch.behaviour_logprobs is not None:  # the weight-sync check: no pass of its own
             gap = torch.where(mask, (logp.detach() - batch.behaviour_logprobs).abs(), 0.0)
             aux[_SYNC_GAP] = token_mean(gap, mask)
-        if entropy_coeff != 0 or loss.compute_entropy:
-            with torch.set_grad_enabled(entropy_coeff != 0 and torch.is_grad_enabled()):
-                entropy = entropy_from_logits(logits if entropy_coeff != 0 else logits.detach(),
-                                              temperature=temperature)
+        if scores.entropy is not None:
+            entropy = scores.entropy if entropy_coeff != 0 else scores.entropy.detach()
             ent = LOSS_AGGREGATIONS[agg](entropy, mask, norm)
             aux["entropy"] = ent
             if entropy_coeff != 0:
@@ -125,12 +130,8 @@ def _actor_loss(policy: CausalLM, loss: ActorLoss, rng: RngState) -> Callable:
             aux["kl_loss"] = kl
             total = SumCount(total.total + loss.kl_coef * kl.total, total.count)
         if loss.distill is not None:
-            teacher = batch.teacher
-            if teacher is None or teacher.top_ids is None:
-                raise ValueError("actor_update: a distillation loss needs the teacher's top-k scores "
-                                 "(ExperienceSettings.teacher_top_k and a teacher role)")
-            jsd = generalized_jsd(logits, teacher.top_ids, teacher.top_logprobs, mask, beta=loss.distill.beta,
-                                  temperature=temperature)
+            jsd = generalized_jsd_at_ids(scores.logprobs[..., 1:], batch.teacher.top_logprobs, mask,
+                                         beta=loss.distill.beta)
             divergence = LOSS_AGGREGATIONS[agg](jsd, mask, norm)
             aux["distill_loss"] = divergence
             total = SumCount(total.total + loss.distill.coef * divergence.total, total.count)

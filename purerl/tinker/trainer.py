@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 
 from purerl.algo.aggregation import SumCount
-from purerl.algo.logprobs import logprobs_from_logits
 from purerl.batch import Sequences
-from purerl.models import CausalLM, Params, response_logits, value_and_grad
+from purerl.models import CausalLM, Params, value_and_grad
 from purerl.models.lora import LoraSpec, apply_lora
+from purerl.models.scores import response_scores
 from purerl.optim import AdamWState, adamw, clip_by_global_norm
 from purerl.tinker.losses import TinkerLoss
 from purerl.tree import tree_clone, tree_map
@@ -188,8 +188,8 @@ def batch_of(datums: Sequence[Datum], vocab: int, context: int, device: torch.de
 
 
 def _target_logprobs(trainable: Trainable, params: Params, batch: TrainBatch) -> Tensor:
-    logits = response_logits(trainable.model, policy_params(trainable, params), batch.sequences)
-    return logprobs_from_logits(logits, batch.targets)
+    return response_scores(trainable.model, policy_params(trainable, params), batch.sequences,
+                           ids=batch.targets[..., None]).logprobs[..., 0]
 
 
 def forward_backward(trainable: Trainable, state: ModelState, batch: TrainBatch, loss: TinkerLoss,

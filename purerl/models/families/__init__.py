@@ -62,8 +62,9 @@ class Family:
       :func:`purerl.models.response_logits` (``shared``: its ``(first, inverse)`` rows sharing a prompt);
       a family with experts replays ``seqs.routing`` where ``model.routing_replay`` says and writes
       its routers' choices into ``record`` (:class:`.moe.Routing`).
-    - ``response_hidden(model, params, seqs, shared) -> [b, t, hidden]``: the hidden states after the final
-      norm at the same positions (what a critic's value head reads).
+    - ``response_hidden(model, params, seqs, shared, record=None) -> ([b, t, hidden], LMHead)``: the hidden
+      states after the final norm at the same positions (what a critic's value head and a fused LM head read),
+      and the model's LM head (:class:`.decoder.LMHead`).
     - ``decoding(model, params, ids, mask, positions, n, capacity, cuda_graphs=…, sampler=…)``: a
       context manager yielding :data:`Decoding` for ``[g, P]`` left-padded prompts on their device,
       ``capacity`` positions per row; with a ``sampler`` (a
@@ -110,14 +111,14 @@ def computed_by(model: CausalLM) -> str:
 
 
 def _response_logits(model: CausalLM, params: Params, seqs: "Sequences", shared: tuple[Tensor, Tensor] | None,
-                     record: Tensor | None = None, *, head: bool = True) -> Tensor:
+                     record: Tensor | None = None, *, head: bool = True) -> Any:
     """:attr:`Family.response_logits` of every lean family: :mod:`.packed`'s forward where the model
     asks, else :mod:`.decoder`'s, compiled where it asks (eager where it routes by a record or records).
     ``head``: False, :attr:`Family.response_hidden`."""
     replay = seqs.routing if model.routing_replay else None
     routing = None if replay is None and record is None else Routing(replay, record)
-    if model.compiled and not model.packed and routing is None and head:
-        forward = _compiled_forward()
+    if model.compiled and not model.packed and routing is None:
+        forward = _compiled_forward(head)
     else:
         forward = functools.partial(_forward, packed.packed_response_logits if model.packed else
                                     decoder.response_logits, head=head)
@@ -125,14 +126,14 @@ def _response_logits(model: CausalLM, params: Params, seqs: "Sequences", shared:
                    shared, **({} if routing is None else {"routing": routing}))
 
 
-def _response_hidden(model: CausalLM, params: Params, seqs: "Sequences",
-                     shared: tuple[Tensor, Tensor] | None) -> Tensor:
-    return _response_logits(model, params, seqs, shared, head=False)
+def _response_hidden(model: CausalLM, params: Params, seqs: "Sequences", shared: tuple[Tensor, Tensor] | None,
+                     record: Tensor | None = None) -> tuple[Tensor, "decoder.LMHead"]:
+    return _response_logits(model, params, seqs, shared, record, head=False)
 
 
 def _forward(forward: Callable[..., Tensor], model: CausalLM, params: Params, ids: Tensor, valid: Tensor,
              positions: Tensor, response_length: int, shared: tuple[Tensor, Tensor] | None, *, head: bool = True,
-             **routing: Any) -> Tensor:
+             **routing: Any) -> Any:
     """``forward`` (the signature of :func:`.decoder.response_logits`) on what it reads from the model:
     its rotary buffers (:func:`.rotary.inv_freqs`) and its layout (:func:`.weights.layout_of`)."""
     return forward(model.computed(params), inv_freqs(model), layout_of(model.config), ids, valid, positions,
@@ -141,11 +142,11 @@ def _forward(forward: Callable[..., Tensor], model: CausalLM, params: Params, id
 
 
 @functools.cache
-def _compiled_forward() -> Callable[..., Tensor]:
+def _compiled_forward(head: bool) -> Callable[..., Tensor]:
     """The padded lean forward, the cast to the compute dtype included, as one graph compiled by
     ``torch.compile`` (inductor fuses the norms, rotary, the MLP and the casts; built on first use;
-    shapes go dynamic after the first recompile)."""
-    return torch.compile(functools.partial(_forward, decoder.response_logits))
+    shapes go dynamic after the first recompile); ``head`` as :func:`.decoder.response_logits`'s."""
+    return torch.compile(functools.partial(_forward, decoder.response_logits, head=head))
 
 
 def _lean(variant: Variant, description: str) -> Family:

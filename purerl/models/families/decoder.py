@@ -22,6 +22,7 @@ Shapes: ``b`` rows, ``s`` positions, ``H`` query heads, ``K`` key/value heads, `
 
 import functools
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +43,12 @@ __all__ = [
     "RotaryTable",
     "attention_mask",
     "decoder_stack",
+    "LMHead",
     "final_norm",
     "fused_weights",
     "layout_of",
     "lazy_layers",
+    "lm_head",
     "logits_of",
     "project",
     "response_logits",
@@ -159,6 +162,20 @@ def lazy_layers(params: Mapping[str, Tensor], checkpointed: bool) -> bool:
     return checkpointed
 
 
+class LMHead(NamedTuple):
+    """The LM head as a fused head reads it (:func:`purerl.algo.fused_head.head_outputs`): its ``weight``
+    ``[v, hidden]`` (a tied head's: the embedding itself), its ``bias`` and the logits' ``softcap``."""
+
+    weight: Float[Tensor, "v hidden"]
+    bias: Float[Tensor, " v"] | None
+    softcap: float | None
+
+
+def lm_head(weights: FusedWeights, layout: Layout) -> LMHead:
+    """The model's :class:`LMHead`."""
+    return LMHead(weights.head.t(), weights.head_bias, layout.softcap)
+
+
 def final_norm(weights: FusedWeights, layout: Layout, hidden: Float[Tensor, "... hidden"]) -> Float[Tensor, "n hidden"]:
     """The final norm on hidden states from :func:`decoder_stack`, flattened to ``[n, hidden]``: what the LM head
     (:func:`logits_of`) and a critic's value head read."""
@@ -212,7 +229,7 @@ def window_mask(query_positions: Int[Tensor, "b n"], key_positions: Int[Tensor, 
 
 
 def response_logits(
-    params: dict[str, Tensor],
+    params: Mapping[str, Tensor],
     inv_freq: Tensor | tuple[Tensor, ...],
     layout: Layout,
     input_ids: Int[Tensor, "b s"],
@@ -225,7 +242,7 @@ def response_logits(
     *,
     checkpointed: bool = False,
     head: bool = True,
-) -> Float[Tensor, "b t v"]:
+) -> Float[Tensor, "b t v"] | tuple[Float[Tensor, "b t hidden"], "LMHead"]:
     """Logits predicting the last ``t = response_length`` tokens: positions ``s-t-1 … s-2``.
     Differentiable in ``params``; ``valid`` is the attention mask (False on padding); ``inv_freq``:
     the model's rotary buffer, or one per layer kind (:func:`.rotary.inv_freqs`).
@@ -238,8 +255,8 @@ def response_logits(
     ``params`` (see :func:`~.weights.fused_weights`). ``routing``: a sparse model's routing replay
     and record over ``input_ids`` (:class:`.moe.Routing`). ``checkpointed``: activation checkpointing
     (:func:`decoder_stack`); then a layer's fused weights are built as it runs (:func:`lazy_layers`).
-    ``head``: False, the hidden states after the final norm (``[b, t, hidden]``, what a value head reads) in
-    place of the logits.
+    ``head``: False, the hidden states after the final norm (``[b, t, hidden]``, what a value head and a fused
+    head read) and the :class:`LMHead`, in place of the logits.
     """
     weights = fused_weights(params, layout, lora_scale, lazy=lazy_layers(params, checkpointed))
     gqa, windowed = layout.heads != layout.kv_heads, any(layout.sliding)
@@ -261,8 +278,10 @@ def response_logits(
         ropes = ropes_of(inv_freq, at, weights.embed.dtype)
         return decoder_stack(weights, ropes, layout, ids, attention, keep, routes, checkpointed=checkpointed), kv
 
-    def out(hidden: Tensor) -> Tensor:
-        return logits_of(weights, layout, hidden) if head else final_norm(weights, layout, hidden).view(hidden.shape)
+    def out(hidden: Tensor) -> Tensor | tuple[Tensor, LMHead]:
+        if head:
+            return logits_of(weights, layout, hidden)
+        return final_norm(weights, layout, hidden).view(hidden.shape), lm_head(weights, layout)
 
     s, t = input_ids.shape[1], response_length
     if shared is None:

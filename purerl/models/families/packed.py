@@ -3,7 +3,7 @@ micro-batch's valid tokens run as one packed stream, attention kept inside each 
 layer's also inside its window). The same logits as
 :func:`purerl.models.families.decoder.response_logits`, to float rounding."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -14,10 +14,12 @@ from torch import Tensor
 from purerl.models.families.decoder import (
     Attention,
     Layout,
+    LMHead,
     decoder_stack,
     final_norm,
     fused_weights,
     lazy_layers,
+    lm_head,
     logits_of,
 )
 from purerl.models.families.moe import Routing
@@ -63,7 +65,7 @@ def segments_attention(lengths: list[int], scale: float, gqa: bool,
 
 
 def packed_response_logits(
-    params: dict[str, Tensor],
+    params: Mapping[str, Tensor],
     inv_freq: Tensor | tuple[Tensor, ...],
     layout: Layout,
     input_ids: Int[Tensor, "b s"],
@@ -76,7 +78,7 @@ def packed_response_logits(
     *,
     checkpointed: bool = False,
     head: bool = True,
-) -> Float[Tensor, "b t v"]:
+) -> Float[Tensor, "b t v"] | tuple[Float[Tensor, "b t hidden"], "LMHead"]:
     """:func:`~purerl.models.families.decoder.response_logits` with no compute on padding: the rows' valid
     tokens run as one packed stream (``[1, T]``, each row a segment at its own positions), attention
     stays inside a segment (one causal attention per segment; a sliding layer's within its window),
@@ -107,9 +109,12 @@ def packed_response_logits(
             routes.record.flatten(0, 1)[flat] = packed.record[0]
         return hidden
 
-    out = (lambda hidden: logits_of(weights, layout, hidden)) if head else (
-        lambda hidden: final_norm(weights, layout, hidden))
-    return packed_logits(run, out, input_ids, valid, positions, response_length, shared, routing)
+    if head:
+        return packed_logits(run, lambda hidden: logits_of(weights, layout, hidden), input_ids, valid, positions,
+                             response_length, shared, routing)
+    hidden = packed_logits(run, lambda hidden: final_norm(weights, layout, hidden), input_ids, valid, positions,
+                           response_length, shared, routing)
+    return hidden, lm_head(weights, layout)
 
 
 def packed_logits(run: Callable[..., Tensor], head: Callable[[Tensor], Tensor], input_ids: Int[Tensor, "b s"],

@@ -201,11 +201,14 @@ def fused_weights(params: Params, layout: Layout, lora_scale: float | None = Non
     copies, rebuilt after every update, and differentiable (gradients flow back to ``params``).
     LoRA adapters in the tree (``….lora_A.weight``/``….lora_B.weight``, scale ``lora_scale``)
     become each fused projection's :class:`Lora` (a projection some of whose parts have none
-    gets zero blocks for those). Where ``layout.norm_plus_one``, every norm weight is held as
+    gets zero blocks for those); adapters on the LM head are merged into its weight (``W + s·B·A``, the head's
+    size). Where ``layout.norm_plus_one``, every norm weight is held as
     ``1 + w`` in float32 (what the norm scales by). ``lazy``: each layer is built when read
     (:class:`LazyLayers`), not all at once."""
     layers = LazyLayers(params, layout, lora_scale)
     embed = params["model.embed_tokens.weight"]
+    head = params.get("lm_head.weight", embed)  # tied: only the embedding is in the tree
+    if lora_scale is not None and "lm_head.lora_A.weight" in params:  # adapters on the head: its weight merged
+        head = head + lora_scale * (params["lm_head.lora_B.weight"] @ params["lm_head.lora_A.weight"])
     return FusedWeights(embed, layers if lazy else list(layers), _norm(params, layout, "model.norm.weight"),
-                        params.get("lm_head.weight", embed).t(),  # tied: only the embedding is in the tree
-                        params.get("lm_head.bias"))
+                        head.t(), params.get("lm_head.bias"))
