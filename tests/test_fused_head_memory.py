@@ -10,8 +10,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from purerl.algo import PolicyLossSettings
+from purerl.algo.aggregation import SumCount
 from purerl.algo.policy_loss import POLICY_LOSSES
 from purerl.batch import Rollout
+from purerl.models import value_and_grad
+from purerl.models.scores import response_scores
 from purerl.models.families.weights import layout_of
 from purerl.optim import adamw
 from purerl.state import RngState, TrainState
@@ -83,3 +86,41 @@ def test_the_same_stages_with_the_fused_head_off_hold_them(model_and_params):
     model, params = model_and_params
     bar = ROWS * RESPONSE * VOCAB // 4
     assert max(_stages(attrs.evolve(model, fused_head=False), params)) >= bar
+
+
+class Created(TorchDispatchMode):
+    """Every new buffer (not a view) of ``numel`` elements the ops make, as the op that made it."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        read = {x.untyped_storage().data_ptr() for x in (*args, *(kwargs or {}).values())
+                if isinstance(x, torch.Tensor) and x.layout == torch.strided}
+        for x in out if isinstance(out, (tuple, list)) else (out,):
+            if (isinstance(x, torch.Tensor) and x.numel() == self.numel and x.layout == torch.strided
+                    and x.untyped_storage().data_ptr() not in read):
+                self.ops.append(str(func))
+        return out
+
+
+def test_a_tied_matrix_gradient_is_made_once_and_equals_the_untied_sum(model_and_params):
+    """SmolLM2 and Gemma 3 tie the head to the embedding: the backward makes one ``[v, hidden]`` gradient (the
+    head's; the embedding's rows go into it, :class:`~purerl.models.families.weights.TiedReads`), not two, and
+    it is the sum an untied read of the same matrix gets."""
+    model, params = model_and_params
+    assert "lm_head.weight" not in params
+    seqs = random_sequences(4, PROMPT, 16, VOCAB, seed=3)
+    embed = "model.embed_tokens.weight"
+
+    def loss(p, seqs):
+        return SumCount(response_scores(model, p, seqs, entropy=True).logprobs.sum(), torch.tensor(1.0)), {}
+
+    with Created(VOCAB * HIDDEN) as made:
+        _, _, grads = value_and_grad(loss)(params, seqs)
+    assert made.ops.count("aten.zeros_like.default") == 1 and len(made.ops) == 1, made.ops
+    untied = {**params, "lm_head.weight": params[embed]}  # the same matrix, read as two
+    _, _, split = value_and_grad(loss)(untied, seqs)
+    torch.testing.assert_close(grads[embed], split[embed] + split["lm_head.weight"], rtol=1e-5, atol=1e-7)

@@ -11,6 +11,7 @@ from purerl.optim import (
     SCHEDULES,
     AdamWState,
     ClipState,
+    GradientTransform,
     adamw,
     chain,
     clip_by_global_norm,
@@ -45,8 +46,8 @@ def _grad_stream(n, dtype=torch.float32, scale=1.0, seed=1):
 def _run(optimizer, params, grads):
     params = tree_clone(params)
     state = optimizer.init(params)
-    for g in grads:
-        params, state = optimizer.update(g, state, params)
+    for g in grads:  # a donating chain takes the gradients too
+        params, state = optimizer.update(tree_clone(g), state, params)
     return params, state
 
 
@@ -173,6 +174,20 @@ def test_donated_update_returns_state_aliasing_the_input_buffers():
         assert new_state.nu[k].data_ptr() == state.nu[k].data_ptr()
     assert not tree_equal(params, before)  # donated: the old params were updated in place
     assert new_state.count.item() == 1.0 and state.count.item() == 0.0
+
+
+def test_donating_chain_clips_in_the_gradients_buffers_with_the_pure_numbers():
+    params, grads = _params(), _grad_stream(1, scale=3.0)
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-2))
+    pure, pure_state = opt.update(grads[0], opt.init(params), params, donate=False)
+    seen = {}
+    probe = GradientTransform(lambda p: (), lambda g, s: (seen.update(g) or g, s))
+    donated = tree_clone(grads[0])
+    ptrs = {k: g.data_ptr() for k, g in donated.items()}
+    opt = chain(clip_by_global_norm(1.0), probe, adamw(1e-2))
+    out, (clip_state, _, _) = opt.update(donated, opt.init(params), tree_clone(params))
+    assert {k: g.data_ptr() for k, g in seen.items()} == ptrs  # clipped where they lay: no second copy
+    assert tree_equal(out, pure) and clip_state.last_norm.item() == pure_state[0].last_norm.item() > 1.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

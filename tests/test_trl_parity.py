@@ -42,6 +42,7 @@ from purerl.run import initial_state  # noqa: E402
 from purerl.step import grpo_step  # noqa: E402
 from purerl.step.experience import reference_logprobs  # noqa: E402
 from purerl.tiny import char_tokenizer  # noqa: E402
+from purerl.tree import tree_clone  # noqa: E402
 
 DIFFERENCES = {"advantage epsilon": (1e-6, 1e-4), "positions under left padding": "none here: equal prompt lengths"}
 PROMPTS = ["12+34=", "56-78=", "3*3="]
@@ -87,7 +88,8 @@ def _purerl(model, params, tokenizer, responses, rewards, steps, grad_clip):
     rollout = rollout_of(prompt_ids, prompt_mask, tokens, torch.zeros(tokens.shape), alive, reasons, N, 0, TEMPERATURE)
     state = initial_state(config, params)
     optimizer, grads = actor_optimizer(config), []
-    recording = Optimizer(optimizer.init, lambda g, s, p, **k: (grads.append(g), optimizer.update(g, s, p, **k))[1])
+    recording = Optimizer(optimizer.init,  # the gradients as they come: a donating chain clips them in place
+                          lambda g, s, p, **k: (grads.append(tree_clone(g)), optimizer.update(g, s, p, **k))[1])
     for _ in range(steps):
         behaviour = reference_logprobs(model, state.policy, rollout.sequences, temperature=config.rollout.temperature,
                                        batching=actor_batching_of(config))

@@ -48,8 +48,9 @@ def _all_reduce_sums(tree: Any) -> Any:
 def sharded_value_and_grad(rank: int, world: int) -> Callable:
     """The data-parallel ``value_and_grad`` for :func:`purerl.step.actor_update` / ``critic_update``.
 
-    ``wrapped(params, batch, *, denominator)``: ``batch`` (a pytree with ``rows``) is the whole
-    micro-batch, the same on every rank; ``denominator`` is the whole mini-batch's loss count.
+    ``wrapped(params, batch, *, denominator, into)``: ``batch`` (a pytree with ``rows``) is the whole
+    micro-batch, the same on every rank; ``denominator`` is the whole mini-batch's loss count;
+    ``into`` the sharded gradients so far (added to in place, as in the single-process one).
     This rank backpropagates ``world · total(own rows) / denominator``; FSDP's reduce-scatter
     averages over ranks, so the sharded gradients are those of ``total(all rows) / denominator``,
     exactly what the single-process ``value_and_grad`` gives. A rank with no rows (a micro-batch
@@ -59,10 +60,12 @@ def sharded_value_and_grad(rank: int, world: int) -> Callable:
     def value_and_grad(loss_fn: Callable[..., tuple[SumCount, Any]]) -> Callable[..., tuple[SumCount, Any, Any]]:
         @functools.wraps(loss_fn)
         def wrapped(params: Params, batch: Any, *args: Any, denominator: Tensor | float | None = None,
-                    **kwargs: Any) -> tuple[SumCount, Any, Params]:
+                    into: Params | None = None, **kwargs: Any) -> tuple[SumCount, Any, Params]:
             rows = torch.arange(rank, len(batch.sequences), world, device=batch.sequences.input_ids.device)
             weight = 1.0 if len(rows) else 0.0
             mine = batch.rows(rows if len(rows) else slice(0, 1))
+            for name, p in params.items():
+                p.grad = None if into is None else into[name]
             with torch.enable_grad():
                 loss, aux = loss_fn(params, mine, *args, **kwargs)
                 if denominator is None:

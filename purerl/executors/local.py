@@ -35,6 +35,14 @@ def _loader(canary: Canary | None) -> Callable[[RolloutEngine, Weights], None]:
     return load
 
 
+def _release(engine: RolloutEngine) -> None:
+    """``engine.release()`` (:meth:`~purerl.rollout.engine.RolloutEngine.release`), for an engine that has it (one
+    written before the method was part of the protocol holds no copy to free)."""
+    release = getattr(engine, "release", None)
+    if release is not None:
+        release()
+
+
 class LocalExecutor:
     """Everything in this process: the state holds the params, gradients are ``value_and_grad``
     (the pure one), and ``engine`` shares the trainer's params (loading a version is a copy-free
@@ -78,6 +86,8 @@ class LocalExecutor:
 
     def step(self, state: TrainState, rollout: Rollout, rewards: torch.Tensor | Rewards
              ) -> tuple[TrainState, dict[str, float]]:
+        if self.generators[0] is self.evaluator:  # its engine's copy of these params is stale once they update
+            self.evaluator.restart(_release)
         state, metrics = self.step_fn(state, rollout, rewards, **self.effects)
         self.publish(state)
         return state, metrics

@@ -151,7 +151,7 @@ class StepRecorder:
         the next steps (a failed write raises at the next checkpoint or at the end)."""
         if self.saved is None or self.saved[0] != state.step:
             path = self.writer.save(self.layout.checkpoints, self.executor.full_state(state),
-                                    step=state.step, keep=self.trainer.keep_checkpoints)
+                                    step=state.step, keep=self.trainer.keep_checkpoints, behind=not wait)
             self.saved = state.step, path
         if wait:
             self.writer.wait()

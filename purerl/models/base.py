@@ -35,7 +35,7 @@ from purerl.models.checkpointing import LayerCheckpoint
 from purerl.models.families import Family, family_of
 from purerl.models.lora import LoraSpec
 from purerl.models.rows import PackedStream, check_rows_kept_apart, packed_stream, shared_prompts
-from purerl.tree import tree_flatten, tree_map, tree_unflatten
+from purerl.tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 __all__ = [
     "Params",
@@ -324,24 +324,30 @@ def value_and_grad(
 ) -> Callable[..., tuple[SumCount, Any, Any]]:
     """Differentiate ``loss_fn(params, *args, **kwargs) -> (SumCount, aux)`` w.r.t. ``params``.
 
-    The returned function has the signature ``(params, *args, denominator=None, **kwargs) ->
-    (loss, aux, grads)``: ``grads`` (same tree as ``params``) are the gradients of
-    ``loss.total / denominator`` (``loss.count`` when None). Pass the whole mini-batch's count as
-    ``denominator`` when accumulating micro-batches, so the sum of micro-batch gradients is the
-    mini-batch gradient exactly. Leaves that do not influence the loss get zero gradients.
-    ``loss`` and ``aux`` come back detached. Nothing is mutated: the params are re-wrapped as
-    fresh leaves that share storage and require grad.
+    The returned function has the signature ``(params, *args, denominator=None, into=None, **kwargs)
+    -> (loss, aux, grads)``: ``grads`` (same tree as ``params``, each with its param's strides) are the
+    gradients of ``loss.total / denominator`` (``loss.count`` when None). Pass the whole mini-batch's count as
+    ``denominator`` when accumulating micro-batches, so the sum of micro-batch gradients is the mini-batch
+    gradient exactly; pass the gradients so far as ``into`` (donated: each leaf's gradient is added to them in
+    place as soon as it is ready, and they come back), so no micro-batch holds a second copy of the model's
+    gradients. Leaves that do not influence the loss get zero gradients. ``loss`` and ``aux`` come back
+    detached. Nothing else is mutated: the params are re-wrapped as fresh leaves that share storage and
+    require grad.
     """
 
     @functools.wraps(loss_fn)
-    def wrapped(params: Any, *args: Any, denominator: Tensor | float | None = None, **kwargs: Any):
+    def wrapped(params: Any, *args: Any, denominator: Tensor | float | None = None, into: Any = None,
+                **kwargs: Any):
         leaves, treedef = tree_flatten(params)
         diff = [x.detach().requires_grad_() for x in leaves]
+        if into is not None:  # autograd adds each gradient into .grad in place (no grad mode in the backward)
+            for leaf, so_far in zip(diff, tree_leaves(into)):
+                leaf.grad = so_far
         with torch.enable_grad():
             loss, aux = loss_fn(tree_unflatten(diff, treedef), *args, **kwargs)
             scale = loss.count if denominator is None else denominator
-            grads = torch.autograd.grad(loss.total / scale, diff, allow_unused=True)
-        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+            torch.autograd.backward(loss.total / scale, inputs=diff)
+        grads = [torch.zeros_like(x) if d.grad is None else d.grad for x, d in zip(leaves, diff)]
         detached = tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, aux)
         return loss.detach(), detached, tree_unflatten(grads, treedef)
 

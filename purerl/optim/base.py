@@ -4,7 +4,7 @@ Two kinds of parts:
 
 - a :class:`GradientTransform` pre-processes gradients:
   ``init(params) -> state`` and ``update(grads, state) -> (grads', state')``; it never touches
-  its inputs (clipping, scaling);
+  its inputs (clipping, scaling); its optional ``update_donated`` does the same in ``grads``' buffers;
 - an :class:`Optimizer` turns gradients into new params:
   ``init(params) -> state`` and
   ``update(grads, state, params, *, donate=True) -> (params', state')``.
@@ -12,8 +12,10 @@ Two kinds of parts:
 **Donation.** With ``donate=True`` (the default) an optimizer may update ``params`` and ``state``
 in place and return new tree objects that alias the input buffers, like
 ``jax.jit(donate_argnums=...)``: the caller promises never to read or pass the old ``params`` or
-``state`` again. ``donate=False`` leaves every input tensor untouched and returns fresh buffers (the
-pure reference, at the cost of one extra copy of the params and optimizer state).
+``state`` again. A :func:`chain` that donates also donates the gradients to the transforms that
+take them (``update_donated``): no second copy of the gradients exists in a step.
+``donate=False`` leaves every input tensor untouched and returns fresh buffers (the pure
+reference, at the cost of one extra copy of the params and optimizer state).
 
 Params and gradients are any pytree of tensors (in practice ``dict[str, Tensor]``) with one tree
 structure; a ``None`` gradient marks a frozen leaf. States are :func:`purerl.tree.pytree` classes
@@ -32,10 +34,13 @@ __all__ = ["GradientTransform", "Optimizer", "chain", "OPTIMIZERS", "GRADIENT_TR
 
 @attrs.frozen
 class GradientTransform:
-    """``init(params) -> state``; ``update(grads, state) -> (grads', state')``, both pure."""
+    """``init(params) -> state``; ``update(grads, state) -> (grads', state')``, both pure.
+    ``update_donated`` (optional): ``update``'s numbers written into ``grads``' own buffers, which the
+    caller gives up (what a donating :func:`chain` calls)."""
 
     init: Callable[[Any], Any]
     update: Callable[[Any, Any], tuple[Any, Any]]
+    update_donated: Callable[[Any, Any], tuple[Any, Any]] | None = None
 
 
 @attrs.frozen
@@ -61,7 +66,7 @@ def chain(*parts: GradientTransform | Optimizer) -> Optimizer:
     """The optimizer that runs ``parts[:-1]`` on the gradients in order, then ``parts[-1]``.
 
     The state is the tuple of the parts' states, in order. ``donate`` is passed to the final
-    optimizer; the gradient transforms are pure and never donate. Raises ``TypeError`` unless the
+    optimizer, and donates the gradients to the transforms with an ``update_donated``. Raises ``TypeError`` unless the
     last part is an :class:`Optimizer` and every other part a :class:`GradientTransform`.
     """
     if not parts or not isinstance(parts[-1], Optimizer):
@@ -85,7 +90,8 @@ def chain(*parts: GradientTransform | Optimizer) -> Optimizer:
             )
         states = []
         for transform, part_state in zip(transforms, state):
-            grads, part_state = transform.update(grads, part_state)
+            step = transform.update_donated if donate and transform.update_donated else transform.update
+            grads, part_state = step(grads, part_state)
             states.append(part_state)
         params, optimizer_state = optimizer.update(grads, state[-1], params, donate=donate)
         return params, (*states, optimizer_state)

@@ -53,7 +53,12 @@ class RolloutEngine(Protocol):
         :mod:`purerl.rollout.partial`)."""
 
     def close(self) -> None:
-        """Release the engine's memory and processes (idempotent)."""
+        """Release the engine's memory and processes (idempotent).
+
+        An engine may also define ``release()``: free what it prepared for the version it holds, where that is a
+        copy of the trainer's params in its memory (a colocated engine's, while the trainer updates them); it then
+        holds no version, and the next sync prepares one again (the embedded engine's prepacked matrices). The
+        local executor calls it before each update where it has it."""
 
 
 def make_engine(name: str, model: Any, **options: Any) -> RolloutEngine:

@@ -52,6 +52,9 @@ class Interruptible:
     def sync(self, params: Any, version: int) -> None:
         self.engine.sync(params, version)
 
+    def release(self) -> None:
+        self.engine.release()
+
     def close(self) -> None:
         """The engine is its owner's to close."""
 

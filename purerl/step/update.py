@@ -81,13 +81,6 @@ def _grad_norm(grads: Any) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in leaves]))
 
 
-def _accumulate(total: Any, grads: Any) -> Any:
-    if total is None:
-        return grads
-    torch._foreach_add_([t for t in tree_leaves(total)], [g for g in tree_leaves(grads)])
-    return total
-
-
 def _actor_loss(policy: CausalLM, loss: ActorLoss, rng: RngState) -> Callable:
     """The actor's loss as a function of (params, micro-batch): the policy loss (with its own
     settings), the entropy bonus and the KL loss, all aggregated alike. Losses that draw at
@@ -169,8 +162,7 @@ def _update(params: Params, opt_state: Any, optimizer: Any, batch: TrainBatch, i
             micro = mini if len(parts) == 1 and max_tokens is None else mini.rows(sl)
             if max_tokens is not None:
                 micro = trimmed(micro)
-            loss, aux, g = grad_fn(params, micro, denominator=denominator.clamp_min(1))
-            grads = _accumulate(grads, g)
+            loss, aux, grads = grad_fn(params, micro, denominator=denominator.clamp_min(1), into=grads)
             mini_loss = loss if mini_loss is None else mini_loss + loss
             for name, value in aux.items():
                 if name == _SYNC_GAP and norms:

@@ -106,6 +106,9 @@ class RemoteEngine:
             parts = ex.groups.wait(calls, ex.generate_timeout or ex.config.step_timeout, "generate", fatal=self.fatal)
         return concat_rollouts([from_wire(p) for p in parts], self.pad_token_id, mixed_versions=True)
 
+    def release(self) -> None:
+        """The workers' weights live apart from the trainer's: nothing to free."""
+
     def close(self) -> None:
         """Nothing of its own: the workers it drives are the executor's, stopped by its ``close``."""
 

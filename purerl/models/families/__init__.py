@@ -17,6 +17,7 @@ A new family defines its :class:`~.variant.Variant` (listed in :data:`.weights.V
 :class:`Family` under its name: ``FAMILIES.register("name")(_lean(variant, description))``.
 """
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from torch import Tensor
 from purerl.models.families import decode, decoder, gemma, llama, packed
 from purerl.models.families.moe import Routing
 from purerl.models.families.rotary import inv_freqs
+from purerl.models.families.saved_parts import parts_saved
 from purerl.models.families.variant import Variant
 from purerl.models.families.weights import layout_of
 from purerl.registry import Registry
@@ -113,17 +115,20 @@ def computed_by(model: CausalLM) -> str:
 def _response_logits(model: CausalLM, params: Params, seqs: "Sequences", shared: tuple[Tensor, Tensor] | None,
                      record: Tensor | None = None, *, head: bool = True) -> Any:
     """:attr:`Family.response_logits` of every lean family: :mod:`.packed`'s forward where the model
-    asks, else :mod:`.decoder`'s, compiled where it asks (eager where it routes by a record or records).
-    ``head``: False, :attr:`Family.response_hidden`."""
+    asks, else :mod:`.decoder`'s, compiled where it asks (eager where it routes by a record or records;
+    there the backward keeps the fused matrices as their parts, :mod:`.saved_parts`). ``head``: False,
+    :attr:`Family.response_hidden`."""
     replay = seqs.routing if model.routing_replay else None
     routing = None if replay is None and record is None else Routing(replay, record)
-    if model.compiled and not model.packed and routing is None:
+    compiled = model.compiled and not model.packed and routing is None
+    if compiled:
         forward = _compiled_forward(head)
     else:
         forward = functools.partial(_forward, packed.packed_response_logits if model.packed else
                                     decoder.response_logits, head=head)
-    return forward(model, params, seqs.input_ids, seqs.attention_mask, seqs.position_ids(), seqs.response_length,
-                   shared, **({} if routing is None else {"routing": routing}))
+    with contextlib.nullcontext() if compiled else parts_saved():
+        return forward(model, params, seqs.input_ids, seqs.attention_mask, seqs.position_ids(),
+                       seqs.response_length, shared, **({} if routing is None else {"routing": routing}))
 
 
 def _response_hidden(model: CausalLM, params: Params, seqs: "Sequences", shared: tuple[Tensor, Tensor] | None,

@@ -149,7 +149,7 @@ def decoder_weights(model: Any, params: dict[str, Tensor], *, onednn: bool = Tru
     some = next(iter(params.values()))
     if not onednn or some.device.type != "cpu" or not onednn_runs(some.dtype):
         return params
-    w = fused_weights(params, layout_of(model.config))
+    w = fused_weights(params, layout_of(model.config), lazy=True)  # a layer's fused copy lives until it is packed
     layers = [x._replace(qkv=OneDNNLinear.of(x.qkv), out=OneDNNLinear.of(x.out),
                          **({} if x.experts is not None else
                             {"gate_up": OneDNNLinear.of(x.gate_up), "down": OneDNNLinear.of(x.down)}))

@@ -98,11 +98,12 @@ def decoder_stack(weights: FusedWeights, ropes: Ropes, layout: Layout, ids: Int[
     router's choice in ``routing`` (:class:`.moe.Routing`). Each layer reads its weights from
     ``weights.layers`` as it runs (:class:`~.weights.LazyLayers` builds them then). ``checkpointed``
     (activation checkpointing): each layer keeps only its input for the backward, which runs it again,
-    its weights read again with it (``torch.utils.checkpoint``, non-reentrant); the same values."""
+    its weights read again with it (``torch.utils.checkpoint``, non-reentrant); the same values. A tied
+    embedding (:attr:`~.weights.FusedWeights.tied`) passes back the rows it looked up, as a sparse gradient."""
     b, s = ids.shape
     # as the module's nn.Embedding: the padding row's lookups pass no gradient back, even where that
     # token was sampled and is attended (its LM-head use, when tied, still does)
-    h = F.embedding(ids.reshape(-1), weights.embed, padding_idx=layout.padding_idx)
+    h = F.embedding(ids.reshape(-1), weights.embed, padding_idx=layout.padding_idx, sparse=weights.tied)
     if layout.embed_scale is not None:  # rounded to the embedding's dtype, as HF
         h = h * float(torch.tensor(layout.embed_scale).to(h.dtype))
     last = layout.layers - 1

@@ -13,10 +13,11 @@ from torch import Tensor
 from purerl.models.families.gemma import GEMMA3
 from purerl.models.families.llama import LLAMA, QWEN3, QWEN3_MOE
 from purerl.models.families.moe import Experts, experts_of
+from purerl.models.families.saved_parts import concatenated
 from purerl.models.families.variant import Variant
 
-__all__ = ["VARIANTS", "FusedWeights", "LayerWeights", "LazyLayers", "Layout", "Lora", "Params", "fused_weights",
-           "layer_weights", "layout_of", "variant_of"]
+__all__ = ["VARIANTS", "FusedWeights", "LayerWeights", "LazyLayers", "Layout", "Lora", "Params", "TiedReads",
+           "fused_weights", "layer_weights", "layout_of", "variant_of"]
 
 VARIANTS = (LLAMA, QWEN3, QWEN3_MOE, GEMMA3)
 """Every variant of the shared block, each found by its model types (:func:`variant_of`)."""
@@ -113,6 +114,7 @@ class FusedWeights(NamedTuple):
     norm: Tensor
     head: Tensor  # [hidden, vocab], like the layers' matrices
     head_bias: Tensor | None
+    tied: bool = False  # embed and head are the two reads of one tied matrix (:class:`TiedReads`)
 
 
 def _plus_one(w: Tensor) -> Tensor:
@@ -130,7 +132,7 @@ def _norm(params: Params, layout: Layout, name: str) -> Tensor:
 
 def _cat(params: Params, *names: str) -> Tensor | None:
     parts = [params.get(n) for n in names]
-    return None if parts[0] is None else torch.cat(parts)
+    return None if parts[0] is None else concatenated(parts)
 
 
 def _lora(params: Params, lora_scale: float | None, *names: str) -> "Lora | None":
@@ -141,7 +143,7 @@ def _lora(params: Params, lora_scale: float | None, *names: str) -> "Lora | None
     weights = [params[f"{n}.weight"] for n in names]
     a = [x if x is not None else w.new_zeros(0, w.shape[1]) for x, w in zip(a, weights)]
     b = [x if x is not None else w.new_zeros(w.shape[0], 0) for x, w in zip(b, weights)]
-    return Lora(torch.cat(a).t(), torch.block_diag(*b).t() if len(b) > 1 else b[0].t(), lora_scale)
+    return Lora(concatenated(a).t(), torch.block_diag(*b).t() if len(b) > 1 else b[0].t(), lora_scale)
 
 
 def _head_norms(params: Params, layout: Layout, attention: str) -> Tensor | None:
@@ -207,8 +209,32 @@ def fused_weights(params: Params, layout: Layout, lora_scale: float | None = Non
     (:class:`LazyLayers`), not all at once."""
     layers = LazyLayers(params, layout, lora_scale)
     embed = params["model.embed_tokens.weight"]
-    head = params.get("lm_head.weight", embed)  # tied: only the embedding is in the tree
+    head = params.get("lm_head.weight")
+    tied = head is None and embed.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if head is None:  # tied: only the embedding is in the tree
+        embed, head = TiedReads.apply(embed) if tied else (embed, embed)
     if lora_scale is not None and "lm_head.lora_A.weight" in params:  # adapters on the head: its weight merged
         head = head + lora_scale * (params["lm_head.lora_B.weight"] @ params["lm_head.lora_A.weight"])
     return FusedWeights(embed, layers if lazy else list(layers), _norm(params, layout, "model.norm.weight"),
-                        head.t(), params.get("lm_head.bias"))
+                        head.t(), params.get("lm_head.bias"), tied)
+
+
+class TiedReads(torch.autograd.Function):
+    """A tied matrix read twice, by the embedding and by the LM head: two views of it whose gradients meet here.
+    The embedding looks up sparse (the rows it read), and the backward adds those rows into the head's dense
+    ``[v, hidden]`` gradient in place, so that gradient exists once in a step, not twice (autograd's own sum
+    of a dense and a sparse gradient allocates a third). Not used under ``torch.compile``."""
+
+    @staticmethod
+    def forward(weight: Tensor) -> tuple[Tensor, Tensor]:
+        return weight.view_as(weight), weight.view_as(weight)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor], output: tuple[Tensor, Tensor]) -> None:
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, lookup: Tensor | None, head: Tensor | None) -> Tensor | None:
+        if head is None:  # the head unread (a critic's backbone)
+            return None if lookup is None else lookup.to_dense()
+        return head if lookup is None else head.add_(lookup)  # the head's gradient is this node's alone

@@ -101,12 +101,17 @@ class TorchEngine:
         params = self.model.merged(params)  # a LoRA policy decodes merged: at the base's speed
         if self.lean:  # the HF module path casts per call (CausalLM.bound)
             params = cast_floating(params, self.dtype or self.model.compute_dtype)
+        self._params = self._decoder = None  # the previous version's copy goes before the next is made
         self._params = params
         self._decoder = self.model.family.decoder_weights(self.model, params, onednn=self.onednn) if self.lean else None
         self.version = version
 
+    def release(self) -> None:
+        """Drop the prepared copy of the weights (the lean decoder's prepacked matrices) and the params it holds."""
+        self._params, self._decoder, self.version = None, None, None
+
     def close(self) -> None:
-        self._params, self._decoder, self.version = None, None, None  # the trainer's params and a prepared copy
+        self.release()  # the trainer's params and a prepared copy
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
                  *, version: int | None = None, streams: Sequence[int] | None = None,

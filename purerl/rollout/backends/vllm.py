@@ -280,6 +280,9 @@ class VllmEngine:
         return rollout_of(prompt_ids.to(to), prompt_mask.to(to), tokens.to(to), logprobs.to(to), alive.to(to),
                           reasons.to(to), n, self.version, temperature)
 
+    def release(self) -> None:
+        """vLLM's weights live in its own memory, loaded by each sync: nothing to free between them."""
+
     def close(self) -> None:
         if self._llm is not None:
             engine_core = getattr(self._llm.llm_engine, "engine_core", None)
