@@ -35,6 +35,8 @@ SMOKE: dict[str, list[tuple[str, str]]] = {
     "bench_canary": [("--smoke", r"canary / the sync plus one batch's generation: \d+\.\d+%")],
     "bench_decode": [("--smoke", r"float32 / float32 torch\.mm engine, whole: \d+\.\d+x")],
     "bench_episodes": [("--smoke", r"speed-up \d+\.\d+x \(median of 1\)")],
+    "bench_fused_head": [("--smoke", r"tiny: peak resident whole \d+\.\d\d GiB, fused \d+\.\d\d GiB \(\d+\.\d\dx\); "
+                                     r"train seconds of the step whole \d+\.\d, fused \d+\.\d \(\d+\.\d\dx\)")],
     "bench_grpo_step": [("--smoke", r"purerl grpo_step \(defaults\) +median +\d+\.\d ms/step +speed-up vs TRL "
                                     r"+\d+\.\d+x")],
     "bench_lora": [("--smoke", r"peak ratio full/LoRA \d+\.\d+")],

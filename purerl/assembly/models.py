@@ -161,7 +161,8 @@ def _adapted(config: JobConfig, model: CausalLM, params: Params) -> tuple[Causal
         raise DataError(f"actor.routing_replay: {computed_by(model)}; routing replay needs a mixture-of-experts "
                         "model computed by a lean family (qwen3_moe)")
     model = attrs.evolve(model, packed=actor.packed_forwards, compute_dtype=compute_dtype(config),
-                         compiled=actor.compile, routing_replay=actor.routing_replay)
+                         compiled=actor.compile, routing_replay=actor.routing_replay,
+                         fused_head=actor.fused_head)
     if actor.lora_rank:
         try:
             model, params = apply_lora(model, params, LoraSpec(actor.lora_rank, actor.lora_alpha,

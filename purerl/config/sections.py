@@ -208,12 +208,13 @@ class ActorConfig(PolicyLossSettings):
     """The training and scoring forwards (the policy's and the critic's) run each micro-batch's rows packed
     into one stream of their attended tokens, attention kept inside each row (no compute on padding; the same
     values and gradients)."""
+    fused_head: bool = attrs.field(default=True, validator=boolean)
+    """A lean family's scores come from its hidden states through the fused LM head, no ``[b, t, v]`` logits
+    held (:mod:`purerl.algo.fused_head`); false: from the whole logits (the same values, for comparisons)."""
     activation_checkpointing: bool = attrs.field(default=False, validator=boolean, metadata=facts(resume=MAY_CHANGE))
     """Each decoder layer of the policy and the critic keeps only its input for the backward and runs again
-    there (the same values, to float rounding: rows that share a prompt each run it; less activation memory
-    for long responses, for about a third more compute). On
-    the Ray executor's ranks a layer's gathered weights are gathered again in the backward too, so only the
-    running layer's are whole."""
+    there (the same values, to float rounding; less activation memory for long responses, for about a third
+    more compute). On the Ray executor's ranks a layer's weights are gathered again in the backward too."""
     routing_replay: bool = attrs.field(default=False, validator=boolean)
     """A mixture-of-experts policy (a lean family with experts: ``qwen3_moe``): the trainer's forwards send
     each token to the experts the engine sent it to (its rollouts' record), with gate weights from the

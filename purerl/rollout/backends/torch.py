@@ -1,8 +1,8 @@
 """The embedded engine: batched prefill and KV-cache decoding in the trainer's process, CPU or one GPU.
 
-The rollout engine of kind ``torch`` (:data:`purerl.rollout.engines.ENGINES`). Models of a
-family with a lean decoder (:mod:`purerl.models.families`) decode through it (a static KV cache, CUDA
-graphs on GPU); every other model through its HF module and a dynamic cache.
+The rollout engine of kind ``torch`` (:data:`purerl.rollout.engines.ENGINES`). Models of a family with a lean
+decoder (:mod:`purerl.models.families`) decode through it (a static KV cache, CUDA graphs on GPU); every other
+model through its HF module and a dynamic cache.
 """
 
 import contextlib
@@ -101,8 +101,7 @@ class TorchEngine:
         params = self.model.merged(params)  # a LoRA policy decodes merged: at the base's speed
         if self.lean:  # the HF module path casts per call (CausalLM.bound)
             params = cast_floating(params, self.dtype or self.model.compute_dtype)
-        self._params = self._decoder = None  # the previous version's copy goes before the next is made
-        self._params = params
+        self._params, self._decoder = params, None  # the previous version's copy goes before the next is made
         self._decoder = self.model.family.decoder_weights(self.model, params, onednn=self.onednn) if self.lean else None
         self.version = version
 
@@ -110,8 +109,7 @@ class TorchEngine:
         """Drop the prepared copy of the weights (the lean decoder's prepacked matrices) and the params it holds."""
         self._params, self._decoder, self.version = None, None, None
 
-    def close(self) -> None:
-        self.release()  # the trainer's params and a prepared copy
+    close = release  # the trainer's params and a prepared copy
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, rng: RngState,
                  *, version: int | None = None, streams: Sequence[int] | None = None,
