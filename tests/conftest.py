@@ -46,13 +46,14 @@ def ray_cluster():
     shutil.rmtree(temp, ignore_errors=True)
 
 
-_SLOWEST_FIRST = ("test_ray_executor.py", "test_ray_worker_loss.py", "test_golden.py", "test_reliability.py",
-                  "test_compiled.py", "test_agents.py", "test_docs.py", "test_gguf.py", "test_advantages.py",
-                  "test_policy_loss.py", "test_distill.py", "test_episode_jobs.py", "test_correction.py",
-                  "test_browser.py", "test_replay.py", "test_experiment.py", "test_mixed_precision.py",
-                  "test_compiled_decode.py", "test_faults.py", "test_lora.py", "test_async.py")
-"""Files that take longest, in falling order (a 2-core Zen 5, BENCHMARKS.md): pytest-xdist hands whole
-files to its workers in collection order (``--no-loadscope-reorder`` in pyproject.toml: its own order is
+_SLOWEST_FIRST = ("test_ray_executor.py", "test_bench_scripts.py", "test_ray_worker_loss.py", "test_golden.py",
+                  "test_family_exactness.py", "test_reliability.py", "test_policy_loss.py", "test_advantages.py",
+                  "test_docs.py", "test_distill.py", "test_agents.py", "test_correction.py", "test_episode_jobs.py",
+                  "test_gguf.py", "test_replay.py", "test_browser.py", "test_fused_head_memory.py",
+                  "test_routing_replay.py", "test_experiment.py", "test_gemma3_270m.py", "test_lora.py",
+                  "test_mixed_precision.py", "test_faults.py", "test_cold_start.py")
+"""Files that take longest, in falling order (a 2-core Zen 4, 2026-12-07, BENCHMARKS.md): pytest-xdist hands
+whole files to its workers in collection order (``--no-loadscope-reorder`` in pyproject.toml: its own order is
 by number of tests), so these start first and the short ones fill in around them."""
 
 

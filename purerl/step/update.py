@@ -76,6 +76,7 @@ def _finite(*values: Tensor) -> bool:
     return all(bool(torch.isfinite(v).all()) for v in values)
 
 
+@torch.no_grad()  # of params that require grad too (a rank's), read as a float
 def _grad_norm(grads: Any) -> Tensor:
     leaves = [g for g in tree_leaves(grads) if isinstance(g, Tensor)]
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in leaves]))
