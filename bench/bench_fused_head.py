@@ -13,12 +13,15 @@ Models: ``smollm2`` (SmolLM2-135M-Instruct, 49,152 tokens), ``gemma3`` (Gemma 3 
 262,144-token tokenizer: the head is most of the model), ``tiny`` (the main job's ``--tiny``).
 
     python3 bench/bench_fused_head.py --model smollm2 gemma3 vocab262k --rounds 3
+    python3 bench/bench_fused_head.py --model gemma3 vocab262k --rounds 2 -- actor.micro_batch_rows=32 \\
+        actor.skip_zero_advantage_rows=false          # the whole batch in one update forward
     python3 bench/bench_fused_head.py --smoke   # the tiny model, one round: not a measurement
 """
 
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,13 +40,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", nargs="+", choices=["tiny", "smollm2", "gemma3", "vocab262k"], default=["smollm2"])
     ap.add_argument("--rounds", type=int, default=3, help="runs per arm, the arms alternating")
     ap.add_argument("--smoke", action="store_true", help="the smallest sizes: " + " ".join(SMOKE))
+    ap.add_argument("job", nargs="*", help="after --: more of the job's flags and key=value settings, for both arms")
     return ap
 
 
 def vocab262k_folder(folder: Path) -> Path:
     """A random 2-layer Gemma 3 (hidden 64, tied head) with Gemma 3 270M's tokenizer, saved in ``folder``."""
-    import shutil
-
     import torch
     import transformers
 
@@ -86,6 +88,7 @@ def one_run(flags: list[str], fused: bool, out_dir: Path) -> tuple[float, float]
         child.returncode = os.waitstatus_to_exitcode(status)
         log.seek(0)
         text = log.read()
+    shutil.rmtree(out_dir, ignore_errors=True)  # a run's export is the model's size
     if child.returncode != 0:
         raise SystemExit(f"{' '.join(command)} exited {child.returncode}:\n{text[-3000:]}")
     train = re.search(r"train (\d+\.\d+) s", text)
@@ -101,7 +104,7 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         for name in args.model:
-            flags = model_flags(name, scratch)
+            flags = [*model_flags(name, scratch), *args.job]
             runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
             for r in range(args.rounds):
                 for fused in (False, True):

@@ -210,7 +210,7 @@ class ActorConfig(PolicyLossSettings):
     values and gradients)."""
     fused_head: bool = attrs.field(default=True, validator=boolean)
     """A lean family's scores come from its hidden states through the fused LM head, no ``[b, t, v]`` logits
-    held (:mod:`purerl.algo.fused_head`); false: from the whole logits (the same values, for comparisons)."""
+    held (:mod:`purerl.algo.fused_head`); false: the whole logits (for comparisons; an HF module's always)."""
     activation_checkpointing: bool = attrs.field(default=False, validator=boolean, metadata=facts(resume=MAY_CHANGE))
     """Each decoder layer of the policy and the critic keeps only its input for the backward and runs again
     there (the same values, to float rounding; less activation memory for long responses, for about a third
