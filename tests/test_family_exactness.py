@@ -289,8 +289,10 @@ def test_grpo_math_trains_a_saved_qwen3_on_the_lean_family(tmp_path):
 def test_the_fused_head_computes_the_unfused_scores_and_gradients(family, shape, lora):
     """The fused LM head (:mod:`purerl.models.scores`) against the whole logits: log-probs, entropy and every
     parameter's gradient of a loss of both, in float32 (tied and untied heads, LoRA, on the head too): the scores
-    within 1e-6 relative, the gradients within 2e-6 of their norm (a block's product may round its logits one
-    unit otherwise than the whole matrix's; the largest seen, 1.1e-6)."""
+    within 1e-6 relative, each gradient within 1e-6 of its norm plus 1e-8 of the whole gradient's. The second
+    term is for a gradient that is a near-cancellation: softmax is blind to a shift every key shares, so a
+    ``k_proj`` bias's gradient is what RoPE's per-position rotation leaves of larger terms (its norm a tenth of
+    the ``q_proj`` bias's), whose rounding is up to 1.1e-6 of its own norm, 5e-9 of the whole gradient's."""
     from purerl.algo.aggregation import SumCount
     from purerl.models import value_and_grad
     from purerl.models.scores import response_scores
@@ -319,5 +321,6 @@ def test_the_fused_head_computes_the_unfused_scores_and_gradients(family, shape,
     torch.testing.assert_close(logp[mask], want_logp[mask], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(entropy[mask], want_entropy[mask], rtol=1e-6, atol=1e-6)
     assert abs(fused.total.item() - plain.total.item()) <= 1e-6 * max(1.0, abs(plain.total.item()))
+    whole = torch.linalg.vector_norm(torch.stack([g.norm() for g in want.values()]))
     for name, grad in want.items():
-        assert (grads[name] - grad).norm() <= 2e-6 * grad.norm() + 1e-9, name
+        assert (grads[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-8 * whole, name

@@ -53,13 +53,14 @@ def test_every_recipe_reproduces_its_golden_metrics_locally(name, pinned_run):
     _assert_reproduced(name, pinned_run(name))
 
 
-ON_RAY_IN_THE_SUITE = ("grpo.toml", "ppo_gae.toml", "distill.toml", "tool_math.toml", "dapo.toml")
+ON_RAY_IN_THE_SUITE = ("grpo.toml", "ppo_gae.toml", "tool_math.toml", "dapo.toml")
 """The recipes whose Ray runs the suite reproduces: each brings a role or a path of its own to the Ray
-executor (the base step; a critic and a reference; a teacher; multi-turn episodes; dynamic sampling's
-refills). The others differ from GRPO only in an estimator or a loss, computed by the same code on every
-executor and pinned by their local runs above; ``PURERL_GOLDEN_ALL_RAY=1`` (and ``tools/golden_matrix.sh``)
-reproduces every recipe's Ray run. Kept to this set for the suite's 20-minute bound on a 2-core box
-(~23 s a run)."""
+executor (the base step; a critic and a reference; multi-turn episodes; dynamic sampling's refills). A
+teacher's scores on the Ray ranks and on a pool of its own are checked against the local executor's in
+``tests/test_distill.py``; the other recipes differ from GRPO only in an estimator or a loss, computed by the
+same code on every executor and pinned by their local runs above. ``PURERL_GOLDEN_ALL_RAY=1`` (and
+``tools/golden_matrix.sh``) reproduces every recipe's Ray run. Kept to this set for the suite's time on a
+2-core box (~20 s a run)."""
 
 
 def _on_ray() -> list[str]:

@@ -460,7 +460,7 @@ def _make_budget_step_fn():
 
 def test_the_samples_do_not_depend_on_the_number_of_rollout_workers(ray_cluster):
     """Every worker samples its shard with the step's RNG and the prompts' own streams (no
-    per-shard RNG): 2 or 3 workers draw the samples one local engine draws."""
+    per-shard RNG): 3 workers (5 prompts: shards of 2, 2 and 1) draw the samples one local engine draws."""
     model, _, make_step_fn, fresh = _setup(2)
     local = TorchEngine(model, **ENGINE)
     local.sync(fresh().policy, 0)
@@ -468,7 +468,7 @@ def test_the_samples_do_not_depend_on_the_number_of_rollout_workers(ray_cluster)
     sampling = SamplingParams(max_new_tokens=8, n=2, temperature=1.0)
     expected = local.generate(prompts, sampling, RngState(4), version=0, streams=streams)
     width = expected.sequences.response_length
-    for workers in (2, 3):
+    for workers in (3,):
         config = ExecutorConfig(kind="ray", train_ranks=1, rollout_workers=workers, step_timeout=120,
                                 sync_timeout=60)
         with ray_executor.RayExecutor(StepFactory(make_step_fn), model, SETUP, config) as executor:
