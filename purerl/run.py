@@ -50,7 +50,7 @@ from purerl.loop.evaluation import evaluate
 from purerl.loop.recording import record_reward_errors
 from purerl.loop.task import Task
 from purerl.loop.train import train
-from purerl.loop.warm_up import warm_up
+from purerl.loop.warm_up import demonstrations, warm_up
 from purerl.machine import machine
 from purerl.models import CausalLM, smollm2_gguf
 from purerl.models.hf import export_hf
@@ -113,9 +113,11 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     options = engine_options(config, model, tokenizer)
     episodes = episodes_of(config, tokenizer, reward_fn, options)
     train_task, eval_task, counts = load_tasks(config, train_records, eval_records, tokenizer, reward_fn, episodes)
-    if config.env.sft_steps and (episodes is None or episodes.demonstration is None):  # before any work
+    if config.env.sft_steps and episodes is not None and episodes.demonstration is None:  # before any work
         raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (kinds "
                         f"that do: {', '.join(demonstrating_kinds())}): set env.sft_steps=0")
+    demonstration = (demonstrations(train_task, lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                    options["eos_token_ids"][0]) if config.env.sft_steps else None)
     critic, critic_params = load_critic(config, model, params)
     print(forwards_line(config, model, critic), flush=True)
     teacher = load_teacher(config, model, tokenizer)
@@ -133,7 +135,7 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     sft: dict[str, Any] = {}
     if config.env.sft_steps and not (resume and latest_checkpoint(layout.checkpoints) is not None):
         with _timed(phases, "sft"):
-            state, sft = _warm_up(config, state, model, options, train_task, eval_task)
+            state, sft = _warm_up(config, state, model, options, train_task, eval_task, demonstration)
     with _timed(phases, "start"):
         executor = make_executor(config, model, critic, options, teacher)
     with executor:
@@ -179,7 +181,7 @@ def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
 
 
 def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dict[str, Any], train_task: Task,
-             eval_task: Task) -> tuple[TrainState, dict[str, Any]]:
+             eval_task: Task, demonstration: Callable[[int], Any]) -> tuple[TrainState, dict[str, Any]]:
     """The SFT warm-up (:func:`~purerl.loop.warm_up.warm_up`) on the driver, with the held-out
     accuracy before it (greedy, the embedded engine on the driver's weights) in its report."""
     device = driver_device(config)
@@ -190,8 +192,8 @@ def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dic
                       reward_timeout=config.reward.timeout, batch_timeout=config.reward.batch_timeout)
     engine.close()
     print(f"before the SFT warm-up: held-out greedy accuracy {before['val/accuracy']:.3f}", flush=True)
-    state, report = warm_up(state, train_task, config.env, model, train_task.episodes.demonstration,
-                            optimizer=actor_optimizer(config), batching=actor_batching_of(config), device=device,
+    state, report = warm_up(state, train_task, config.env, model, demonstration, optimizer=actor_optimizer(config),
+                            pad_token_id=options["pad_token_id"], batching=actor_batching_of(config), device=device,
                             progress=config.trainer.progress)
     print(f"SFT warm-up: {report['sft_steps']} steps, loss {report['sft_loss_first']:.3f} -> "
           f"{report['sft_loss_last']:.3f} in {report['sft_seconds']:.0f} s", flush=True)

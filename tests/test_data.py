@@ -6,7 +6,7 @@ import re
 import pytest
 
 from purerl.data.cursor import DataCursor, next_indices
-from purerl.data.math_problems import math_problems, train_eval_split
+from purerl.data.math_problems import DIFFICULTIES, math_problems, train_eval_split
 from purerl.data.records import DataError, PromptRecord, encode_prompts, load_records
 from purerl.tiny import char_tokenizer
 
@@ -27,6 +27,21 @@ def test_procedural_answers_are_right():
         numbers = [int(w.strip(".,")) for w in q.split() if w.strip(".,").isdigit()]
         a, b = numbers
         assert truth == (a + b if "more" in q else a - b)
+
+
+@pytest.mark.parametrize("difficulty", DIFFICULTIES)
+def test_each_procedural_problem_writes_its_worked_answer_ending_in_its_correct_answer(difficulty):
+    """The SFT warm-up's demonstrations (``extra["answer"]``): the one-line computation, whose expression
+    evaluates to the answer, then ``#### <answer>``, which the strict math reward pays in full."""
+    from purerl.rewards.math import math_reward
+
+    for record in math_problems(100, seed=3, difficulties=(difficulty,)):
+        computation, _, last = record.extra["answer"].partition("\n")
+        expression, _, result = computation.rpartition(" = ")
+        assert expression == record.extra["expression"] and result == record.ground_truth
+        assert eval(expression, {"__builtins__": {}}) == int(record.ground_truth)  # noqa: S307 (our own digits)
+        assert last == f"#### {record.ground_truth}"
+        assert math_reward(record.extra["answer"], record.ground_truth) == 1.0
 
 
 def _write_jsonl(path, rows):

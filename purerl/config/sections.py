@@ -370,8 +370,8 @@ class EnvConfig(EpisodeLimits):
     format: str = attrs.field(default="tags", validator=one_of(("tags", "json"), "tool format"))
     """How tools are called: ``tags`` (``<calc>1+2</calc>``) or ``json`` (``<tool_call>{…}</tool_call>``)."""
     sft_steps: int = attrs.field(default=0, validator=at_least(0))
-    """Steps of supervised warm-up on the environment's demonstrations (the actor's optimizer) before the
-    first RL step, for models that never emit the tool format (0: none)."""
+    """Steps of supervised warm-up (the actor's optimizer) before the first RL step, on the environment's
+    demonstrations or a single-turn row's worked answer (``extra_info.answer``; 0: none)."""
     sft_rows: int = attrs.field(default=8, validator=at_least(1))
     """Demonstrations per warm-up step."""
 

@@ -7,11 +7,15 @@ division. Level 5 multiplies two 3-digit numbers (and adds a 3-digit one half th
 a small model cannot work out in its head, which a calculator tool can
 (:mod:`purerl.episodes.calculator`). A held-out split is a different seed with every
 question that also occurs in the training split removed.
+
+Every problem keeps the expression that computes its answer (``extra["expression"]``, a calculator
+call) and its worked answer as the task asks for it (``extra["answer"]``: the one-line computation,
+then ``#### <answer>``; where verl's GSM8K data keeps its worked solutions): the SFT warm-up's
+demonstrations (``env.sft_steps``).
 """
 
 import random
 from collections.abc import Callable
-from typing import Any
 
 from purerl.data.records import PromptRecord
 
@@ -22,47 +26,49 @@ _NAMES = ["Tom", "Ana", "Li", "Sara", "Omar", "Maya", "Ben", "Ivy", "Raj", "Zoe"
 _THINGS = ["apples", "marbles", "books", "pencils", "stickers", "cookies", "coins", "shells", "cards", "eggs"]
 
 
-def _one_step(r: random.Random, a: int, b: int) -> tuple[str, int]:
+def _one_step(r: random.Random, a: int, b: int) -> tuple[str, int, str]:
     name, thing = r.choice(_NAMES), r.choice(_THINGS)
     if r.random() < 0.5:
-        return f"{name} has {a} {thing}. {name} gets {b} more {thing}. How many {thing} does {name} have now?", a + b
+        return (f"{name} has {a} {thing}. {name} gets {b} more {thing}. How many {thing} does {name} have now?",
+                a + b, f"{a} + {b}")
     a = a + b
-    return f"{name} has {a} {thing}. {name} gives away {b} {thing}. How many {thing} does {name} have left?", a - b
+    return (f"{name} has {a} {thing}. {name} gives away {b} {thing}. How many {thing} does {name} have left?",
+            a - b, f"{a} - {b}")
 
 
-def _level1(r: random.Random) -> tuple[str, int]:
+def _level1(r: random.Random) -> tuple[str, int, str]:
     return _one_step(r, r.randint(1, 9), r.randint(1, 9))
 
 
-def _level2(r: random.Random) -> tuple[str, int]:
+def _level2(r: random.Random) -> tuple[str, int, str]:
     return _one_step(r, r.randint(2, 20), r.randint(1, 15))
 
 
-def _level3(r: random.Random) -> tuple[str, int]:
+def _level3(r: random.Random) -> tuple[str, int, str]:
     name, other, thing = r.choice(_NAMES), r.choice(_NAMES), r.choice(_THINGS)
     a, b, c = r.randint(5, 30), r.randint(2, 20), r.randint(1, 10)
     if r.random() < 0.5:
         return (f"{name} has {a} {thing}. {other} gives {name} {b} more. Then {name} loses {c}. "
-                f"How many {thing} does {name} have now?", a + b - c)
+                f"How many {thing} does {name} have now?", a + b - c, f"{a} + {b} - {c}")
     k = r.randint(2, 5)
     return (f"{name} buys {k} bags with {c + 1} {thing} in each bag and already had {b} {thing}. "
-            f"How many {thing} does {name} have in total?", k * (c + 1) + b)
+            f"How many {thing} does {name} have in total?", k * (c + 1) + b, f"{k} * {c + 1} + {b}")
 
 
-def _level4(r: random.Random) -> tuple[str, int]:
+def _level4(r: random.Random) -> tuple[str, int, str]:
     name, thing = r.choice(_NAMES), r.choice(_THINGS)
     per, groups, extra = r.randint(2, 12), r.randint(2, 9), r.randint(1, 20)
     if r.random() < 0.5:
         total = per * groups
         return (f"{name} shares {total} {thing} equally among {groups} friends and then finds {extra} more "
-                f"for one friend. How many {thing} does that friend have?", per + extra)
+                f"for one friend. How many {thing} does that friend have?", per + extra,
+                f"{total} / {groups} + {extra}")
     extra = r.randint(1, groups * per - 1)
     return (f"{name} packs {groups} boxes with {per} {thing} each and gives away {extra} of them. "
-            f"How many {thing} are left?", groups * per - extra)
+            f"How many {thing} are left?", groups * per - extra, f"{groups} * {per} - {extra}")
 
 
 def _level5(r: random.Random) -> tuple[str, int, str]:
-    """Also the expression that computes the answer (a calculator demonstration's call)."""
     name, thing = r.choice(_NAMES), r.choice(_THINGS)
     boxes, per = r.randint(100, 999), r.randint(100, 999)
     if r.random() < 0.5:
@@ -73,22 +79,23 @@ def _level5(r: random.Random) -> tuple[str, int, str]:
             f"How many {thing} does {name} have now?", boxes * per + extra, f"{boxes}*{per}+{extra}")
 
 
-_LEVELS: dict[int, Callable[[random.Random], tuple[Any, ...]]] = {1: _level1, 2: _level2, 3: _level3, 4: _level4,
-                                                                 5: _level5}
+_LEVELS: dict[int, Callable[[random.Random], tuple[str, int, str]]] = {1: _level1, 2: _level2, 3: _level3,
+                                                                      4: _level4, 5: _level5}
+"""Each level draws (question, answer, the Python expression that computes the answer)."""
 DIFFICULTIES = tuple(sorted(_LEVELS))
 """The procedural difficulty levels."""
 
 
 def math_problem(r: random.Random, difficulty: int) -> PromptRecord:
-    """One problem of the given difficulty (1–4) drawn from ``r``."""
+    """One problem of the given difficulty (:data:`DIFFICULTIES`) drawn from ``r``."""
     if difficulty not in _LEVELS:
         raise ValueError(f"math_problem: difficulty must be one of {sorted(_LEVELS)}, got {difficulty}")
-    question, answer, *expression = _LEVELS[difficulty](r)
+    question, answer, expression = _LEVELS[difficulty](r)
     return PromptRecord(
         messages=({"role": "user", "content": f"{question}\n{INSTRUCTION}"},),
         ground_truth=str(answer),
         data_source=f"purerl/math_level{difficulty}",
-        extra={"question": question, **({"expression": expression[0]} if expression else {})},
+        extra={"question": question, "expression": expression, "answer": f"{expression} = {answer}\n#### {answer}"},
     )
 
 
