@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from property_tests.allocations import Largest
 from purerl.algo.fused_head import head_outputs
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 
@@ -225,24 +224,9 @@ def test_a_confident_token_keeps_its_small_complement_in_log_p_entropy_and_gradi
     torch.testing.assert_close(grad, torch.stack([exact_grad, -exact_grad]).float()[:, None], rtol=1e-5, atol=0.0)
 
 
-class _Allocations(TorchDispatchMode):
-    """Records the element count of the largest tensor any aten op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for x in tree_leaves(out):
-            if isinstance(x, torch.Tensor):
-                self.largest = max(self.largest, x.numel())
-        return out
-
-
 def _largest_tensor(fn):
     """Largest tensor created while ``fn()`` (forward and backward) runs."""
-    with _Allocations() as seen:
+    with Largest() as seen:
         fn()
     return seen.largest
 

@@ -8,9 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from property_tests.allocations import Largest
 from property_tests.strategies import finite_floats
 from purerl.algo.logprobs import entropy_from_logits, logprobs_from_logits
 
@@ -179,28 +178,13 @@ def test_gradient_of_a_confident_token_keeps_its_small_complement(runner_up):
     torch.testing.assert_close(grad, expected, rtol=1e-5, atol=0.0)
 
 
-class _Float32Allocations(TorchDispatchMode):
-    """Records the element count of the largest float32 tensor any aten op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for x in tree_leaves(out):
-            if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
-                self.largest = max(self.largest, x.numel())
-        return out
-
-
 def _largest_float32(fn, logits, *args, **kwargs):
     """Largest float32 tensor created in the forward and, separately, in the backward of ``fn``."""
     leaf = logits.detach().clone().requires_grad_()
-    with _Float32Allocations() as forward:
+    with Largest(torch.float32) as forward:
         out = fn(leaf, *args, **kwargs)
     upstream = torch.ones_like(out)
-    with _Float32Allocations() as backward:
+    with Largest(torch.float32) as backward:
         torch.autograd.grad(out, leaf, upstream)
     return forward.largest, backward.largest
 
