@@ -15,7 +15,7 @@ from purerl.models import value_and_grad as pure_value_and_grad
 from purerl.rewards import RewardFn, Scores, score_responses
 from purerl.rewards.model import RewardModel
 from purerl.rollout.canary import Canary
-from purerl.rollout.engine import RolloutEngine
+from purerl.rollout.engine import RolloutEngine, release
 from purerl.rollout.queue import Published, Weights
 from purerl.state import TrainState
 from purerl.step.recipes import StepFn
@@ -33,14 +33,6 @@ def _loader(canary: Canary | None) -> Callable[[RolloutEngine, Weights], None]:
             canary.check(engine, weights.payload, weights.version, type(engine).__name__)
 
     return load
-
-
-def _release(engine: RolloutEngine) -> None:
-    """``engine.release()`` (:meth:`~purerl.rollout.engine.RolloutEngine.release`), for an engine that has it (one
-    written before the method was part of the protocol holds no copy to free)."""
-    release = getattr(engine, "release", None)
-    if release is not None:
-        release()
 
 
 class LocalExecutor:
@@ -87,7 +79,7 @@ class LocalExecutor:
     def step(self, state: TrainState, rollout: Rollout, rewards: torch.Tensor | Rewards
              ) -> tuple[TrainState, dict[str, float]]:
         if self.generators[0] is self.evaluator:  # its engine's copy of these params is stale once they update
-            self.evaluator.restart(_release)
+            self.evaluator.restart(release)
         state, metrics = self.step_fn(state, rollout, rewards, **self.effects)
         self.publish(state)
         return state, metrics

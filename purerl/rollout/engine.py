@@ -19,7 +19,7 @@ from purerl.rollout.engines import ENGINES, EngineKind
 from purerl.rollout.sampling import SamplingParams
 from purerl.state import RngState
 
-__all__ = ["RolloutEngine", "check_weights", "make_engine"]
+__all__ = ["RolloutEngine", "check_weights", "make_engine", "release"]
 
 
 @runtime_checkable
@@ -59,6 +59,14 @@ class RolloutEngine(Protocol):
         copy of the trainer's params in its memory (a colocated engine's, while the trainer updates them); it then
         holds no version, and the next sync prepares one again (the embedded engine's prepacked matrices). The
         local executor calls it before each update where it has it."""
+
+
+def release(engine: Any) -> None:
+    """``engine.release()`` where the engine defines it (:meth:`RolloutEngine.close`'s note); an engine that
+    does not holds no copy to free."""
+    free = getattr(engine, "release", None)
+    if free is not None:
+        free()
 
 
 def make_engine(name: str, model: Any, **options: Any) -> RolloutEngine:

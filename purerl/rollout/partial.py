@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from purerl.batch import FINISH_INTERRUPTED, Rollout, Sequences
-from purerl.rollout.engine import RolloutEngine
+from purerl.rollout.engine import RolloutEngine, release
 from purerl.rollout.engines import ENGINES
 from purerl.rollout.queue import Weights
 from purerl.rollout.sampling import SamplingParams
@@ -53,7 +53,7 @@ class Interruptible:
         self.engine.sync(params, version)
 
     def release(self) -> None:
-        self.engine.release()
+        release(self.engine)
 
     def close(self) -> None:
         """The engine is its owner's to close."""
