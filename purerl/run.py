@@ -10,6 +10,7 @@ scripts of their own::
 """
 
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -36,7 +37,8 @@ from purerl.assembly.stages import actor_batching_of, actor_optimizer, batch_pla
 from purerl.config.job import JobConfig
 from purerl.config.loading import to_dict
 from purerl.config.rules import cold_start, cold_start_skipped, may_start_cold
-from purerl.data.records import DataError
+from purerl.data.demonstrations import load_demonstrations
+from purerl.data.records import DataError, prompt_ids
 from purerl.environments import demonstrating_kinds
 from purerl.executors.base import Executor, ExecutorError
 from purerl.health import report as health_report
@@ -50,7 +52,7 @@ from purerl.loop.evaluation import evaluate
 from purerl.loop.recording import record_reward_errors
 from purerl.loop.task import Task
 from purerl.loop.train import train
-from purerl.loop.warm_up import demonstrations, warm_up
+from purerl.loop.warm_up import demonstrations, file_demonstrations, warm_up
 from purerl.machine import machine
 from purerl.models import CausalLM, smollm2_gguf
 from purerl.models.hf import export_hf
@@ -116,8 +118,8 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     if config.env.sft_steps and episodes is not None and episodes.demonstration is None:  # before any work
         raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (kinds "
                         f"that do: {', '.join(demonstrating_kinds())}): set env.sft_steps=0")
-    demonstration = (demonstrations(train_task, lambda text: tokenizer.encode(text, add_special_tokens=False),
-                                    options["eos_token_ids"][0]) if config.env.sft_steps else None)
+    warms_up = bool(config.env.sft_steps) and not (resume and latest_checkpoint(layout.checkpoints) is not None)
+    warm_up_data = _demonstrations(config, tokenizer, options, train_task) if warms_up else None  # before any work
     critic, critic_params = load_critic(config, model, params)
     print(forwards_line(config, model, critic), flush=True)
     teacher = load_teacher(config, model, tokenizer)
@@ -133,9 +135,9 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     if teacher is not None:  # a swapped teacher would silently change what the run learns from
         check_teacher(run_dir, config.distill.teacher, weights_fingerprint(teacher.params), record=not resume)
     sft: dict[str, Any] = {}
-    if config.env.sft_steps and not (resume and latest_checkpoint(layout.checkpoints) is not None):
+    if warm_up_data is not None:  # a resumed run does not repeat it
         with _timed(phases, "sft"):
-            state, sft = _warm_up(config, state, model, options, train_task, eval_task, demonstration)
+            state, sft = _warm_up(config, state, model, options, eval_task, *warm_up_data)
     with _timed(phases, "start"):
         executor = make_executor(config, model, critic, options, teacher)
     with executor:
@@ -180,8 +182,23 @@ def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
         phases[name] = phases.get(name, 0.0) + time.time() - start
 
 
-def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dict[str, Any], train_task: Task,
-             eval_task: Task, demonstration: Callable[[int], Any]) -> tuple[TrainState, dict[str, Any]]:
+def _demonstrations(config: JobConfig, tokenizer: Any, options: dict[str, Any],
+                    train_task: Task) -> tuple[int, Callable[[int], Any]]:
+    """The warm-up's demonstrations, read before any work: how many, and the ``i``-th one's episode. From
+    ``env.sft_data`` when given (each prompt rendered by ``data.prompt_format``, as the RL prompts are), else
+    the training task's own (its environment's, or its rows' worked answers)."""
+    encode, end_id = (lambda text: tokenizer.encode(text, add_special_tokens=False)), options["eos_token_ids"][0]
+    env = config.env
+    if not env.sft_data:
+        return len(train_task.records), demonstrations(train_task, encode, end_id)
+    rows = load_demonstrations(list(env.sft_data), prompt_key=env.sft_prompt_key, response_key=env.sft_response_key)
+    print(f"SFT warm-up data: {len(rows)} demonstrations from {', '.join(env.sft_data)}", flush=True)
+    render = functools.partial(prompt_ids, tokenizer=tokenizer, prompt_format=config.data.prompt_format)
+    return len(rows), file_demonstrations(rows, render, encode, end_id)
+
+
+def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dict[str, Any], eval_task: Task,
+             count: int, demonstration: Callable[[int], Any]) -> tuple[TrainState, dict[str, Any]]:
     """The SFT warm-up (:func:`~purerl.loop.warm_up.warm_up`) on the driver, with the held-out
     accuracy before it (greedy, the embedded engine on the driver's weights) in its report."""
     device = driver_device(config)
@@ -192,7 +209,7 @@ def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dic
                       reward_timeout=config.reward.timeout, batch_timeout=config.reward.batch_timeout)
     engine.close()
     print(f"before the SFT warm-up: held-out greedy accuracy {before['val/accuracy']:.3f}", flush=True)
-    state, report = warm_up(state, train_task, config.env, model, demonstration, optimizer=actor_optimizer(config),
+    state, report = warm_up(state, count, config.env, model, demonstration, optimizer=actor_optimizer(config),
                             pad_token_id=options["pad_token_id"], batching=actor_batching_of(config), device=device,
                             progress=config.trainer.progress)
     print(f"SFT warm-up: {report['sft_steps']} steps, loss {report['sft_loss_first']:.3f} -> "

@@ -11,7 +11,7 @@ from purerl import environments
 from purerl.agents.play import AgentEnv, run_agents
 from purerl.config.job import JobConfig
 from purerl.config.loading import ConfigError, build
-from purerl.config.sections import EnvConfig
+from purerl.config.environment import EnvConfig
 from purerl.environments import ENVIRONMENTS, EnvironmentKind, demonstrating_kinds, environment_of
 from purerl.episodes import SingleTurn, ToolEnv
 from purerl.episodes.adapters import TrlEnvironment

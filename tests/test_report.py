@@ -320,3 +320,18 @@ def test_a_run_that_stopped_before_its_summary_is_not_called_live(tmp_path):
     page = _page(run)
     assert ("<th>state</th><td>stopped or killed before its summary (no summary.json, and no process holds the "
             "folder); its last step, 4, flags actor/diverged</td>") in page
+
+
+def test_a_run_that_began_with_a_warm_up_says_so_with_what_it_did(tmp_path):
+    run = _run_folder(tmp_path / "run")
+    config = json.loads((run / "config.json").read_text())
+    config["env"].update(sft_steps=8, sft_data=["sft.jsonl"])
+    (run / "config.json").write_text(json.dumps(config))
+    assert "an SFT warm-up: 8 steps of 8 demonstrations from sft.jsonl" in _page(run)  # live: its settings
+    (run / "summary.json").write_text(json.dumps({"accuracy_before": 0.8125, "accuracy_after": 0.9, "sft": {
+        "accuracy_before_sft": 0.0, "sft_loss_first": 3.274, "sft_loss_last": 0.397}}))
+    assert ("an SFT warm-up: 8 steps of 8 demonstrations from sft.jsonl; held-out accuracy 0.0% → 81.2% by it, "
+            "loss 3.274 → 0.397") in html.unescape(_page(run))
+    config["env"].update(sft_steps=0)
+    (run / "config.json").write_text(json.dumps(config))
+    assert "SFT warm-up" not in _page(run)

@@ -105,6 +105,12 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--max-turns", "env.max_turns", dict(type=int, help="model turns per episode")),
     ("--tool-bonus", "env.tool_bonus", dict(type=float, help="reward per tool call that did not fail")),
     ("--sft-steps", "env.sft_steps", dict(type=int, help="supervised warm-up steps on demonstrations before RL")),
+    ("--sft-data", "env.sft_data", dict(nargs="+", help="the warm-up's demonstrations (.jsonl/.parquet): TRL's "
+                                                       "messages or prompt+completion rows, or verl's SFT columns")),
+    ("--sft-prompt-key", "env.sft_prompt_key", dict(help="verl SFT data: the prompt column (or a dotted path into a "
+                                                         "dict column: extra_info.question)")),
+    ("--sft-response-key", "env.sft_response_key", dict(help="verl SFT data: the response column (or a dotted "
+                                                             "path: extra_info.answer)")),
 ]
 FLAG_OF = {key: flag for flag, key, _ in FLAGS if key != "reward.fn"}
 _OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")

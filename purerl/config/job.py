@@ -14,11 +14,13 @@ Sections and what they own::
     health      when the run-health monitor reports a symptom (cut responses, no signal, a dead reward, …)
     executor    local, or Ray (FSDP2 ranks, rollout and reward workers, timeouts)
     asynchronous  generation overlapping training, its staleness bound
-    env         the task's environment: single-turn answers, or multi-turn tool episodes and their limits
+    env         the task's environment: single-turn answers, or multi-turn tool episodes and their limits; the
+                supervised warm-up before RL
 
-Each section lives in :mod:`purerl.config.sections`; :mod:`purerl.assembly` turns the tree into the bound
-settings of the stages, the executor and the loops, and nothing below it names this class. Each field has one
-default and one check (:mod:`~purerl.config.sections`) (single-field bounds as attrs validators); rules across
+Each section lives in :mod:`purerl.config.sections` (``executor`` and ``asynchronous`` in
+:mod:`purerl.config.execution`, ``env`` in :mod:`purerl.config.environment`); :mod:`purerl.assembly` turns the
+tree into the bound settings of the stages, the executor and the loops, and nothing below it names this class.
+Each field has one default and one check (single-field bounds as attrs validators); rules across
 sections are in :mod:`purerl.config.rules`. Names of registered functions are values: ``algorithm.adv_estimator`` is
 any name in :data:`~purerl.algo.estimators.ADVANTAGE_ESTIMATORS`, ``actor.policy_loss`` any name in
 :data:`~purerl.algo.policy_loss.POLICY_LOSSES`, so a newly registered estimator or loss is selectable at once; the
@@ -29,6 +31,7 @@ and ``key=value`` overrides.
 
 import attrs
 
+from purerl.config.environment import EnvConfig
 from purerl.config.execution import PLACEMENTS, AsyncConfig, ExecutorConfig
 from purerl.config.loading import section
 from purerl.config.sections import (
@@ -37,7 +40,6 @@ from purerl.config.sections import (
     CriticConfig,
     DataConfig,
     DistillConfig,
-    EnvConfig,
     HealthConfig,
     KLControlConfig,
     LossOptions,

@@ -109,6 +109,11 @@ def problems(config: JobConfig) -> list[str]:
                      f"reward.timeout {reward.timeout:g}: no call could use its own deadline")
     if reward.format_bonus and reward.fn != "strict":
         found.append("reward.format_bonus applies to the strict reward: set reward.fn=strict")
+    env = config.env
+    if env.sft_data and not env.sft_steps:
+        found.append("env.sft_data is read by the warm-up: set env.sft_steps (--sft-steps) to its number of steps")
+    if (env.sft_prompt_key or env.sft_response_key) and not env.sft_data:
+        found.append("env.sft_prompt_key and env.sft_response_key name columns of env.sft_data: give its files too")
     if algorithm.gdpo_weights is not None:
         if not estimator.weighs_components:
             found.append(f"algorithm.gdpo_weights: {algorithm.adv_estimator} does not read them")

@@ -19,8 +19,6 @@ from purerl.algo.registries import (
 )
 from purerl.config.loading import ConfigError, boolean, one_of, section
 from purerl.data.records import PROMPT_FORMATS
-from purerl.environments import builtin_kind, is_episodic
-from purerl.episodes.limits import EpisodeLimits
 from purerl.health import HealthLimits
 from purerl.loop_settings import TrainerSettings
 from purerl.models.lora_spec import DEFAULT_TARGETS
@@ -31,7 +29,7 @@ from purerl.rollout.sampling_params import SamplingParams
 from purerl.setting_facts import MAY_CHANGE, SAMPLES, STATE, WHERE, facts
 from purerl.validators import at_least, in_range, positive
 
-__all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "DistillConfig", "EnvConfig", "HealthConfig",
+__all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "DistillConfig", "HealthConfig",
            "KLControlConfig", "LossOptions", "ModelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig"]
 
 
@@ -342,39 +340,3 @@ class HealthConfig(HealthLimits):
     """When the run-health monitor (:mod:`purerl.health`) reports a symptom: the fields of
     :class:`~purerl.health.HealthLimits`, which the monitor is bound to as they are.
     ``trainer.health`` says what a report does."""
-
-
-def _environment(instance: Any, attribute: Any, value: str) -> None:
-    """A registered environment's name, or ``module:name`` / ``file.py:name``."""
-    try:
-        builtin_kind(value)
-    except ValueError as err:
-        raise ConfigError(f"{attribute.name}: {err}") from None  # the loader adds the section: env.name
-
-
-@section
-class EnvConfig(EpisodeLimits):
-    """The task's environment: single answers, or multi-turn episodes with tools (each a kind of
-    environment registered in :mod:`purerl.environments`), and the episodes' limits (the fields of
-    :class:`~purerl.episodes.limits.EpisodeLimits`)."""
-
-    name: str = attrs.field(default="single_turn", validator=_environment)
-    """``single_turn`` (one answer per prompt, scored by ``reward.fn``: the main job), ``calculator``
-    (:mod:`purerl.episodes.calculator`: episodes of turns in which the model may call a calculator before it
-    answers), or a user's environment as ``module:name`` / ``file.py:name``: purerl's ``Env``, a class in
-    TRL's ``environment_factory`` convention (:mod:`purerl.episodes.adapters`), an agent function
-    ``run(client, task) -> score`` written for an OpenAI client and played against the job's endpoint
-    (:mod:`purerl.agents.play`), or a verifiers environment."""
-    tools: bool = True
-    """Whether the environment offers its tools (false: the same task without them, the baseline)."""
-    format: str = attrs.field(default="tags", validator=one_of(("tags", "json"), "tool format"))
-    """How tools are called: ``tags`` (``<calc>1+2</calc>``) or ``json`` (``<tool_call>{…}</tool_call>``)."""
-    sft_steps: int = attrs.field(default=0, validator=at_least(0))
-    """Steps of supervised warm-up (the actor's optimizer) before the first RL step, on the environment's
-    demonstrations or a single-turn row's worked answer (``extra_info.answer``; 0: none)."""
-    sft_rows: int = attrs.field(default=8, validator=at_least(1))
-    """Demonstrations per warm-up step."""
-
-    @property
-    def multi_turn(self) -> bool:
-        return is_episodic(self.name)

@@ -15,7 +15,8 @@ from typing import Any
 
 import attrs
 
-__all__ = ["PromptRecord", "DataError", "load_records", "encode_prompts", "EncodedPrompts", "plain_text"]
+__all__ = ["PromptRecord", "DataError", "load_records", "encode_prompts", "EncodedPrompts", "plain_text", "prompt_ids",
+           "check_prompt_format", "chat_messages", "field", "check_text", "rows_of"]
 
 
 class DataError(ValueError):
@@ -30,7 +31,9 @@ class PromptRecord:
     extra: dict[str, Any] = attrs.field(factory=dict)
 
 
-def _field(row: dict[str, Any], dotted: str, where: str) -> Any:
+def field(row: dict[str, Any], dotted: str, where: str) -> Any:
+    """``row``'s value at the dotted path ``dotted`` (``reward_model.ground_truth``); ``DataError`` naming
+    ``where`` and the field when a part is missing."""
     value: Any = row
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:
@@ -39,26 +42,33 @@ def _field(row: dict[str, Any], dotted: str, where: str) -> Any:
     return value
 
 
+def chat_messages(value: Any, name: str, where: str) -> tuple[dict[str, str], ...]:
+    """Field ``name``'s value as chat messages: a list of ``{"role", "content"}`` strings (a parquet list
+    column's array too), or one string as a single user message; ``DataError`` naming ``where`` and the
+    field (``prompt[1].content``) otherwise."""
+    if hasattr(value, "tolist"):  # parquet list columns arrive as numpy arrays
+        value = value.tolist()
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field '{name}' must be text or a non-empty list of chat messages")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: field '{name}[{i}]' must have string 'role' and 'content'")
+        for key in ("role", "content"):
+            check_text(message[key], f"{name}[{i}].{key}", where)
+        messages.append({"role": message["role"], "content": message["content"]})
+    return tuple(messages)
+
+
 def record_from_row(row: Any, where: str) -> PromptRecord:
     """A record from one verl-format row (dict); ``where`` names file and row in errors."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: row is a {type(row).__name__}, expected an object")
-    prompt = _field(row, "prompt", where)
-    if hasattr(prompt, "tolist"):  # parquet list columns arrive as numpy arrays
-        prompt = prompt.tolist()
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    if not isinstance(prompt, list) or not prompt:
-        raise DataError(f"{where}: field 'prompt' must be a non-empty list of chat messages")
-    messages = []
-    for i, message in enumerate(prompt):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise DataError(f"{where}: field 'prompt[{i}]' must have string 'role' and 'content'")
-        for key in ("role", "content"):
-            _check_text(message[key], f"prompt[{i}].{key}", where)
-        messages.append({"role": message["role"], "content": message["content"]})
-    truth = _field(row, "reward_model.ground_truth", where)
+    messages = chat_messages(field(row, "prompt", where), "prompt", where)
+    truth = field(row, "reward_model.ground_truth", where)
     if hasattr(truth, "tolist"):
         truth = truth.tolist()
     if truth is None or (isinstance(truth, str) and not truth.strip()):
@@ -68,7 +78,7 @@ def record_from_row(row: Any, where: str) -> PromptRecord:
         raise DataError(f"{where}: field 'reward_model.ground_truth' is a {type(truth).__name__}; "
                         "the math rewards compare one answer: give a string or a number")
     if isinstance(truth, str):
-        _check_text(truth, "reward_model.ground_truth", where)
+        check_text(truth, "reward_model.ground_truth", where)
     source = row.get("data_source", "unknown")
     extra = row.get("extra_info")
     if extra is None:
@@ -76,20 +86,20 @@ def record_from_row(row: Any, where: str) -> PromptRecord:
     if not isinstance(extra, dict):
         raise DataError(f"{where}: field 'extra_info' is a {type(extra).__name__}; verl's extra_info is an object "
                         "(it reaches the reward function as extra_info)")
-    return PromptRecord(tuple(messages), str(truth), str(source), extra)
+    return PromptRecord(messages, str(truth), str(source), extra)
 
 
-def _check_text(text: str, field: str, where: str) -> None:
+def check_text(text: str, name: str, where: str) -> None:
     """Text a tokenizer can read: JSON's ``\\ud800`` escapes decode to unpaired surrogates, which
     no UTF-8 tokenizer or file takes."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise DataError(f"{where}: field '{field}' holds an unpaired surrogate ({text[err.start]!r} at character "
+        raise DataError(f"{where}: field '{name}' holds an unpaired surrogate ({text[err.start]!r} at character "
                         f"{err.start}), not text") from None
 
 
-def _rows(path: Path) -> list[tuple[int, Any]]:
+def rows_of(path: Path) -> list[tuple[int, Any]]:
     """``(row number, row)`` pairs: line numbers for jsonl (blank lines skipped), indices for parquet."""
     if path.suffix in (".jsonl", ".json"):
         rows = []
@@ -133,7 +143,7 @@ def load_records(paths: str | Path | Sequence[str | Path]) -> list[PromptRecord]
             raise DataError(f"{p}: no such data file")
         if not p.is_file():
             raise DataError(f"{p}: not a file")
-        rows = _rows(p)
+        rows = rows_of(p)
         if not rows:
             raise DataError(f"{p}: no rows")
         for number, row in rows:
@@ -162,6 +172,25 @@ PROMPT_FORMATS = ("chat", "plain")
 template with the generation prompt; ``plain``, :func:`plain_text` (a base model's)."""
 
 
+def prompt_ids(messages: Sequence[dict[str, Any]], tokenizer: Any, prompt_format: str) -> list[int]:
+    """The token ids a prompt of chat ``messages`` is sampled after, rendered as ``prompt_format`` says
+    (:data:`PROMPT_FORMATS`; :func:`encode_prompts` checks the format and the tokenizer)."""
+    if prompt_format == "plain":
+        return tokenizer.encode(plain_text(messages), add_special_tokens=True)
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_prompt_format(prompt_format: str, tokenizer: Any) -> None:
+    """``ValueError`` for a format not in :data:`PROMPT_FORMATS`; ``DataError`` naming the setting where the
+    tokenizer has no chat template to render ``chat``."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got {prompt_format!r}")
+    if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise DataError("the model's tokenizer has no chat template (a base model?): set data.prompt_format=plain "
+                        "(--prompt-format plain) to render the prompts' messages as plain text")
+
+
 def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, *, max_prompt_tokens: int,
                    prompt_format: str, overlong: str = "skip") -> EncodedPrompts:
     """Tokenise the prompts rendered as ``prompt_format`` says (:data:`PROMPT_FORMATS`): the tokenizer's chat
@@ -174,19 +203,10 @@ def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, *, max_promp
     """
     if overlong not in ("skip", "truncate"):
         raise ValueError(f"encode_prompts: overlong must be 'skip' or 'truncate', got {overlong!r}")
-    if prompt_format not in PROMPT_FORMATS:
-        raise ValueError(f"encode_prompts: prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got "
-                         f"{prompt_format!r}")
-    if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
-        raise DataError("the model's tokenizer has no chat template (a base model?): set data.prompt_format=plain "
-                        "(--prompt-format plain) to render the prompts' messages as plain text")
+    check_prompt_format(prompt_format, tokenizer)
     ids, index, truncated, skipped = [], [], 0, 0
     for i, record in enumerate(records):
-        if prompt_format == "plain":
-            tokens = tokenizer.encode(plain_text(record.messages), add_special_tokens=True)
-        else:
-            text = tokenizer.apply_chat_template(list(record.messages), tokenize=False, add_generation_prompt=True)
-            tokens = tokenizer.encode(text, add_special_tokens=False)
+        tokens = prompt_ids(record.messages, tokenizer, prompt_format)
         if len(tokens) > max_prompt_tokens:
             if overlong == "skip":
                 skipped += 1

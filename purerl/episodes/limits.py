@@ -1,5 +1,5 @@
 """The limits of an episode: a record of its own, so the job's ``env`` section can be one
-(:class:`~purerl.config.sections.EnvConfig` is an :class:`EpisodeLimits`) without importing torch."""
+(:class:`~purerl.config.environment.EnvConfig` is an :class:`EpisodeLimits`) without importing torch."""
 
 import attrs
 

@@ -129,6 +129,7 @@ def _facts(files: RunFiles) -> str:
         ("policy loss", summary.get("policy_loss") or section("actor").get("policy_loss")),
         ("executor", section("executor").get("kind")),
         ("asynchronous", _asynchronous(section("asynchronous"), summary.get("async"))),
+        ("began with", _warm_up(section("env"), summary.get("sft"), before)),
         ("held-out accuracy", _accuracy(before, after)),
         ("wall time", f"{summary['wall_seconds']:.0f} s" if isinstance(summary.get("wall_seconds"), (int, float))
          else None),
@@ -162,6 +163,23 @@ def _asynchronous(section: Mapping[str, Any], report: Any) -> str | None:
     text = f"on (max staleness {section.get('max_staleness')}, {section.get('stale_policy')})"
     if isinstance(report, dict) and report.get("staleness_histogram"):
         text += f"; batches by staleness {json.dumps(report['staleness_histogram'])}"
+    return text
+
+
+def _warm_up(section: Mapping[str, Any], report: Any, after: Any) -> str | None:
+    """The supervised warm-up the run began with (its settings; its report once the summary is written):
+    where its demonstrations came from, and what it did to the held-out accuracy and its loss."""
+    if not section.get("sft_steps"):
+        return None
+    data = section.get("sft_data") or []
+    source = f"from {', '.join(map(str, data))}" if data else "on the task's own demonstrations"
+    text = f"an SFT warm-up: {section['sft_steps']} steps of {section.get('sft_rows')} demonstrations {source}"
+    if isinstance(report, dict):
+        if isinstance(report.get("accuracy_before_sft"), (int, float)) and isinstance(after, (int, float)):
+            text += f"; held-out accuracy {report['accuracy_before_sft']:.1%} → {after:.1%} by it"
+        if isinstance(report.get("sft_loss_first"), (int, float)) and isinstance(report.get("sft_loss_last"),
+                                                                                 (int, float)):
+            text += f", loss {report['sft_loss_first']:.3f} → {report['sft_loss_last']:.3f}"
     return text
 
 
