@@ -206,7 +206,8 @@ def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dic
                          **{k: options[k] for k in ("eos_token_ids", "pad_token_id", "decode")})
     engine.sync(state.policy, 0)
     before = evaluate(engine, eval_task, version=0, max_new_tokens=config.rollout.max_new_tokens,
-                      reward_timeout=config.reward.timeout, batch_timeout=config.reward.batch_timeout)
+                      stop=config.rollout.stop, reward_timeout=config.reward.timeout,
+                      batch_timeout=config.reward.batch_timeout)
     engine.close()
     print(f"before the SFT warm-up: held-out greedy accuracy {before['val/accuracy']:.3f}", flush=True)
     state, report = warm_up(state, count, config.env, model, demonstration, optimizer=actor_optimizer(config),
@@ -269,7 +270,8 @@ def _train_and_evaluate(config: JobConfig, run_dir: Path, resume: bool, executor
     def evaluate_on_engine(state: TrainState) -> dict[str, Any]:
         with executor.engine(executor.newest(state.step), "evaluate") as engine:
             return evaluate(engine, eval_task, version=state.step, max_new_tokens=config.rollout.max_new_tokens,
-                            reward_timeout=config.reward.timeout, batch_timeout=config.reward.batch_timeout,
+                            stop=config.rollout.stop, reward_timeout=config.reward.timeout,
+                            batch_timeout=config.reward.batch_timeout,
                             score=executor.score, sample_chars=config.trainer.sample_chars)
 
     evaluated: dict[int, dict[str, Any]] = {}  # the newest evaluation: the final one is asked for twice

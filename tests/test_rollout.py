@@ -216,3 +216,27 @@ def test_concatenated_rollouts_keep_every_row_and_its_log_probs(tiny_lm):
         assert torch.equal(both.behaviour_logprobs[rows, :t][mask], part.behaviour_logprobs[mask])
         alone = response_logprobs(model, params, part.sequences)
         torch.testing.assert_close(joined[rows, :t][mask], alone[mask], rtol=0, atol=1e-5)
+
+
+def test_the_held_out_evaluation_ends_greedy_answers_at_the_stop_strings_as_training_does(tiny_lm):
+    """A base model's few-shot prompt needs ``rollout.stop`` (it would write the next example on): the evaluation
+    honours it too, and an answer after the stop string is not scored."""
+    from purerl.data.records import PromptRecord
+    from purerl.loop.evaluation import evaluate
+    from purerl.loop.task import Task
+
+    tokenizer = char_tokenizer()
+    model, params = tiny_lm(tiny_llama_config(vocab_size=len(tokenizer)), seed=0)
+    engine = TorchEngine(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+                         decode=lambda ids: tokenizer.decode(ids))
+    engine.sync(params, version=0)
+    prompt = tokenizer.encode("1+1=")
+    whole = engine.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0.0, n=1), RngState(0))
+    text = tokenizer.decode(whole.sequences.responses()[0][whole.sequences.response_mask[0]].tolist())
+    stop = text[len(text) // 2]  # a character the greedy answer writes, then more after it
+    head = text[:text.index(stop) + 1]
+    task = Task([prompt], [PromptRecord(({"role": "user", "content": "1+1="},), "2")],
+                lambda response, truth: float(response == head), tokenizer.decode)
+    assert evaluate(engine, task, version=0, max_new_tokens=12, reward_timeout=10.0)["val/accuracy"] == 0.0
+    assert evaluate(engine, task, version=0, max_new_tokens=12, reward_timeout=10.0,
+                    stop=(stop,))["val/accuracy"] == 1.0

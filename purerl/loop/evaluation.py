@@ -19,8 +19,9 @@ __all__ = ["evaluate"]
 
 def evaluate(engine: RolloutEngine, task: Task, *, version: int, max_new_tokens: int, reward_timeout: float,
              batch_timeout: float | None = None, score: Callable[..., Scores] = score_responses,
-             batch_prompts: int = 32, sample_chars: int | None = None) -> dict[str, Any]:
-    """Greedy answers with weights ``version``; ``val/<name>`` for each of ``task.eval_fns``: the
+             batch_prompts: int = 32, sample_chars: int | None = None, stop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Greedy answers with weights ``version`` (ended by EOS, ``max_new_tokens`` or, as in training, the
+    ``stop`` strings); ``val/<name>`` for each of ``task.eval_fns``: the
     fraction scored ≥ 1 (of a multi-turn task: the last turn of each episode that ended with an
     answer; an episode cut short by its limits counts as wrong; ``val/episode/*``: the episode
     metrics). Answers are scored like training's (``score``, under ``reward_timeout``):
@@ -30,7 +31,7 @@ def evaluate(engine: RolloutEngine, task: Task, *, version: int, max_new_tokens:
     (:mod:`purerl.loop.samples`; ``correct``: scored ≥ 1 by the first of ``eval_fns``, so the rows'
     mean is ``val/<that name>``). ``val/nonfinite_logprobs`` counts the answers' tokens whose
     log-prob under these weights is not finite (broken weights: the run stops on any)."""
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, n=1)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, n=1, stop=tuple(stop))
     texts, played, lengths, finishes, nonfinite = [], [], [], [], 0
     for start in range(0, len(task.records), batch_prompts):
         if task.episodes is not None:
