@@ -130,6 +130,45 @@ def test_a_base_models_tokenizer_refuses_chat_prompts_naming_the_setting_and_ren
     assert tokenizer.decode(ids, skip_special_tokens=True).endswith("user: 2+2?\nassistant:")
 
 
+def test_few_shot_examples_are_the_first_worked_answers_shown_before_every_prompt_and_not_trained_on():
+    from purerl.assembly.data import few_shot_examples
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = None
+    train = math_problems(5, seed=0)
+    bare = PromptRecord(({"role": "user", "content": "1+1?"},), "2")  # no worked answer: not an example
+    shots, kept = few_shot_examples([bare, *train], 2)
+    assert kept == [bare, *train[2:]]
+    assert shots == (*train[0].messages, {"role": "assistant", "content": train[0].extra["answer"]},
+                     *train[1].messages, {"role": "assistant", "content": train[1].extra["answer"]})
+    system = {"role": "system", "content": "Be brief."}
+    asked = PromptRecord((system, {"role": "user", "content": "2+2?"}), "4")
+    (ids,) = encode_prompts([asked], tokenizer, max_prompt_tokens=10_000, prompt_format="plain", before=shots).ids
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert text.startswith("system: Be brief.\nuser: " + train[0].messages[0]["content"])  # after the system prompt
+    assert text.endswith(f"assistant: {train[1].extra['answer']}\nuser: 2+2?\nassistant:")
+    assert few_shot_examples(train, 0) == ((), train)
+    with pytest.raises(DataError, match=r"data.few_shot 3: only 2 training rows have a worked answer"):
+        few_shot_examples([bare, *train[:2]], 3)
+
+
+def test_the_jobs_tasks_show_the_examples_before_every_prompt_and_train_on_the_other_rows():
+    from purerl.assembly.data import load_tasks
+    from purerl.config.job import JobConfig
+    from purerl.config.loading import build
+
+    tokenizer = char_tokenizer()
+    train, held_out = train_eval_split(6, 2, seed=0)
+    config = build(JobConfig, {"data": {"few_shot": 2, "max_prompt_tokens": 2000}})
+    train_task, eval_task, counts = load_tasks(config, train, held_out, tokenizer, lambda *a: 0.0)
+    assert train_task.records == train[2:] and counts["train_prompts"] == 4
+    for task in (train_task, eval_task):
+        for ids, record in zip(task.prompt_ids, task.records):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            assert text.count(train[0].extra["answer"]) == 1 and text.count(train[1].extra["answer"]) == 1
+            assert text.rstrip().endswith(record.messages[-1]["content"] + "\nassistant:")
+
+
 def test_cursor_walks_epochs_and_is_deterministic():
     cursor = DataCursor(seed=4)
     seen = []

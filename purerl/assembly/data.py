@@ -80,17 +80,35 @@ def load_tasks(config: JobConfig, train_records: list[PromptRecord], eval_record
     function, ``strict_accuracy`` by the strict math reward."""
     counts, tasks = {}, []
     decode = decoder_of(tokenizer)
+    shots, train_records = few_shot_examples(train_records, config.data.few_shot)
     for name, records in (("train", train_records), ("eval", eval_records)):
         encoded = encode_prompts(records, tokenizer, max_prompt_tokens=config.data.max_prompt_tokens,
-                                 prompt_format=config.data.prompt_format)
+                                 prompt_format=config.data.prompt_format, before=shots)
         if not encoded.ids:
-            raise DataError(f"every {name} prompt is longer than data.max_prompt_tokens "
+            shown = f" with data.few_shot's {config.data.few_shot} worked example(s) before it" if shots else ""
+            raise DataError(f"every {name} prompt{shown} is longer than data.max_prompt_tokens "
                             f"{config.data.max_prompt_tokens}")
         counts[f"{name}_prompts"] = len(encoded.ids)
         counts[f"{name}_skipped_overlong"] = encoded.skipped
         tasks.append(Task(encoded.ids, [records[i] for i in encoded.record_index], reward_fn, decode,
                           {"accuracy": reward_fn, "strict_accuracy": math_reward}, episodes))
     return tasks[0], tasks[1], counts
+
+
+def few_shot_examples(records: list[PromptRecord], count: int) -> tuple[tuple[dict[str, str], ...],
+                                                                          list[PromptRecord]]:
+    """``data.few_shot``: the turns shown before every prompt (each of the first ``count`` records with a worked
+    answer, as its messages then the answer) and the records left to train on. ``DataError`` where fewer than
+    ``count`` records have a worked answer."""
+    if not count:
+        return (), records
+    chosen = [i for i, r in enumerate(records) if isinstance(r.extra.get("answer"), str)][:count]
+    if len(chosen) < count:
+        raise DataError(f"data.few_shot {count}: only {len(chosen)} training rows have a worked answer "
+                        "(extra_info.answer) to show")
+    turns = tuple(turn for i in chosen for turn in (*records[i].messages,
+                                                     {"role": "assistant", "content": records[i].extra["answer"]}))
+    return turns, [r for i, r in enumerate(records) if i not in set(chosen)]
 
 
 def decoder_of(tokenizer: Any) -> Callable[[list[int]], str]:

@@ -73,6 +73,11 @@ class DataConfig:
     generation prompt; ``plain``, for a base model without one, a ``role: content`` line per message
     then ``assistant:``, tokenised with the tokenizer's own special tokens (Gemma's BOS)
     (:func:`~purerl.data.records.plain_text`)."""
+    few_shot: int = attrs.field(default=0, validator=at_least(0))
+    """Worked examples shown before every prompt, training and held-out, as earlier turns in ``prompt_format``:
+    the first ``few_shot`` training rows with a worked answer (``extra_info.answer``), no longer trained on. For a
+    base model that does not yet answer in the asked format; with ``plain``, ``rollout.stop=["\\nuser:"]`` ends a
+    response where the model would begin the next example."""
     prompts_per_step: int = attrs.field(default=8, validator=at_least(1))
     """Prompts a step samples, each ``rollout.n`` times (one group per prompt)."""
     seed: int = 0

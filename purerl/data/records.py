@@ -192,9 +192,11 @@ def check_prompt_format(prompt_format: str, tokenizer: Any) -> None:
 
 
 def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, *, max_prompt_tokens: int,
-                   prompt_format: str, overlong: str = "skip") -> EncodedPrompts:
+                   prompt_format: str, overlong: str = "skip",
+                   before: Sequence[dict[str, str]] = ()) -> EncodedPrompts:
     """Tokenise the prompts rendered as ``prompt_format`` says (:data:`PROMPT_FORMATS`): the tokenizer's chat
     template (with the generation prompt), or :func:`plain_text` tokenised with the tokenizer's special tokens.
+    ``before``: turns shown before each record's messages (few-shot examples; after its system message, if any).
     A tokenizer without a chat template refuses ``chat`` (``DataError`` naming the setting).
 
     Prompts longer than ``max_prompt_tokens`` are skipped (``overlong="skip"``) or keep their
@@ -206,7 +208,8 @@ def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, *, max_promp
     check_prompt_format(prompt_format, tokenizer)
     ids, index, truncated, skipped = [], [], 0, 0
     for i, record in enumerate(records):
-        tokens = prompt_ids(record.messages, tokenizer, prompt_format)
+        system = 1 if before and record.messages[0]["role"] == "system" else 0  # the examples after a system prompt
+        tokens = prompt_ids([*record.messages[:system], *before, *record.messages[system:]], tokenizer, prompt_format)
         if len(tokens) > max_prompt_tokens:
             if overlong == "skip":
                 skipped += 1
