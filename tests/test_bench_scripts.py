@@ -64,12 +64,15 @@ SMOKE: dict[str, list[tuple[str, str]]] = {
                                               r"\(TRL / purerl \d+\.\d\dx\)")],
     "twin_summary": [("{out}/twin --json {out}/twin.json --plot {out}/twin.png",
                       r"purerl − TRL, means: [+-]\d+\.\d \(SE \d+\.\d\)")],
+    "warmup_table": [("tiny:rl:0={out}/seeds/seed_0 tiny:rl:1={out}/seeds/seed_1 --json {out}/warmup.json",
+                      r"\| tiny \| rl \| 1 \| \d+\.\d% → \d+\.\d% \| [+-]\d+\.\d \|.*"
+                      r"tiny rl: 2 seed\(s\), gain [+-]\d")],
 }
 """Each script's runs here: its arguments (``{out}``: this module's folder) and what its output must hold."""
 
-READS = {"distill_vs_grpo": "seeds", "twin_summary": "trl_twin"}
+READS = {"distill_vs_grpo": "seeds", "twin_summary": "trl_twin", "warmup_table": "seeds"}
 """The readers, and the script whose output each reads (two tiny GRPO runs stand in for ``distill_vs_grpo``'s
-pair: it reads held-out accuracies and step times, whatever trained them)."""
+pair: it reads held-out accuracies and step times, whatever trained them; for ``warmup_table``, its ``rl`` arm)."""
 
 COVERED = {"cookbook_curve": ("tests/test_cookbook_curve.py", "test_the_curve_is_drawn_and_its_ends_compared"),
            "panel": ("tests/test_panel.py", "test_the_panel_command_runs_a_task_and_writes_its_row_table_and_plot")}
