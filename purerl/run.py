@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 
-from purerl.assembly.data import check_context, episodes_of, load_records_of, load_tasks, reward_of
+from purerl.assembly.data import check_context, episodes_of, load_records_of, load_sft_data, load_tasks, reward_of
 from purerl.assembly.executor import make_executor, step_of
 from purerl.assembly.models import (
     driver_device,
@@ -37,7 +37,7 @@ from purerl.assembly.stages import actor_batching_of, actor_optimizer, batch_pla
 from purerl.config.job import JobConfig
 from purerl.config.loading import to_dict
 from purerl.config.rules import cold_start, cold_start_skipped, may_start_cold
-from purerl.data.demonstrations import load_demonstrations
+from purerl.data.demonstrations import Demonstration
 from purerl.data.records import DataError, prompt_ids
 from purerl.environments import demonstrating_kinds
 from purerl.executors.base import Executor, ExecutorError
@@ -109,17 +109,18 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     wall_start = time.time()
     phases: dict[str, float] = {}
     train_records, eval_records, data_counts = load_records_of(config)
+    warms_up = bool(config.env.sft_steps) and not (resume and latest_checkpoint(layout.checkpoints) is not None)
+    sft_rows = load_sft_data(config) if warms_up else None  # data errors first, before any model loads
     reward_fn = reward_of(config)
     model, params, tokenizer = load_policy(config)
     check_context(config, model)
     options = engine_options(config, model, tokenizer)
     episodes = episodes_of(config, tokenizer, reward_fn, options)
     train_task, eval_task, counts = load_tasks(config, train_records, eval_records, tokenizer, reward_fn, episodes)
-    if config.env.sft_steps and episodes is not None and episodes.demonstration is None:  # before any work
+    if warms_up and not sft_rows and episodes is not None and episodes.demonstration is None:  # before any work
         raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (kinds "
-                        f"that do: {', '.join(demonstrating_kinds())}): set env.sft_steps=0")
-    warms_up = bool(config.env.sft_steps) and not (resume and latest_checkpoint(layout.checkpoints) is not None)
-    warm_up_data = _demonstrations(config, tokenizer, options, train_task) if warms_up else None  # before any work
+                        f"that do: {', '.join(demonstrating_kinds())}): set env.sft_steps=0, or give env.sft_data")
+    warm_up_data = _demonstrations(config, tokenizer, options, train_task, sft_rows) if warms_up else None
     critic, critic_params = load_critic(config, model, params)
     print(forwards_line(config, model, critic), flush=True)
     teacher = load_teacher(config, model, tokenizer)
@@ -182,17 +183,14 @@ def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
         phases[name] = phases.get(name, 0.0) + time.time() - start
 
 
-def _demonstrations(config: JobConfig, tokenizer: Any, options: dict[str, Any],
-                    train_task: Task) -> tuple[int, Callable[[int], Any]]:
-    """The warm-up's demonstrations, read before any work: how many, and the ``i``-th one's episode. From
-    ``env.sft_data`` when given (each prompt rendered by ``data.prompt_format``, as the RL prompts are), else
-    the training task's own (its environment's, or its rows' worked answers)."""
+def _demonstrations(config: JobConfig, tokenizer: Any, options: dict[str, Any], train_task: Task,
+                    rows: list[Demonstration] | None) -> tuple[int, Callable[[int], Any]]:
+    """The warm-up's demonstrations, before any work: how many, and the ``i``-th one's episode. The rows of
+    ``env.sft_data`` when given (each prompt rendered by ``data.prompt_format``, as the RL prompts are), else the
+    training task's own (its environment's, or its rows' worked answers; a row without one is named here)."""
     encode, end_id = (lambda text: tokenizer.encode(text, add_special_tokens=False)), options["eos_token_ids"][0]
-    env = config.env
-    if not env.sft_data:
+    if not rows:
         return len(train_task.records), demonstrations(train_task, encode, end_id)
-    rows = load_demonstrations(list(env.sft_data), prompt_key=env.sft_prompt_key, response_key=env.sft_response_key)
-    print(f"SFT warm-up data: {len(rows)} demonstrations from {', '.join(env.sft_data)}", flush=True)
     render = functools.partial(prompt_ids, tokenizer=tokenizer, prompt_format=config.data.prompt_format)
     return len(rows), file_demonstrations(rows, render, encode, end_id)
 

@@ -107,6 +107,7 @@ def test_the_job_warms_up_on_the_file_then_resumes_without_repeating_it(tmp_path
     summary = run_job([*argv, "--steps", "1"])
     assert summary["sft"]["sft_demonstrations"] == 5 and summary["sft"]["sft_steps"] == 3
     assert summary["sft"]["sft_loss_last"] < summary["sft"]["sft_loss_first"]
+    assert len(summary["sft"]["sft_losses"]) == 3 and summary["sft"]["sft_losses"][-1] == summary["sft"]["sft_loss_last"]
     out = capsys.readouterr().out
     assert f"SFT warm-up data: 5 demonstrations from {data}" in out and "SFT warm-up: 3 steps" in out
     assert run_job([*argv, "--steps", "2", "--resume"])["steps"] == 2
@@ -120,3 +121,14 @@ def test_sft_data_without_warm_up_steps_or_keys_without_data_are_refused_before_
             run_job(["--tiny", "--out-dir", str(tmp_path / "run"), *argv])
         assert said in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_malformed_sft_file_stops_the_job_before_any_model_loads(tmp_path, monkeypatch):
+    import purerl.run
+
+    data = _jsonl(tmp_path / "sft.jsonl", [{"prompt": QUESTION, "completion": ANSWER}, {"text": "hi"}])
+    monkeypatch.setattr(purerl.run, "load_policy", lambda config: pytest.fail("the model loaded before the data"))
+    with pytest.raises(DataError, match=r"sft.jsonl: row 2: no 'messages', nor 'prompt' and 'completion'.*\(this "
+                                        r"row's fields: text\)$"):
+        run_job(["--tiny", "--sft-steps", "1", "--sft-data", str(data), "--out-dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

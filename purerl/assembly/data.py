@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from purerl.config.job import JobConfig
+from purerl.data.demonstrations import Demonstration, load_demonstrations
 from purerl.data.math_problems import train_eval_split
 from purerl.data.records import DataError, PromptRecord, encode_prompts, load_records
 from purerl.environments import environment_of
@@ -38,6 +39,17 @@ def load_records_of(config: JobConfig) -> tuple[list[PromptRecord], list[PromptR
     print(f"evaluating on {data.eval_size} rows held out of the training files (not trained on)", flush=True)
     return ([r for i, r in enumerate(train_records) if i not in held_out],
             [train_records[i] for i in sorted(held_out)], {"eval_rows_held_out_of_data": data.eval_size})
+
+
+def load_sft_data(config: JobConfig) -> list[Demonstration] | None:
+    """The rows of ``env.sft_data`` (:mod:`purerl.data.demonstrations`), or None where the warm-up learns from
+    the task's own demonstrations."""
+    env = config.env
+    if not env.sft_data:
+        return None
+    rows = load_demonstrations(list(env.sft_data), prompt_key=env.sft_prompt_key, response_key=env.sft_response_key)
+    print(f"SFT warm-up data: {len(rows)} demonstrations from {', '.join(env.sft_data)}", flush=True)
+    return rows
 
 
 def reward_of(config: JobConfig) -> RewardFn:

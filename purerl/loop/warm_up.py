@@ -64,8 +64,8 @@ def warm_up(state: TrainState, count: int, env_config: EnvConfig, policy: Causal
     """``env_config.sft_steps`` steps of ``env_config.sft_rows`` demonstrations each (the ``count``
     demonstrations in order, cycling; ``demonstration(i)`` is the ``i``-th one's episode,
     :func:`demonstrations` or :func:`file_demonstrations`), with ``optimizer`` (the actor's) in ``batching``'s
-    micro-batches. Returns the state and a report: the steps, the demonstrations, the first and last loss, the
-    seconds taken."""
+    micro-batches. Returns the state and a report: the steps, the demonstrations, the first and last loss, each
+    step's loss, the seconds taken."""
     start, losses = time.perf_counter(), []
     for step in range(env_config.sft_steps):
         rows = [(step * env_config.sft_rows + i) % count for i in range(env_config.sft_rows)]
@@ -80,4 +80,4 @@ def warm_up(state: TrainState, count: int, env_config: EnvConfig, policy: Causal
             print(f"sft step {step + 1}/{env_config.sft_steps} loss {losses[-1]:.4f}", flush=True)
     return state, {"sft_steps": env_config.sft_steps, "sft_demonstrations": count,
                    "sft_loss_first": losses[0] if losses else None, "sft_loss_last": losses[-1] if losses else None,
-                   "sft_seconds": time.perf_counter() - start}
+                   "sft_losses": losses, "sft_seconds": time.perf_counter() - start}
