@@ -201,3 +201,15 @@ def test_a_yaml_float_written_without_a_dot_is_taken_and_other_strings_are_refus
     yaml.write_text("actor:\n  lr: fast\n")
     with pytest.raises(ConfigError, match=r"actor.lr: expected float, got 'fast' \(str\)"):
         build(JobConfig, load_file(yaml))
+
+
+def test_few_shot_plain_prompts_resolve_a_stop_at_the_next_user_turn_once():
+    from purerl.config.rules import NEXT_PLAIN_TURN, resolve
+    from purerl.data.records import plain_text
+
+    assert plain_text([{"role": "assistant", "content": "#### 4"}, {"role": "user", "content": "and 2+3?"}]) \
+        .startswith("assistant: #### 4" + NEXT_PLAIN_TURN)  # where the next example would begin
+    plain = build(JobConfig, {"data": {"few_shot": 2, "prompt_format": "plain"}, "rollout": {"stop": ["###"]}})
+    assert resolve(plain).rollout.stop == ("###", NEXT_PLAIN_TURN) == resolve(resolve(plain)).rollout.stop
+    for data in ({"few_shot": 2}, {"prompt_format": "plain"}):  # chat examples end at the template's own turn end
+        assert resolve(build(JobConfig, {"data": data})).rollout.stop == ()

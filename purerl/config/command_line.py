@@ -39,8 +39,7 @@ FLAGS: list[tuple[str, str, dict]] = [
     ("--prompt-format", "data.prompt_format", dict(help="chat: the tokenizer's chat "
                                                    "template; plain: role: content lines, for a base model")),
     ("--few-shot", "data.few_shot", dict(type=int, help="worked examples shown before every prompt (for a base "
-                                                        "model; with --prompt-format plain add "
-                                                        "rollout.stop='[\"\\nuser:\"]')")),
+                                                        "model)")),
     ("--prompts-per-step", "data.prompts_per_step", dict(type=int)),
     ("--samples-per-prompt", "rollout.n", dict(type=int)),
     ("--max-new-tokens", "rollout.max_new_tokens", dict(type=int)),

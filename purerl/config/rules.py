@@ -29,6 +29,10 @@ raised to the generators' count). A run records them resolved; its report shows 
 settings it was given."""
 
 
+NEXT_PLAIN_TURN = "\nuser:"
+"""Where a plain prompt's next user turn begins (:func:`purerl.data.records.plain_text`)."""
+
+
 def resolve(config: JobConfig) -> JobConfig:
     """Automatic values made explicit: ``model.device`` (``auto``: the GPU when there is one),
     ``algorithm.rollout_correction`` (None: ``token-tis`` when asynchronous, else ``none``) and
@@ -38,8 +42,9 @@ def resolve(config: JobConfig) -> JobConfig:
     ``executor.rollout_workers`` (asynchronous on Ray: at least one per generator),
     ``reward.overlong_buffer`` (None: a third of ``rollout.max_new_tokens``), ``trainer.threads``
     (0: the count torch uses here, recorded so a replay computes as the run did) and, with a
-    critic, ``critic.max_tokens_per_micro_batch`` (None: the actor's token budget). Resolving a
-    resolved config changes nothing."""
+    critic, ``critic.max_tokens_per_micro_batch`` (None: the actor's token budget); with ``data.few_shot``
+    examples in ``plain`` prompts, ``rollout.stop`` gains :data:`NEXT_PLAIN_TURN` (a base model goes on to write
+    the next example). Resolving a resolved config changes nothing."""
     import torch  # here: reading a config (a --help, the docs, a report) imports no torch
 
     device = config.model.device
@@ -63,12 +68,15 @@ def resolve(config: JobConfig) -> JobConfig:
     reward = config.reward
     if reward.overlong_buffer is None:
         reward = attrs.evolve(reward, overlong_buffer=rollout.max_new_tokens // 3)
+    if config.data.few_shot and config.data.prompt_format == "plain" and NEXT_PLAIN_TURN not in rollout.stop:
+        rollout = attrs.evolve(rollout, stop=(*rollout.stop, NEXT_PLAIN_TURN))
     trainer = config.trainer
     if not trainer.threads:
         trainer = attrs.evolve(trainer, threads=torch.get_num_threads())
     return attrs.evolve(config, model=attrs.evolve(config.model, device=device), reward=reward, trainer=trainer,
                         algorithm=attrs.evolve(algorithm, rollout_correction=correction),
-                        actor=attrs.evolve(actor, recompute_old_logprobs=recompute), executor=executor, critic=critic)
+                        actor=attrs.evolve(actor, recompute_old_logprobs=recompute), executor=executor, critic=critic,
+                        rollout=rollout)
 
 
 def problems(config: JobConfig) -> list[str]:
