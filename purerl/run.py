@@ -10,7 +10,6 @@ scripts of their own::
 """
 
 import contextlib
-import functools
 import json
 import threading
 import time
@@ -21,7 +20,15 @@ from typing import Any
 import attrs
 import torch
 
-from purerl.assembly.data import check_context, episodes_of, load_records_of, load_sft_data, load_tasks, reward_of
+from purerl.assembly.data import (
+    check_context,
+    episodes_of,
+    load_records_of,
+    load_sft_data,
+    load_tasks,
+    reward_of,
+    warm_up_demonstrations,
+)
 from purerl.assembly.executor import make_executor, step_of
 from purerl.assembly.models import (
     driver_device,
@@ -37,8 +44,7 @@ from purerl.assembly.stages import actor_batching_of, actor_optimizer, batch_pla
 from purerl.config.job import JobConfig
 from purerl.config.loading import to_dict
 from purerl.config.rules import cold_start, cold_start_skipped, may_start_cold
-from purerl.data.demonstrations import Demonstration
-from purerl.data.records import DataError, prompt_ids
+from purerl.data.records import DataError
 from purerl.environments import demonstrating_kinds
 from purerl.executors.base import Executor, ExecutorError
 from purerl.health import report as health_report
@@ -52,7 +58,7 @@ from purerl.loop.evaluation import evaluate
 from purerl.loop.recording import record_reward_errors
 from purerl.loop.task import Task
 from purerl.loop.train import train
-from purerl.loop.warm_up import demonstrations, file_demonstrations, warm_up
+from purerl.loop.warm_up import warm_up
 from purerl.machine import machine
 from purerl.models import CausalLM, smollm2_gguf
 from purerl.models.hf import export_hf
@@ -120,7 +126,7 @@ def _run_in(folder: RunFolder, config: JobConfig, resume: bool, overwrite: bool,
     if warms_up and not sft_rows and episodes is not None and episodes.demonstration is None:  # before any work
         raise DataError(f"env.sft_steps: environment {config.env.name} writes no demonstrations (kinds "
                         f"that do: {', '.join(demonstrating_kinds())}): set env.sft_steps=0, or give env.sft_data")
-    warm_up_data = _demonstrations(config, tokenizer, options, train_task, sft_rows) if warms_up else None
+    warm_up_data = warm_up_demonstrations(config, tokenizer, options, train_task, sft_rows) if warms_up else None
     critic, critic_params = load_critic(config, model, params)
     print(forwards_line(config, model, critic), flush=True)
     teacher = load_teacher(config, model, tokenizer)
@@ -181,18 +187,6 @@ def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         phases[name] = phases.get(name, 0.0) + time.time() - start
-
-
-def _demonstrations(config: JobConfig, tokenizer: Any, options: dict[str, Any], train_task: Task,
-                    rows: list[Demonstration] | None) -> tuple[int, Callable[[int], Any]]:
-    """The warm-up's demonstrations, before any work: how many, and the ``i``-th one's episode. The rows of
-    ``env.sft_data`` when given (each prompt rendered by ``data.prompt_format``, as the RL prompts are), else the
-    training task's own (its environment's, or its rows' worked answers; a row without one is named here)."""
-    encode, end_id = (lambda text: tokenizer.encode(text, add_special_tokens=False)), options["eos_token_ids"][0]
-    if not rows:
-        return len(train_task.records), demonstrations(train_task, encode, end_id)
-    render = functools.partial(prompt_ids, tokenizer=tokenizer, prompt_format=config.data.prompt_format)
-    return len(rows), file_demonstrations(rows, render, encode, end_id)
 
 
 def _warm_up(config: JobConfig, state: TrainState, model: CausalLM, options: dict[str, Any], eval_task: Task,

@@ -10,10 +10,12 @@ import torch
 from purerl.config.job import JobConfig
 from purerl.data.demonstrations import Demonstration, load_demonstrations
 from purerl.data.math_problems import train_eval_split
-from purerl.data.records import DataError, PromptRecord, encode_prompts, load_records
+from purerl.data.records import DataError, PromptRecord, encode_prompts, load_records, prompt_ids
 from purerl.environments import environment_of
 from purerl.episodes import ChatCodec, TemplateError
+from purerl.episodes.rollout import Episode
 from purerl.loop.task import Episodes, Task
+from purerl.loop.warm_up import demonstrations, file_demonstrations
 from purerl.models import CausalLM
 from purerl.rewards import RewardFn, math_reward, reward_function
 
@@ -50,6 +52,19 @@ def load_sft_data(config: JobConfig) -> list[Demonstration] | None:
     rows = load_demonstrations(list(env.sft_data), prompt_key=env.sft_prompt_key, response_key=env.sft_response_key)
     print(f"SFT warm-up data: {len(rows)} demonstrations from {', '.join(env.sft_data)}", flush=True)
     return rows
+
+
+def warm_up_demonstrations(config: JobConfig, tokenizer: Any, options: dict[str, Any], train_task: Task,
+                           rows: list[Demonstration] | None) -> tuple[int, Callable[[int], Episode]]:
+    """The warm-up's demonstrations, before any work: how many, and the ``i``-th one's episode. The ``rows`` of
+    ``env.sft_data`` when given (each prompt rendered by ``data.prompt_format``, as the RL prompts are), else the
+    training task's own (its environment's, or its rows' worked answers; a row without one is named here).
+    ``options``: :func:`engine_options` (the end token)."""
+    encode, end_id = (lambda text: tokenizer.encode(text, add_special_tokens=False)), options["eos_token_ids"][0]
+    if not rows:
+        return len(train_task.records), demonstrations(train_task, encode, end_id)
+    render = functools.partial(prompt_ids, tokenizer=tokenizer, prompt_format=config.data.prompt_format)
+    return len(rows), file_demonstrations(rows, render, encode, end_id)
 
 
 def reward_of(config: JobConfig) -> RewardFn:
