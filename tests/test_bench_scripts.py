@@ -65,8 +65,8 @@ SMOKE: dict[str, list[tuple[str, str]]] = {
     "twin_summary": [("{out}/twin --json {out}/twin.json --plot {out}/twin.png",
                       r"purerl − TRL, means: [+-]\d+\.\d \(SE \d+\.\d\)")],
     "warmup_table": [("tiny:rl:0={out}/seeds/seed_0 tiny:rl:1={out}/seeds/seed_1 --json {out}/warmup.json",
-                      r"\| tiny \| rl \| 1 \| \d+\.\d% → \d+\.\d% \| [+-]\d+\.\d \|.*"
-                      r"tiny rl: 2 seed\(s\), gain [+-]\d")],
+                      r"\| tiny \| rl \| 1 \| [\d.e-]+ \| 0 \| \d+\.\d% → \d+\.\d% \| [+-]\d+\.\d \|.*"
+                      r"tiny rl lr [\d.e-]+: 2 seed\(s\), gain [+-]\d")],
 }
 """Each script's runs here: its arguments (``{out}``: this module's folder) and what its output must hold."""
 
