@@ -132,3 +132,11 @@ def test_a_malformed_sft_file_stops_the_job_before_any_model_loads(tmp_path, mon
                                         r"row's fields: text\)$"):
         run_job(["--tiny", "--sft-steps", "1", "--sft-data", str(data), "--out-dir", str(tmp_path / "run")])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_missing_or_empty_sft_file_is_named_in_one_line(tmp_path):
+    with pytest.raises(DataError, match=r"^\S+gone.jsonl: no such SFT data file$"):
+        load_demonstrations(tmp_path / "gone.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=r"^\S+empty.jsonl: no rows$"):
+        load_demonstrations(tmp_path / "empty.jsonl")

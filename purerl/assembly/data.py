@@ -135,7 +135,8 @@ def few_shot_examples(records: list[PromptRecord], count: int) -> tuple[tuple[di
                         "(extra_info.answer) to show")
     turns = tuple(turn for i in chosen for turn in (*records[i].messages,
                                                      {"role": "assistant", "content": records[i].extra["answer"]}))
-    return turns, [r for i, r in enumerate(records) if i not in set(chosen)]
+    shown = set(chosen)
+    return turns, [r for i, r in enumerate(records) if i not in shown]
 
 
 def decoder_of(tokenizer: Any) -> Callable[[list[int]], str]:

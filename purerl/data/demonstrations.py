@@ -1,6 +1,6 @@
 """Demonstrations for the supervised warm-up, from the SFT files users already have (``env.sft_data``).
 
-Three row formats, read by the same file layer as the RL data (:func:`~purerl.data.records.rows_of`:
+Three row formats, read by the same file layer as the RL data (:func:`~purerl.data.records.file_rows`:
 ``.jsonl`` or ``.parquet``):
 
 - TRL's conversational SFT rows: ``messages``, a list of ``{"role", "content"}`` ending with the
@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from purerl.data.records import DataError, chat_messages, check_text, field, rows_of
+from purerl.data.records import DataError, chat_messages, check_text, field, file_rows
 
 __all__ = ["Demonstration", "demonstration_from_row", "load_demonstrations"]
 
@@ -90,15 +90,5 @@ def load_demonstrations(paths: str | Path | Sequence[str | Path], *, prompt_key:
     if (prompt_key is None) != (response_key is None):
         raise DataError("env.sft_prompt_key and env.sft_response_key name verl's SFT columns together: give both "
                         f"(got {'env.sft_prompt_key' if response_key is None else 'env.sft_response_key'} only)")
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    found: list[Demonstration] = []
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise DataError(f"{path}: {'not a file' if path.exists() else 'no such SFT data file'}")
-        rows = rows_of(path)
-        if not rows:
-            raise DataError(f"{path}: no rows")
-        found += [demonstration_from_row(row, f"{path}: row {number}", prompt_key=prompt_key,
-                                         response_key=response_key) for number, row in rows]
-    return found
+    return [demonstration_from_row(row, where, prompt_key=prompt_key, response_key=response_key)
+            for where, row in file_rows(paths, "SFT data")]

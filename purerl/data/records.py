@@ -9,14 +9,14 @@ checks against, and the data source name. Files in verl's format (parquet or jso
 """
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 __all__ = ["PromptRecord", "DataError", "load_records", "encode_prompts", "EncodedPrompts", "plain_text", "prompt_ids",
-           "check_prompt_format", "chat_messages", "field", "check_text", "rows_of"]
+           "check_prompt_format", "chat_messages", "field", "check_text", "file_rows", "rows_of"]
 
 
 class DataError(ValueError):
@@ -129,26 +129,29 @@ def rows_of(path: Path) -> list[tuple[int, Any]]:
     raise DataError(f"{path}: unsupported file type {path.suffix!r} (use .parquet or .jsonl)")
 
 
+def file_rows(paths: str | Path | Sequence[str | Path], kind: str = "data") -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` for every row of one or more files, in file order: ``where`` names the file and the row
+    (``train.jsonl: row 3``) for the errors of whoever reads it. Raises :class:`DataError` for a missing file
+    (``no such {kind} file``), a folder, an unreadable one (:func:`rows_of`) or one without rows."""
+    for path in map(Path, [paths] if isinstance(paths, (str, Path)) else paths):
+        if not path.exists():
+            raise DataError(f"{path}: no such {kind} file")
+        if not path.is_file():
+            raise DataError(f"{path}: not a file")
+        rows = rows_of(path)
+        if not rows:
+            raise DataError(f"{path}: no rows")
+        for number, row in rows:
+            yield f"{path}: row {number}", row
+
+
 def load_records(paths: str | Path | Sequence[str | Path]) -> list[PromptRecord]:
     """All records of one or more verl-format files, in file order.
 
     Raises :class:`DataError` for a missing file, an unsupported suffix, invalid JSON, or a row
     without a usable ``prompt`` / ``reward_model.ground_truth`` (naming file, row and field).
     """
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    records: list[PromptRecord] = []
-    for p in map(Path, paths):
-        if not p.exists():
-            raise DataError(f"{p}: no such data file")
-        if not p.is_file():
-            raise DataError(f"{p}: not a file")
-        rows = rows_of(p)
-        if not rows:
-            raise DataError(f"{p}: no rows")
-        for number, row in rows:
-            records.append(record_from_row(row, f"{p}: row {number}"))
-    return records
+    return [record_from_row(row, where) for where, row in file_rows(paths)]
 
 
 @attrs.frozen
